@@ -1,0 +1,100 @@
+"""What every backend implements: one forward over a packed batch on a paged KV cache,
+and one batched sampling pass over the logits it produced.
+
+The executor builds these arrays with numpy; a backend copies them to its device.
+A TensorRT engine runner would be a third implementation of `Backend`: it would
+bind these arrays to the engine's packed-input / paged-KV tensors and run it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from worker.models.config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    """One iteration's tokens, packed with no padding: B sequences, T tokens.
+
+    Context chunks and generation tokens mix freely; sequence i owns
+    token_ids[query_start[i]:query_start[i + 1]].
+    """
+
+    token_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T] position of each token in its sequence
+    query_start: np.ndarray  # int64 [B + 1] cumulative token offsets
+    context_lens: np.ndarray  # int64 [B] KV length of each sequence after this step
+    block_tables: np.ndarray  # int64 [B, max_blocks] physical block ids, padded with 0
+    slot_mapping: np.ndarray  # int64 [T] flat KV slot (block * block_size + offset) per token
+    logits_indices: np.ndarray  # int64 [S] rows of T whose logits are wanted
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingBatch:
+    """Per-row sampling parameters for the S rows of logits, as arrays."""
+
+    temperature: np.ndarray  # float32 [S]; 0 means greedy
+    top_k: np.ndarray  # int64 [S]; 0 means off
+    top_p: np.ndarray  # float32 [S]; 1 means off
+    min_p: np.ndarray  # float32 [S]; 0 means off
+    # One uniform draw in [0, 1) per row, derived from (request seed, step) on the
+    # host, so a request's draw never depends on what it is batched with.
+    uniform: np.ndarray  # float64 [S]
+    # (row, token) pairs whose logits are forced to -inf (min_tokens, bad words).
+    ban_rows: np.ndarray  # int64 [N]
+    ban_tokens: np.ndarray  # int64 [N]
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+
+@dataclass(frozen=True, slots=True)
+class SampleOutput:
+    token_ids: np.ndarray  # int64 [S]
+    log_probs: np.ndarray  # float32 [S]: log-softmax of the logits at the chosen token
+
+
+class Backend(Protocol):
+    name: str  # e.g. "numpy", "torch-cuda", "torch-cpu"
+    config: ModelConfig
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V, all layers, for one token."""
+        ...
+
+    def free_memory_bytes(self) -> int:
+        """Memory left for the KV cache after weights and activations."""
+        ...
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """K and V per layer, laid out [num_blocks, block_size, num_kv_heads, head_dim]."""
+        ...
+
+    def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy whole KV blocks (copy-on-write for beams and forked sequences)."""
+        ...
+
+    def forward(self, batch: ForwardBatch) -> Any:
+        """Run the model; return logits [S, vocab] for batch.logits_indices, on the device."""
+        ...
+
+    def sample(self, logits: Any, sampling: SamplingBatch) -> SampleOutput:
+        """Sample one token per row; only ids and log probs come back to the host."""
+        ...
+
+    def logits_to_host(self, logits: Any) -> np.ndarray:
+        """float32 copy of logits, for post-processors and requested logits outputs."""
+        ...

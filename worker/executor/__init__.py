@@ -1,0 +1,37 @@
+"""The continuous-batching executor (TensorRT-LLM Executor API, in process)."""
+
+from worker.executor.executor import Executor
+from worker.executor.types import (
+    CapacitySchedulerPolicy,
+    ExecutorConfig,
+    FinishReason,
+    GuidedDecodingParams,
+    IterationStats,
+    KvCacheConfig,
+    OutputConfig,
+    Request,
+    RequestState,
+    RequestStats,
+    Response,
+    Result,
+    SamplingConfig,
+    SchedulerConfig,
+)
+
+__all__ = [
+    "CapacitySchedulerPolicy",
+    "Executor",
+    "ExecutorConfig",
+    "FinishReason",
+    "GuidedDecodingParams",
+    "IterationStats",
+    "KvCacheConfig",
+    "OutputConfig",
+    "Request",
+    "RequestState",
+    "RequestStats",
+    "Response",
+    "Result",
+    "SamplingConfig",
+    "SchedulerConfig",
+]

@@ -1,0 +1,177 @@
+"""Paged KV cache bookkeeping: fixed-size blocks, reference counts, prefix reuse.
+
+A block that fills up gets a hash chained over every token before it, so two
+sequences with the same prefix map it to the same physical block. Freed blocks
+keep their hash and contents until the allocator needs them: those are the
+"cached" blocks, reused on a hash hit and evicted least-recently-freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+NO_HASH = -1
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int = NO_HASH
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class BlockTable:
+    """The physical blocks of one sequence, in order, and how many are hashed."""
+
+    block_ids: list[int] = field(default_factory=list)
+    num_hashed: int = 0
+
+
+def chain_hash(prev_hash: int, token_ids: Seq[int]) -> int:
+    return hash((prev_hash, tuple(token_ids)))
+
+
+class OutOfBlocksError(RuntimeError):
+    pass
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_reuse: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_reuse = enable_reuse
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Unreferenced blocks; allocation takes from the front. Blocks without a
+        # hash go to the front (nothing to lose), cached ones to the back (LRU).
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._by_hash: dict[int, int] = {}
+        self.reused_blocks = 0  # cumulative prefix-cache hits
+
+    # -- queries ---------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def cached_prefix(self, token_ids: Seq[int]) -> list[int]:
+        """Block ids that hold a prefix of token_ids, never the whole sequence:
+        the last token is always recomputed, since its logits are needed."""
+        if not self.enable_reuse:
+            return []
+        hits: list[int] = []
+        prev = NO_HASH
+        bs = self.block_size
+        for start in range(0, len(token_ids) - 1 - bs + 1, bs):
+            chunk = token_ids[start : start + bs]
+            h = chain_hash(prev, chunk)
+            block_id = self._by_hash.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(chunk):
+                break
+            hits.append(block_id)
+            prev = h
+        return hits
+
+    # -- allocation ------------------------------------------------------------
+
+    def allocate_prompt(self, table: BlockTable, token_ids: Seq[int], num_tokens: int) -> int:
+        """Give an empty table blocks for num_tokens tokens, reusing cached prefix
+        blocks. Returns how many leading tokens are already in the cache."""
+        assert not table.block_ids, "allocate_prompt needs an empty block table"
+        hits = self.cached_prefix(token_ids)
+        need_new = self.blocks_for(num_tokens) - len(hits)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        if need_new > self.num_free - revived:
+            raise OutOfBlocksError(f"need {need_new} blocks, {self.num_free - revived} free")
+        for b in hits:
+            self._ref(b)
+        self.reused_blocks += len(hits)
+        table.block_ids.extend(hits)
+        table.num_hashed = len(hits)
+        for _ in range(need_new):
+            table.block_ids.append(self._take_free())
+        return len(hits) * self.block_size
+
+    def ensure_capacity(self, table: BlockTable, num_tokens: int) -> None:
+        """Grow the table to hold num_tokens tokens."""
+        need = self.blocks_for(num_tokens) - len(table.block_ids)
+        if need > self.num_free:
+            raise OutOfBlocksError(f"need {need} blocks, {self.num_free} free")
+        for _ in range(need):
+            table.block_ids.append(self._take_free())
+
+    def fork(self, table: BlockTable) -> BlockTable:
+        """A new table sharing every block (copy-on-write is the caller's job)."""
+        for b in table.block_ids:
+            self._ref(b)
+        return BlockTable(list(table.block_ids), table.num_hashed)
+
+    def free(self, table: BlockTable) -> None:
+        # Release the tail first so the front of a sequence, the part most
+        # likely shared with others, stays cached longest.
+        for b in reversed(table.block_ids):
+            block = self.blocks[b]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {b} freed twice"
+            if block.ref_count == 0:
+                self._free[b] = None
+                if block.hash == NO_HASH:
+                    self._free.move_to_end(b, last=False)
+        table.block_ids.clear()
+        table.num_hashed = 0
+
+    def register_full_blocks(self, table: BlockTable, token_ids: Seq[int], num_computed: int) -> None:
+        """Hash the blocks that are now completely computed, for reuse by others."""
+        if not self.enable_reuse:
+            return
+        bs = self.block_size
+        full = min(num_computed // bs, len(table.block_ids))
+        prev = self.blocks[table.block_ids[table.num_hashed - 1]].hash if table.num_hashed else NO_HASH
+        for i in range(table.num_hashed, full):
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(prev, chunk)
+            block = self.blocks[table.block_ids[i]]
+            if block.hash == NO_HASH and h not in self._by_hash:
+                block.hash, block.token_ids = h, chunk
+                self._by_hash[h] = block.block_id
+            prev = h
+        table.num_hashed = max(table.num_hashed, full)
+
+    # -- internals -------------------------------------------------------------
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _take_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash != NO_HASH:
+            del self._by_hash[block.hash]
+            block.hash, block.token_ids = NO_HASH, ()
+        block.ref_count = 1
+        return block_id
+
+    def check_invariants(self, tables: Seq[BlockTable]) -> None:
+        """Reference counts equal the tables' references; every other block is free."""
+        counts = [0] * self.num_blocks
+        for t in tables:
+            for b in t.block_ids:
+                counts[b] += 1
+        for block in self.blocks:
+            assert block.ref_count == counts[block.block_id], (
+                f"block {block.block_id}: ref_count {block.ref_count}, referenced {counts[block.block_id]} times"
+            )
+            assert (block.ref_count == 0) == (block.block_id in self._free), f"block {block.block_id} free-list mismatch"
+        for h, b in self._by_hash.items():
+            assert self.blocks[b].hash == h, f"hash index points at block {b} with another hash"

@@ -1,0 +1,158 @@
+"""Which sequences run in the next iteration, and with how many tokens each.
+
+Generation steps go first (one token each), then unfinished context chunks,
+then new requests by priority, all under a per-iteration token budget. The
+capacity policy decides what happens when KV blocks are short.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from worker.executor.block_manager import BlockManager, OutOfBlocksError
+from worker.executor.sequence import Sequence
+from worker.executor.types import CapacitySchedulerPolicy, ExecutorConfig, RequestState
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(n)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+def _order(seq: Sequence) -> tuple[float, float]:
+    # Higher priority first, then first come first served.
+    return (-seq.request.priority, seq.arrival_time)
+
+
+class Scheduler:
+    def __init__(self, config: ExecutorConfig, blocks: BlockManager) -> None:
+        self.max_batch_size = config.max_batch_size
+        self.max_num_tokens = config.max_num_tokens
+        self.chunked = config.enable_chunked_context
+        self.policy = config.scheduler_config.capacity_scheduler_policy
+        self.blocks = blocks
+        self.waiting: list[Sequence] = []  # kept sorted by _order
+        self.running: list[Sequence] = []  # in admission order
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=_order)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or cancelled) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.blocks)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_tokens
+
+        # 1. Generation steps. A sequence may be preempted by one scheduled later
+        # in this loop only under MAX_UTILIZATION, so iterate over a snapshot.
+        for seq in list(self.running):
+            if seq.in_prefill or seq not in self.running or budget == 0:
+                continue
+            if not self._grow(seq, seq.num_computed + 1, batch):
+                continue
+            batch.add(seq, 1)
+            budget -= 1
+
+        # 2. Context chunks of admitted sequences.
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.in_prefill:
+                n = self._chunk(seq, budget)
+                if n:
+                    batch.add(seq, n)
+                    budget -= n
+
+        # 3. New (or preempted) sequences, by priority.
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break
+            n = self._chunk(seq, budget)
+            if n == 0:
+                self.blocks.free(seq.blocks)
+                seq.num_computed = 0
+                break
+            self.waiting.pop(0)
+            self.running.append(seq)
+            seq.state = RequestState.CONTEXT
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            batch.add(seq, n)
+            budget -= n
+        return batch
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_uncomputed, budget)
+        if n < seq.num_uncomputed and not self.chunked:
+            return 0
+        return n
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Reserve KV blocks for a waiting sequence, if the policy allows."""
+        hits = self.blocks.cached_prefix(seq.token_ids)
+        revived = sum(1 for b in hits if self.blocks.blocks[b].ref_count == 0)
+        need_now = self.blocks.blocks_for(seq.num_tokens) - len(hits) + revived
+        if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
+            future = self.blocks.blocks_for(seq.max_total_tokens) - self.blocks.blocks_for(seq.num_tokens)
+            reserved = sum(
+                self.blocks.blocks_for(s.max_total_tokens) - len(s.blocks.block_ids) for s in self.running
+            )
+            if need_now + future + reserved > self.blocks.num_free:
+                return False
+        elif need_now > self.blocks.num_free:
+            return False
+        cached = self.blocks.allocate_prompt(seq.blocks, seq.token_ids, seq.num_tokens)
+        seq.num_computed = cached
+        if seq.state is RequestState.QUEUED:
+            seq.num_cached_prompt = cached
+        return True
+
+    def _grow(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
+        """Make room for num_tokens in seq's table, preempting under MAX_UTILIZATION."""
+        while True:
+            try:
+                self.blocks.ensure_capacity(seq.blocks, num_tokens)
+                return True
+            except OutOfBlocksError:
+                if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
+                    raise  # admission reserved these blocks: running out is a bug
+                victim = max(self.running, key=_order)  # lowest priority, newest
+                self._preempt(victim, batch)
+                if victim is seq:
+                    return False
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """Drop seq's KV and requeue it; it resumes by recomputing its tokens."""
+        self.running.remove(seq)
+        if seq in batch.seqs:
+            i = batch.seqs.index(seq)
+            del batch.seqs[i], batch.num_new_tokens[i]
+        self.blocks.free(seq.blocks)
+        seq.num_computed = 0
+        seq.state = RequestState.PREEMPTED
+        batch.preempted.append(seq)
+        self.add(seq)

@@ -1,0 +1,64 @@
+"""One sequence being generated: its tokens, its KV blocks and its progress."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from worker.executor.block_manager import BlockTable
+from worker.executor.types import FinishReason, Request, RequestState
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    request_id: int
+    request: Request
+    token_ids: list[int]  # prompt + generated
+    num_prompt_tokens: int
+    end_id: int
+    stop_words: list[list[int]]
+    bad_words: list[list[int]]
+    seed: int
+    # (temperature, top_k, top_p, min_p) with defaults resolved; temperature 0 is greedy
+    sampling_params: tuple[float, float, float, float]
+    sequence_index: int = 0
+    state: RequestState = RequestState.QUEUED
+    blocks: BlockTable = field(default_factory=BlockTable)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached_prompt: int = 0  # prompt tokens found in the prefix cache
+    num_emitted: int = 0  # generated tokens already sent in a streaming response
+    log_probs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason = FinishReason.NOT_FINISHED
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def generated(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than the last token still needs computing: the
+        prompt, or the prompt plus generated tokens after a preemption."""
+        return self.num_uncomputed > 1 or self.num_computed == 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason != FinishReason.NOT_FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.request.max_tokens

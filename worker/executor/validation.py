@@ -1,0 +1,90 @@
+"""Checks a request against the model and the executor's limits.
+
+The wire models validate types and ranges for untrusted input; these checks
+need the model (vocabulary, context) and also guard in-process callers.
+"""
+
+from __future__ import annotations
+
+from worker.executor.types import ExecutorConfig, Request
+from worker.models.config import ModelConfig
+
+
+class RequestError(ValueError):
+    """A request that cannot be served; the message says which field and why."""
+
+
+def normalize_word_list(words: list[list[int]] | None, name: str) -> list[list[int]]:
+    """Token-sequence lists, also accepted in TensorRT-LLM's [2, len] form:
+    row 0 the concatenated tokens, row 1 the end offset of each word, -1 padded."""
+    if not words:
+        return []
+    if len(words) == 2 and words[1] and words[1][-1] in (-1, len(words[0])) and _is_offsets(words):
+        tokens, offsets = words
+        ends = [o for o in offsets if o >= 0]
+        starts = [0, *ends[:-1]]
+        return [list(tokens[a:b]) for a, b in zip(starts, ends, strict=True) if b > a]
+    for i, word in enumerate(words):
+        if not word:
+            raise RequestError(f"{name}[{i}] is empty")
+    return [list(w) for w in words]
+
+
+def _is_offsets(words: list[list[int]]) -> bool:
+    tokens, offsets = words
+    if len(offsets) != len(tokens):
+        return False
+    ends = [o for o in offsets if o >= 0]
+    return bool(ends) and ends == sorted(ends) and ends[-1] <= len(tokens) and ends[0] > 0 and all(
+        o == -1 for o in offsets[len(ends) :]
+    )
+
+
+def validate_request(request: Request, model: ModelConfig, config: ExecutorConfig, max_seq_len: int) -> None:
+    prompt = request.input_token_ids
+    if not prompt:
+        raise RequestError("input_token_ids is empty: a prompt needs at least one token")
+    bad = [t for t in prompt if not 0 <= t < model.vocab_size]
+    if bad:
+        raise RequestError(f"input_token_ids: token id {bad[0]} is outside the vocabulary [0, {model.vocab_size})")
+    if request.max_tokens < 1:
+        raise RequestError(f"max_tokens must be >= 1, got {request.max_tokens}")
+    if len(prompt) + request.max_tokens > max_seq_len:
+        raise RequestError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({request.max_tokens}) exceeds the model's context "
+            f"of {max_seq_len} tokens"
+        )
+    if not config.enable_chunked_context and len(prompt) > config.max_num_tokens:
+        raise RequestError(
+            f"prompt ({len(prompt)} tokens) exceeds max_num_tokens ({config.max_num_tokens}) "
+            "and chunked context is off"
+        )
+    cfg = request.sampling_config
+    if cfg.beam_width < 1 or cfg.beam_width > config.max_beam_width:
+        raise RequestError(
+            f"sampling_config.beam_width {cfg.beam_width} is outside [1, max_beam_width={config.max_beam_width}]"
+        )
+    if cfg.top_p is not None and not 0.0 < cfg.top_p <= 1.0:
+        raise RequestError(f"sampling_config.top_p must be in (0, 1], got {cfg.top_p}")
+    if cfg.top_k is not None and cfg.top_k < 0:
+        raise RequestError(f"sampling_config.top_k must be >= 0, got {cfg.top_k}")
+    if cfg.temperature is not None and cfg.temperature < 0:
+        raise RequestError(f"sampling_config.temperature must be >= 0, got {cfg.temperature}")
+    if cfg.min_p is not None and not 0.0 <= cfg.min_p <= 1.0:
+        raise RequestError(f"sampling_config.min_p must be in [0, 1], got {cfg.min_p}")
+    if cfg.min_tokens is not None and cfg.min_tokens < 0:
+        raise RequestError(f"sampling_config.min_tokens must be >= 0, got {cfg.min_tokens}")
+    if request.num_return_sequences < 1:
+        raise RequestError(f"num_return_sequences must be >= 1, got {request.num_return_sequences}")
+    if request.end_id is not None and not -1 <= request.end_id < model.vocab_size:
+        raise RequestError(f"end_id {request.end_id} is outside the vocabulary (use -1 for none)")
+    for name in ("stop_words", "bad_words"):
+        for word in normalize_word_list(getattr(request, name), name):
+            if any(not 0 <= t < model.vocab_size for t in word):
+                raise RequestError(f"{name}: token id outside the vocabulary in {word}")
+    if request.logits_post_processor_name is not None:
+        raise RequestError("logits_post_processor_name: logits post-processors are not available in this executor yet")
+    if request.guided_decoding_params is not None:
+        raise RequestError("guided_decoding_params: guided decoding is not available in this executor yet")
+    if request.embedding_bias is not None:
+        raise RequestError("embedding_bias is not supported by this executor yet")
