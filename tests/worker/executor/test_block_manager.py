@@ -1,0 +1,107 @@
+import random
+
+import pytest
+
+from worker.executor.block_manager import BlockManager, BlockTable, OutOfBlocksError
+
+
+def test_allocate_and_free_returns_every_block() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    t = BlockTable()
+    assert bm.allocate_prompt(t, list(range(10)), 10) == 0
+    assert len(t.block_ids) == 3 and bm.num_free == 5
+    bm.ensure_capacity(t, 13)
+    assert len(t.block_ids) == 4
+    bm.check_invariants([t])
+    bm.free(t)
+    assert bm.num_free == 8 and t.block_ids == []
+    bm.check_invariants([])
+
+
+def test_out_of_blocks_is_reported_and_changes_nothing() -> None:
+    bm = BlockManager(num_blocks=2, block_size=4)
+    t = BlockTable()
+    with pytest.raises(OutOfBlocksError):
+        bm.allocate_prompt(t, list(range(9)), 9)
+    assert bm.num_free == 2 and t.block_ids == []
+
+
+def test_prefix_reuse_shares_full_blocks_and_recomputes_the_last_token() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4)
+    prompt = list(range(100, 112))  # exactly 3 full blocks
+    a = BlockTable()
+    bm.allocate_prompt(a, prompt, len(prompt))
+    bm.register_full_blocks(a, prompt, len(prompt))
+    b = BlockTable()
+    cached = bm.allocate_prompt(b, prompt, len(prompt))
+    # All three blocks are cached, but the last token's logits are needed: the
+    # third block is recomputed into a block of b's own.
+    assert cached == 8
+    assert b.block_ids[:2] == a.block_ids[:2] and b.block_ids[2] != a.block_ids[2]
+    assert bm.blocks[a.block_ids[0]].ref_count == 2
+    assert bm.reused_blocks == 2
+    bm.check_invariants([a, b])
+
+    other = BlockTable()
+    assert bm.allocate_prompt(other, [1, 2, 3, 4, 5, 6, 7, 8, 9], 9) == 0  # different prefix: no hit
+    bm.check_invariants([a, b, other])
+
+
+def test_freed_blocks_stay_cached_until_needed_and_evict_lru() -> None:
+    bm = BlockManager(num_blocks=4, block_size=2)
+    old, new = [1, 2, 3], [7, 8, 9]
+    for prompt in (old, new):
+        t = BlockTable()
+        bm.allocate_prompt(t, prompt, 3)
+        bm.register_full_blocks(t, prompt, 3)
+        bm.free(t)
+    assert bm.num_free == 4
+    # Both prefixes still hit after being freed.
+    assert len(bm.cached_prefix(old)) == 1 and len(bm.cached_prefix(new)) == 1
+    # Taking 3 blocks consumes the two unhashed ones first, then the least
+    # recently freed cached block (old's), keeping new's.
+    t = BlockTable()
+    bm.allocate_prompt(t, [50, 51, 52, 53, 54, 55], 6)
+    assert bm.cached_prefix(old) == [] and len(bm.cached_prefix(new)) == 1
+    bm.check_invariants([t])
+
+
+def test_fork_shares_blocks_with_reference_counts() -> None:
+    bm = BlockManager(num_blocks=4, block_size=2)
+    t = BlockTable()
+    bm.allocate_prompt(t, [1, 2, 3], 3)
+    f = bm.fork(t)
+    assert f.block_ids == t.block_ids and all(bm.blocks[b].ref_count == 2 for b in t.block_ids)
+    bm.free(t)
+    bm.check_invariants([f])
+    bm.free(f)
+    assert bm.num_free == 4
+
+
+def test_randomized_allocations_never_leak() -> None:
+    rng = random.Random(0)
+    bm = BlockManager(num_blocks=64, block_size=4)
+    live: list[tuple[BlockTable, list[int]]] = []
+    prefixes = [[rng.randrange(50) for _ in range(12)] for _ in range(4)]
+    for _ in range(2000):
+        if live and (rng.random() < 0.45 or bm.num_free < 8):
+            t, _ = live.pop(rng.randrange(len(live)))
+            bm.free(t)
+        else:
+            prompt = rng.choice(prefixes)[: rng.randrange(1, 13)] + [rng.randrange(50) for _ in range(rng.randrange(8))]
+            if not prompt:
+                continue
+            t = BlockTable()
+            try:
+                bm.allocate_prompt(t, prompt, len(prompt))
+                bm.ensure_capacity(t, len(prompt) + rng.randrange(6))
+            except OutOfBlocksError:
+                bm.free(t)
+                continue
+            bm.register_full_blocks(t, prompt, len(prompt))
+            live.append((t, prompt))
+        bm.check_invariants([t for t, _ in live])
+    for t, _ in live:
+        bm.free(t)
+    assert bm.num_free == 64
+    bm.check_invariants([])
