@@ -44,6 +44,7 @@ class Scheduler:
         self.blocks = blocks
         self.waiting: list[Sequence] = []  # kept sorted by _order
         self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
@@ -154,5 +155,6 @@ class Scheduler:
         self.blocks.free(seq.blocks)
         seq.num_computed = 0
         seq.state = RequestState.PREEMPTED
+        self.num_preemptions += 1
         batch.preempted.append(seq)
         self.add(seq)
