@@ -1,0 +1,87 @@
+"""Batched token sampling in numpy: one vectorised pass over all rows of logits.
+
+Per row: banned tokens go to -inf; greedy rows (temperature 0) take the argmax;
+sampled rows divide by the temperature, then keep the top-k logits, then the
+smallest set of most likely tokens reaching top-p, then the tokens at least min-p
+times as likely as the most likely one (each filter renormalises what the previous
+kept), and pick by inverse CDF over token ids with the row's own uniform draw, so a
+row's choice depends only on its logits, its parameters and its draw.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from worker.backends.base import SampleOutput, SamplingBatch
+
+
+def _log_softmax_at(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    rows = logits.astype(np.float64)
+    peak = rows.max(axis=1, keepdims=True)
+    log_z = np.log(np.exp(rows - peak).sum(axis=1)) + peak[:, 0]
+    return (rows[np.arange(len(tokens)), tokens] - log_z).astype(np.float32)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def _top_k_top_p(scaled: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+    rows, vocab = scaled.shape
+    k = np.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    use_p = top_p < 1.0
+    # Values sorted high to low: all of them for top-p, only the k_max largest for top-k alone.
+    width = vocab if use_p.any() else int(k.max())
+    top = scaled if width == vocab else np.partition(-scaled, width - 1, axis=1)[:, :width] * -1
+    desc = -np.sort(-top, axis=1)
+    ar = np.arange(rows)
+    # top-k: everything below the k-th largest value goes (ties with it stay)
+    threshold = np.where(k < vocab, desc[ar, np.minimum(k, width) - 1], -np.inf)
+    if use_p.any():
+        desc = np.where(np.arange(width) < k[:, None], desc, -np.inf)
+        probs = _softmax(desc)
+        before = np.cumsum(probs, axis=1) - probs  # mass of the strictly more likely tokens
+        keep = np.maximum((before < top_p[:, None].astype(np.float64)).sum(axis=1), 1)
+        threshold = np.where(use_p, np.maximum(threshold, desc[ar, keep - 1]), threshold)
+    return np.where(scaled >= threshold[:, None], scaled, -np.inf)
+
+
+def _sample_rows(
+    logits: np.ndarray,
+    temperature: np.ndarray,
+    top_k: np.ndarray,
+    top_p: np.ndarray,
+    min_p: np.ndarray,
+    uniform: np.ndarray,
+) -> np.ndarray:
+    scaled = logits.astype(np.float64) / temperature.astype(np.float64)[:, None]
+    if (top_k > 0).any() or (top_p < 1.0).any():
+        scaled = _top_k_top_p(scaled, top_k, top_p)
+    probs = _softmax(scaled)
+    if (min_p > 0).any():
+        floor = min_p.astype(np.float64)[:, None] * probs.max(axis=1, keepdims=True)
+        probs = np.where(probs >= floor, probs, 0.0)
+    cdf = np.cumsum(probs, axis=1)
+    target = uniform[:, None] * cdf[:, -1:]
+    # first token whose cumulative mass exceeds the target; tokens of zero mass never are
+    chosen = (cdf <= target).sum(axis=1)
+    return np.minimum(chosen, logits.shape[1] - 1)
+
+
+def sample(logits: np.ndarray, sampling: SamplingBatch) -> SampleOutput:
+    logits = np.array(logits, dtype=np.float32, copy=True)
+    if sampling.ban_rows.size:
+        logits[sampling.ban_rows, sampling.ban_tokens] = -np.inf
+    tokens = logits.argmax(axis=1).astype(np.int64)
+    sampled = np.flatnonzero(sampling.temperature > 0)
+    if sampled.size:
+        tokens[sampled] = _sample_rows(
+            logits[sampled],
+            sampling.temperature[sampled],
+            sampling.top_k[sampled],
+            sampling.top_p[sampled],
+            sampling.min_p[sampled],
+            sampling.uniform[sampled],
+        )
+    return SampleOutput(token_ids=tokens, log_probs=_log_softmax_at(logits, tokens))

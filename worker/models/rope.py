@@ -1,0 +1,130 @@
+"""Rotary position embedding frequencies, with the scaling types of Hugging Face's Llama
+family: linear, dynamic (NTK), llama3 and yarn."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from worker.models.config import CheckpointError, ModelConfig
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def rope_type(config: ModelConfig) -> str:
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise CheckpointError(
+            f"config.json: rope scaling type {kind!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    return str(kind)
+
+
+def _base_inv_freq(base: float, dim: int) -> np.ndarray:
+    return 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+
+
+def _need(scaling: dict[str, Any], key: str) -> Any:
+    if scaling.get(key) is None:
+        raise CheckpointError(f"config.json: rope scaling field {key!r} is missing")
+    return scaling[key]
+
+
+def _llama3(inv_freq: np.ndarray, scaling: dict[str, Any], config: ModelConfig) -> np.ndarray:
+    factor = float(_need(scaling, "factor"))
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_ctx = float(scaling.get("original_max_position_embeddings", config.max_position_embeddings))
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are interpolated by `factor`, short ones kept, the band between blended.
+    scaled = np.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return np.where(medium, blended, scaled)
+
+
+def _yarn(config: ModelConfig, dim: int, scaling: dict[str, Any]) -> tuple[np.ndarray, float]:
+    base = config.rope_theta
+    factor = float(_need(scaling, "factor"))
+    old_ctx = float(scaling.get("original_max_position_embeddings") or config.max_position_embeddings)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # 1 where a dimension keeps its original frequency
+    inv_freq = _base_inv_freq(base, dim)
+    mixed = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+    return mixed, float(attention_factor)
+
+
+class Rope:
+    """cos/sin tables for given positions; `seq_lens` matters only for dynamic NTK."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self.kind = rope_type(config)
+        self.scaling: dict[str, Any] = dict(config.rope_scaling or {})
+        dim = config.head_dim
+        inv_freq = _base_inv_freq(config.rope_theta, dim)
+        self.attention_factor = 1.0
+        if self.kind == "linear":
+            inv_freq = inv_freq / float(_need(self.scaling, "factor"))
+        elif self.kind == "llama3":
+            inv_freq = _llama3(inv_freq, self.scaling, config)
+        elif self.kind == "yarn":
+            inv_freq, self.attention_factor = _yarn(config, dim, self.scaling)
+        elif self.kind == "dynamic":
+            _need(self.scaling, "factor")
+        self.inv_freq = inv_freq.astype(np.float32)
+
+    def _dynamic_inv_freq(self, seq_len: int) -> np.ndarray:
+        # transformers grows the base once a sequence passes max_position_embeddings;
+        # here each token uses the length of its own sequence in this step.
+        cfg, dim = self.config, self.config.head_dim
+        factor = float(self.scaling["factor"])
+        seq_len = max(seq_len, cfg.max_position_embeddings)
+        base = cfg.rope_theta * ((factor * seq_len / cfg.max_position_embeddings) - (factor - 1)) ** (
+            dim / (dim - 2)
+        )
+        return _base_inv_freq(base, dim).astype(np.float32)
+
+    def cos_sin(
+        self, positions: np.ndarray, seq_lens: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin, float32 [T, head_dim // 2], already multiplied by the attention factor."""
+        pos = positions.astype(np.float32)
+        if (
+            self.kind == "dynamic"
+            and seq_lens is not None
+            and (seq_lens > self.config.max_position_embeddings).any()
+        ):
+            inv = np.stack([self._dynamic_inv_freq(int(n)) for n in seq_lens])
+            angles = pos[:, None] * inv
+        else:
+            angles = pos[:, None] * self.inv_freq[None, :]
+        cos, sin = np.cos(angles), np.sin(angles)
+        if self.attention_factor != 1.0:
+            cos, sin = cos * np.float32(self.attention_factor), sin * np.float32(self.attention_factor)
+        return cos.astype(np.float32), sin.astype(np.float32)
