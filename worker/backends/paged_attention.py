@@ -1,0 +1,235 @@
+"""Attention over the paged KV cache for packed variable-length queries.
+
+One Triton kernel serves prefill chunks, generation tokens and any mix of them:
+each program takes a tile of BLOCK_Q query tokens of one sequence and the
+GROUP query heads that share one KV head (GQA), so the tile is a
+[BLOCK_Q * GROUP, head_dim] matrix and every K/V block read from the cache feeds
+all of those heads at once. K and V are read block by block through the block
+table; queries see keys at positions <= their own (and within the sliding window
+when the model has one), with an online softmax in float32.
+
+The new tokens' K and V must already be in the cache (the backend writes them
+first), so a chunk attends to its cached prefix and to itself the same way.
+
+`paged_attention_torch` is the plain-torch reference: the CPU path, and the
+oracle the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+try:
+    import triton  # type: ignore[import-not-found,unused-ignore]
+    import triton.language as tl  # type: ignore[import-not-found,unused-ignore]
+except ImportError:  # the CPU host: the torch path needs no Triton
+    triton = None
+
+# Query tokens per program for chunks longer than one token.
+PREFILL_BLOCK_Q = 16
+
+
+def tile_map(query_start: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndarray]:
+    """(sequence, first query offset) of every BLOCK_Q tile, for a packed batch."""
+    q_lens = np.diff(query_start)
+    n_tiles = -(-q_lens // block_q)
+    tile_seq = np.repeat(np.arange(len(q_lens), dtype=np.int32), n_tiles)
+    first_tile = np.concatenate(([0], np.cumsum(n_tiles)[:-1])).astype(np.int64)
+    tile_q0 = (np.arange(int(n_tiles.sum())) - first_tile[tile_seq]) * block_q
+    return tile_seq, tile_q0.astype(np.int32)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_attention_kernel(  # type: ignore[no-untyped-def]
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        out_ptr,
+        block_tables_ptr,
+        query_start_ptr,
+        seq_lens_ptr,
+        tile_seq_ptr,
+        tile_q0_ptr,
+        scale,
+        window,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_ot,
+        stride_oh,
+        stride_bt,
+        GROUP: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        USE_WINDOW: tl.constexpr,
+    ):
+        tile = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        seq = tl.load(tile_seq_ptr + tile)
+        q0 = tl.load(tile_q0_ptr + tile)
+        q_begin = tl.load(query_start_ptr + seq)
+        q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+        seq_len = tl.load(seq_lens_ptr + seq)
+        # Queries are the last q_len tokens of the sequence, positions contiguous.
+        first_pos = seq_len - q_len
+
+        offs_m = tl.arange(0, BLOCK_M)
+        q_idx = q0 + offs_m // GROUP
+        head = kv_head * GROUP + offs_m % GROUP
+        row_ok = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
+        q_pos = first_pos + q_idx
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+
+        q_rows = (q_begin + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh
+        q = tl.load(q_ptr + q_rows + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+        # Causal: nothing past the tile's last query; window: nothing before its first.
+        kv_end = tl.minimum(seq_len, first_pos + q0 + BLOCK_Q)
+        kv_begin = 0
+        if USE_WINDOW:
+            kv_begin = tl.maximum(first_pos + q0 - window + 1, 0)
+        offs_n = tl.arange(0, BLOCK_SIZE)
+        for blk in range(kv_begin // BLOCK_SIZE, tl.cdiv(kv_end, BLOCK_SIZE)):
+            phys = tl.load(block_tables_ptr + seq * stride_bt + blk).to(tl.int64)
+            k_pos = blk * BLOCK_SIZE + offs_n
+            kv_off = phys * stride_kb + offs_n[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
+            k = tl.load(k_cache_ptr + kv_off, mask=d_ok[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale
+            ok = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
+            if USE_WINDOW:
+                ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # Rows that have seen no key yet keep m = -inf; shift by 0 there to avoid nan.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache_ptr + kv_off, mask=d_ok[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_i[:, None]
+        o_rows = (q_begin + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh
+        tl.store(
+            out_ptr + o_rows + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tile_seq: torch.Tensor,
+    tile_q0: torch.Tensor,
+    block_q: int,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [T, H, D]; caches [num_blocks, block_size, KVH, D]; int32 metadata on q's device.
+
+    tile_seq / tile_q0 come from `tile_map(query_start, block_q)`; a generation-only
+    batch uses block_q=1 with tile_seq = arange(B), tile_q0 = 0.
+    """
+    if triton is None:
+        raise RuntimeError("paged_attention_triton needs Triton (a CUDA host)")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    # tl.dot wants at least 16 rows.
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    grid = (tile_seq.shape[0], num_kv_heads)
+    _paged_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        query_start,
+        seq_lens,
+        tile_seq,
+        tile_q0,
+        scale,
+        sliding_window or 0,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        USE_WINDOW=bool(sliding_window),
+        num_warps=4 if block_m <= 64 else 8,
+        num_stages=2,
+    )
+    return out
+
+
+def paged_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: np.ndarray,
+    seq_lens: np.ndarray,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Reference: one dense masked attention per sequence, in float32 (float64 for float64 q)."""
+    num_heads = q.shape[1]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    group = num_heads // num_kv_heads
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = torch.empty_like(q)
+    for i in range(len(seq_lens)):
+        a, b = int(query_start[i]), int(query_start[i + 1])
+        if a == b:
+            continue
+        n = int(seq_lens[i])
+        blocks = block_tables[i, : math.ceil(n / block_size)]
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n]
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, n, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        qi = q[a:b].transpose(0, 1)  # [H, L, D]
+        scores = torch.matmul(qi.to(acc), k.to(acc).transpose(1, 2)) * scale
+        q_pos = torch.arange(n - (b - a), n, device=q.device)[:, None]
+        k_pos = torch.arange(n, device=q.device)[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window:
+            allowed &= k_pos > q_pos - sliding_window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[a:b] = torch.matmul(probs, v.to(acc)).transpose(0, 1).to(q.dtype)
+    return out
