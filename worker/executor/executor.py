@@ -65,10 +65,14 @@ class Executor:
         may pass a ready `backend` (and its `tokenizer`) instead."""
         self.config = config or ExecutorConfig()
         if backend is None:
-            from worker.models.default_model import resolve_model
             from worker.models.loader import load_model
 
-            loaded = load_model(resolve_model(str(model)))
+            path = Path(model)
+            if not path.exists():  # a model name, such as the default model's
+                from worker.models.default_model import resolve_model
+
+                path = resolve_model(str(model))
+            loaded = load_model(path)
             backend = _create_backend(loaded, self.config)
             tokenizer = loaded.tokenizer
             self.chat_template: str | None = loaded.chat_template
