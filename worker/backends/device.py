@@ -1,0 +1,65 @@
+"""Which backend runs a model: `auto` takes torch on CUDA when a GPU is there, else numpy.
+
+Kept apart from the backends so that choosing never imports torch where it is not
+installed, and so the worker can say in its logs and stats what it picked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from worker.backends.base import Backend
+
+BACKEND_CHOICES = ("auto", "numpy", "torch")
+
+
+def cuda_available() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def resolve_backend(choice: str) -> str:
+    """'auto' | 'numpy' | 'torch' -> 'numpy' or 'torch'."""
+    if choice not in BACKEND_CHOICES:
+        raise ValueError(f"backend must be one of {', '.join(BACKEND_CHOICES)}, got {choice!r}")
+    if choice == "auto":
+        return "torch" if cuda_available() else "numpy"
+    return choice
+
+
+def create_backend(
+    model: Any, choice: str = "auto", device: str | None = None, dtype: str | None = None
+) -> Backend:
+    """Build the backend for a LoadedModel. `device` / `dtype` apply to torch only
+    (default: cuda and bfloat16 when there is a GPU, else cpu and float32)."""
+    kind = resolve_backend(choice)
+    if kind == "numpy":
+        if device not in (None, "cpu"):
+            raise ValueError(f"the numpy backend runs on the CPU only, got device {device!r}")
+        from worker.backends.numpy_backend import NumpyBackend
+
+        return NumpyBackend(model)
+    from worker.backends.torch_backend import TorchBackend
+
+    return TorchBackend(model, device=device, dtype=dtype)
+
+
+def describe(backend: Backend) -> dict[str, str]:
+    """What runs the model, for logs and stats: backend name, device, dtype, GPU model."""
+    info = {"backend": backend.name}
+    device = getattr(backend, "device", None)
+    if device is not None:
+        info["device"] = str(device)
+        info["dtype"] = str(getattr(backend, "dtype", "")).removeprefix("torch.")
+        if getattr(device, "type", None) == "cuda":
+            import torch
+
+            info["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        info["device"] = "cpu"
+        info["dtype"] = "float32"
+    return info
