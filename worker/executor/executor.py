@@ -65,6 +65,7 @@ class Executor:
         may pass a ready `backend` (and its `tokenizer`) instead."""
         self.config = config or ExecutorConfig()
         if backend is None:
+            from worker.backends.device import create_backend
             from worker.models.loader import load_model
 
             path = Path(model)
@@ -73,7 +74,7 @@ class Executor:
 
                 path = resolve_model(str(model))
             loaded = load_model(path)
-            backend = _create_backend(loaded, self.config)
+            backend = create_backend(loaded, self.config.backend, self.config.device, self.config.dtype)
             tokenizer = loaded.tokenizer
             self.chat_template: str | None = loaded.chat_template
         else:
@@ -424,23 +425,3 @@ class Executor:
         with self._lock:
             self._request_stats.append(stats)
 
-
-def _create_backend(model: Any, config: ExecutorConfig) -> Backend:
-    """numpy, torch, or auto: torch on CUDA when it is there, else numpy."""
-    choice = config.backend
-    if choice == "auto":
-        try:
-            import torch
-
-            choice = "torch" if torch.cuda.is_available() else "numpy"
-        except ImportError:
-            choice = "numpy"
-    if choice == "numpy":
-        from worker.backends.numpy_backend import NumpyBackend
-
-        return NumpyBackend(model)
-    if choice == "torch":
-        from worker.backends.torch_backend import TorchBackend
-
-        return TorchBackend(model, device=config.device, dtype=config.dtype)  # type: ignore[call-arg]
-    raise ValueError(f"ExecutorConfig.backend must be 'numpy', 'torch' or 'auto', got {choice!r}")
