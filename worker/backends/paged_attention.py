@@ -72,6 +72,7 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         USE_WINDOW: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -109,7 +110,7 @@ if triton is not None:
             k_pos = blk * BLOCK_SIZE + offs_n
             kv_off = phys * stride_kb + offs_n[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
             k = tl.load(k_cache_ptr + kv_off, mask=d_ok[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             ok = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
             if USE_WINDOW:
                 ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
@@ -121,7 +122,7 @@ if triton is not None:
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_cache_ptr + kv_off, mask=d_ok[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
 
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -190,6 +191,8 @@ def paged_attention_triton(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
         USE_WINDOW=bool(sliding_window),
+        # float32 caches (parity runs) get full-precision dots, not TF32.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4 if block_m <= 64 else 8,
         num_stages=2,
     )

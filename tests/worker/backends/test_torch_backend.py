@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.checkpoints import CHECKPOINTS
+from tests.worker.backends.greedy_driver import greedy_run
 from tests.worker.backends.paged_batches import PagedSequences
 from worker.backends.base import SamplingBatch
 from worker.backends.numpy_backend import NumpyBackend
@@ -62,43 +63,6 @@ def test_packed_mixed_batches_match_transformers(name: str, tiny_checkpoints: di
             diff = float(np.abs(got - want).max())
             assert diff < LOGITS_ATOL, f"{name}: {seq}[{start}:{start + count}] max |diff| {diff:.2e}"
             row += count
-
-
-def greedy_run(
-    backend: object, prompts: dict[str, list[int]], new_tokens: int, seed: int
-) -> dict[str, list[int]]:
-    """Greedy decoding of several prompts at once through forward + sample, with the
-    prompts prefilled in chunks of 5 tokens alongside the others' generation steps."""
-    paged = PagedSequences(num_blocks=96, block_size=4, seed=seed)
-    tokens = {s: list(p) for s, p in prompts.items()}
-    done = dict.fromkeys(prompts, 0)  # tokens already in the cache
-    out: dict[str, list[int]] = {s: [] for s in prompts}
-    while any(len(o) < new_tokens for o in out.values()):
-        parts = []
-        for s in prompts:
-            if len(out[s]) < new_tokens:
-                count = min(5, len(tokens[s]) - done[s])
-                parts.append((s, tokens[s], done[s], count))
-        batch = paged.step(parts, all_logits=False)
-        logits = backend.forward(batch)  # type: ignore[attr-defined]
-        samplers = [i for i, (s, toks, start, count) in enumerate(parts) if start + count == len(toks)]
-        rows = np.asarray(samplers, dtype=np.int64)
-        sampling = SamplingBatch(
-            temperature=np.zeros(len(parts), np.float32),
-            top_k=np.zeros(len(parts), np.int64),
-            top_p=np.ones(len(parts), np.float32),
-            min_p=np.zeros(len(parts), np.float32),
-            uniform=np.zeros(len(parts)),
-            ban_rows=np.zeros(0, np.int64),
-            ban_tokens=np.zeros(0, np.int64),
-        )
-        ids = backend.sample(logits, sampling).token_ids  # type: ignore[attr-defined]
-        for i, (s, _, start, count) in enumerate(parts):
-            done[s] = start + count
-            if i in rows:
-                tokens[s].append(int(ids[i]))
-                out[s].append(int(ids[i]))
-    return out
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen2_bias", "mistral_bf16_sharded"])
