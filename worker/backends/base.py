@@ -67,6 +67,12 @@ class SampleOutput:
     log_probs: np.ndarray  # float32 [S]: log-softmax of the logits at the chosen token
 
 
+class StepHandle(Protocol):
+    """A step that was launched; `result` waits for its sampled tokens."""
+
+    def result(self) -> SampleOutput | None: ...
+
+
 class Backend(Protocol):
     name: str  # e.g. "numpy", "torch-cuda", "torch-cpu"
     config: ModelConfig
@@ -98,3 +104,12 @@ class Backend(Protocol):
     def logits_to_host(self, logits: Any) -> np.ndarray:
         """float32 copy of logits, for post-processors and requested logits outputs."""
         ...
+
+
+class AsyncBackend(Backend, Protocol):
+    """A backend that queues a step on its device and returns at once, so the
+    executor can prepare the next step meanwhile. In `batch.token_ids`, an id
+    -(k + 1) stands for row k of the previous launch's sampled tokens, which the
+    host has not seen yet."""
+
+    def launch(self, batch: ForwardBatch, sampling: SamplingBatch | None) -> StepHandle: ...

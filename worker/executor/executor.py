@@ -14,13 +14,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
 
-from worker.backends.base import Backend
+from worker.backends.base import Backend, ForwardBatch, SampleOutput, SamplingBatch, StepHandle
 from worker.executor.block_manager import BlockManager
 from worker.executor.inputs import build_forward_batch, build_sampling_batch
 from worker.executor.scheduler import ScheduledBatch, Scheduler
@@ -49,6 +49,32 @@ class _Entry:
     seqs: list[Sequence]
     enqueue_time: float = field(default_factory=time.monotonic)
     done: int = 0  # sequences that sent their last response
+
+
+@dataclass(eq=False, slots=True)
+class _InFlight:
+    """A launched step whose sampled tokens are not read back yet."""
+
+    batch: ScheduledBatch
+    samplers: list[Sequence]  # sequences that sample, in row order
+    positions: list[int]  # where each sampler's placeholder sits in its token_ids
+    handle: StepHandle
+    num_context: int
+    t0: float
+
+
+@dataclass(slots=True)
+class _Ready:
+    output: SampleOutput | None
+
+    def result(self) -> SampleOutput | None:
+        return self.output
+
+
+def _needs_known_tokens(batch: ScheduledBatch) -> bool:
+    """Multi-token bad words look at the latest token before sampling: a batch
+    with such a sequence waits for the step in flight instead of overlapping it."""
+    return any(seq.num_pending and any(len(w) > 1 for w in seq.bad_words) for seq in batch.seqs)
 
 
 class Executor:
@@ -89,6 +115,11 @@ class Executor:
         self.backend.allocate_kv_cache(num_blocks, kv.tokens_per_block)
         self.blocks = BlockManager(num_blocks, kv.tokens_per_block, kv.enable_block_reuse)
         self.scheduler = Scheduler(self.config, self.blocks)
+        launch = getattr(backend, "launch", None)
+        self._launch_step = launch or self._launch_sync
+        overlap = self.config.overlap_scheduling
+        self._overlap = launch is not None if overlap is None else overlap
+        self._last_sampled: np.ndarray | None = None
         log.info("executor: backend=%s kv_blocks=%d x %d tokens", backend.name, num_blocks, kv.tokens_per_block)
 
         self._ids = itertools.count(1)
@@ -253,9 +284,10 @@ class Executor:
     # -- the loop ----------------------------------------------------------------------
 
     def _loop(self) -> None:
+        inflight: _InFlight | None = None
         while True:
             with self._lock:
-                while not (self._shutdown or self._incoming or self._cancels or self.scheduler.has_work):
+                while not (self._shutdown or self._incoming or self._cancels or self.scheduler.has_work or inflight):
                     self._lock.wait()
                 if self._shutdown:
                     return
@@ -269,62 +301,112 @@ class Executor:
                     self.scheduler.add(seq)
             responses = [r for rid in cancels for r in self._cancel(rid)]
             try:
-                responses += self._step()
+                # Step N+1 is scheduled and launched before step N's tokens are
+                # read back, so the device never waits for this thread.
+                batch = self.scheduler.schedule()
+                launched = None
+                if batch:
+                    if inflight is not None and _needs_known_tokens(batch):
+                        responses += self._complete(inflight)
+                        inflight = None
+                    launched = self._launch(batch)
+                    if not self._overlap:
+                        responses += self._complete(launched)
+                        launched = None
+                if inflight is not None:
+                    responses += self._complete(inflight)
+                inflight = launched
+                if not batch and inflight is None and self.scheduler.has_work:
+                    time.sleep(0.001)  # nothing fits yet; wait for cancels or new room
             except Exception as e:  # a backend failure ends what ran, not the executor
                 log.exception("executor step failed")
+                inflight = None
                 responses += self._fail_running(f"internal error in the executor step: {e}")
             if responses:
                 with self._lock:
                     self._responses.extend(responses)
                     self._lock.notify_all()
 
-    def _step(self) -> list[Response]:
-        if not self.scheduler.has_work:
-            return []
+    def _launch(self, batch: ScheduledBatch) -> _InFlight:
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
         num_context = sum(1 for seq in batch.seqs if seq.in_prefill)
         forward = build_forward_batch(batch, self.blocks.block_size)
-        logits = self.backend.forward(forward)
         samplers = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
                     if seq.num_computed + n == seq.num_tokens]
+        sampling = build_sampling_batch(samplers) if samplers else None
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed += n
-            self.blocks.register_full_blocks(seq.blocks, seq.token_ids, seq.num_computed)
+        # Each sampler gets a placeholder for the token this step will sample.
+        positions = []
+        for row, seq in enumerate(samplers):
+            seq.token_ids.append(-(row + 1))
+            seq.num_pending += 1
+            positions.append(len(seq.token_ids) - 1)
+        handle = self._launch_step(forward, sampling)
+        return _InFlight(batch, samplers, positions, handle, num_context, t0)
+
+    def _launch_sync(self, batch: ForwardBatch, sampling: SamplingBatch | None) -> StepHandle:
+        """AsyncBackend.launch for a backend that computes as it is called."""
+        ids = batch.token_ids
+        pending = ids < 0
+        if pending.any():
+            assert self._last_sampled is not None, "a placeholder with no previous step"
+            ids = ids.copy()
+            ids[pending] = self._last_sampled[-ids[pending] - 1]
+            batch = replace(batch, token_ids=ids)
+        logits = self.backend.forward(batch)
+        out = None if sampling is None else self.backend.sample(logits, sampling)
+        self._last_sampled = None if out is None else out.token_ids
+        return _Ready(out)
+
+    def _complete(self, step: _InFlight) -> list[Response]:
+        """Read back a step's tokens, put them in place, answer and free what finished."""
+        out = step.handle.result()
         responses: list[Response] = []
-        if samplers:
-            out = self.backend.sample(logits, build_sampling_batch(samplers))
-            responses = self._append(samplers, out.token_ids.tolist(), out.log_probs.tolist())
-        self._record_iteration(batch, num_context, t0)
+        if out is not None:
+            now = time.monotonic()
+            for seq, pos, token, lp in zip(step.samplers, step.positions, out.token_ids.tolist(),
+                                           out.log_probs.tolist(), strict=True):
+                if seq.is_finished:
+                    continue  # cancelled, or finished a step earlier: a token nobody wants
+                seq.token_ids[pos] = token
+                seq.num_pending -= 1
+                seq.log_probs.append(lp)
+                seq.state = RequestState.GENERATION
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                reason = self._finish_reason(seq, pos + 1)
+                if reason is not FinishReason.NOT_FINISHED:
+                    self._finish(seq, reason)
+                response = self._respond(seq)
+                if response is not None:
+                    responses.append(response)
+        for seq in step.batch.seqs:
+            if not seq.is_finished:
+                known = len(seq.token_ids) - seq.num_pending
+                self.blocks.register_full_blocks(seq.blocks, seq.token_ids, min(seq.num_computed, known))
+        self._record_iteration(step.batch, step.num_context, step.t0)
         return responses
 
-    def _append(self, seqs: list[Sequence], tokens: list[int], log_probs: list[float]) -> list[Response]:
-        now = time.monotonic()
-        responses: list[Response] = []
-        for seq, token, lp in zip(seqs, tokens, log_probs, strict=True):
-            seq.token_ids.append(token)
-            seq.log_probs.append(lp)
-            seq.state = RequestState.GENERATION
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.finish_reason = self._finish_reason(seq, token)
-            response = self._respond(seq)
-            if response is not None:
-                responses.append(response)
-        return responses
-
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason:
-        if token == seq.end_id:
-            return FinishReason.END_ID
+    def _finish_reason(self, seq: Sequence, length: int) -> FinishReason:
+        """Why the sequence ends at token_ids[:length], if it does."""
         tokens = seq.token_ids
+        if tokens[length - 1] == seq.end_id:
+            return FinishReason.END_ID
+        generated = length - seq.num_prompt_tokens
         for word in seq.stop_words:
-            if len(word) <= seq.num_generated and tokens[len(tokens) - len(word) :] == word:
+            if len(word) <= generated and tokens[length - len(word) : length] == word:
                 return FinishReason.STOP_WORDS
-        if seq.num_generated >= seq.request.max_tokens or seq.num_tokens >= self.max_seq_len:
+        if generated >= seq.request.max_tokens or length >= self.max_seq_len:
             return FinishReason.LENGTH
         return FinishReason.NOT_FINISHED
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Mark seq finished; drop placeholders of steps still in flight."""
+        seq.finish_reason = reason
+        if seq.num_pending:
+            del seq.token_ids[len(seq.token_ids) - seq.num_pending :]
+            seq.num_pending = 0
 
     def _respond(self, seq: Sequence) -> Response | None:
         """The response this sequence owes now, if any; frees it when finished."""
@@ -369,7 +451,7 @@ class Executor:
         responses = []
         for seq in entry.seqs:
             if not seq.is_finished:
-                seq.finish_reason = FinishReason.CANCELLED
+                self._finish(seq, FinishReason.CANCELLED)
                 response = self._respond(seq)
                 if response is not None:
                     responses.append(response)
@@ -378,12 +460,13 @@ class Executor:
     def _fail_running(self, message: str) -> list[Response]:
         responses = []
         for request_id, entry in list(self._entries.items()):
-            if not any(s.state in (RequestState.CONTEXT, RequestState.GENERATION) for s in entry.seqs):
+            if not any(s.num_pending or s.state in (RequestState.CONTEXT, RequestState.GENERATION)
+                       for s in entry.seqs):
                 continue
             for seq in entry.seqs:
                 if not seq.is_finished:
                     self.scheduler.remove(seq)
-                    seq.finish_reason = FinishReason.CANCELLED
+                    self._finish(seq, FinishReason.CANCELLED)
             del self._entries[request_id]
             responses.append(Response(request_id, error_msg=message, client_id=entry.request.client_id))
         return responses

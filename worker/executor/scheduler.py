@@ -68,7 +68,8 @@ class Scheduler:
         # 1. Generation steps. A sequence may be preempted by one scheduled later
         # in this loop only under MAX_UTILIZATION, so iterate over a snapshot.
         for seq in list(self.running):
-            if seq.in_prefill or seq not in self.running or budget == 0:
+            # A sequence at max_tokens only waits for its last token to come back.
+            if seq.in_prefill or seq.reached_max_tokens or seq not in self.running or budget == 0:
                 continue
             if not self._grow(seq, seq.num_computed + 1, batch):
                 continue
@@ -88,7 +89,9 @@ class Scheduler:
         # 3. New (or preempted) sequences, by priority.
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            if not self._admit(seq):
+            # A sequence preempted with a token still being sampled waits for it:
+            # its recompute and its prefix lookup need the real id.
+            if seq.num_pending or not self._admit(seq):
                 break
             n = self._chunk(seq, budget)
             if n == 0:

@@ -27,6 +27,9 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt: int = 0  # prompt tokens found in the prefix cache
     num_emitted: int = 0  # generated tokens already sent in a streaming response
+    # Trailing entries of token_ids that are placeholders for tokens a launched
+    # step is still sampling (see AsyncBackend.launch).
+    num_pending: int = 0
     log_probs: list[float] = field(default_factory=list)
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
     arrival_time: float = field(default_factory=time.monotonic)
@@ -43,7 +46,12 @@ class Sequence:
 
     @property
     def generated(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        """Generated tokens the host knows, without pending placeholders."""
+        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.num_pending]
+
+    @property
+    def reached_max_tokens(self) -> bool:
+        return self.num_generated >= self.request.max_tokens
 
     @property
     def num_uncomputed(self) -> int:

@@ -156,6 +156,9 @@ class ExecutorConfig:
     backend: str = "auto"  # "numpy" | "torch" | "auto" (torch on CUDA when present, else numpy)
     device: str | None = None  # torch device string, e.g. "cuda:0" or "cpu"
     dtype: str | None = None  # compute dtype: "float32" (numpy), "bfloat16" default on CUDA
+    # Schedule step N+1 while step N runs. None: on when the backend launches
+    # asynchronously (CUDA); the numpy backend gains nothing from it.
+    overlap_scheduling: bool | None = None
     # name -> callable(request_id, logits, tokens_so_far, client_id) -> logits
     logits_post_processor_map: dict[str, object] | None = None
     iteration_stats_max: int = 1000  # how many recent stats records to keep

@@ -28,13 +28,19 @@ def config(**kw: object) -> ExecutorConfig:
     return ExecutorConfig(backend="numpy", kv_cache_config=kv, **kw)  # type: ignore[arg-type]
 
 
+# Both loops: the plain one, and the overlapped one a CUDA backend gets, in which
+# step N+1 is scheduled before step N's tokens are known.
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+
+
 def prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(5, VOCAB_SIZE) for _ in range(n)]
 
 
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+@OVERLAP
 def test_greedy_matches_transformers_alone_and_batched_with_chunked_context(
-    tiny_checkpoints: dict[str, Path], name: str
+    tiny_checkpoints: dict[str, Path], name: str, overlap: bool
 ) -> None:
     ckpt = tiny_checkpoints[name]
     rng = random.Random(1)
@@ -42,7 +48,7 @@ def test_greedy_matches_transformers_alone_and_batched_with_chunked_context(
     expected = [hf_greedy(ckpt, p, 12) for p in prompts]
     # max_num_tokens 24 splits the long prompts into chunks that share
     # iterations with other requests' generation steps.
-    with Executor(ckpt, config(max_num_tokens=24)) as ex:
+    with Executor(ckpt, config(max_num_tokens=24, overlap_scheduling=overlap)) as ex:
         alone = run_all(ex, [Request(input_token_ids=prompts[0], max_tokens=12, end_id=-1)])
         assert final_tokens(next(iter(alone.values()))) == expected[0]
         batched = run_all(ex, [Request(input_token_ids=p, max_tokens=12, end_id=-1) for p in prompts])
@@ -53,9 +59,10 @@ def test_greedy_matches_transformers_alone_and_batched_with_chunked_context(
     assert chunked_iterations, "context chunks never shared an iteration with generation steps"
 
 
-def test_streaming_sends_every_token_once_in_order_and_is_final_once(tiny_llama: Path) -> None:
+@OVERLAP
+def test_streaming_sends_every_token_once_in_order_and_is_final_once(tiny_llama: Path, overlap: bool) -> None:
     p = list(range(10, 30))
-    with Executor(tiny_llama, config()) as ex:
+    with Executor(tiny_llama, config(overlap_scheduling=overlap)) as ex:
         full = run_all(ex, [Request(input_token_ids=p, max_tokens=20, end_id=-1)])
         streamed = run_all(ex, [Request(input_token_ids=p, max_tokens=20, end_id=-1, streaming=True)])
         cumulative = run_all(ex, [Request(input_token_ids=p, max_tokens=20, end_id=-1, streaming=True,
@@ -70,13 +77,14 @@ def test_streaming_sends_every_token_once_in_order_and_is_final_once(tiny_llama:
     assert stream_rs[-1].result.finish_reasons == [FinishReason.LENGTH]  # type: ignore[union-attr]
 
 
-def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama: Path) -> None:
+@OVERLAP
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama: Path, overlap: bool) -> None:
     rng = random.Random(2)
     sampling = SamplingConfig(temperature=1.0, top_k=50, top_p=0.9, seed=1234)
     target = Request(input_token_ids=prompt(rng, 9), max_tokens=16, end_id=-1, sampling_config=sampling)
     others = [Request(input_token_ids=prompt(rng, rng.randrange(2, 30)), max_tokens=16, end_id=-1,
                       sampling_config=SamplingConfig(temperature=0.7, seed=i)) for i in range(7)]
-    with Executor(tiny_llama, config()) as ex:
+    with Executor(tiny_llama, config(overlap_scheduling=overlap)) as ex:
         alone = final_tokens(next(iter(run_all(ex, [target]).values())))
         mixed = run_all(ex, others[:3] + [target] + others[3:])
         again = final_tokens(list(mixed.values())[3])
@@ -86,8 +94,9 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama: Path) -> None:
     assert alone != greedy  # it really sampled
 
 
-def test_cancel_mid_stream_ends_with_cancelled_and_frees_blocks(tiny_llama: Path) -> None:
-    with Executor(tiny_llama, config()) as ex:
+@OVERLAP
+def test_cancel_mid_stream_ends_with_cancelled_and_frees_blocks(tiny_llama: Path, overlap: bool) -> None:
+    with Executor(tiny_llama, config(overlap_scheduling=overlap)) as ex:
         total = ex.blocks.num_blocks
         rid = ex.enqueue_request(Request(input_token_ids=list(range(5, 50)), max_tokens=400, end_id=-1,
                                          streaming=True))
@@ -130,9 +139,10 @@ def test_bad_input_gets_an_error_for_that_request_alone(tiny_llama: Path, reques
     assert len(final_tokens(good1)) == 3 and len(final_tokens(good2)) == 3
 
 
-def test_end_id_stop_words_min_tokens_and_word_list_format(tiny_llama: Path) -> None:
+@OVERLAP
+def test_end_id_stop_words_min_tokens_and_word_list_format(tiny_llama: Path, overlap: bool) -> None:
     p = list(range(20, 40))
-    with Executor(tiny_llama, config()) as ex:
+    with Executor(tiny_llama, config(overlap_scheduling=overlap)) as ex:
         (free,) = run_all(ex, [Request(input_token_ids=p, max_tokens=12, end_id=-1)]).values()
         tokens = final_tokens(free)
         # end at the 5th generated token, unless min_tokens forbids it
@@ -150,9 +160,10 @@ def test_end_id_stop_words_min_tokens_and_word_list_format(tiny_llama: Path) -> 
     assert final_tokens(stopped_flat) == final_tokens(stopped)
 
 
-def test_bad_words_and_min_tokens_change_the_output(tiny_llama: Path) -> None:
+@OVERLAP
+def test_bad_words_and_min_tokens_change_the_output(tiny_llama: Path, overlap: bool) -> None:
     p = list(range(40, 60))
-    with Executor(tiny_llama, config()) as ex:
+    with Executor(tiny_llama, config(overlap_scheduling=overlap)) as ex:
         (free,) = run_all(ex, [Request(input_token_ids=p, max_tokens=8, end_id=-1)]).values()
         tokens = final_tokens(free)
         (banned,) = run_all(ex, [Request(input_token_ids=p, max_tokens=8, end_id=-1,
@@ -175,8 +186,9 @@ def test_log_probs_and_prompt_echo(tiny_llama: Path) -> None:
     assert result.cum_log_probs == [pytest.approx(sum(result.log_probs[0]), rel=1e-5)]
 
 
-def test_num_return_sequences_each_sequence_gets_its_own_final_response(tiny_llama: Path) -> None:
-    with Executor(tiny_llama, config()) as ex:
+@OVERLAP
+def test_num_return_sequences_each_sequence_gets_its_own_final_response(tiny_llama: Path, overlap: bool) -> None:
+    with Executor(tiny_llama, config(overlap_scheduling=overlap)) as ex:
         (rs,) = run_all(ex, [Request(input_token_ids=[5, 6, 7], max_tokens=6, end_id=-1, num_return_sequences=3,
                                      sampling_config=SamplingConfig(temperature=1.0, seed=3))]).values()
     results = [r.result for r in rs]
@@ -187,8 +199,10 @@ def test_num_return_sequences_each_sequence_gets_its_own_final_response(tiny_lla
 
 
 @pytest.mark.parametrize("policy", list(CapacitySchedulerPolicy))
-def test_kv_invariants_under_random_load_with_cancels_preemption_and_reuse(tiny_llama: Path,
-                                                                          policy: CapacitySchedulerPolicy) -> None:
+@OVERLAP
+def test_kv_invariants_under_random_load_with_cancels_preemption_and_reuse(
+    tiny_llama: Path, policy: CapacitySchedulerPolicy, overlap: bool
+) -> None:
     rng = random.Random(3)
     prefixes = [prompt(rng, 24) for _ in range(3)]
     requests = []
@@ -202,7 +216,7 @@ def test_kv_invariants_under_random_load_with_cancels_preemption_and_reuse(tiny_
         reference = [final_tokens(r) for r in run_all(ex, requests).values()]
 
     # A cache of 40 blocks (160 tokens) for up to 64 concurrent requests.
-    tight = config(kv=KvCacheConfig(tokens_per_block=4, max_tokens=160),
+    tight = config(kv=KvCacheConfig(tokens_per_block=4, max_tokens=160), overlap_scheduling=overlap,
                    scheduler_config=SchedulerConfig(capacity_scheduler_policy=policy))
     with Executor(tiny_llama, tight) as ex:
         cancel = set(rng.sample(range(len(requests)), 30))
