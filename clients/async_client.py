@@ -1,0 +1,97 @@
+"""The ZeroMQ client library for asyncio; the same I/O thread as `Client`.
+
+async with AsyncClient(["tcp://127.0.0.1:5550"]) as client:
+    result = await client.generate("Hello", max_tokens=8)
+    async for chunk in client.stream("Hello", max_tokens=8):
+        print(chunk.text, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import protocol
+from clients.client import Accumulator, GenerationResult, Prompt, StreamChunk, build_submit
+from clients.connection import Connection, RequestError
+
+_END = object()
+
+
+class AsyncRequest:
+    """One request in flight: `await .result()`, `.cancel()`, `async for` its chunks."""
+
+    def __init__(self, connection: Connection, msg: protocol.Submit, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = msg.request_id
+        self._connection = connection
+        self._loop = loop
+        self._acc = Accumulator(msg.request_id, msg.num_return_sequences)
+        self._chunks: asyncio.Queue[StreamChunk | object] = asyncio.Queue()
+        self._future: asyncio.Future[GenerationResult] = loop.create_future()
+
+    # Sink, called on the I/O thread: hop to the event loop.
+    def on_response(self, response: protocol.Response) -> None:
+        self._loop.call_soon_threadsafe(self._apply, response)
+
+    def on_error(self, error: RequestError) -> None:
+        self._loop.call_soon_threadsafe(self._fail, error)
+
+    def _apply(self, response: protocol.Response) -> None:
+        self._chunks.put_nowait(self._acc.add(response))
+        if response.is_final:
+            self._chunks.put_nowait(_END)
+            if not self._future.done():
+                self._future.set_result(self._acc.result)
+
+    def _fail(self, error: RequestError) -> None:
+        self._chunks.put_nowait(_END)
+        if not self._future.done():
+            self._future.set_exception(error)
+
+    async def result(self, timeout: float | None = None) -> GenerationResult:
+        return await asyncio.wait_for(asyncio.shield(self._future), timeout)
+
+    def cancel(self) -> None:
+        self._connection.cancel(self.request_id)
+
+    async def __aiter__(self) -> AsyncIterator[StreamChunk]:
+        while True:
+            item = await self._chunks.get()
+            if item is _END:
+                if self._future.done() and self._future.exception() is not None:
+                    raise self._future.exception()  # type: ignore[misc]
+                return
+            assert isinstance(item, StreamChunk)
+            yield item
+
+
+class AsyncClient:
+    def __init__(
+        self, gateways: Sequence[str], *, heartbeat_interval_s: float = 1.0, missed_heartbeats: int = 3
+    ) -> None:
+        self._connection = Connection(
+            gateways, heartbeat_interval_s=heartbeat_interval_s, missed_heartbeats=missed_heartbeats
+        )
+
+    def submit(self, prompt: Prompt, **kwargs: Any) -> AsyncRequest:
+        """Start a request from a coroutine; keyword arguments as in build_submit."""
+        msg = build_submit(prompt, **kwargs)
+        request = AsyncRequest(self._connection, msg, asyncio.get_running_loop())
+        self._connection.submit(msg.request_id, protocol.encode(msg), request)
+        return request
+
+    async def generate(self, prompt: Prompt, timeout: float | None = None, **kwargs: Any) -> GenerationResult:
+        return await self.submit(prompt, **kwargs).result(timeout)
+
+    def stream(self, prompt: Prompt, **kwargs: Any) -> AsyncRequest:
+        return self.submit(prompt, streaming=True, **kwargs)
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._connection.close)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,258 @@
+"""The client library's I/O thread: one DEALER to one gateway at a time.
+
+Threading choice: every socket is owned by this one thread. Callers on any
+thread hand it commands through a queue and wake it through a pipe the poller
+watches, so `Client` and `AsyncClient` are safe to share between threads and
+submitting never waits on the network.
+
+Failover: a gateway that does not answer Hello, or stops heartbeating, for
+`missed_heartbeats` intervals is dropped for the next one in the list. Requests
+that had received nothing yet are sent again there; requests that had started
+fail with `GatewayLostError` (their output so far cannot be resumed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import zmq
+
+import protocol
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(RuntimeError):
+    """The service answered this request with an error."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(f"[{code}] {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+class GatewayLostError(RequestError):
+    """The gateway stopped answering after this request had started streaming."""
+
+
+class Sink(Protocol):
+    """Where one request's news goes; called on the I/O thread, must not block."""
+
+    def on_response(self, response: protocol.Response) -> None: ...
+
+    def on_error(self, error: RequestError) -> None: ...
+
+
+@dataclass(eq=False, slots=True)
+class _Call:
+    request_id: str
+    payload: bytes
+    sink: Sink
+    started: bool = False
+
+
+class Connection(threading.Thread):
+    def __init__(
+        self,
+        gateways: Sequence[str],
+        *,
+        heartbeat_interval_s: float = 1.0,
+        missed_heartbeats: int = 3,
+    ) -> None:
+        super().__init__(name="tokenwire-client-io", daemon=True)
+        if isinstance(gateways, str) or not gateways:
+            raise ValueError(
+                "gateways must be a non-empty list of ZeroMQ endpoints, e.g. ['tcp://127.0.0.1:5550']"
+            )
+        self.gateways = list(gateways)
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.missed_heartbeats = missed_heartbeats
+        self.client_id = f"client-{uuid.uuid4().hex[:12]}"
+        self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._ctx = zmq.Context()
+        self._calls: dict[str, _Call] = {}
+        self._index = -1
+        self._sock: zmq.Socket | None = None
+        self._poller = zmq.Poller()
+        self._ready = False
+        self._opened = 0.0
+        self._last_seen = 0.0
+        self._gateway_interval_s = heartbeat_interval_s
+        self._closed = threading.Event()
+        self.gateway: str | None = None  # the endpoint in use, for diagnostics
+        self.start()
+
+    # -- any thread ---------------------------------------------------------------------
+
+    def submit(self, request_id: str, payload: bytes, sink: Sink) -> None:
+        self._command("submit", _Call(request_id, payload, sink))
+
+    def cancel(self, request_id: str) -> None:
+        self._command("cancel", request_id)
+
+    def close(self) -> None:
+        if not self._closed.is_set():
+            self._command("close", None)
+            self.join(timeout=5)
+
+    def _command(self, name: str, arg: object) -> None:
+        if self._closed.is_set():
+            raise RuntimeError("the client is closed")
+        self._commands.put((name, arg))
+        os.write(self._wake_w, b"\0")
+
+    # -- the I/O thread ---------------------------------------------------------------------
+
+    def run(self) -> None:
+        self._open_next()
+        next_tick = time.monotonic() + self.heartbeat_interval_s
+        try:
+            while True:
+                timeout_ms = int(max(0.0, next_tick - time.monotonic()) * 1000)
+                events = dict(self._poller.poll(timeout_ms))
+                if self._wake_r in events and not self._run_commands():
+                    return
+                if self._sock in events:
+                    self._receive()
+                if time.monotonic() >= next_tick:
+                    self._tick()
+                    next_tick = time.monotonic() + self.heartbeat_interval_s
+        finally:
+            self._closed.set()
+            for call in self._calls.values():
+                call.sink.on_error(RequestError("closed", "the client was closed", call.request_id))
+            self._calls.clear()
+            if self._sock is not None:
+                self._sock.close(0)
+            self._ctx.term()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _run_commands(self) -> bool:
+        while True:
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                break
+        while True:
+            try:
+                name, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            if name == "close":
+                return False
+            assert self._sock is not None
+            if name == "submit":
+                assert isinstance(arg, _Call)
+                if arg.request_id in self._calls:
+                    arg.sink.on_error(
+                        RequestError("invalid_request", "request_id is already in flight", arg.request_id)
+                    )
+                    continue
+                self._calls[arg.request_id] = arg
+                self._sock.send(arg.payload)
+            elif name == "cancel":
+                assert isinstance(arg, str)
+                if arg in self._calls:
+                    self._sock.send(protocol.encode(protocol.Cancel(request_id=arg)))
+
+    def _receive(self) -> None:
+        assert self._sock is not None
+        for _ in range(1000):
+            try:
+                payload = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = protocol.decode(payload)
+            except protocol.ProtocolError as e:
+                log.error("gateway %s sent a bad message: %s", self.gateway, e)
+                continue
+            self._last_seen = time.monotonic()
+            if isinstance(msg, protocol.ResultBatch):
+                for response in msg.responses:
+                    call = self._calls.get(response.request_id)
+                    if call is None:
+                        continue
+                    call.started = True
+                    if response.error_msg is not None:
+                        del self._calls[response.request_id]
+                        call.sink.on_error(RequestError("worker", response.error_msg, call.request_id))
+                        continue
+                    if response.is_final:
+                        del self._calls[response.request_id]
+                    call.sink.on_response(response)
+            elif isinstance(msg, protocol.ErrorReply):
+                call = self._calls.pop(msg.request_id, None) if msg.request_id else None
+                if call is not None:
+                    call.sink.on_error(RequestError(str(msg.code), msg.message, msg.request_id))
+                else:
+                    log.warning("gateway %s: %s: %s", self.gateway, msg.code, msg.message)
+            elif isinstance(msg, protocol.Ready):
+                self._ready = True
+                self._gateway_interval_s = msg.heartbeat_interval_s
+
+    def _tick(self) -> None:
+        assert self._sock is not None
+        now = time.monotonic()
+        limit = self.missed_heartbeats * (
+            self._gateway_interval_s if self._ready else self.heartbeat_interval_s
+        )
+        silent = now - (self._last_seen if self._ready else self._opened)
+        if silent > limit:
+            self._failover(f"no answer for {silent:.1f} s")
+        else:
+            self._sock.send(protocol.encode(protocol.Heartbeat(sender_id=self.client_id)))
+
+    def _open_next(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+        self._index = (self._index + 1) % len(self.gateways)
+        self.gateway = self.gateways[self._index]
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(self.gateway)
+        self._sock = sock
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._ready = False
+        self._opened = time.monotonic()
+        sock.send(
+            protocol.encode(
+                protocol.Hello(
+                    sender_id=self.client_id, role="client", heartbeat_interval_s=self.heartbeat_interval_s
+                )
+            )
+        )
+
+    def _failover(self, why: str) -> None:
+        lost = self.gateway
+        self._open_next()
+        log.warning("gateway %s lost (%s); now using %s", lost, why, self.gateway)
+        assert self._sock is not None
+        for request_id, call in list(self._calls.items()):
+            if call.started:
+                del self._calls[request_id]
+                call.sink.on_error(
+                    GatewayLostError(
+                        "unavailable",
+                        f"gateway {lost} was lost ({why}) after the request had started streaming",
+                        request_id,
+                    )
+                )
+            else:
+                self._sock.send(call.payload)

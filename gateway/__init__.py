@@ -1,0 +1,2 @@
+"""The gateway process: clients in, workers out, text <-> tokens in between.
+See `server.Gateway`."""

@@ -1,0 +1,64 @@
+"""`tokenwire gateway` / `python -m gateway`: run one gateway process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+DEFAULT_BIND = "tcp://127.0.0.1:5550"
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bind", default=DEFAULT_BIND, help=f"ZeroMQ endpoint for clients (default {DEFAULT_BIND})")
+    p.add_argument("--redis", default=DEFAULT_REDIS, help=f"Redis URL (default {DEFAULT_REDIS})")
+    p.add_argument("--redis-prefix", default="tokenwire")
+    p.add_argument("--gateway-id", default="", help="id workers know this gateway by (default gw-host-pid)")
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        help="checkpoint (or default model name) whose tokenizer serves text prompts; repeatable",
+    )
+    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
+    p.add_argument("--missed-heartbeats", type=int, default=3, help="silent intervals before a peer is gone")
+    p.add_argument("--max-inflight", type=int, default=4096, help="requests in flight, whole gateway")
+    p.add_argument("--max-inflight-per-client", type=int, default=1024)
+    p.add_argument("--no-worker-timeout", type=float, default=10.0, help="seconds a request waits for a worker")
+    p.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gateway.server import Gateway, GatewayConfig
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s")
+    gw = Gateway(
+        GatewayConfig(
+            bind=args.bind,
+            redis_url=args.redis,
+            gateway_id=args.gateway_id,
+            redis_prefix=args.redis_prefix,
+            heartbeat_interval_s=args.heartbeat_interval,
+            missed_heartbeats=args.missed_heartbeats,
+            max_inflight=args.max_inflight,
+            max_inflight_per_client=args.max_inflight_per_client,
+            no_worker_timeout_s=args.no_worker_timeout,
+            tokenizer_models=args.model,
+        )
+    )
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: gw.stop.set())
+    gw.serve()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenwire gateway", description="Run one gateway.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,484 @@
+"""The gateway: a ROUTER for clients, a DEALER per worker, one I/O thread.
+
+It keeps only soft state (request id -> client, request id -> worker); losing
+it loses nothing durable: workers abort its requests when its heartbeats stop,
+and clients fail over to another gateway.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import zmq
+
+import protocol
+from gateway.discovery import Discovery
+from gateway.stream import OutputStream
+from gateway.tokenizer_store import Tokenizers
+from gateway.workers import WorkerLink, least_loaded
+from protocol import ErrorCode
+
+log = logging.getLogger(__name__)
+
+# How often one request may be handed to a new worker after its worker was lost.
+_MAX_DISPATCHES = 3
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    bind: str  # e.g. tcp://127.0.0.1:5550
+    redis_url: str
+    gateway_id: str = ""  # default: gw-host-pid
+    redis_prefix: str = protocol.DEFAULT_PREFIX
+    heartbeat_interval_s: float = 1.0
+    # A worker or client silent for this many of its heartbeat intervals is gone.
+    missed_heartbeats: int = 3
+    discovery_interval_s: float = 0.5
+    max_inflight: int = 4096
+    max_inflight_per_client: int = 1024
+    # How long a request may wait for a worker to serve it before it fails.
+    no_worker_timeout_s: float = 10.0
+    tokenizer_models: list[str] = field(default_factory=list)
+
+
+@dataclass(eq=False, slots=True)
+class _Request:
+    request_id: str
+    client: bytes
+    submit: protocol.Submit  # as the client sent it (token ids filled in)
+    stream: OutputStream
+    model: str | None  # fixed once routed, so a re-dispatch keeps the vocabulary
+    created: float = field(default_factory=time.monotonic)
+    worker: WorkerLink | None = None
+    started: bool = False  # the client has received some of its output
+    dispatches: int = 0
+
+
+@dataclass(slots=True)
+class _Client:
+    heartbeat_interval_s: float
+    last_seen: float = field(default_factory=time.monotonic)
+    requests: set[str] = field(default_factory=set)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.limits = protocol.DEFAULT_LIMITS
+        self.keys = protocol.Keys(config.redis_prefix)
+        self.ctx = zmq.Context()
+        self.frontend = self.ctx.socket(zmq.ROUTER)
+        self.frontend.setsockopt(zmq.SNDHWM, 0)  # bounded by the in-flight limits
+        self.frontend.setsockopt(zmq.RCVHWM, 0)
+        self.frontend.setsockopt(zmq.LINGER, 0)
+        self.frontend.bind(config.bind)
+        self.address = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.gateway_id = config.gateway_id or f"gw-{socket.gethostname()}-{os.getpid()}"
+        self.tokenizers = Tokenizers(config.tokenizer_models)
+        self.stop = threading.Event()
+        self.discovery = Discovery(
+            config.redis_url,
+            self.keys,
+            config.discovery_interval_s,
+            stale_after_s=max(10.0, 5 * config.heartbeat_interval_s),
+            stop=self.stop,
+        )
+        self.workers: dict[str, WorkerLink] = {}
+        self.lost_at: dict[str, float] = {}  # worker id -> unix time it was declared lost
+        self.clients: dict[bytes, _Client] = {}
+        self.requests: dict[str, _Request] = {}
+        self.waiting: deque[_Request] = deque()  # accepted, no worker yet
+        self.poller = zmq.Poller()
+        self.poller.register(self.frontend, zmq.POLLIN)
+        self._sockets: dict[zmq.Socket, WorkerLink] = {}
+
+    # -- main loop ---------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Run until `self.stop` is set."""
+        self.discovery.start()
+        log.info("gateway %s listening at %s", self.gateway_id, self.address)
+        interval = self.config.heartbeat_interval_s
+        next_tick = 0.0
+        try:
+            while not self.stop.is_set():
+                events = dict(self.poller.poll(50))
+                if self.frontend in events:
+                    self._from_clients()
+                for sock in [s for s in events if s is not self.frontend]:
+                    link = self._sockets.get(sock)
+                    if link is not None:
+                        self._from_worker(link)
+                self._apply_discovery()
+                now = time.monotonic()
+                if now >= next_tick:
+                    self._tick(now)
+                    next_tick = now + interval
+                if self.waiting:
+                    self._dispatch_waiting(now)
+        finally:
+            self.stop.set()
+            self.discovery.join(timeout=5)
+            for link in list(self.workers.values()):
+                link.socket.close(0)
+            self.frontend.close(0)
+            self.ctx.term()
+
+    # -- clients ---------------------------------------------------------------------------
+
+    def _from_clients(self) -> None:
+        for _ in range(1000):
+            try:
+                frames = self.frontend.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                if frames and len(frames[0]) > 0:
+                    self._reply(
+                        frames[0],
+                        protocol.ErrorReply(
+                            code=ErrorCode.PROTOCOL,
+                            message=f"a message is one frame (msgpack); got {len(frames) - 1} frames",
+                        ),
+                    )
+                continue
+            self._from_client(frames[0], frames[1])
+
+    def _from_client(self, client: bytes, payload: bytes) -> None:
+        try:
+            msg = protocol.decode(payload, self.limits)
+        except protocol.ProtocolError as e:
+            self._reply(
+                client, protocol.ErrorReply(code=ErrorCode.PROTOCOL, message=str(e), request_id=e.request_id)
+            )
+            return
+        state = self.clients.get(client)
+        if state is None:
+            state = self.clients[client] = _Client(self.config.heartbeat_interval_s)
+        state.last_seen = time.monotonic()
+        if isinstance(msg, protocol.Submit):
+            self._submit(client, state, msg)
+        elif isinstance(msg, protocol.Cancel):
+            self._cancel(client, msg.request_id)
+        elif isinstance(msg, protocol.Hello):
+            state.heartbeat_interval_s = msg.heartbeat_interval_s
+            models = sorted({m for w in self.workers.values() if w.ready for m in w.models})
+            self._reply(
+                client,
+                protocol.Ready(
+                    sender_id=self.gateway_id,
+                    role="gateway",
+                    heartbeat_interval_s=self.config.heartbeat_interval_s,
+                    models=models,
+                ),
+            )
+        elif isinstance(msg, protocol.Heartbeat):
+            pass
+        else:
+            self._reply(
+                client,
+                protocol.ErrorReply(
+                    code=ErrorCode.PROTOCOL,
+                    message=f"a gateway does not accept {msg.kind} messages from clients",
+                ),
+            )
+
+    def _submit(self, client: bytes, state: _Client, msg: protocol.Submit) -> None:
+        def refuse(code: ErrorCode, text: str) -> None:
+            self._reply(client, protocol.ErrorReply(code=code, message=text, request_id=msg.request_id))
+
+        if msg.request_id in self.requests:
+            return refuse(ErrorCode.INVALID_REQUEST, f"request_id {msg.request_id!r} is already in flight")
+        if len(state.requests) >= self.config.max_inflight_per_client:
+            return refuse(
+                ErrorCode.OVERLOADED,
+                f"busy: this client has {len(state.requests)} requests in "
+                f"flight (limit {self.config.max_inflight_per_client}); retry when some finish",
+            )
+        if len(self.requests) >= self.config.max_inflight:
+            return refuse(
+                ErrorCode.OVERLOADED,
+                f"busy: the gateway has {len(self.requests)} requests in "
+                f"flight (limit {self.config.max_inflight}); retry later or use another gateway",
+            )
+        ready = [w for w in self.workers.values() if w.ready]
+        model = msg.model
+        if model is not None and ready and not any(model in w.models for w in ready):
+            served = sorted({m for w in ready for m in w.models})
+            return refuse(ErrorCode.UNKNOWN_MODEL, f"no worker serves model {model!r}; served: {served}")
+        if model is None and msg.prompt is not None:
+            # Text needs a tokenizer, so settle the model now: the one most workers serve.
+            names = [m for w in ready for m in w.models[:1]]
+            model = max(set(names), key=names.count) if names else None
+        tokenizer = self.tokenizers.get(model) if model is not None else None
+        if msg.prompt is not None:
+            if tokenizer is None:
+                return refuse(
+                    ErrorCode.INVALID_REQUEST,
+                    f"this gateway has no tokenizer for model {model!r}: send input_token_ids, "
+                    "or start the gateway with --model for it",
+                )
+            ids = tokenizer.encode(msg.prompt).ids
+            if not ids:
+                return refuse(ErrorCode.INVALID_REQUEST, "the prompt encodes to no tokens")
+            msg = msg.model_copy(update={"prompt": None, "input_token_ids": ids})
+        stream = OutputStream(tokenizer, msg.stop or [], msg.num_return_sequences)
+        req = _Request(msg.request_id, client, msg, stream, model)
+        self.requests[req.request_id] = req
+        state.requests.add(req.request_id)
+        self._dispatch(req)
+
+    def _cancel(self, client: bytes, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.client != client:
+            return  # finished already, or not this client's: nothing to do
+        if req.worker is not None:
+            req.worker.socket.send(protocol.encode(protocol.Cancel(request_id=request_id)))
+        else:  # still waiting for a worker: end it here
+            self._finish_with_result(req, protocol.FinishReason.CANCELLED)
+
+    def _reply(self, client: bytes, msg: protocol.Message) -> None:
+        self.frontend.send_multipart([client, protocol.encode(msg, self.limits)])
+
+    # -- routing -----------------------------------------------------------------------------
+
+    def _dispatch(self, req: _Request) -> None:
+        link = least_loaded(list(self.workers.values()), req.model)
+        if link is None:
+            self.waiting.append(req)
+            return
+        problem = self._check_fits(req.submit, link)
+        if problem:
+            self._fail(req, ErrorCode.INVALID_REQUEST, problem)
+            return
+        req.model = req.model or (link.models[0] if link.models else None)
+        if req.stream.tokenizer is None and req.model is not None:
+            req.stream.tokenizer = self.tokenizers.get(req.model)
+        req.worker = link
+        req.dispatches += 1
+        link.requests.add(req.request_id)
+        link.sent_since_load += 1
+        wire = req.submit.model_copy(update={"model": req.model, "stop": None})
+        link.socket.send(protocol.encode(wire, self.limits))
+
+    @staticmethod
+    def _check_fits(msg: protocol.Submit, link: WorkerLink) -> str | None:
+        ids = msg.input_token_ids or []
+        if link.vocab_size is not None:
+            bad = [t for t in ids if t >= link.vocab_size]
+            if bad:
+                return f"input_token_ids: token id {bad[0]} is out of the vocabulary (size {link.vocab_size})"
+        if link.max_seq_len is not None and len(ids) + msg.max_tokens > link.max_seq_len:
+            return (
+                f"prompt ({len(ids)} tokens) + max_tokens ({msg.max_tokens}) exceeds the model's "
+                f"context of {link.max_seq_len} tokens"
+            )
+        return None
+
+    def _dispatch_waiting(self, now: float) -> None:
+        waiting, self.waiting = self.waiting, deque()
+        for req in waiting:
+            if req.request_id not in self.requests:
+                continue  # cancelled or its client went away meanwhile
+            if now - req.created > self.config.no_worker_timeout_s:
+                self._fail(
+                    req,
+                    ErrorCode.UNAVAILABLE,
+                    f"no worker for model {req.model or '(any)'} became available within "
+                    f"{self.config.no_worker_timeout_s:g} s",
+                )
+            elif any(w.ready for w in self.workers.values()):
+                self._dispatch(req)
+            else:
+                self.waiting.append(req)
+
+    # -- workers -------------------------------------------------------------------------------
+
+    def _apply_discovery(self) -> None:
+        try:
+            snapshot = self.discovery.snapshots.get_nowait()
+        except Exception:
+            return
+        for worker_id, (info, heartbeat_time) in snapshot.items():
+            link = self.workers.get(worker_id)
+            if link is not None and link.info.address == info.address:
+                continue
+            if heartbeat_time <= self.lost_at.get(worker_id, 0.0):
+                continue  # the registry still shows a worker we lost; wait for a fresh heartbeat
+            if link is not None:
+                self._lose_worker(link, "it re-registered at a new address")
+            self._connect(info)
+
+    def _connect(self, info: protocol.WorkerInfo) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.gateway_id.encode())
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(info.address)
+        link = WorkerLink(info, sock)
+        self.workers[info.worker_id] = link
+        self._sockets[sock] = link
+        self.poller.register(sock, zmq.POLLIN)
+        sock.send(
+            protocol.encode(
+                protocol.Hello(
+                    sender_id=self.gateway_id,
+                    role="gateway",
+                    heartbeat_interval_s=self.config.heartbeat_interval_s,
+                )
+            )
+        )
+        log.info("connecting to worker %s at %s", info.worker_id, info.address)
+
+    def _from_worker(self, link: WorkerLink) -> None:
+        for _ in range(1000):
+            try:
+                payload = link.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if self.workers.get(link.worker_id) is not link:
+                return  # lost meanwhile
+            try:
+                msg = protocol.decode(payload, self.limits)
+            except protocol.ProtocolError as e:
+                log.error("worker %s sent a bad message: %s", link.worker_id, e)
+                continue
+            link.last_seen = time.monotonic()
+            if isinstance(msg, protocol.ResultBatch):
+                link.update_load(msg.load)
+                self._results(link, msg.responses)
+            elif isinstance(msg, protocol.Heartbeat):
+                link.update_load(msg.load)
+            elif isinstance(msg, protocol.ErrorReply):
+                self._worker_error(link, msg)
+            elif isinstance(msg, protocol.Ready):
+                link.ready = True
+                link.heartbeat_interval_s = msg.heartbeat_interval_s
+                link.models = list(msg.models)
+                link.vocab_size = msg.vocab_size
+                link.max_seq_len = msg.max_seq_len
+                link.update_load(msg.load)
+                log.info("worker %s ready: %s", link.worker_id, msg.models)
+
+    def _results(self, link: WorkerLink, responses: list[protocol.Response]) -> None:
+        out: dict[bytes, list[protocol.Response]] = defaultdict(list)
+        for response in responses:
+            req = self.requests.get(response.request_id)
+            if req is None or req.worker is not link:
+                continue
+            if response.result is None:
+                out[req.client].append(response)
+                self._forget(req)
+                continue
+            result = req.stream.apply(response.result)
+            if result is None:
+                continue
+            req.started = True
+            out[req.client].append(response.model_copy(update={"result": result}))
+            if result.is_final:
+                if not response.result.is_final:  # a stop string ended it here: stop the worker too
+                    link.socket.send(protocol.encode(protocol.Cancel(request_id=req.request_id)))
+                self._forget(req)
+        for client, items in out.items():
+            self._reply(client, protocol.ResultBatch(responses=items))
+
+    def _worker_error(self, link: WorkerLink, msg: protocol.ErrorReply) -> None:
+        req = self.requests.get(msg.request_id) if msg.request_id else None
+        if req is None or req.worker is not link:
+            log.warning("worker %s: %s error: %s", link.worker_id, msg.code, msg.message)
+            return
+        self._reply(req.client, msg)
+        self._forget(req)
+
+    def _lose_worker(self, link: WorkerLink, why: str) -> None:
+        log.warning("worker %s lost (%s): %d requests affected", link.worker_id, why, len(link.requests))
+        self.workers.pop(link.worker_id, None)
+        self._sockets.pop(link.socket, None)
+        self.poller.unregister(link.socket)
+        link.socket.close(0)
+        self.lost_at[link.worker_id] = time.time()
+        for request_id in list(link.requests):
+            req = self.requests.get(request_id)
+            if req is None or req.worker is not link:
+                continue
+            req.worker = None
+            if not req.started and req.dispatches < _MAX_DISPATCHES:
+                log.info(
+                    "request %s re-dispatched: it had produced no output on %s", request_id, link.worker_id
+                )
+                self._dispatch(req)
+            else:
+                self._fail(
+                    req,
+                    ErrorCode.UNAVAILABLE,
+                    f"worker {link.worker_id} was lost mid-request ({why}) after "
+                    f"{req.stream.num_tokens} tokens; the stream ends here",
+                )
+        link.requests.clear()
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+
+    def _fail(self, req: _Request, code: ErrorCode, text: str) -> None:
+        self._reply(req.client, protocol.ErrorReply(code=code, message=text, request_id=req.request_id))
+        self._forget(req)
+
+    def _finish_with_result(self, req: _Request, reason: protocol.FinishReason) -> None:
+        n = req.submit.num_return_sequences
+        responses = [
+            protocol.Response(
+                request_id=req.request_id,
+                result=protocol.Result(
+                    is_final=i == n - 1,
+                    output_token_ids=[[]],
+                    finish_reasons=[reason],
+                    sequence_index=i,
+                    is_sequence_final=True,
+                ),
+            )
+            for i in range(n)
+        ]
+        self._reply(req.client, protocol.ResultBatch(responses=responses))
+        self._forget(req)
+
+    def _forget(self, req: _Request) -> None:
+        self.requests.pop(req.request_id, None)
+        if req.worker is not None:
+            req.worker.requests.discard(req.request_id)
+        client = self.clients.get(req.client)
+        if client is not None:
+            client.requests.discard(req.request_id)
+
+    def _tick(self, now: float) -> None:
+        n = self.config.missed_heartbeats
+        for link in list(self.workers.values()):
+            silent = now - (link.last_seen if link.ready else link.connected_at)
+            limit = n * (link.heartbeat_interval_s if link.ready else self.config.heartbeat_interval_s)
+            if silent > limit:
+                self._lose_worker(link, f"no heartbeat for {silent:.1f} s")
+        for client, state in list(self.clients.items()):
+            if now - state.last_seen > n * state.heartbeat_interval_s:
+                self._client_gone(client, state)
+        beat = protocol.encode(protocol.Heartbeat(sender_id=self.gateway_id))
+        for link in self.workers.values():
+            link.socket.send(beat)
+        for client in self.clients:
+            self.frontend.send_multipart([client, beat])
+
+    def _client_gone(self, client: bytes, state: _Client) -> None:
+        if state.requests:
+            log.info("client %s silent: cancelling its %d requests", client.hex(), len(state.requests))
+        for request_id in list(state.requests):
+            req = self.requests.get(request_id)
+            if req is None:
+                continue
+            if req.worker is not None:
+                req.worker.socket.send(protocol.encode(protocol.Cancel(request_id=request_id)))
+            self._forget(req)
+        del self.clients[client]

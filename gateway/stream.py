@@ -1,0 +1,87 @@
+"""One request's output as its client sees it: tokens turned into text
+incrementally, and stop strings, which only the decoded text can show.
+
+Text that might be the start of a stop string is held back until the next
+tokens settle it, so a client never receives text a stop string later cuts.
+When a stop string ends a sequence the tokens of that step are still reported
+(the worker produced them); the text stops right before the stop string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+import protocol
+from protocol import FinishReason
+from worker.models.detokenizer import IncrementalDetokenizer
+
+
+@dataclass(slots=True)
+class _Sequence:
+    detok: IncrementalDetokenizer | None
+    sent: int = 0  # characters of detok.text already sent
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class OutputStream:
+    tokenizer: Tokenizer | None
+    stop: list[str]
+    num_sequences: int
+    finished: bool = False  # the client got its final response
+    num_tokens: int = 0
+    _seqs: dict[int, _Sequence] = field(default_factory=dict)
+
+    def apply(self, result: protocol.Result) -> protocol.Result | None:
+        """The result to send for one from the worker, or None when there is nothing
+        to send (a sequence already ended by a stop string). Sets `finished`."""
+        if self.finished:
+            return None
+        seq = self._seqs.get(result.sequence_index)
+        if seq is None:
+            detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
+            seq = self._seqs[result.sequence_index] = _Sequence(detok)
+        if seq.finished:
+            if not result.is_final:
+                return None
+            self.finished = True
+            return result.model_copy(update={"output_token_ids": [[]], "text": None})
+        self.num_tokens += sum(len(t) for t in result.output_token_ids)
+        update: dict[str, object] = {}
+        if seq.detok is not None and len(result.output_token_ids) == 1:
+            text, stopped = self._text(seq, result.output_token_ids[0], result.is_sequence_final)
+            update["text"] = [text]
+            if stopped:
+                seq.finished = True
+                update["is_sequence_final"] = True
+                update["finish_reasons"] = [FinishReason.STOP_WORDS]
+                done = sum(s.finished for s in self._seqs.values())
+                update["is_final"] = result.is_final or done == self.num_sequences
+        if result.is_sequence_final:
+            seq.finished = True
+        out = result.model_copy(update=update) if update else result
+        self.finished = out.is_final
+        return out
+
+    def _text(self, seq: _Sequence, token_ids: list[int], final: bool) -> tuple[str, bool]:
+        assert seq.detok is not None
+        seq.detok.add(token_ids)
+        if final:
+            seq.detok.flush()
+        text = seq.detok.text
+        if self.stop:
+            longest = max(map(len, self.stop))
+            start = max(0, seq.sent - longest + 1)
+            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                end = max(min(hits), seq.sent)
+                out, seq.sent = text[seq.sent : end], end
+                return out, True
+            if not final:
+                safe = max(seq.sent, len(text) - longest + 1)
+                out, seq.sent = text[seq.sent : safe], safe
+                return out, False
+        out, seq.sent = text[seq.sent :], len(text)
+        return out, False

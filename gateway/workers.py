@@ -1,0 +1,53 @@
+"""The gateway's view of its workers: one DEALER each, liveness, load, routing."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+import protocol
+
+
+@dataclass(eq=False, slots=True)
+class WorkerLink:
+    info: protocol.WorkerInfo
+    socket: zmq.Socket
+    connected_at: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)
+    ready: bool = False
+    heartbeat_interval_s: float = 1.0
+    models: list[str] = field(default_factory=list)
+    vocab_size: int | None = None
+    max_seq_len: int | None = None
+    load: protocol.WorkerLoad | None = None
+    # Requests this gateway sent since the worker last reported its load: the
+    # report cannot count them yet.
+    sent_since_load: int = 0
+    requests: set[str] = field(default_factory=set)
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    def update_load(self, load: protocol.WorkerLoad | None) -> None:
+        if load is not None:
+            self.load = load
+            self.sent_since_load = 0
+
+    def score(self) -> tuple[int, int]:
+        """Lower is less loaded: requests waiting or running, then fewer free KV blocks."""
+        load = self.load or protocol.WorkerLoad()
+        busy = load.num_queued_requests + load.num_active_requests + self.sent_since_load
+        return busy, -load.free_num_blocks
+
+
+def least_loaded(workers: list[WorkerLink], model: str | None) -> WorkerLink | None:
+    """The least-loaded ready worker serving `model` (any model when None); ties at random."""
+    candidates = [w for w in workers if w.ready and (model is None or model in w.models)]
+    if not candidates:
+        return None
+    best = min(w.score() for w in candidates)
+    return random.choice([w for w in candidates if w.score() == best])

@@ -1,0 +1,120 @@
+"""`tokenwire worker` / `python -m worker.service`: run one worker process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from worker.executor import Executor, ExecutorConfig, KvCacheConfig
+
+DEFAULT_BIND = "tcp://127.0.0.1:5600"
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default="SmolLM2-135M-Instruct",
+        help="checkpoint directory, .gguf file, or the default model's name",
+    )
+    p.add_argument(
+        "--model-name", default=None, help="name gateways route on (default: the checkpoint's name)"
+    )
+    p.add_argument("--bind", default=DEFAULT_BIND, help=f"ZeroMQ endpoint to bind (default {DEFAULT_BIND})")
+    p.add_argument("--advertise", default="", help="address gateways connect to (default: the bound one)")
+    p.add_argument("--redis", default=DEFAULT_REDIS, help=f"Redis URL (default {DEFAULT_REDIS})")
+    p.add_argument("--redis-prefix", default="tokenwire")
+    p.add_argument("--worker-id", default="", help="registry id (default host:port)")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "numpy", "torch", "echo"],
+        help="'echo' is for TRANSPORT TESTS ONLY: it returns the last prompt token, computing nothing",
+    )
+    p.add_argument("--device", default=None, help="torch device, e.g. cuda:0")
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--max-num-tokens", type=int, default=2048)
+    p.add_argument(
+        "--kv-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)"
+    )
+    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
+    p.add_argument(
+        "--missed-heartbeats",
+        type=int,
+        default=3,
+        help="a gateway silent for this many of its intervals is gone and its requests aborted",
+    )
+    p.add_argument(
+        "--cancel-poll-interval", type=float, default=0.25, help="seconds between Redis cancel polls"
+    )
+    p.add_argument("--log-level", default="INFO")
+
+
+def model_name_of(path: Path) -> str:
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def build_executor(args: argparse.Namespace) -> tuple[Executor, Path]:
+    from worker.models.default_model import resolve_model
+
+    path = Path(args.model) if Path(args.model).exists() else resolve_model(args.model)
+    config = ExecutorConfig(
+        max_batch_size=args.max_batch_size,
+        max_num_tokens=args.max_num_tokens,
+        kv_cache_config=KvCacheConfig(max_tokens=args.kv_tokens),
+        backend="auto" if args.backend == "echo" else args.backend,
+        device=args.device,
+    )
+    if args.backend != "echo":
+        return Executor(path, config), path
+    from worker.models.config import ModelConfig
+    from worker.service.echo_backend import EchoBackend
+
+    logging.getLogger(__name__).warning("echo backend: TRANSPORT TEST ONLY, no model runs")
+    hf_config = json.loads((path / "config.json").read_text())
+    return Executor(path, config, backend=EchoBackend(ModelConfig.from_hf(hf_config))), path
+
+
+def run(args: argparse.Namespace) -> int:
+    from worker.service.server import ServiceConfig, WorkerService
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s worker %(levelname)s %(name)s: %(message)s")
+    executor, path = build_executor(args)
+    service = WorkerService(
+        executor,
+        ServiceConfig(
+            bind=args.bind,
+            redis_url=args.redis,
+            model_name=args.model_name or model_name_of(path),
+            worker_id=args.worker_id,
+            advertise=args.advertise,
+            redis_prefix=args.redis_prefix,
+            heartbeat_interval_s=args.heartbeat_interval,
+            missed_heartbeats=args.missed_heartbeats,
+            cancel_poll_interval_s=args.cancel_poll_interval,
+            device=args.device or args.backend,
+        ),
+    )
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: service.stop.set())
+    try:
+        service.serve()
+    finally:
+        executor.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tokenwire worker", description="Run one worker: an executor behind ZeroMQ."
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

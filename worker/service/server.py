@@ -1,0 +1,317 @@
+"""The worker service: one Executor behind a ZeroMQ ROUTER that gateways connect to.
+
+Threads, so that no ZeroMQ or Redis call ever runs on the executor's thread:
+- the I/O thread (`serve`) owns the ROUTER: submits, cancels, hello and
+  heartbeats in; result batches and heartbeats out;
+- the result pump waits on the executor, coalesces each wake-up's responses
+  into one result batch per gateway and hands them to the I/O thread over an
+  inproc socket;
+- the Redis thread (redis_link.WorkerRedis).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import zmq
+
+import protocol
+from protocol import ErrorCode
+from worker.executor import Executor
+from worker.service.active import Active, ActiveTable
+from worker.service.convert import to_request, to_wire_response
+from worker.service.redis_link import WorkerRedis
+
+log = logging.getLogger(__name__)
+
+_PUMP_ENDPOINT = "inproc://worker-results"
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    bind: str  # e.g. tcp://127.0.0.1:5600
+    redis_url: str
+    model_name: str
+    worker_id: str = ""  # default: host:port
+    advertise: str = ""  # address gateways connect to; default: the bind address
+    redis_prefix: str = protocol.DEFAULT_PREFIX
+    heartbeat_interval_s: float = 1.0
+    # A gateway silent for this many of its heartbeat intervals is gone: its requests are aborted.
+    missed_heartbeats: int = 3
+    cancel_poll_interval_s: float = 0.25
+    stats_stream_maxlen: int = 1000
+    request_stats_ttl_s: float = 3600.0
+    device: str | None = None
+
+
+@dataclass(slots=True)
+class _Gateway:
+    heartbeat_interval_s: float
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class WorkerService:
+    def __init__(self, executor: Executor, config: ServiceConfig) -> None:
+        self.executor = executor
+        self.config = config
+        self.limits = protocol.DEFAULT_LIMITS
+        self.keys = protocol.Keys(config.redis_prefix)
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.SNDHWM, 0)  # bounded by the executor's admitted work
+        self.router.setsockopt(zmq.RCVHWM, 0)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a gateway reconnecting under its id takes over
+        self.router.bind(config.bind)
+        address = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.address = config.advertise or address.replace("0.0.0.0", socket.gethostname())
+        port = address.rsplit(":", 1)[-1]
+        self.worker_id = config.worker_id or f"{socket.gethostname()}:{port}"
+        self.sender_id = self.worker_id
+        self.table = ActiveTable()
+        self.gateways: dict[bytes, _Gateway] = {}
+        self.stop = threading.Event()
+        info = protocol.WorkerInfo(
+            worker_id=self.worker_id,
+            address=self.address,
+            models=[config.model_name],
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            device=config.device,
+            started_at=time.time(),
+            max_batch_size=executor.config.max_batch_size,
+        )
+        self.redis = WorkerRedis(
+            config.redis_url,
+            self.keys,
+            info,
+            executor,
+            self.table,
+            self.load,
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            cancel_poll_interval_s=config.cancel_poll_interval_s,
+            stats_stream_maxlen=config.stats_stream_maxlen,
+            request_stats_ttl_s=config.request_stats_ttl_s,
+            stop=self.stop,
+        )
+        self._pump_out = self.ctx.socket(zmq.PAIR)
+        self._pump_out.bind(_PUMP_ENDPOINT)
+        self._pump = threading.Thread(target=self._pump_results, name="worker-pump", daemon=True)
+
+    def load(self) -> protocol.WorkerLoad:
+        queued, active, free = self.executor.load()
+        return protocol.WorkerLoad(
+            num_queued_requests=queued,
+            num_active_requests=active,
+            free_num_blocks=free,
+            max_num_blocks=self.executor.blocks.num_blocks,
+        )
+
+    # -- the I/O thread -------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Run until `self.stop` is set (by a signal handler or a test)."""
+        self.redis.start()
+        self._pump.start()
+        log.info("worker %s serving %s at %s", self.worker_id, self.config.model_name, self.address)
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self._pump_out, zmq.POLLIN)
+        interval = self.config.heartbeat_interval_s
+        next_tick = time.monotonic() + interval
+        try:
+            while not self.stop.is_set():
+                timeout_ms = int(max(0.0, min(next_tick - time.monotonic(), 0.1)) * 1000)
+                events = dict(poller.poll(timeout_ms))
+                if self._pump_out in events:
+                    self._forward_results()
+                if self.router in events:
+                    self._receive()
+                if time.monotonic() >= next_tick:
+                    self._tick()
+                    next_tick = time.monotonic() + interval
+        finally:
+            self.stop.set()
+            self._pump.join(timeout=2)
+            self.redis.join(timeout=5)
+            self.router.close(0)
+            self._pump_out.close(0)
+            self.ctx.term()
+
+    def _forward_results(self) -> None:
+        for _ in range(1000):
+            try:
+                gateway, payload = self._pump_out.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if gateway in self.gateways:  # a gateway declared gone gets nothing more
+                self.router.send_multipart([gateway, payload])
+
+    def _receive(self) -> None:
+        for _ in range(1000):
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                continue  # not a DEALER speaking our protocol; nothing to answer
+            gateway, payload = frames
+            self._handle(gateway, payload)
+
+    def _handle(self, gateway: bytes, payload: bytes) -> None:
+        try:
+            msg = protocol.decode(payload, self.limits)
+        except protocol.ProtocolError as e:
+            self._send(
+                gateway, protocol.ErrorReply(code=ErrorCode.PROTOCOL, message=str(e), request_id=e.request_id)
+            )
+            return
+        peer = self.gateways.get(gateway)
+        if peer is None:
+            interval = (
+                msg.heartbeat_interval_s
+                if isinstance(msg, protocol.Hello)
+                else self.config.heartbeat_interval_s
+            )
+            peer = self.gateways[gateway] = _Gateway(interval)
+            log.info("gateway %r connected", gateway)
+        peer.last_seen = time.monotonic()
+        if isinstance(msg, protocol.Submit):
+            self._submit(gateway, msg)
+        elif isinstance(msg, protocol.Cancel):
+            entry = self.table.find(gateway, msg.request_id)
+            if entry is not None:
+                self.executor.cancel_request(entry.exec_id)
+        elif isinstance(msg, protocol.Hello):
+            peer.heartbeat_interval_s = msg.heartbeat_interval_s
+            mc = self.executor.model_config
+            self._send(
+                gateway,
+                protocol.Ready(
+                    sender_id=self.sender_id,
+                    role="worker",
+                    heartbeat_interval_s=self.config.heartbeat_interval_s,
+                    models=[self.config.model_name],
+                    vocab_size=mc.vocab_size,
+                    max_seq_len=self.executor.max_seq_len,
+                    load=self.load(),
+                ),
+            )
+        elif isinstance(msg, protocol.Heartbeat | protocol.Drain):
+            pass  # liveness is all a gateway's heartbeat says
+        else:
+            self._send(
+                gateway,
+                protocol.ErrorReply(
+                    code=ErrorCode.PROTOCOL, message=f"a worker does not accept {msg.kind} messages"
+                ),
+            )
+
+    def _submit(self, gateway: bytes, msg: protocol.Submit) -> None:
+        def refuse(code: ErrorCode, text: str) -> None:
+            self._send(gateway, protocol.ErrorReply(code=code, message=text, request_id=msg.request_id))
+
+        if msg.input_token_ids is None:
+            refuse(
+                ErrorCode.INVALID_REQUEST, "workers take input_token_ids; send text prompts through a gateway"
+            )
+        elif msg.model is not None and msg.model != self.config.model_name:
+            refuse(
+                ErrorCode.UNKNOWN_MODEL, f"this worker serves {self.config.model_name!r}, not {msg.model!r}"
+            )
+        elif self.table.has(gateway, msg.request_id):
+            refuse(ErrorCode.INVALID_REQUEST, f"request_id {msg.request_id!r} is already running")
+        else:
+            request = to_request(msg)
+            with self.table.lock:
+                exec_id = self.executor.enqueue_request(request)
+                self.table.add(Active(exec_id, gateway, msg.request_id, len(request.input_token_ids)))
+
+    def _send(self, gateway: bytes, msg: protocol.Message) -> None:
+        self.router.send_multipart([gateway, protocol.encode(msg, self.limits)])
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        for gateway, peer in list(self.gateways.items()):
+            if now - peer.last_seen > self.config.missed_heartbeats * peer.heartbeat_interval_s:
+                orphans = self.table.of_gateway(gateway)
+                log.warning(
+                    "gateway %r silent for %.1f s: aborting its %d requests",
+                    gateway,
+                    now - peer.last_seen,
+                    len(orphans),
+                )
+                for entry in orphans:
+                    self.executor.cancel_request(entry.exec_id)
+                del self.gateways[gateway]
+        beat = protocol.encode(protocol.Heartbeat(sender_id=self.sender_id, load=self.load()))
+        for gateway in self.gateways:
+            self.router.send_multipart([gateway, beat])
+
+    # -- the result pump ---------------------------------------------------------------
+
+    def _pump_results(self) -> None:
+        out = self.ctx.socket(zmq.PAIR)
+        out.setsockopt(zmq.SNDHWM, 0)
+        out.connect(_PUMP_ENDPOINT)
+        exec_stats: dict[int, object] = {}
+        max_batch = self.limits.max_array_len
+        try:
+            while not self.stop.is_set():
+                responses = self.executor.await_responses(None, timeout=0.1)
+                if not responses:
+                    continue
+                batches: dict[bytes, list[protocol.Response]] = defaultdict(list)
+                finished: list[tuple[Active, protocol.Response]] = []
+                with self.table.lock:
+                    for r in responses:
+                        entry = self.table.get(r.request_id)
+                        if entry is None:
+                            continue
+                        wire = to_wire_response(entry.request_id, r)
+                        if r.result is not None:
+                            entry.output_tokens += sum(len(t) for t in r.result.output_token_ids)
+                        batches[entry.gateway].append(wire)
+                        if wire.is_final:
+                            self.table.remove(entry)
+                            finished.append((entry, wire))
+                load = self.load()
+                for gateway, items in batches.items():
+                    for start in range(0, len(items), max_batch):
+                        batch = protocol.ResultBatch(responses=items[start : start + max_batch], load=load)
+                        out.send_multipart([gateway, protocol.encode(batch, self.limits)])
+                if finished:
+                    for s in self.executor.get_latest_request_stats():
+                        exec_stats[s.request_id] = s
+                    for entry, wire in finished:
+                        self._record_finished(entry, wire, exec_stats.pop(entry.exec_id, None))
+                    if len(exec_stats) > 10_000:  # stats of requests never seen final: forget
+                        exec_stats.clear()
+        finally:
+            out.close(0)
+
+    def _record_finished(self, entry: Active, wire: protocol.Response, stats: object) -> None:
+        fields = {
+            "request_id": entry.request_id,
+            "gateway": entry.gateway.decode(errors="replace"),
+            "worker": self.worker_id,
+            "prompt_tokens": str(entry.prompt_tokens),
+            "output_tokens": str(entry.output_tokens),
+            "e2e_ms": f"{(time.monotonic() - entry.received) * 1e3:.3f}",
+        }
+        if wire.result is not None:
+            fields["finish_reason"] = ",".join(f.name.lower() for f in wire.result.finish_reasons)
+        else:
+            fields["finish_reason"] = "error"
+            fields["error"] = wire.error_msg or ""
+        for name, key in (("queue_time_ms", "queue_time_ms"), ("time_to_first_token_ms", "ttft_ms")):
+            value = getattr(stats, name, None)
+            if value is not None:
+                fields[key] = f"{value:.3f}"
+        self.redis.record_request(entry.request_id, fields)
