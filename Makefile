@@ -1,0 +1,74 @@
+# Two commands on a fresh machine: `make run` and `make test`. Both bootstrap first:
+# a virtualenv in .venv (created once, never recreated), the project installed into it
+# whenever pyproject.toml changes, and a redis-server on PATH.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Touched after a successful install; older than pyproject.toml means reinstall.
+INSTALLED := $(VENV)/.tokenwire-installed
+PYTEST_ARGS ?=
+LINT_PATHS := protocol worker gateway clients bench tests
+
+.PHONY: help bootstrap system-deps run test lint bench test-gpu
+
+help:
+	@echo "make run       bootstrap, then run the main job (see README.md)"
+	@echo "make test      bootstrap, then run the whole test suite"
+	@echo "make lint      ruff + mypy"
+	@echo "make bench     benchmarks, one table per section"
+	@echo "make test-gpu  GPU tests with the system python on a CUDA host (no venv, no install)"
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(INSTALLED): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[test,dev]'
+	touch $@
+
+# Debian packages the project needs at run or test time. Installed only when missing;
+# without root we stop and say what to install.
+system-deps:
+	@missing=""; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	command -v systemd-analyze >/dev/null 2>&1 || missing="$$missing systemd"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else \
+	    echo "error: missing$$missing." >&2; \
+	    echo "  Install them as root (Debian/Ubuntu: sudo apt-get install$$missing)," >&2; \
+	    echo "  or put a redis-server binary (Redis >= 6) on PATH, then run make again." >&2; \
+	    exit 1; \
+	  fi; \
+	fi
+
+bootstrap: system-deps $(INSTALLED)
+
+# Until the worker and gateway land, the main job is the in-process demo.
+run: bootstrap
+	$(VENV)/bin/tokenwire demo
+
+# pytest exits 5 when it collected nothing: that must fail, loudly.
+test: bootstrap
+	@rc=0; $(PY) -m pytest tests $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest ran no tests" >&2; exit 1; fi; \
+	exit $$rc
+
+lint: bootstrap
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/mypy
+
+bench: bootstrap
+	$(PY) -m bench.run
+
+# The GPU host has no network and no pip: use its python as it is.
+test-gpu:
+	@rc=0; $(PYTHON) -m pytest tests -m gpu $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: no GPU tests ran" >&2; exit 1; fi; \
+	exit $$rc

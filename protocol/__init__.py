@@ -1,0 +1,48 @@
+"""tokenwire's wire format, version 1: message models, the msgpack codec, its
+limits, and the names of Redis keys. Imports nothing else of tokenwire."""
+
+from protocol.base import Message, WireModel
+from protocol.codec import KINDS, VERSION, decode, encode, unpack
+from protocol.control import Cancel, Drain, ErrorCode, ErrorReply, Heartbeat, Hello, Ready
+from protocol.errors import ProtocolError
+from protocol.keys import CANCEL_TTL_S, DEFAULT_PREFIX, Keys
+from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.records import IterationStats, RequestStats, WorkerInfo, WorkerLoad
+from protocol.request import GuidedDecodingParams, OutputConfig, SamplingConfig, Submit
+from protocol.results import FinishReason, Logits, Response, Result, ResultBatch
+
+__all__ = [
+    "CANCEL_TTL_S",
+    "DEFAULT_LIMITS",
+    "DEFAULT_PREFIX",
+    "KINDS",
+    "VERSION",
+    "Cancel",
+    "Drain",
+    "ErrorCode",
+    "ErrorReply",
+    "FinishReason",
+    "GuidedDecodingParams",
+    "Heartbeat",
+    "Hello",
+    "IterationStats",
+    "Keys",
+    "Limits",
+    "Logits",
+    "Message",
+    "OutputConfig",
+    "ProtocolError",
+    "Ready",
+    "RequestStats",
+    "Response",
+    "Result",
+    "ResultBatch",
+    "SamplingConfig",
+    "Submit",
+    "WireModel",
+    "WorkerInfo",
+    "WorkerLoad",
+    "decode",
+    "encode",
+    "unpack",
+]

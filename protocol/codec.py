@@ -1,0 +1,152 @@
+"""Messages to bytes and back: one msgpack value `[version, kind, payload]`.
+
+`decode` is the trust boundary. Whatever the input, it returns a validated
+message or raises `ProtocolError`; the limits bound the memory it may use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+from pydantic import ValidationError
+
+from protocol.base import Message
+from protocol.control import Cancel, Drain, ErrorReply, Heartbeat, Hello, Ready
+from protocol.errors import ProtocolError
+from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.packed import WIRE_CONTEXT
+from protocol.records import IterationStats, RequestStats, WorkerInfo
+from protocol.request import Submit
+from protocol.results import ResultBatch
+
+VERSION = 1
+
+KINDS: dict[str, type[Message]] = {
+    cls.kind: cls
+    for cls in (
+        Submit,
+        Cancel,
+        ResultBatch,
+        ErrorReply,
+        Heartbeat,
+        Hello,
+        Ready,
+        Drain,
+        WorkerInfo,
+        IterationStats,
+        RequestStats,
+    )
+}
+
+_MAX_ERRORS_SHOWN = 3
+
+
+def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Serialize a message. Fields equal to their default are left out (the
+    receiver fills them back in), which keeps hot-path messages short."""
+    payload = msg.model_dump(context=WIRE_CONTEXT, exclude_defaults=True)
+    try:
+        data: bytes = msgpack.packb([VERSION, msg.kind, payload], use_bin_type=True)
+    except (OverflowError, ValueError, TypeError) as e:
+        # e.g. an integer beyond 64 bits in a field without a bound
+        raise ProtocolError(f"cannot encode {msg.kind}: {e}", kind=msg.kind) from None
+    if len(data) > limits.max_message_bytes:
+        raise ProtocolError(
+            f"{msg.kind} message is {len(data)} bytes; the limit is {limits.max_message_bytes}",
+            kind=msg.kind,
+            request_id=getattr(msg, "request_id", None),
+        )
+    return data
+
+
+def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Parse and validate one message."""
+    envelope = unpack(data, limits)
+    if type(envelope) is not list or len(envelope) != 3:
+        raise ProtocolError(f"a message must be [version, kind, payload], got {_brief(envelope)}")
+    version, kind, payload = envelope
+    if type(version) is not int or version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {_brief(version)}; this side speaks {VERSION}")
+    cls = KINDS.get(kind) if type(kind) is str else None
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {_brief(kind)}; known kinds: {', '.join(KINDS)}")
+    if type(payload) is not dict:
+        raise ProtocolError(f"{kind} payload must be a map, got {_brief(payload)}", kind=kind)
+    try:
+        return cls.model_validate(payload)
+    except ValidationError as e:
+        raise ProtocolError(_describe(kind, e), kind=kind, request_id=_request_id(payload)) from None
+
+
+def unpack(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Any:
+    """msgpack bytes to plain Python values, within `limits`; no validation."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise ProtocolError(f"a message is bytes, got {type(data).__name__}")
+    size = memoryview(data).nbytes
+    if size > limits.max_message_bytes:
+        raise ProtocolError(f"message is {size} bytes; the limit is {limits.max_message_bytes}")
+    try:
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=limits.max_str_len,
+            max_bin_len=limits.max_bin_len,
+            max_array_len=limits.max_array_len,
+            max_map_len=limits.max_map_len,
+            max_ext_len=0,
+        )
+    except msgpack.ExtraData:
+        raise ProtocolError("malformed msgpack: trailing bytes after the message") from None
+    # msgpack signals bad input with ValueError, its own exceptions, UnicodeDecodeError,
+    # TypeError and more; at this boundary all of them mean the same thing.
+    except Exception as e:
+        raise ProtocolError(f"malformed msgpack: {e or type(e).__name__}") from None
+    _check_depth(obj, limits.max_depth)
+    return obj
+
+
+def _check_depth(obj: Any, max_depth: int) -> None:
+    """Iterative, so a deep message cannot exhaust the Python stack."""
+    level: list[Any] = [obj]
+    depth = 0
+    while level:
+        containers = [x for x in level if type(x) is list or type(x) is dict]
+        if not containers:
+            return
+        depth += 1
+        if depth > max_depth:
+            raise ProtocolError(f"message nests arrays and maps deeper than {max_depth} levels")
+        level = []
+        for c in containers:
+            level.extend(c.values() if type(c) is dict else c)
+
+
+def _request_id(payload: dict[Any, Any]) -> str | None:
+    """The request an invalid message was about, if it names one usable as an id."""
+    rid = payload.get("request_id")
+    return rid if type(rid) is str and 0 < len(rid) <= 256 else None
+
+
+def _brief(value: Any, width: int = 60) -> str:
+    """A short description of untrusted input; never a deep repr, which could recurse."""
+    if type(value) is list or type(value) is dict:
+        n = len(value)
+        return f"a {'list' if type(value) is list else 'map'} of {n} item{'' if n == 1 else 's'}"
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _describe(kind: str, error: ValidationError) -> str:
+    problems = []
+    for item in error.errors(include_url=False)[:_MAX_ERRORS_SHOWN]:
+        if item["loc"]:
+            where = ".".join(str(p) for p in item["loc"])
+            problems.append(f"{where}: {item['msg']} (got {_brief(item.get('input'), 40)})")
+        else:  # a rule across fields: the message names them
+            problems.append(str(item["msg"]).removeprefix("Value error, "))
+    more = error.error_count() - _MAX_ERRORS_SHOWN
+    if more > 0:
+        problems.append(f"and {more} more")
+    return f"invalid {kind}: " + "; ".join(problems)

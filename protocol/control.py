@@ -1,0 +1,83 @@
+"""Messages that steer a connection rather than carry tokens."""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from protocol.base import Message, Name
+from protocol.records import WorkerLoad
+
+
+class Cancel(Message):
+    """Stop a request; it ends with a final response whose finish reason is CANCELLED."""
+
+    kind: ClassVar[str] = "cancel"
+
+    request_id: Name
+
+
+class ErrorCode(enum.StrEnum):
+    PROTOCOL = "protocol"  # the message could not be decoded or validated
+    INVALID_REQUEST = "invalid_request"  # well-formed, but not servable (e.g. token id out of vocabulary)
+    UNKNOWN_MODEL = "unknown_model"
+    OVERLOADED = "overloaded"
+    UNAVAILABLE = "unavailable"  # no worker, or the worker serving it was lost
+    DRAINING = "draining"
+    INTERNAL = "internal"
+
+
+class ErrorReply(Message):
+    """A failure. With `request_id` it is that request's final response; without,
+    it concerns the message or connection as a whole."""
+
+    kind: ClassVar[str] = "error"
+
+    code: ErrorCode = Field(strict=False)
+    message: str
+    request_id: Name | None = None
+
+
+class Heartbeat(Message):
+    """Sent both ways on every data connection; a worker includes its load."""
+
+    kind: ClassVar[str] = "heartbeat"
+
+    sender_id: Name
+    load: WorkerLoad | None = None
+
+
+class Hello(Message):
+    """First message on a new connection, from the connecting side."""
+
+    kind: ClassVar[str] = "hello"
+
+    sender_id: Name
+    role: Literal["client", "gateway"]
+    heartbeat_interval_s: float = Field(gt=0.0)
+
+
+class Ready(Message):
+    """The answer to Hello: the peer is up and says what it serves."""
+
+    kind: ClassVar[str] = "ready"
+
+    sender_id: Name
+    role: Literal["gateway", "worker"]
+    heartbeat_interval_s: float = Field(gt=0.0)
+    models: list[Name] = Field(default_factory=list)
+    vocab_size: int | None = Field(None, ge=1)
+    max_seq_len: int | None = Field(None, ge=1)  # prompt + generated tokens
+    load: WorkerLoad | None = None
+
+
+class Drain(Message):
+    """The sender stops taking new requests and finishes what it has; `deadline_s`
+    bounds how long in-flight work may still take."""
+
+    kind: ClassVar[str] = "drain"
+
+    sender_id: Name
+    deadline_s: float | None = Field(None, ge=0.0)

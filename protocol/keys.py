@@ -1,0 +1,62 @@
+"""Every Redis key tokenwire uses, under one configurable prefix.
+
+Ids are used verbatim: keys are only ever built, never parsed back.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "tokenwire"
+# A cancel flag only has to outlive the request it stops.
+CANCEL_TTL_S = 3600
+
+_PREFIX_RE = re.compile(r"[A-Za-z0-9_.\-]+(:[A-Za-z0-9_.\-]+)*")
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        if not _PREFIX_RE.fullmatch(self.prefix):
+            raise ValueError(
+                f"Redis key prefix {self.prefix!r} must be words of [A-Za-z0-9_.-] joined by ':'"
+            )
+
+    def cancel(self, request_id: str) -> str:
+        """String flag; set (with CANCEL_TTL_S) by anyone to cancel the request."""
+        return f"{self.prefix}:cancel:{request_id}"
+
+    def workers(self) -> str:
+        """Sorted set: worker id scored by the time of its last heartbeat."""
+        return f"{self.prefix}:workers"
+
+    def worker(self, worker_id: str) -> str:
+        """A worker's encoded WorkerInfo, with a TTL its heartbeat refreshes."""
+        return f"{self.prefix}:worker:{worker_id}"
+
+    def heartbeat(self, worker_id: str) -> str:
+        """A worker's latest encoded Heartbeat (with its load), with a TTL."""
+        return f"{self.prefix}:heartbeat:{worker_id}"
+
+    def iteration_stats(self, worker_id: str) -> str:
+        """Stream of a worker's encoded IterationStats, capped in length."""
+        return f"{self.prefix}:stats:iterations:{worker_id}"
+
+    def request_stats(self, request_id: str) -> str:
+        """Hash of one request's latest stats, with a TTL."""
+        return f"{self.prefix}:stats:request:{request_id}"
+
+    def jobs(self) -> str:
+        """Stream of queued jobs, read through a consumer group."""
+        return f"{self.prefix}:jobs"
+
+    def jobs_dead_letter(self) -> str:
+        """Stream of jobs that failed too often."""
+        return f"{self.prefix}:jobs:dead"
+
+    def job_result(self, job_id: str) -> str:
+        """A job's result, written once; a retried job overwrites it idempotently."""
+        return f"{self.prefix}:job:{job_id}:result"

@@ -1,0 +1,31 @@
+"""Bounds on what `decode` accepts, all in one place.
+
+Bulk numbers (token ids, per-token log probs, embedding bias, logits) travel as
+packed bytes, so msgpack arrays stay short and `max_array_len` can be small. That
+matters: msgpack preallocates a container of the length its header declares, so
+a few kilobytes of nested headers could otherwise claim gigabytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_message_bytes: int = 64 * MiB  # the whole encoded message
+    max_str_len: int = 4 * MiB  # prompt text, grammars, JSON schemas
+    max_bin_len: int = 64 * MiB  # packed arrays: a prompt's token ids, logits
+    max_array_len: int = 4096  # responses in a batch, stop sequences, beams
+    max_map_len: int = 64  # fields of one record
+    max_depth: int = 8  # nested arrays and maps, the envelope counting as 1
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            if getattr(self, name) < 1:
+                raise ValueError(f"Limits.{name} must be >= 1, got {getattr(self, name)}")
+
+
+DEFAULT_LIMITS = Limits()

@@ -1,0 +1,102 @@
+"""Lists of numbers as packed little-endian bytes on the wire.
+
+In Python the fields are plain lists; `encode` packs them (int32 for token ids,
+float32 for log probs and biases) and `decode` unpacks them before validation.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BeforeValidator, Field, PlainSerializer, SerializationInfo
+
+INT32_MAX = 2**31 - 1
+
+# The context `encode` passes to model_dump; any other dump keeps plain lists.
+WIRE_CONTEXT = {"wire": True}
+
+_LITTLE = sys.byteorder == "little"
+if array("i").itemsize != 4 or array("f").itemsize != 4:
+    raise ImportError("protocol.packed needs a platform with 4-byte C int and float")
+
+
+def pack_ints(values: Sequence[int]) -> bytes:
+    return _pack("i", values)
+
+
+def pack_floats(values: Sequence[float]) -> bytes:
+    return _pack("f", values)
+
+
+def unpack_ints(data: bytes) -> list[int]:
+    return _unpack("i", data)
+
+
+def unpack_floats(data: bytes) -> list[float]:
+    return _unpack("f", data)
+
+
+def _pack(typecode: str, values: Sequence[Any]) -> bytes:
+    a = array(typecode, values)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tobytes()
+
+
+def _unpack(typecode: str, data: bytes) -> Any:
+    if len(data) & 3:
+        kind = "int32" if typecode == "i" else "float32"
+        raise ValueError(f"packed {kind} data is {len(data)} bytes, not a multiple of 4")
+    a = array(typecode, data)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tolist()
+
+
+def _from_wire_ints(value: object) -> object:
+    # Inlined _unpack for the little-endian common case: this runs for every
+    # token list of every result.
+    if type(value) is bytes and _LITTLE and not len(value) & 3:
+        return array("i", value).tolist()
+    return _unpack("i", value) if isinstance(value, bytes) else value
+
+
+def _from_wire_floats(value: object) -> object:
+    return _unpack("f", value) if isinstance(value, bytes) else value
+
+
+def _reject_nan(values: list[float]) -> list[float]:
+    if any(map(math.isnan, values)):
+        raise ValueError("NaN is not allowed")
+    return values
+
+
+def _to_wire_ints(value: list[int], info: SerializationInfo) -> list[int] | bytes:
+    return pack_ints(value) if info.context is WIRE_CONTEXT else value
+
+
+def _to_wire_floats(value: list[float], info: SerializationInfo) -> list[float] | bytes:
+    return pack_floats(value) if info.context is WIRE_CONTEXT else value
+
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+# Token ids: int32 on the wire.
+TokenIds = Annotated[
+    list[TokenId],
+    BeforeValidator(_from_wire_ints),
+    PlainSerializer(_to_wire_ints, when_used="unless-none"),
+]
+
+# Per-token floats (log probs, embedding bias): float32 on the wire; +-inf allowed
+# (a bias of -inf bans a token), NaN never.
+Floats = Annotated[
+    list[Annotated[float, Field(allow_inf_nan=True)]],
+    BeforeValidator(_from_wire_floats),
+    AfterValidator(_reject_nan),
+    PlainSerializer(_to_wire_floats, when_used="unless-none"),
+]

@@ -1,0 +1,93 @@
+"""The submit message: one generation request, field for field the executor's
+`Request` (worker/executor/types.py), plus what only the service needs."""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal, Self
+
+from pydantic import Field, model_validator
+
+from protocol.base import Message, Name, Uint64, WireModel
+from protocol.packed import Floats, TokenIds
+
+
+class SamplingConfig(WireModel):
+    """How to pick the next token. `None` means the executor default."""
+
+    beam_width: int = Field(1, ge=1)
+    top_k: int | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p_min: float | None = Field(None, gt=0.0, le=1.0)
+    top_p_reset_ids: int | None = Field(None, ge=-1)
+    top_p_decay: float | None = Field(None, gt=0.0, le=1.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: Uint64 | None = None
+    temperature: float | None = Field(None, ge=0.0)
+    min_tokens: int | None = Field(None, ge=0)
+    beam_search_diversity_rate: float | None = Field(None, ge=0.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    length_penalty: float | None = None
+    early_stopping: int | None = None
+    no_repeat_ngram_size: int | None = Field(None, ge=1)
+
+
+class OutputConfig(WireModel):
+    return_log_probs: bool = False
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
+    exclude_input_from_output: bool = True
+    top_n_log_probs: int = Field(0, ge=0)
+
+
+class GuidedDecodingParams(WireModel):
+    guide_type: Literal["json", "json_schema", "regex", "ebnf_grammar"]
+    guide: str | None = None
+
+    @model_validator(mode="after")
+    def _guide_given(self) -> Self:
+        if self.guide_type != "json" and not self.guide:
+            raise ValueError(f"guide_type {self.guide_type!r} needs a non-empty guide")
+        return self
+
+
+class Submit(Message):
+    """Start one request. Exactly one of `prompt` (the gateway tokenizes it) and
+    `input_token_ids` is given."""
+
+    kind: ClassVar[str] = "submit"
+
+    request_id: Name  # chosen by the client, unique among its live requests
+    model: Name | None = None  # None: the service's default model
+    prompt: str | None = Field(None, min_length=1)
+    input_token_ids: TokenIds | None = Field(None, min_length=1)
+    max_tokens: int = Field(ge=1)
+    streaming: bool = False
+    sampling_config: SamplingConfig = Field(default_factory=SamplingConfig)
+    output_config: OutputConfig = Field(default_factory=OutputConfig)
+    end_id: int | None = Field(None, ge=0)
+    pad_id: int | None = Field(None, ge=0)
+    bad_words: list[Annotated[TokenIds, Field(min_length=1)]] | None = None
+    stop_words: list[Annotated[TokenIds, Field(min_length=1)]] | None = None
+    # Stop strings, matched by the gateway on the detokenized text.
+    stop: list[Annotated[str, Field(min_length=1)]] | None = None
+    embedding_bias: Floats | None = None
+    client_id: Uint64 | None = None
+    priority: float = Field(0.5, ge=0.0, le=1.0)
+    num_return_sequences: int = Field(1, ge=1)
+    return_all_generated_tokens: bool = False
+    logits_post_processor_name: str | None = Field(None, min_length=1)
+    guided_decoding_params: GuidedDecodingParams | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if (self.prompt is None) == (self.input_token_ids is None):
+            raise ValueError("exactly one of prompt and input_token_ids must be given")
+        beams = self.sampling_config.beam_width
+        if beams > 1 and self.num_return_sequences > beams:
+            raise ValueError(
+                f"num_return_sequences ({self.num_return_sequences}) must not exceed "
+                f"sampling_config.beam_width ({beams}) in beam search"
+            )
+        return self

@@ -1,0 +1,107 @@
+"""What comes back: `Response` / `Result` with the executor's semantics, and the
+result batch that carries one iteration's responses for one peer."""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Annotated, Any, ClassVar, Self
+
+from pydantic import Field, model_validator
+
+from protocol.base import Message, Name, Uint64, WireModel
+from protocol.limits import DEFAULT_LIMITS
+from protocol.packed import Floats, TokenIds
+from protocol.records import WorkerLoad
+
+
+class FinishReason(enum.IntEnum):
+    """Same values as worker.executor.types.FinishReason (a test keeps them equal)."""
+
+    NOT_FINISHED = 0
+    END_ID = 1
+    STOP_WORDS = 2
+    LENGTH = 3
+    TIMED_OUT = 4
+    CANCELLED = 5
+
+
+class Logits(WireModel):
+    """A float32 tensor, row-major, packed little-endian."""
+
+    shape: list[Annotated[int, Field(ge=0)]] = Field(max_length=4)
+    data: bytes
+
+    @model_validator(mode="after")
+    def _size_matches(self) -> Self:
+        expected = 4 * math.prod(self.shape)
+        if len(self.data) != expected:
+            raise ValueError(f"data is {len(self.data)} bytes; shape {self.shape} needs {expected}")
+        return self
+
+
+class Result(WireModel):
+    is_final: bool
+    # One list per beam (a single list when beam_width == 1).
+    output_token_ids: list[TokenIds] = Field(min_length=1)
+    finish_reasons: list[Annotated[FinishReason, Field(strict=False)]]
+    sequence_index: int = Field(0, ge=0)
+    is_sequence_final: bool = False
+    cum_log_probs: list[Annotated[float, Field(allow_inf_nan=True)]] | None = None
+    log_probs: list[Floats] | None = None
+    context_logits: Logits | None = None  # [prompt_len, vocab]
+    generation_logits: Logits | None = None  # [beams, new_tokens, vocab]
+    # Filled by the gateway: the text these tokens add, one string per beam.
+    text: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _one_entry_per_beam(self) -> Self:
+        # Written out rather than looped over field names: this runs for every
+        # result of every batch.
+        beams = len(self.output_token_ids)
+        if len(self.finish_reasons) != beams:
+            _beam_mismatch("finish_reasons", self.finish_reasons, beams)
+        if self.cum_log_probs is not None and len(self.cum_log_probs) != beams:
+            _beam_mismatch("cum_log_probs", self.cum_log_probs, beams)
+        if self.log_probs is not None and len(self.log_probs) != beams:
+            _beam_mismatch("log_probs", self.log_probs, beams)
+        if self.text is not None and len(self.text) != beams:
+            _beam_mismatch("text", self.text, beams)
+        return self
+
+
+def _beam_mismatch(name: str, value: list[Any], beams: int) -> None:
+    raise ValueError(f"{name} has {len(value)} entries; output_token_ids has {beams} beams")
+
+
+class Response(WireModel):
+    """One request's news: a `Result` or an error (an error is final)."""
+
+    request_id: Name
+    result: Result | None = None
+    error_msg: str | None = None
+    client_id: Uint64 | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> Self:
+        if (self.result is None) == (self.error_msg is None):
+            raise ValueError("exactly one of result and error_msg must be given")
+        return self
+
+    @property
+    def has_error(self) -> bool:
+        return self.error_msg is not None
+
+    @property
+    def is_final(self) -> bool:
+        return self.result is None or self.result.is_final
+
+
+class ResultBatch(Message):
+    """The responses of one executor iteration for one peer, and the sender's load
+    (what gateways route on)."""
+
+    kind: ClassVar[str] = "results"
+
+    responses: list[Response] = Field(max_length=DEFAULT_LIMITS.max_array_len)
+    load: WorkerLoad | None = None

@@ -1,0 +1,208 @@
+"""Hypothesis strategies for valid values of every wire model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import strategies as st
+
+import protocol as p
+from protocol.packed import INT32_MAX
+
+names = st.text(min_size=1, max_size=40)
+token_ids = st.lists(st.integers(0, INT32_MAX), min_size=1, max_size=50)
+# Packed floats are float32 on the wire; +-inf is allowed there, NaN never.
+packed_floats = st.lists(st.floats(width=32, allow_nan=False), max_size=20)
+finite = st.floats(allow_nan=False, allow_infinity=False)
+unit = st.floats(0.0, 1.0)
+uint64 = st.integers(0, 2**64 - 1)
+
+
+def _maybe(strategy: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.none() | strategy
+
+
+sampling_configs = st.builds(
+    p.SamplingConfig,
+    beam_width=st.integers(1, 8),
+    top_k=_maybe(st.integers(0, 1000)),
+    top_p=_maybe(st.floats(0.0, 1.0, exclude_min=True)),
+    top_p_min=_maybe(st.floats(0.0, 1.0, exclude_min=True)),
+    top_p_reset_ids=_maybe(st.integers(-1, INT32_MAX)),
+    top_p_decay=_maybe(st.floats(0.0, 1.0, exclude_min=True)),
+    min_p=_maybe(unit),
+    seed=_maybe(uint64),
+    temperature=_maybe(st.floats(0.0, 100.0)),
+    min_tokens=_maybe(st.integers(0, 1000)),
+    beam_search_diversity_rate=_maybe(st.floats(0.0, 10.0)),
+    repetition_penalty=_maybe(st.floats(0.0, 10.0, exclude_min=True)),
+    presence_penalty=_maybe(finite),
+    frequency_penalty=_maybe(finite),
+    length_penalty=_maybe(finite),
+    early_stopping=_maybe(st.integers(-(2**31), 2**31)),
+    no_repeat_ngram_size=_maybe(st.integers(1, 10)),
+)
+
+output_configs = st.builds(
+    p.OutputConfig,
+    return_log_probs=st.booleans(),
+    return_context_logits=st.booleans(),
+    return_generation_logits=st.booleans(),
+    exclude_input_from_output=st.booleans(),
+    top_n_log_probs=st.integers(0, 20),
+)
+
+guided_params = st.one_of(
+    st.builds(p.GuidedDecodingParams, guide_type=st.just("json"), guide=_maybe(st.text(max_size=50))),
+    st.builds(
+        p.GuidedDecodingParams,
+        guide_type=st.sampled_from(["json_schema", "regex", "ebnf_grammar"]),
+        guide=st.text(min_size=1, max_size=50),
+    ),
+)
+
+
+@st.composite
+def submits(draw: st.DrawFn) -> p.Submit:
+    sampling = draw(sampling_configs)
+    by_prompt = draw(st.booleans())
+    max_sequences = sampling.beam_width if sampling.beam_width > 1 else 8
+    return p.Submit(
+        request_id=draw(names),
+        model=draw(_maybe(names)),
+        prompt=draw(st.text(min_size=1, max_size=200)) if by_prompt else None,
+        input_token_ids=None if by_prompt else draw(token_ids),
+        max_tokens=draw(st.integers(1, 1 << 20)),
+        streaming=draw(st.booleans()),
+        sampling_config=sampling,
+        output_config=draw(output_configs),
+        end_id=draw(_maybe(st.integers(0, INT32_MAX))),
+        pad_id=draw(_maybe(st.integers(0, INT32_MAX))),
+        bad_words=draw(_maybe(st.lists(token_ids, max_size=4))),
+        stop_words=draw(_maybe(st.lists(token_ids, max_size=4))),
+        stop=draw(_maybe(st.lists(st.text(min_size=1, max_size=10), max_size=4))),
+        embedding_bias=draw(_maybe(packed_floats)),
+        client_id=draw(_maybe(uint64)),
+        priority=draw(unit),
+        num_return_sequences=draw(st.integers(1, max_sequences)),
+        return_all_generated_tokens=draw(st.booleans()),
+        logits_post_processor_name=draw(_maybe(names)),
+        guided_decoding_params=draw(_maybe(guided_params)),
+    )
+
+
+@st.composite
+def logits(draw: st.DrawFn) -> p.Logits:
+    shape = draw(st.lists(st.integers(0, 4), min_size=1, max_size=3))
+    count = 1
+    for n in shape:
+        count *= n
+    return p.Logits(shape=shape, data=draw(st.binary(min_size=4 * count, max_size=4 * count)))
+
+
+@st.composite
+def results(draw: st.DrawFn) -> p.Result:
+    beams = draw(st.integers(1, 4))
+
+    def per_beam(strategy: st.SearchStrategy[Any]) -> Any:
+        return draw(st.lists(strategy, min_size=beams, max_size=beams))
+
+    return p.Result(
+        is_final=draw(st.booleans()),
+        output_token_ids=per_beam(st.lists(st.integers(0, INT32_MAX), max_size=20)),
+        finish_reasons=per_beam(st.sampled_from(p.FinishReason)),
+        sequence_index=draw(st.integers(0, 16)),
+        is_sequence_final=draw(st.booleans()),
+        cum_log_probs=draw(_maybe(st.just(per_beam(st.floats(allow_nan=False))))),
+        log_probs=draw(_maybe(st.just(per_beam(packed_floats)))),
+        context_logits=draw(_maybe(logits())),
+        generation_logits=draw(_maybe(logits())),
+        text=draw(_maybe(st.just(per_beam(st.text(max_size=20))))),
+    )
+
+
+responses = st.one_of(
+    st.builds(p.Response, request_id=names, result=results(), client_id=_maybe(uint64)),
+    st.builds(p.Response, request_id=names, error_msg=st.text(max_size=80)),
+)
+
+counts = st.integers(0, 1 << 40)
+worker_loads = st.builds(
+    p.WorkerLoad,
+    num_queued_requests=counts,
+    num_active_requests=counts,
+    free_num_blocks=counts,
+    max_num_blocks=counts,
+)
+timestamps = st.floats(0.0, 4e9)
+millis = st.floats(0.0, 1e9)
+
+MESSAGES: dict[str, st.SearchStrategy[p.Message]] = {
+    "submit": submits(),
+    "cancel": st.builds(p.Cancel, request_id=names),
+    "results": st.builds(p.ResultBatch, responses=st.lists(responses, max_size=8), load=_maybe(worker_loads)),
+    "error": st.builds(
+        p.ErrorReply,
+        code=st.sampled_from(p.ErrorCode),
+        message=st.text(max_size=80),
+        request_id=_maybe(names),
+    ),
+    "heartbeat": st.builds(p.Heartbeat, sender_id=names, load=_maybe(worker_loads)),
+    "hello": st.builds(
+        p.Hello,
+        sender_id=names,
+        role=st.sampled_from(["client", "gateway"]),
+        heartbeat_interval_s=st.floats(0.0, 3600.0, exclude_min=True),
+    ),
+    "ready": st.builds(
+        p.Ready,
+        sender_id=names,
+        role=st.sampled_from(["gateway", "worker"]),
+        heartbeat_interval_s=st.floats(0.0, 3600.0, exclude_min=True),
+        models=st.lists(names, max_size=3),
+        vocab_size=_maybe(st.integers(1, 1 << 20)),
+        max_seq_len=_maybe(st.integers(1, 1 << 20)),
+        load=_maybe(worker_loads),
+    ),
+    "drain": st.builds(p.Drain, sender_id=names, deadline_s=_maybe(st.floats(0.0, 1e6))),
+    "worker_info": st.builds(
+        p.WorkerInfo,
+        worker_id=names,
+        address=names,
+        models=st.lists(names, min_size=1, max_size=3),
+        host=names,
+        pid=st.integers(1, 1 << 22),
+        device=_maybe(names),
+        started_at=timestamps,
+    ),
+    "iteration_stats": st.builds(
+        p.IterationStats,
+        timestamp=timestamps,
+        iter=counts,
+        iter_latency_ms=millis,
+        num_active_requests=counts,
+        num_queued_requests=counts,
+        num_context_requests=counts,
+        num_generation_requests=counts,
+        num_scheduled_tokens=counts,
+        max_num_blocks=counts,
+        free_num_blocks=counts,
+        used_num_blocks=counts,
+        reused_blocks=counts,
+    ),
+    "request_stats": st.builds(
+        p.RequestStats,
+        request_id=names,
+        state=st.sampled_from(["queued", "context", "generation", "preempted", "finished"]),
+        prompt_tokens=counts,
+        context_prefill_position=counts,
+        num_generated_tokens=counts,
+        queue_time_ms=_maybe(millis),
+        time_to_first_token_ms=_maybe(millis),
+        allocated_blocks=counts,
+        reused_blocks=counts,
+        timestamp=timestamps,
+    ),
+}
+
+any_message = st.one_of(*MESSAGES.values())

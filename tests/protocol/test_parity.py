@@ -1,0 +1,95 @@
+"""The wire models mirror the executor's dataclasses field for field, so the
+service converts between them by name."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+import protocol as p
+from worker.executor import types as ex
+
+
+def dataclass_defaults(cls: Any) -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+        else:
+            out[f.name] = PydanticUndefined
+    return out
+
+
+def model_defaults(cls: type[BaseModel]) -> dict[str, Any]:
+    return {name: f.get_default(call_default_factory=True) for name, f in cls.model_fields.items()}
+
+
+def as_plain(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value
+
+
+@pytest.mark.parametrize(
+    ("wire", "executor", "wire_only"),
+    [
+        (p.SamplingConfig, ex.SamplingConfig, set()),
+        (p.OutputConfig, ex.OutputConfig, set()),
+        (p.GuidedDecodingParams, ex.GuidedDecodingParams, set()),
+        (p.Submit, ex.Request, {"request_id", "model", "prompt", "stop"}),
+        (p.Result, ex.Result, {"text"}),
+        (p.Response, ex.Response, set()),
+        (p.IterationStats, ex.IterationStats, set()),
+        (p.RequestStats, ex.RequestStats, set()),
+    ],
+)
+def test_fields_and_defaults_match(wire: type[BaseModel], executor: Any, wire_only: set[str]):
+    mine = model_defaults(wire)
+    theirs = dataclass_defaults(executor)
+    assert set(mine) - wire_only == set(theirs)
+    for name, default in theirs.items():
+        if name == "input_token_ids":  # optional on the wire: a prompt may stand in
+            continue
+        if name == "timestamp" and default is not PydanticUndefined:  # now, on both sides
+            assert isinstance(mine[name], float)
+            continue
+        assert as_plain(mine[name]) == as_plain(default), name
+
+
+def test_finish_reasons_match():
+    assert {r.name: r.value for r in p.FinishReason} == {r.name: r.value for r in ex.FinishReason}
+
+
+def test_request_states_match():
+    states = p.RequestStats.model_fields["state"].annotation.__args__  # type: ignore[union-attr]
+    assert set(states) == {s.value for s in ex.RequestState}
+
+
+def test_a_submit_converts_to_an_executor_request_by_name():
+    msg = p.Submit(
+        request_id="r",
+        input_token_ids=[1, 2],
+        max_tokens=3,
+        sampling_config=p.SamplingConfig(temperature=0.5, top_k=4, seed=9),
+        guided_decoding_params=p.GuidedDecodingParams(guide_type="regex", guide="a+"),
+    )
+    fields = msg.model_dump(exclude={"request_id", "model", "prompt", "stop"})
+    request = ex.Request(
+        **{
+            **fields,
+            "sampling_config": ex.SamplingConfig(**fields["sampling_config"]),
+            "output_config": ex.OutputConfig(**fields["output_config"]),
+            "guided_decoding_params": ex.GuidedDecodingParams(**fields["guided_decoding_params"]),
+        }
+    )
+    assert request.input_token_ids == [1, 2]
+    assert request.sampling_config.temperature == 0.5
+    assert request.guided_decoding_params == ex.GuidedDecodingParams("regex", "a+")
