@@ -86,6 +86,7 @@ class DecodeGraphs:
         host[4 * b :] = batch.block_tables.reshape(-1)
         staged = staging.upload(host_t)
         g.meta.copy_(staged[: 4 * b])
+        self.backend.resolve_pending(g.meta[:n], batch.token_ids)
         g.block_tables[:n, :width].copy_(staged[4 * b :].view(n, width))
         g.graph.replay()
         return g.logits[:n]

@@ -114,6 +114,23 @@ class PinnedStaging:
         return dev
 
 
+class _Launched:
+    """A step queued on the device; `result` waits for its token ids and log probs."""
+
+    def __init__(self, ids: torch.Tensor, log_probs: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        self.ids, self.log_probs, self.event = ids, log_probs, event
+
+    def result(self) -> SampleOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        return SampleOutput(self.ids.numpy().astype(np.int64), self.log_probs.numpy().copy())
+
+
+class _NothingSampled:
+    def result(self) -> None:
+        return None
+
+
 class TorchBackend:
     def __init__(
         self,
@@ -198,10 +215,9 @@ class TorchBackend:
         self._graphs: DecodeGraphs | None = None
         self._use_cuda_graphs = use_cuda_graphs and self.on_cuda
         self._max_graph_batch = max_graph_batch
-        if self.on_cuda:
-            self._out_ids = torch.empty(max_graph_batch, dtype=torch.int64, pin_memory=True)
-            self._out_lp = torch.empty(max_graph_batch, dtype=torch.float32, pin_memory=True)
-            self._done = torch.cuda.Event()
+        # The previous launch's sampled ids, still on the device: the next step's
+        # placeholder tokens (-(k + 1) for row k) are read from here.
+        self._last_ids: torch.Tensor | None = None
 
     # -- construction from disk -------------------------------------------------------
 
@@ -288,19 +304,41 @@ class TorchBackend:
             return self.run_model(self._upload(batch))
 
     def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> SampleOutput:
+        return self._sample_async(logits, sampling).result()
+
+    def launch(self, batch: ForwardBatch, sampling: SamplingBatch | None) -> _Launched | _NothingSampled:
+        """Queue forward + sample and return at once (AsyncBackend): the executor
+        prepares the next step while this one runs."""
+        logits = self.forward(batch)
+        if sampling is None:
+            self._last_ids = None
+            return _NothingSampled()
+        return self._sample_async(logits, sampling)
+
+    def _sample_async(self, logits: torch.Tensor, sampling: SamplingBatch) -> _Launched:
         with torch.inference_mode():
             ids, log_probs = sample_tokens(logits, sampling)
-            n = ids.shape[0]
+            self._last_ids = ids
             if not self.on_cuda:
-                return SampleOutput(ids.numpy().astype(np.int64), log_probs.numpy().astype(np.float32))
-            if n > self._out_ids.shape[0]:
-                self._out_ids = torch.empty(n, dtype=torch.int64, pin_memory=True)
-                self._out_lp = torch.empty(n, dtype=torch.float32, pin_memory=True)
-            self._out_ids[:n].copy_(ids, non_blocking=True)
-            self._out_lp[:n].copy_(log_probs, non_blocking=True)
-            self._done.record()
-            self._done.synchronize()
-            return SampleOutput(self._out_ids[:n].numpy().copy(), self._out_lp[:n].numpy().copy())
+                return _Launched(ids, log_probs, None)
+            # Fresh pinned buffers per step: a step's results may be read after the next launch.
+            host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host_lp = torch.empty(log_probs.shape, dtype=log_probs.dtype, pin_memory=True)
+            host_ids.copy_(ids, non_blocking=True)
+            host_lp.copy_(log_probs, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            return _Launched(host_ids, host_lp, event)
+
+    def resolve_pending(self, tokens: torch.Tensor, host_tokens: np.ndarray) -> None:
+        """Replace placeholder ids -(k + 1) in `tokens` (on the device) by the previous
+        launch's sampled row k, without a round trip to the host."""
+        if not (host_tokens < 0).any():
+            return
+        if self._last_ids is None:
+            raise RuntimeError("a placeholder token id, but the previous step sampled nothing")
+        rows = (-tokens.long() - 1).clamp_(min=0)
+        tokens.copy_(torch.where(tokens < 0, self._last_ids[rows].to(tokens.dtype), tokens))
 
     def logits_to_host(self, logits: torch.Tensor) -> np.ndarray:
         return logits.float().cpu().numpy()
@@ -322,6 +360,7 @@ class TorchBackend:
         dev = self.staging.upload(host)
         t, b, s = batch.num_tokens, batch.num_seqs, batch.logits_indices.shape[0]
         views = dev.split(sizes)
+        self.resolve_pending(views[0], batch.token_ids)
         return StepInputs(
             tokens=views[0],
             positions=views[1],

@@ -144,3 +144,35 @@ def test_missing_tensor_is_named(tiny_checkpoints: dict[str, Path]) -> None:
     del weights["model.layers.1.mlp.down_proj.weight"]
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
         TorchBackend(loaded.config, device="cpu", weights=weights)
+
+
+def test_launch_reads_placeholders_from_the_previous_step(tiny_checkpoints: dict[str, Path]) -> None:
+    """Overlapped steps: ids -(k + 1) in a batch are row k of the previous launch's
+    samples, resolved on the device; the tokens equal those of synchronous steps."""
+    directory = tiny_checkpoints["llama_gqa"]
+    prompts = {"a": [5, 17, 42, 99, 3], "b": [9, 8, 7, 6, 5, 4, 3]}
+    want = greedy_run(cpu_backend(directory, 32, 4), prompts, 6, seed=0, num_blocks=32, chunk=100)
+    backend = cpu_backend(directory, 32, 4)
+    paged = PagedSequences(num_blocks=32, block_size=4, seed=0)
+    greedy = SamplingBatch(
+        temperature=np.zeros(2, np.float32), top_k=np.zeros(2, np.int64), top_p=np.ones(2, np.float32),
+        min_p=np.zeros(2, np.float32), uniform=np.zeros(2), ban_rows=np.zeros(0, np.int64),
+        ban_tokens=np.zeros(0, np.int64),
+    )  # fmt: skip
+    tokens = {s: list(p) for s, p in prompts.items()}
+    handle = backend.launch(
+        paged.step([(s, t, 0, len(t)) for s, t in tokens.items()], all_logits=False), greedy
+    )
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    for _ in range(6):
+        for row, s in enumerate(tokens):
+            tokens[s].append(-(row + 1))  # not known on the host yet
+        step = paged.step([(s, t, len(t) - 1, 1) for s, t in tokens.items()], all_logits=False)
+        following = backend.launch(step, greedy)
+        out = handle.result()
+        assert out is not None
+        for row, s in enumerate(tokens):
+            tokens[s][-1] = int(out.token_ids[row])
+            got[s].append(int(out.token_ids[row]))
+        handle = following
+    assert got == want
