@@ -50,9 +50,9 @@ system-deps:
 
 bootstrap: system-deps $(INSTALLED)
 
-# Until the worker and gateway land, the main job is the in-process demo.
+# The whole stack on this machine: Redis if needed, a worker, a gateway, a streamed demo; Ctrl-C stops.
 run: bootstrap
-	$(VENV)/bin/tokenwire demo
+	$(VENV)/bin/tokenwire up
 
 # pytest exits 5 when it collected nothing: that must fail, loudly.
 test: bootstrap

@@ -22,7 +22,7 @@ Subparsers = Any
 
 # Modules that define `register(subparsers)`, in the order --help lists them.
 # Coming with later issues: demo, model (fetch), worker, gateway, generate.
-COMMANDS: tuple[str, ...] = ()
+COMMANDS: tuple[str, ...] = ("clients.cli_up", "clients.cli_processes", "clients.cli_requests")
 
 
 def _version() -> str:

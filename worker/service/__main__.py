@@ -8,8 +8,10 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from worker.executor import Executor, ExecutorConfig, KvCacheConfig
+if TYPE_CHECKING:
+    from worker.executor import Executor
 
 DEFAULT_BIND = "tcp://127.0.0.1:5600"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -59,6 +61,7 @@ def model_name_of(path: Path) -> str:
 
 
 def build_executor(args: argparse.Namespace) -> tuple[Executor, Path]:
+    from worker.executor import Executor, ExecutorConfig, KvCacheConfig
     from worker.models.default_model import resolve_model
 
     path = Path(args.model) if Path(args.model).exists() else resolve_model(args.model)
