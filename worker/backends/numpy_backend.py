@@ -20,6 +20,13 @@ from worker.models.config import ModelConfig
 from worker.models.loaded_model import LoadedModel
 from worker.models.rope import Rope
 
+# Bounds on the temporaries of attention, in float32 elements: the K (and V) gathered
+# for one group of generation tokens, and the score matrix of one tile of a chunk.
+GATHER_BUDGET = 1 << 24
+SCORE_BUDGET = 1 << 24
+# Below this many padded keys a group is cheaper than the per-group overhead of another.
+_MIN_SPLIT_KEYS = 16384
+
 # Host RAM is shared with everything else on the machine, so the KV cache is offered
 # only this share of what the kernel reports as available.
 _HOST_MEMORY_SHARE = 0.5
@@ -83,6 +90,23 @@ def _key_mask(positions: np.ndarray, num_keys: int, window: int | None) -> np.nd
     if window is not None:
         visible &= keys > positions[..., None] - window
     return np.where(visible, np.float32(0.0), np.float32(-np.inf))
+
+
+def _split_by_length(lengths: np.ndarray, max_keys: int) -> list[np.ndarray]:
+    """Split ascending context lengths into groups to attend together. A group pads every
+    member to its longest, so it closes before a member that would take the gather past
+    max_keys, or that is over twice as long as its first member once padding is worth a
+    group's fixed cost."""
+    groups, first = [], 0
+    for i in range(1, len(lengths) + 1):
+        if i < len(lengths):
+            padded = (i - first + 1) * int(lengths[i])
+            longer = lengths[i] > 2 * lengths[first] and padded > _MIN_SPLIT_KEYS
+            if padded <= max_keys and not longer:
+                continue
+        groups.append(np.arange(first, i))
+        first = i
+    return groups
 
 
 class NumpyBackend:
@@ -151,26 +175,31 @@ class NumpyBackend:
 
     # --- forward ----------------------------------------------------------------------
 
-    def _plan(self, batch: ForwardBatch) -> tuple[_DecodeGroup | None, list[_Chunk]]:
+    def _plan(self, batch: ForwardBatch) -> tuple[list[_DecodeGroup], list[_Chunk]]:
         q_lens = np.diff(batch.query_start)
         starts = batch.query_start[:-1]
-        used_blocks = (batch.context_lens + self.block_size - 1) // self.block_size
+        bs = self.block_size
         decode = np.flatnonzero(q_lens == 1)
-        group = None
-        if decode.size:
-            nblk = int(used_blocks[decode].max())
-            rows = starts[decode]
-            group = _DecodeGroup(rows, batch.block_tables[decode, :nblk], batch.positions[rows])
-        chunks = [
-            _Chunk(
-                int(starts[i]),
-                int(starts[i] + q_lens[i]),
-                batch.block_tables[i, : used_blocks[i]],
-                batch.positions[starts[i] : starts[i] + q_lens[i]],
-            )
-            for i in np.flatnonzero(q_lens > 1)
-        ]
-        return group, chunks
+        # Shortest first, so each group gathers little padding past its sequences' ends.
+        decode = decode[np.argsort(batch.context_lens[decode], kind="stable")]
+        groups = []
+        max_keys = max(1, GATHER_BUDGET // (self.config.num_kv_heads * self.config.head_dim))
+        for members in _split_by_length(batch.context_lens[decode], max_keys):
+            seqs = decode[members]
+            nblk = int(-(-batch.context_lens[seqs].max() // bs))
+            rows = starts[seqs]
+            groups.append(_DecodeGroup(rows, batch.block_tables[seqs, :nblk], batch.positions[rows]))
+        chunks = []
+        for i in np.flatnonzero(q_lens > 1):
+            begin, end = int(starts[i]), int(starts[i] + q_lens[i])
+            # Query tiles bound the [heads, tile, keys] score matrix; early tiles see fewer keys.
+            tile = max(1, SCORE_BUDGET // (self.config.num_heads * int(batch.context_lens[i])))
+            for a in range(begin, end, tile):
+                b = min(a + tile, end)
+                positions = batch.positions[a:b]
+                nblk = int(positions[-1]) // bs + 1
+                chunks.append(_Chunk(a, b, batch.block_tables[i, :nblk], positions))
+        return groups, chunks
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         if not self.k_cache:
@@ -184,8 +213,8 @@ class NumpyBackend:
         if self.rope.kind == "dynamic":
             seq_lens = np.repeat(batch.context_lens, np.diff(batch.query_start))
         cos, sin = self.rope.cos_sin(batch.positions, seq_lens)
-        group, chunks = self._plan(batch)
-        masks: dict[int | None, tuple[np.ndarray | None, list[np.ndarray]]] = {}
+        groups, chunks = self._plan(batch)
+        masks: dict[int | None, tuple[list[np.ndarray], list[np.ndarray]]] = {}
 
         x = self.embed[batch.token_ids]
         for i, layer in enumerate(self.layers):
@@ -201,11 +230,11 @@ class NumpyBackend:
             v_cache.reshape(-1, n_kv, d)[batch.slot_mapping] = v
 
             if layer.window not in masks:
-                masks[layer.window] = self._masks(group, chunks, layer.window)
-            group_mask, chunk_masks = masks[layer.window]
+                masks[layer.window] = self._masks(groups, chunks, layer.window)
+            group_masks, chunk_masks = masks[layer.window]
             attn = np.empty((tokens, n_heads, d), dtype=np.float32)
-            if group is not None and group_mask is not None:
-                attn[group.rows] = self._attend_decode(q[group.rows], k_cache, v_cache, group, group_mask)
+            for group, mask in zip(groups, group_masks, strict=True):
+                attn[group.rows] = self._attend_decode(q[group.rows], k_cache, v_cache, group, mask)
             for chunk, mask in zip(chunks, chunk_masks, strict=True):
                 attn[chunk.start : chunk.end] = self._attend_chunk(
                     q[chunk.start : chunk.end], k_cache, v_cache, chunk, mask
@@ -224,17 +253,15 @@ class NumpyBackend:
         return np.asarray(h @ self.lm_head_t, dtype=np.float32)
 
     def _masks(
-        self, group: _DecodeGroup | None, chunks: list[_Chunk], window: int | None
-    ) -> tuple[np.ndarray | None, list[np.ndarray]]:
+        self, groups: list[_DecodeGroup], chunks: list[_Chunk], window: int | None
+    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
         bs = self.block_size
-        group_mask = None
-        if group is not None:
-            # [B, 1, 1, L]: broadcast over kv heads and the query heads of each group
-            group_mask = _key_mask(group.positions, group.block_tables.shape[1] * bs, window)[
-                :, None, None, :
-            ]
+        # [B, 1, 1, L]: broadcast over kv heads and the query heads that share each
+        group_masks = [
+            _key_mask(g.positions, g.block_tables.shape[1] * bs, window)[:, None, None, :] for g in groups
+        ]
         chunk_masks = [_key_mask(c.positions, c.block_table.shape[0] * bs, window) for c in chunks]
-        return group_mask, chunk_masks
+        return group_masks, chunk_masks
 
     def _attend_decode(
         self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, group: _DecodeGroup, mask: np.ndarray

@@ -105,3 +105,41 @@ def test_memory_figures(tiny_checkpoints: dict[str, Path]) -> None:
     cfg = backend.config
     assert backend.kv_bytes_per_token() == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     assert backend.free_memory_bytes() > 0
+
+
+def test_grouping_and_tiling_leave_logits_unchanged(
+    tiny_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Generation tokens of very different context lengths go in separate gather groups,
+    and long chunks in query tiles; neither may change a logit."""
+    from worker.backends import numpy_backend
+
+    model = load_model(tiny_checkpoints["mistral_bf16_sharded"])
+    rng = np.random.default_rng(5)
+    lengths = {"s0": 3, "s1": 4, "s2": 30, "s3": 31, "s4": 60, "long": 40}
+    seqs = {name: rng.integers(0, 320, n + 1).tolist() for name, n in lengths.items()}
+    prefill = [(name, toks, 0, lengths[name]) for name, toks in seqs.items() if name != "long"]
+    prefill.append(("long", seqs["long"], 0, 20))
+    step = [(name, toks, lengths[name], 1) for name, toks in seqs.items() if name != "long"]
+    step.append(("long", seqs["long"], 20, 21))
+
+    def run() -> tuple[list[np.ndarray], int, int]:
+        backend = NumpyBackend(model)
+        backend.allocate_kv_cache(num_blocks=64, block_size=4)
+        paged = PagedSequences(num_blocks=64, block_size=4, seed=9)
+        outputs = [backend.forward(paged.step(prefill))]
+        batch = paged.step(step)
+        groups, chunks = backend._plan(batch)
+        outputs.append(backend.forward(batch))
+        return outputs, len(groups), len(chunks)
+
+    plain, plain_groups, plain_chunks = run()
+    assert (plain_groups, plain_chunks) == (1, 1)
+    monkeypatch.setattr(numpy_backend, "GATHER_BUDGET", 64 * 2 * 16)  # 64 keys of 2 heads x 16
+    monkeypatch.setattr(numpy_backend, "SCORE_BUDGET", 4 * 41 * 6)  # 6-query tiles
+    monkeypatch.setattr(numpy_backend, "_MIN_SPLIT_KEYS", 0)
+    split, split_groups, split_chunks = run()
+    assert split_groups == 3  # context lengths {4, 5}, {31, 32}, {61}
+    assert split_chunks == 4  # 21 queries in tiles of 6
+    for a, b in zip(plain, split, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
