@@ -1,0 +1,119 @@
+"""The ZeroMQ client library against a real gateway and worker: sync and asyncio,
+futures, streaming, cancel, timeouts, use from many threads, failover."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from clients.async_client import AsyncClient
+from clients.client import Client, FinishReason, RequestError, build_submit
+from tests.procs import HEARTBEAT_S, free_port, stack
+
+SEEDED = {"max_tokens": 12, "temperature": 0.8, "top_k": 20, "seed": 11}
+
+
+@pytest.fixture(scope="module")
+def service(long_model, redis_server, tmp_path_factory):
+    with stack(long_model, redis_server.url, tmp_path_factory.mktemp("client")) as s:
+        yield s
+
+
+@pytest.fixture
+def client(service):
+    with Client([service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as c:
+        yield c
+
+
+def test_generate_and_stream_agree(client):
+    whole = client.generate("The quick brown fox", timeout=30, **SEEDED)
+    assert len(whole.token_ids) == 12
+    assert whole.finish_reason == FinishReason.LENGTH
+    chunks = list(client.stream("The quick brown fox", **SEEDED))
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [c.is_final for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].finish_reason == FinishReason.LENGTH
+
+
+def test_token_id_prompts_and_stop_strings(client):
+    full = client.generate([5, 6, 7], max_tokens=40, temperature=0.0, timeout=30)
+    stop = full.text[10:13]
+    if not stop.strip() or "\ufffd" in stop:
+        pytest.skip("the random model's text has no usable stop string here")
+    cut = client.generate([5, 6, 7], max_tokens=40, temperature=0.0, stop=[stop], timeout=30)
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert cut.finish_reason == FinishReason.STOP_WORDS
+
+
+def test_future_timeout_and_cancel(client):
+    future = client.submit([8, 9], max_tokens=6000, min_tokens=6000, temperature=0.0)
+    with pytest.raises(TimeoutError):
+        future.result(timeout=0.2)
+    future.cancel()
+    result = future.result(timeout=30)
+    assert result.finish_reason == FinishReason.CANCELLED
+    assert future.done()
+
+
+def test_errors_raise_request_error(client):
+    with pytest.raises(RequestError, match="vocabulary") as excinfo:
+        client.generate([999_999], max_tokens=3, timeout=30)
+    assert excinfo.value.code == "invalid_request"
+
+
+def test_bad_arguments_fail_before_sending():
+    with pytest.raises(ValueError, match="max_tokens"):
+        build_submit("hi", max_tokens=0)
+    with pytest.raises(ValueError, match="gateways"):
+        Client("tcp://127.0.0.1:1")
+
+
+def test_one_client_shared_by_many_threads(client):
+    expected = client.generate([10, 11], timeout=30, **SEEDED).token_ids
+    results: list[list[int]] = []
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(5):
+                results.append(client.generate([10, 11], timeout=30, **SEEDED).token_ids)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert results == [expected] * 40
+
+
+def test_async_client(service):
+    async def main() -> None:
+        async with AsyncClient([service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as ac:
+            whole = await ac.generate("Paged attention", timeout=30, **SEEDED)
+            chunks = [c async for c in ac.stream("Paged attention", **SEEDED)]
+            assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+            many = await asyncio.gather(*(ac.generate([12, i], max_tokens=4, timeout=30) for i in range(20)))
+            assert all(len(r.token_ids) == 4 for r in many)
+            request = ac.submit([8, 9], max_tokens=6000, min_tokens=6000)
+            with pytest.raises(asyncio.TimeoutError):
+                await request.result(timeout=0.2)
+            request.cancel()
+            assert (await request.result(timeout=30)).finish_reason == FinishReason.CANCELLED
+            with pytest.raises(RequestError, match="vocabulary"):
+                await ac.generate([999_999], max_tokens=3, timeout=30)
+
+    asyncio.run(main())
+
+
+def test_unstarted_requests_fail_over_to_the_next_gateway(service):
+    dead = f"tcp://127.0.0.1:{free_port()}"  # nothing listens here
+    with Client([dead, service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as c:
+        result = c.generate([13, 14], max_tokens=5, timeout=30)
+        assert len(result.token_ids) == 5
+        assert c.gateway == service.gateways[0].endpoint
