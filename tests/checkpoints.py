@@ -141,3 +141,86 @@ def make_checkpoint(name: str, directory: Path, seed: int = 0) -> Path:
 
 def make_all(root: Path) -> dict[str, Path]:
     return {name: make_checkpoint(name, root / name) for name in CHECKPOINTS}
+
+
+def _llama_cpp_permute(weight: Any, num_heads: int) -> Any:
+    """llama.cpp's converter layout for Llama q/k rows: each head's two rotate-half
+    halves interleaved row by row."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def write_gguf(checkpoint: Path, path: Path) -> Path:
+    """Write a tiny llama or qwen2 checkpoint as a GGUF file the way llama.cpp's converter
+    lays it out: its tensor names, permuted Llama q/k rows, the tokenizer as metadata,
+    and the token embedding quantized to Q8_0 (everything else float32)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    arch = cfg["model_type"]
+    assert arch in ("llama", "qwen2"), arch
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    rope = cfg.get("rope_parameters") or {}
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+
+    tok = json.loads(build_tokenizer().to_str())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([t for t, _ in vocab])
+    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t, _ in vocab])
+    writer.add_token_merges([" ".join(m) for m in tok["model"]["merges"]])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(4)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    tensors: dict[str, Any] = {}
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    for name, value in tensors.items():
+        if name == "model.embed_tokens.weight":
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor("token_embd.weight", gguf.quants.quantize(value, q8), raw_dtype=q8)
+            continue
+        if name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gguf_name = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            gguf_name = f"blk.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            value = _llama_cpp_permute(value, heads if "q_proj" in name else kv_heads)
+        writer.add_tensor(gguf_name, value.astype("float32"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

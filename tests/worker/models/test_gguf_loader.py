@@ -97,3 +97,37 @@ def test_logits_match_transformers_gguf(default_gguf: Path, gguf_model: Any, hf_
     got = np.concatenate([first, second])
     assert float(np.abs(got - want).max()) < LOGITS_ATOL
     assert (got.argmax(axis=1) == want.argmax(axis=1)).all()
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_bias"])
+def test_tiny_gguf_matches_its_checkpoint_and_transformers(
+    name: str, tiny_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.checkpoints import write_gguf
+
+    path = write_gguf(tiny_checkpoints[name], tmp_path / f"{name}.gguf")
+    ours, original = load_model(path), load_model(tiny_checkpoints[name])
+    assert ours.config.attention_bias == original.config.attention_bias
+    assert ours.config.tie_word_embeddings == original.config.tie_word_embeddings
+    for key, value in original.weights.items():
+        if key == "model.embed_tokens.weight":  # Q8_0 in the file
+            np.testing.assert_allclose(ours.weights[key], value, atol=np.abs(value).max() / 100)
+        else:  # float32 in the file: the q/k un-permutation must be exact
+            np.testing.assert_array_equal(ours.weights[key], value, err_msg=key)
+
+    text = "<|im_start|>user\nParis is the capital of France.<|im_end|>"
+    ids = ours.tokenizer.encode(text).ids
+    assert ids == original.tokenizer.encode(text).ids
+    hf_tok: Any = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    assert ids == hf_tok(text)["input_ids"]
+
+    hf: Any = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+    backend = NumpyBackend(ours)
+    backend.allocate_kv_cache(num_blocks=16, block_size=4)
+    got = backend.forward(PagedSequences(num_blocks=16, block_size=4).step([("s", ids, 0, len(ids))]))
+    assert float(np.abs(got - want).max()) < 1e-4
