@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cancel-poll-interval", type=float, default=0.25, help="seconds between Redis cancel polls"
     )
+    p.add_argument("--stats-stream-maxlen", type=int, default=1000, help="iteration stats kept in Redis")
+    p.add_argument("--request-stats-ttl", type=float, default=3600.0, help="seconds a request's stats live")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -99,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
             heartbeat_interval_s=args.heartbeat_interval,
             missed_heartbeats=args.missed_heartbeats,
             cancel_poll_interval_s=args.cancel_poll_interval,
+            stats_stream_maxlen=args.stats_stream_maxlen,
+            request_stats_ttl_s=args.request_stats_ttl,
             device=args.device or args.backend,
         ),
     )

@@ -1,0 +1,177 @@
+"""The worker process on its own, driven by a bare DEALER playing the gateway."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+import protocol
+from tests.procs import HEARTBEAT_S, MISSED, Stack
+
+
+class FakeGateway:
+    """Sends only what the test says: no automatic heartbeats."""
+
+    def __init__(self, endpoint: str, name: str = "fake-gw") -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, name.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.messages: list[protocol.Message] = []
+
+    def send(self, msg: protocol.Message) -> None:
+        self.sock.send(protocol.encode(msg))
+
+    def recv_until(self, done, timeout: float = 20.0, heartbeat: bool = True) -> None:
+        deadline = time.monotonic() + timeout
+        next_beat = 0.0
+        while not done():
+            assert time.monotonic() < deadline, f"timed out; got {self.messages[-3:]}"
+            if heartbeat and time.monotonic() > next_beat:
+                self.send(protocol.Heartbeat(sender_id="fake-gw"))
+                next_beat = time.monotonic() + HEARTBEAT_S
+            if self.sock.poll(20):
+                self.messages.append(protocol.decode(self.sock.recv()))
+
+    def batches(self) -> list[protocol.ResultBatch]:
+        return [m for m in self.messages if isinstance(m, protocol.ResultBatch)]
+
+    def responses(self, request_id: str) -> list[protocol.Response]:
+        return [r for b in self.batches() for r in b.responses if r.request_id == request_id]
+
+    def errors(self) -> list[protocol.ErrorReply]:
+        return [m for m in self.messages if isinstance(m, protocol.ErrorReply)]
+
+    def final(self, request_id: str) -> bool:
+        return any(r.is_final for r in self.responses(request_id))
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture(scope="module")
+def worker(long_model, redis_server, tmp_path_factory):
+    s = Stack(long_model, redis_server.url, tmp_path_factory.mktemp("worker_service"))
+    try:
+        w = s.worker("--stats-stream-maxlen", "10", "--request-stats-ttl", "120")
+        w.wait_log("redis: connected")
+        yield s, w
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def gw(worker):
+    g = FakeGateway(worker[1].endpoint)
+    g.send(protocol.Hello(sender_id="fake-gw", role="gateway", heartbeat_interval_s=HEARTBEAT_S))
+    g.recv_until(lambda: any(isinstance(m, protocol.Ready) for m in g.messages))
+    yield g
+    g.close()
+
+
+def test_ready_and_registry(worker, gw):
+    s, w = worker
+    (ready,) = [m for m in gw.messages if isinstance(m, protocol.Ready)]
+    assert ready.models == ["tiny-llama-long"]
+    assert ready.vocab_size == 320
+    assert ready.max_seq_len == 8192
+    assert ready.load is not None
+    assert ready.load.free_num_blocks == ready.load.max_num_blocks > 0
+    info = protocol.decode(s.redis.get(s.keys.worker(w.worker_id)))
+    assert isinstance(info, protocol.WorkerInfo)
+    assert info.address == w.endpoint
+    assert info.models == ["tiny-llama-long"]
+    assert info.max_batch_size == 64
+    assert info.state == "serving"
+    assert 0 < s.redis.pttl(s.keys.worker(w.worker_id)) <= 3000
+    assert s.redis.zscore(s.keys.workers(), w.worker_id) is not None
+
+
+def test_results_coalesced_per_iteration_with_load(worker, gw):
+    s, w = worker
+    ids = [f"co-{i}" for i in range(8)]
+    for i, rid in enumerate(ids):
+        gw.send(protocol.Submit(request_id=rid, input_token_ids=[5, 6 + i], max_tokens=20, streaming=True))
+    gw.recv_until(lambda: all(gw.final(r) for r in ids))
+    batches = [b for b in gw.batches() if any(r.request_id in ids for r in b.responses)]
+    assert all(b.load is not None for b in batches)
+    assert max(len({r.request_id for r in b.responses}) for b in batches) > 1, "one message, many requests"
+    for rid in ids:
+        tokens = [t for r in gw.responses(rid) for t in r.result.output_token_ids[0]]
+        assert len(tokens) == 20
+        assert sum(r.is_final for r in gw.responses(rid)) == 1
+    stats = s.request_stats(ids[0])
+    assert stats["gateway"] == "fake-gw"
+    assert stats["worker"] == w.worker_id
+    assert stats["prompt_tokens"] == "2"
+    assert stats["output_tokens"] == "20"
+    assert stats["finish_reason"] == "length"
+    for field in ("queue_time_ms", "ttft_ms", "e2e_ms"):
+        assert float(stats[field]) >= 0
+    assert 0 < s.redis.ttl(s.keys.request_stats(ids[0])) <= 120
+    # The iteration stream exists and is capped (Redis trims approximately, in nodes of 100).
+    stream = s.keys.iteration_stats(w.worker_id)
+    assert 0 < s.redis.xlen(stream) <= 10 + 100
+    s.wait_idle(w)
+
+
+def test_in_band_cancel(worker, gw):
+    s, w = worker
+    gw.send(protocol.Submit(request_id="c1", input_token_ids=[5, 6], max_tokens=6000, streaming=True,
+                            sampling_config=protocol.SamplingConfig(min_tokens=6000)))  # fmt: skip
+    gw.recv_until(lambda: bool(gw.responses("c1")))
+    gw.send(protocol.Cancel(request_id="c1"))
+    gw.recv_until(lambda: gw.final("c1"))
+    assert gw.responses("c1")[-1].result.finish_reasons == [protocol.FinishReason.CANCELLED]
+    s.wait_idle(w)
+
+
+def test_silent_gateway_requests_are_aborted(worker):
+    s, w = worker
+    g = FakeGateway(w.endpoint, name="silent-gw")
+    try:
+        g.send(protocol.Submit(request_id="orphan", input_token_ids=[5, 6], max_tokens=6000, streaming=True,
+                               sampling_config=protocol.SamplingConfig(min_tokens=6000)))  # fmt: skip
+        g.recv_until(lambda: bool(g.responses("orphan")), heartbeat=False)
+        # No heartbeat from here on: after MISSED intervals the worker gives up on us.
+        stats = s.request_stats("orphan", timeout=MISSED * HEARTBEAT_S + 5)
+        assert stats["finish_reason"] == "cancelled"
+        assert int(stats["output_tokens"]) < 6000
+        s.wait_idle(w)
+        assert "silent-gw" in w.log()
+    finally:
+        g.close()
+
+
+def test_bad_messages_get_errors(worker, gw):
+    gw.sock.send(b"\xc1 not msgpack")
+    gw.send(protocol.Submit(request_id="text", prompt="hello", max_tokens=3))
+    gw.send(protocol.Submit(request_id="other-model", input_token_ids=[5], max_tokens=3, model="gpt-9"))
+    gw.send(protocol.Submit(request_id="oov", input_token_ids=[5, 4000], max_tokens=3))
+    gw.recv_until(lambda: len(gw.errors()) >= 3 and bool(gw.responses("oov")))
+    by_id = {e.request_id: e for e in gw.errors()}
+    assert by_id[None].code == protocol.ErrorCode.PROTOCOL
+    assert "gateway" in by_id["text"].message
+    assert by_id["other-model"].code == protocol.ErrorCode.UNKNOWN_MODEL
+    (oov,) = gw.responses("oov")
+    assert oov.error_msg is not None
+    assert "4000" in oov.error_msg
+
+
+def test_echo_backend_is_a_transport_test_worker(service_model, redis_server, tmp_path):
+    s = Stack(service_model, redis_server.url, tmp_path)
+    try:
+        w = s.worker("--backend", "echo")
+        g = FakeGateway(w.endpoint)
+        g.send(protocol.Submit(request_id="e", input_token_ids=[5, 6, 77], max_tokens=50, streaming=True))
+        g.recv_until(lambda: g.final("e"))
+        tokens = [t for r in g.responses("e") for t in r.result.output_token_ids[0]]
+        assert tokens == [77] * 50
+        assert "TRANSPORT TEST ONLY" in w.log()
+        g.close()
+    finally:
+        s.close()
