@@ -169,7 +169,7 @@ def test_echo_backend_is_a_transport_test_worker(service_model, redis_server, tm
         g = FakeGateway(w.endpoint)
         g.send(protocol.Submit(request_id="e", input_token_ids=[5, 6, 77], max_tokens=50, streaming=True))
         g.recv_until(lambda: g.final("e"))
-        tokens = [t for r in g.responses("e") for t in r.result.output_token_ids[0]]
+        tokens = [t for r in g.responses("e") for t in r.result.output_token_ids[0]]  # type: ignore[union-attr]
         assert tokens == [77] * 50
         assert "TRANSPORT TEST ONLY" in w.log()
         g.close()
