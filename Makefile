@@ -26,8 +26,10 @@ help:
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# The grep drops pip's warnings about index folders this machine's pip config names
+# but lacks; everything else pip prints stays.
 $(INSTALLED): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[test,dev]'
+	$(PY) -m pip install --quiet -e '.[test,dev]' 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }
 	touch $@
 
 # Debian packages the project needs at run or test time. Installed only when missing;
