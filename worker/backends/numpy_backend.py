@@ -217,6 +217,7 @@ class NumpyBackend:
         masks: dict[int | None, tuple[list[np.ndarray], list[np.ndarray]]] = {}
 
         x = self.embed[batch.token_ids]
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = h @ layer.qkv
@@ -239,17 +240,21 @@ class NumpyBackend:
                 attn[chunk.start : chunk.end] = self._attend_chunk(
                     q[chunk.start : chunk.end], k_cache, v_cache, chunk, mask
                 )
-            x = x + attn.reshape(tokens, q_width) @ layer.o
+            attn_out = attn.reshape(tokens, q_width)
+            if i == last:  # past attention, only the rows whose logits are wanted matter
+                x, attn_out = x[batch.logits_indices], attn_out[batch.logits_indices]
+            x = x + attn_out @ layer.o
 
             h = _rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate_up = h @ layer.gate_up
             gate, up = gate_up[:, : cfg.intermediate_size], gate_up[:, cfg.intermediate_size :]
-            # silu(g) = g * sigmoid(g), computed in place on the fresh gate_up buffer
-            act = gate / (1.0 + np.exp(-gate))
+            act = np.exp(-gate)  # silu(g) = g / (1 + exp(-g)), then * up, in one buffer
+            act += 1.0
+            np.divide(gate, act, out=act)
             act *= up
             x = x + act @ layer.down
 
-        h = _rms_norm(x[batch.logits_indices], self.final_norm, cfg.rms_norm_eps)
+        h = _rms_norm(x, self.final_norm, cfg.rms_norm_eps)
         return np.asarray(h @ self.lm_head_t, dtype=np.float32)
 
     def _masks(

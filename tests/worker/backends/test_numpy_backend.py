@@ -81,13 +81,17 @@ def test_greedy_decoding_matches_generate(name: str, tiny_checkpoints: dict[str,
 
 
 def test_logits_only_for_requested_rows(tiny_checkpoints: dict[str, Path]) -> None:
-    backend = NumpyBackend(load_model(tiny_checkpoints["llama_gqa"]))
-    backend.allocate_kv_cache(num_blocks=16, block_size=4)
-    paged = PagedSequences(num_blocks=16, block_size=4)
-    batch = paged.step([("x", list(range(10)), 0, 10), ("y", list(range(20, 26)), 0, 6)], all_logits=False)
-    logits = backend.forward(batch)
-    assert logits.shape == (2, backend.config.vocab_size)
-    assert logits.dtype == np.float32
+    model = load_model(tiny_checkpoints["qwen2_bias"])
+    parts = [("x", list(range(10)), 0, 10), ("y", list(range(20, 26)), 0, 6)]
+    outputs = []
+    for all_logits in (True, False):
+        backend = NumpyBackend(model)
+        backend.allocate_kv_cache(num_blocks=16, block_size=4)
+        outputs.append(backend.forward(PagedSequences(num_blocks=16, block_size=4).step(parts, all_logits)))
+    every, last = outputs
+    assert last.shape == (2, model.config.vocab_size)
+    assert last.dtype == np.float32
+    np.testing.assert_allclose(last, every[[9, 15]], atol=1e-5)
 
 
 def test_copy_blocks_copies_every_layer(tiny_checkpoints: dict[str, Path]) -> None:
