@@ -35,9 +35,7 @@ def result_batch(n: int) -> p.Message:
         )
         for i in range(n)
     ]
-    load = p.WorkerLoad(
-        num_queued_requests=3, num_active_requests=n, free_num_blocks=812, max_num_blocks=4096
-    )
+    load = p.WorkerLoad(num_queued_requests=3, num_active_requests=n, free_num_blocks=812, max_num_blocks=4096)
     return p.ResultBatch(responses=responses, load=load)
 
 

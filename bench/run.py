@@ -28,8 +28,7 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(
-            str(c).rjust(w) if i else str(c).ljust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
         )
 
     rule = "  ".join("-" * w for w in widths)

@@ -21,9 +21,7 @@ class Keys:
 
     def __post_init__(self) -> None:
         if not _PREFIX_RE.fullmatch(self.prefix):
-            raise ValueError(
-                f"Redis key prefix {self.prefix!r} must be words of [A-Za-z0-9_.-] joined by ':'"
-            )
+            raise ValueError(f"Redis key prefix {self.prefix!r} must be words of [A-Za-z0-9_.-] joined by ':'")
 
     def cancel(self, request_id: str) -> str:
         """String flag; set (with CANCEL_TTL_S) by anyone to cancel the request."""

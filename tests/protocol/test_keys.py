@@ -47,9 +47,7 @@ def test_cancel_flag_with_ttl(redis_url: str):
 def test_registry_entry_round_trips_through_redis(redis_url: str):
     keys = p.Keys("t2")
     r = redis.Redis.from_url(redis_url)
-    info = p.WorkerInfo(
-        worker_id="w0", address="tcp://127.0.0.1:5600", models=["m"], host="h", pid=42, started_at=1.0
-    )
+    info = p.WorkerInfo(worker_id="w0", address="tcp://127.0.0.1:5600", models=["m"], host="h", pid=42, started_at=1.0)
     r.set(keys.worker("w0"), p.encode(info), ex=5)
     r.zadd(keys.workers(), {"w0": 100.0})
     stored = r.get(keys.worker("w0"))

@@ -12,9 +12,7 @@ import protocol as p
 
 NOT_FINISHED = p.FinishReason.NOT_FINISHED
 
-SMALL = p.Limits(
-    max_message_bytes=64, max_str_len=8, max_bin_len=8, max_array_len=4, max_map_len=3, max_depth=3
-)
+SMALL = p.Limits(max_message_bytes=64, max_str_len=8, max_bin_len=8, max_array_len=4, max_map_len=3, max_depth=3)
 
 
 def nested(depth: int) -> Any:
