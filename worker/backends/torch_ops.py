@@ -31,9 +31,7 @@ def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return weight * xf.to(x.dtype)
 
 
-def add_rmsnorm_torch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
+def add_rmsnorm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise x (+ residual, which is updated in place to the sum)."""
     if residual is not None:
         residual.add_(x)
@@ -117,11 +115,12 @@ if triton is not None:
     @triton.jit
     def _rope_cache_kernel(  # type: ignore[no-untyped-def]
         qkv_ptr, pos_ptr, cs_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_qkv, stride_cs,
-        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_P2: tl.constexpr,
+        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+        HALF_P2: tl.constexpr,
     ):  # fmt: skip
         tok = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
-        half: tl.constexpr = HEAD_DIM // 2
+        half = HALF
         offs = tl.arange(0, HALF_P2)
         ok = offs < half
         pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -186,7 +185,7 @@ def rope_and_cache_triton(
     t = qkv.shape[0]
     _rope_cache_kernel[(t, num_heads + num_kv_heads)](
         qkv, positions, cos_sin, k_cache, v_cache, slots, qkv.stride(0), cos_sin.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
         HALF_P2=triton.next_power_of_2(head_dim // 2), num_warps=1,
     )  # fmt: skip
     return qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)

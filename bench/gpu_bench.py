@@ -1,0 +1,536 @@
+"""The executor on CUDA (torch backend) against transformers' continuous batching
+(`generate_batch`) and the roofline, on a Llama-3.1-8B-shaped model with random bf16
+weights made on the GPU and shared by both engines (no second copy).
+
+Workloads: fixed prompt / output lengths, EOS ignored. Offline throughput (all
+requests enqueued at once) in output tokens/s; TTFT and time per output token
+(TPOT) for one request alone. The roofline comes from the HBM bandwidth (a large
+device-to-device copy, bytes read + written) and bf16 GEMM FLOP/s (8192^3 on random
+data) measured in the same run.
+
+    python -m bench.gpu_bench                 # everything (about 8 minutes on an H100)
+    python -m bench.gpu_bench --skip-hf       # tokenwire only
+    python -m bench.gpu_bench --tiny --device cpu   # a smoke run of the code paths
+
+Needs only torch, triton, numpy, safetensors, tokenizers and transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench import SkipSection
+
+TITLE = "GPU: tokenwire (torch backend) vs transformers generate_batch, Llama-3.1-8B shape, random bf16"
+
+LLAMA_8B: dict[str, Any] = {
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": None,
+}
+TINY = {**LLAMA_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096, "bos_token_id": 1,
+        "rope_scaling": {**LLAMA_8B["rope_scaling"], "original_max_position_embeddings": 1024}}  # fmt: skip
+
+# (prompt, output, requests for tokenwire, requests for transformers)
+WORKLOADS = [(128, 128, 1024, 256), (128, 2048, 256, 64), (2048, 128, 256, 64), (1000, 1000, 256, 64)]
+TINY_WORKLOADS = [(16, 16, 8, 4), (16, 64, 4, 2), (64, 8, 4, 2)]
+
+
+@dataclass(slots=True)
+class Row:
+    workload: str
+    requests: int
+    seconds: float
+    output_tokens: int
+    hf_requests: int = 0
+    hf_seconds: float = math.nan
+    hf_output_tokens: int = 0
+    hf_error: str = ""
+    ttft_ms: float = math.nan
+    tpot_ms: float = math.nan
+    roofline_tok_s: float = math.nan
+    mean_batch: float = math.nan
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def hf_tok_s(self) -> float:
+        return self.hf_output_tokens / self.hf_seconds if self.hf_output_tokens else math.nan
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# -- the roofline -------------------------------------------------------------------------
+
+
+def measure_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a 4 GiB device-to-device copy, counting bytes read plus bytes written."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 24)
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    return 2 * n * 4 / float(np.median(times))
+
+
+def measure_gemm(device: torch.device) -> float:
+    """bf16 FLOP/s of an 8192^3 matrix product on random data."""
+    n = 8192 if device.type == "cuda" else 512
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    reps = 20
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(slots=True)
+class Roofline:
+    bandwidth: float  # bytes/s
+    flops: float  # FLOP/s
+    weight_bytes: int  # read once per step
+    matmul_params: int  # per token, lm_head excluded
+    lm_head_params: int
+    kv_bytes_per_token: int
+    attn_flops_per_ctx: int  # per query token per key
+
+    def step_floor(self, tokens: int, sampled: int, ctx_sum: float, kv_read_tokens: float) -> float:
+        """Seconds: the larger of compute and memory time for one step."""
+        flops: float = 2 * self.matmul_params * tokens + 2 * self.lm_head_params * sampled
+        flops += self.attn_flops_per_ctx * ctx_sum
+        memory = self.weight_bytes + self.kv_bytes_per_token * kv_read_tokens
+        return max(flops / self.flops, memory / self.bandwidth)
+
+    def offline_tok_s(self, prompt: int, output: int, requests: int, batch: int) -> float:
+        """Best output tokens/s: prefill at full compute, then decode steps at `batch`
+        concurrent sequences, each step reading all weights and the batch's KV."""
+        prefill = self.step_floor(prompt * requests, requests, requests * prompt * prompt / 2, 0)
+        waves = math.ceil(requests / batch)
+        per_wave = batch if requests >= batch else requests
+        decode = 0.0
+        for i in range(output - 1):
+            ctx = prompt + i
+            decode += self.step_floor(per_wave, per_wave, per_wave * ctx, per_wave * ctx)
+        return requests * output / (prefill + waves * decode)
+
+
+def roofline_for(cfg: Any, bandwidth: float, flops: float, dtype_bytes: int) -> Roofline:
+    h, d = cfg.hidden_size, cfg.head_dim
+    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
+    matmul = cfg.num_layers * per_layer
+    lm_head = cfg.vocab_size * h
+    return Roofline(
+        bandwidth=bandwidth,
+        flops=flops,
+        weight_bytes=(matmul + lm_head) * dtype_bytes,
+        matmul_params=matmul,
+        lm_head_params=lm_head,
+        kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * d * dtype_bytes,
+        attn_flops_per_ctx=4 * cfg.num_layers * cfg.num_heads * d,
+    )
+
+
+# -- the model, shared -------------------------------------------------------------------------
+
+
+def random_weights(cfg: Any, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Fused projections as our backend wants them; transformers gets views into them."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, device=device, dtype=dtype, generator=gen) * 0.02).contiguous()
+
+    h, d = cfg.hidden_size, cfg.head_dim
+    w = {
+        "model.embed_tokens.weight": rand(cfg.vocab_size, h),
+        "model.norm.weight": torch.ones(h, device=device, dtype=dtype),
+        "lm_head.weight": rand(cfg.vocab_size, h),
+    }
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = torch.ones(h, device=device, dtype=dtype)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h, device=device, dtype=dtype)
+        w[p + "self_attn.qkv_proj.weight"] = rand((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h)
+        w[p + "self_attn.o_proj.weight"] = rand(h, cfg.num_heads * d)
+        w[p + "mlp.gate_up_proj.weight"] = rand(2 * cfg.intermediate_size, h)
+        w[p + "mlp.down_proj.weight"] = rand(h, cfg.intermediate_size)
+    return w
+
+
+def transformers_model(hf_cfg: dict[str, Any], cfg: Any, weights: dict[str, torch.Tensor], device: torch.device) -> Any:
+    """A LlamaForCausalLM whose parameters are views of `weights` (no copy)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{k: v for k, v in hf_cfg.items() if k != "model_type"})
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    inter = cfg.intermediate_size
+    views: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        if name.endswith("qkv_proj.weight"):
+            base = name.removesuffix("qkv_proj.weight")
+            views[base + "q_proj.weight"] = t[:q]
+            views[base + "k_proj.weight"] = t[q : q + kv]
+            views[base + "v_proj.weight"] = t[q + kv :]
+        elif name.endswith("gate_up_proj.weight"):
+            base = name.removesuffix("gate_up_proj.weight")
+            views[base + "gate_proj.weight"] = t[:inter]
+            views[base + "up_proj.weight"] = t[inter:]
+        else:
+            views[name] = t
+    for name, t in views.items():
+        module_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(t, requires_grad=False))
+    rotary = model.model.rotary_emb
+    with torch.device(device):  # its inv_freq buffers were made on the meta device too
+        model.model.rotary_emb = type(rotary)(config)
+    left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
+    if left:
+        raise RuntimeError(f"transformers model: tensors left on the meta device: {left[:5]}")
+    return model.eval()
+
+
+# -- tokenwire through the executor --------------------------------------------------------------
+
+
+def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(10, vocab - 10, (n, length)).tolist()
+
+
+def run_executor_offline(executor: Any, prompts: list[list[int]], output: int) -> tuple[float, int]:
+    from worker.executor import Request
+
+    t0 = time.perf_counter()
+    ids = executor.enqueue_requests(
+        [Request(input_token_ids=p, max_tokens=output, end_id=-1) for p in prompts]
+    )  # fmt: skip
+    pending, tokens = set(ids), 0
+    while pending:
+        for r in executor.await_responses(timeout=60.0):
+            if r.has_error:
+                raise RuntimeError(f"request {r.request_id}: {r.error_msg}")
+            if r.result is not None and r.result.is_final:
+                tokens += sum(len(t) for t in r.result.output_token_ids)
+                pending.discard(r.request_id)
+    return time.perf_counter() - t0, tokens
+
+
+def run_executor_single(executor: Any, prompt: list[int], output: int) -> tuple[float, float]:
+    """(TTFT ms, TPOT ms) for one streamed request alone."""
+    from worker.executor import Request
+
+    t0 = time.perf_counter()
+    rid = executor.enqueue_request(Request(input_token_ids=prompt, max_tokens=output, end_id=-1, streaming=True))
+    stamps: list[tuple[float, int]] = []
+    seen = 0
+    done = False
+    while not done:
+        for r in executor.await_responses(rid, timeout=60.0):
+            if r.has_error:
+                raise RuntimeError(r.error_msg)
+            assert r.result is not None
+            now = time.perf_counter()
+            seen += sum(len(t) for t in r.result.output_token_ids)  # streaming: new tokens only
+            stamps.append((now, seen))
+            done = r.result.is_final
+    first = stamps[0][0] - t0
+    total = stamps[-1][0] - stamps[0][0]
+    return first * 1e3, total / max(stamps[-1][1] - stamps[0][1], 1) * 1e3
+
+
+def last_iteration(executor: Any) -> int:
+    stats = executor.get_latest_iteration_stats()
+    return stats[-1].iter if stats else 0
+
+
+def mean_decode_batch(executor: Any, after: int) -> float:
+    stats = executor.get_latest_iteration_stats()
+    gen = [s.num_generation_requests for s in stats if s.iter > after and s.num_generation_requests]
+    return float(np.mean(gen)) if gen else math.nan
+
+
+def bench_tokenwire(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.Tensor], device: torch.device,
+                    workloads: list[tuple[int, int, int, int]], roof: Roofline) -> list[Row]:  # fmt: skip
+    from worker.backends.torch_backend import TorchBackend
+    from worker.executor import Executor, ExecutorConfig, KvCacheConfig
+
+    backend = TorchBackend(cfg, device, args.dtype, weights=weights, max_num_tokens=args.max_num_tokens,
+                           max_model_len=args.max_model_len, max_graph_batch=args.max_batch)  # fmt: skip
+    config = ExecutorConfig(
+        max_batch_size=args.max_batch,
+        max_num_tokens=args.max_num_tokens,
+        kv_cache_config=KvCacheConfig(tokens_per_block=args.block_size, free_memory_fraction=0.9,
+                                      enable_block_reuse=False),
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    executor = Executor("bench", config, backend=backend)
+    graphs = backend._graphs
+    if graphs is not None:
+        graphs.capture_all()
+    log(f"executor up in {time.perf_counter() - t0:.1f} s: {executor.blocks.num_blocks} KV blocks of "
+        f"{args.block_size}, {len(graphs.graphs) if graphs else 0} CUDA graphs")  # fmt: skip
+    # Warm-up: compiles the Triton kernels for prefill shapes, touches every path once.
+    run_executor_offline(executor, prompts_for(4, 64, cfg.vocab_size, 99), 8)
+    rows = []
+    for prompt, output, n, _ in workloads:
+        name = f"{prompt}/{output}"
+        first_iter = last_iteration(executor)
+        seconds, tokens = run_executor_offline(executor, prompts_for(n, prompt, cfg.vocab_size, 1), output)
+        if tokens != n * output:
+            raise RuntimeError(f"{name}: {tokens} output tokens, expected {n * output}")
+        batch = mean_decode_batch(executor, first_iter)
+        ttft, tpot = run_executor_single(executor, prompts_for(1, prompt, cfg.vocab_size, 2)[0], output)
+        row = Row(name, n, seconds, tokens, ttft_ms=ttft, tpot_ms=tpot, mean_batch=batch)
+        row.roofline_tok_s = roof.offline_tok_s(prompt, output, n, round(batch) if batch == batch else n)
+        log(f"tokenwire {name}: {row.tok_s:,.0f} tok/s (mean decode batch {batch:.0f}), "
+            f"TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms")  # fmt: skip
+        rows.append(row)
+    executor.shutdown()
+    del executor, backend, graphs
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+# -- transformers' continuous batching ----------------------------------------------------------------
+
+
+def hf_offline(model: Any, inputs: list[list[int]], output: int) -> tuple[float, int, str]:
+    """(seconds, output tokens, how) for transformers' continuous batching on `inputs`.
+
+    Timed like ours: from handing over the requests to the last result, with the
+    manager made and warmed up (CUDA graphs captured) beforehand. Falls back to
+    timing a whole `generate_batch` call where the manager API differs."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=output, do_sample=False, eos_token_id=None, pad_token_id=0)
+    try:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        hints = WorkloadHints(max_prompt_length=max(map(len, inputs)), max_generated_length=output,
+                              num_requests=len(inputs))  # fmt: skip
+        manager = model.init_continuous_batching(generation_config=gen, workload_hints=hints)
+    except (ImportError, TypeError, AttributeError):
+        t0 = time.perf_counter()
+        out = model.generate_batch(inputs=inputs, generation_config=gen)
+        seconds = time.perf_counter() - t0
+        return seconds, sum(len(r.generated_tokens or []) for r in out.values()), "generate_batch (setup timed)"
+    if hasattr(manager, "warmup"):
+        manager.warmup()
+    manager.start()
+    try:
+        t0 = time.perf_counter()
+        ids = manager.add_requests(inputs=inputs, max_new_tokens=output)
+        done: dict[str, Any] = {}
+        while len(done) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' generation thread stopped")
+        seconds = time.perf_counter() - t0
+    finally:
+        manager.stop(block=True, timeout=10)
+        if hasattr(manager, "destroy"):
+            manager.destroy()
+    return seconds, sum(len(r.generated_tokens or []) for r in done.values()), "continuous batching manager"
+
+
+def bench_transformers(model: Any, rows: list[Row], workloads: list[tuple[int, int, int, int]], vocab: int,
+                       budget_s: float) -> None:  # fmt: skip
+    start = time.perf_counter()
+    for row, (prompt, output, _, n) in zip(rows, workloads, strict=True):
+        if time.perf_counter() - start > budget_s:
+            row.hf_error = "not run (time budget)"
+            continue
+        try:
+            row.hf_seconds, row.hf_output_tokens, how = hf_offline(model, prompts_for(n, prompt, vocab, 1), output)
+        except Exception as e:  # report what transformers could not do, keep the table
+            row.hf_error = f"{type(e).__name__}: {str(e)[:120]}"
+            log(f"transformers {row.workload}: failed: {row.hf_error}")
+            continue
+        row.hf_requests = n
+        log(f"transformers {row.workload}: {row.hf_tok_s:,.0f} tok/s ({row.hf_output_tokens} tokens "
+            f"of {n * output}; {how})")  # fmt: skip
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+# -- the table ---------------------------------------------------------------------------------------------
+
+
+def format_rows(rows: list[Row], roof: Roofline) -> tuple[list[str], list[list[str]]]:
+    header = ["workload", "reqs", "tokenwire tok/s", "HF reqs", "HF CB tok/s", "vs HF", "roofline tok/s",
+              "of roofline", "mean batch", "TTFT b1 ms", "TPOT b1 ms", "TPOT floor ms", "TPOT/floor"]  # fmt: skip
+    floor_ms = roof.weight_bytes / roof.bandwidth * 1e3
+    out = []
+    for r in rows:
+        out.append([
+            r.workload, str(r.requests), f"{r.tok_s:,.0f}",
+            str(r.hf_requests) if r.hf_requests else "-",
+            f"{r.hf_tok_s:,.0f}" if r.hf_output_tokens else (r.hf_error or "-"),
+            f"{r.tok_s / r.hf_tok_s:.1f}x" if r.hf_output_tokens else "-",
+            f"{r.roofline_tok_s:,.0f}", f"{r.tok_s / r.roofline_tok_s:.0%}", f"{r.mean_batch:.0f}",
+            f"{r.ttft_ms:.1f}", f"{r.tpot_ms:.2f}", f"{floor_ms:.2f}", f"{r.tpot_ms / floor_ms:.2f}",
+        ])  # fmt: skip
+    return header, out
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    import transformers
+
+    env = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = "absent"
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = str(torch.version.cuda)
+    return env
+
+
+def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
+    from worker.models.config import ModelConfig
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SkipSection("no CUDA device")
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    hf_cfg = TINY if args.tiny else LLAMA_8B
+    workloads = TINY_WORKLOADS if args.tiny else WORKLOADS
+    if args.workloads:
+        keep = set(args.workloads.split(","))
+        workloads = [w for w in workloads if f"{w[0]}/{w[1]}" in keep]
+    if args.scale != 1.0:
+        workloads = [(p, o, max(1, int(n * args.scale)), max(1, int(m * args.scale))) for p, o, n, m in workloads]
+    cfg = ModelConfig.from_hf(hf_cfg)
+    env = environment(device)
+    log("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
+    bandwidth, flops = measure_bandwidth(device), measure_gemm(device)
+    roof = roofline_for(cfg, bandwidth, flops, dtype.itemsize)
+    log(f"roofline: {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s; weights {roof.weight_bytes / 1e9:.2f} GB "
+        f"-> batch-1 TPOT floor {roof.weight_bytes / bandwidth * 1e3:.2f} ms")  # fmt: skip
+    t0 = time.perf_counter()
+    weights = random_weights(cfg, device, dtype)
+    sync(device)
+    log(f"random weights made in {time.perf_counter() - t0:.1f} s")
+    rows = bench_tokenwire(args, cfg, weights, device, workloads, roof)
+    if not args.skip_hf:
+        model = transformers_model(hf_cfg, cfg, weights, device)
+        bench_transformers(model, rows, workloads, cfg.vocab_size, args.hf_budget)
+    header, table = format_rows(rows, roof)
+    summary = {
+        "environment": env,
+        "bandwidth_TBps": bandwidth / 1e12,
+        "gemm_TFLOPps": flops / 1e12,
+        "weight_GB": roof.weight_bytes / 1e9,
+        "rows": [asdict(r) | {"tok_s": r.tok_s, "hf_tok_s": r.hf_tok_s} for r in rows],
+    }
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "gpu_bench.json"), "w") as f:
+            json.dump(summary, f, indent=1, default=str)
+    print(f"\n{env.get('gpu', 'cpu')} | torch {env['torch']} | triton {env['triton']} | transformers "
+          f"{env['transformers']} | {env['date']}")  # fmt: skip
+    print(f"roofline inputs: HBM {bandwidth / 1e12:.2f} TB/s (D2D copy, read+write), bf16 GEMM {flops / 1e12:.0f} "
+          f"TFLOP/s (8192^3); weights {roof.weight_bytes / 1e9:.2f} GB read per step")  # fmt: skip
+    return header, table
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--tiny", action="store_true", help="a tiny model: check the code paths, not the speed")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--workloads", default="", help="comma-separated prompt/output pairs to run, e.g. 128/128")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every request count")
+    p.add_argument("--max-batch", type=int, default=512)
+    p.add_argument("--max-num-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--hf-budget", type=float, default=240.0, help="seconds for transformers before skipping")
+    return p
+
+
+def table() -> tuple[list[str], list[list[str]]]:
+    """`make bench` section: the full run, on CUDA only."""
+    if not torch.cuda.is_available():
+        raise SkipSection("no CUDA device")
+    return run(parser().parse_args([]))
+
+
+def main() -> None:
+    from bench.run import format_table
+
+    header, rows = run(parser().parse_args())
+    print(format_table(header, rows))
+
+
+if __name__ == "__main__":
+    main()
