@@ -16,6 +16,7 @@ from pathlib import Path
 PROMPT_LEN = int(os.environ.get("TOKENWIRE_BENCH_PROMPT", "128"))
 OUTPUT_LEN = int(os.environ.get("TOKENWIRE_BENCH_OUTPUT", "128"))
 CONCURRENCY = (1, 32)
+TITLE = f"Executor on this CPU vs transformers generate: default model, {PROMPT_LEN} prompt / {OUTPUT_LEN} output tokens"
 
 
 @dataclass(slots=True)
@@ -113,10 +114,3 @@ def table() -> tuple[list[str], list[list[str]]]:
             ])
     return header, body
 
-
-if __name__ == "__main__":
-    header, body = table()
-    print(f"CPU: {PROMPT_LEN} prompt / {OUTPUT_LEN} output tokens, default model")
-    print(" | ".join(header))
-    for row in body:
-        print(" | ".join(row))
