@@ -32,22 +32,24 @@ $(INSTALLED): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[test,dev]' 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }
 	touch $@
 
-# Debian packages the project needs at run or test time. Installed only when missing;
-# without root we stop and say what to install.
+# Debian packages: redis-server (required) and systemd (for systemd-analyze, which
+# checks the unit files in ops/). Installed only when missing and we are root;
+# otherwise a missing redis-server stops make with what to do.
 system-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
 	command -v systemd-analyze >/dev/null 2>&1 || missing="$$missing systemd"; \
-	if [ -n "$$missing" ]; then \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing Debian packages:$$missing"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
-	  else \
-	    echo "error: missing$$missing." >&2; \
-	    echo "  Install them as root (Debian/Ubuntu: sudo apt-get install$$missing)," >&2; \
-	    echo "  or put a redis-server binary (Redis >= 6) on PATH, then run make again." >&2; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing Debian packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	elif [ -n "$$missing" ]; then \
+	  if ! command -v redis-server >/dev/null 2>&1; then \
+	    echo "error: redis-server is not on PATH, and this user cannot install it." >&2; \
+	    echo "  Debian/Ubuntu: sudo apt-get install redis-server; or put a redis-server binary" >&2; \
+	    echo "  (Redis >= 6) on PATH. Then run make again." >&2; \
 	    exit 1; \
 	  fi; \
+	  echo "warning: systemd-analyze is missing (sudo apt-get install systemd); unit-file checks will fail" >&2; \
 	fi
 
 bootstrap: system-deps $(INSTALLED)

@@ -21,7 +21,7 @@ Handler = Callable[[argparse.Namespace], int]
 Subparsers = Any
 
 # Modules that define `register(subparsers)`, in the order --help lists them.
-# Coming with later issues: demo, model (fetch), worker, gateway, generate.
+# More come with later issues (e.g. `model fetch`, jobs).
 COMMANDS: tuple[str, ...] = ("clients.cli_up", "clients.cli_processes", "clients.cli_requests")
 
 
