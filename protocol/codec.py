@@ -15,7 +15,7 @@ from protocol.base import Message
 from protocol.control import Cancel, Drain, ErrorReply, Heartbeat, Hello, Ready
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
-from protocol.packed import WIRE_CONTEXT
+from protocol.packed import WIRE_CONTEXT, Unpacking
 from protocol.records import IterationStats, RequestStats, WorkerInfo
 from protocol.request import Submit
 from protocol.results import ResultBatch
@@ -74,7 +74,7 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
     if type(payload) is not dict:
         raise ProtocolError(f"{kind} payload must be a map, got {_brief(payload)}", kind=kind)
     try:
-        return cls.model_validate(payload)
+        return cls.model_validate(payload, context=Unpacking(limits.max_packed_values))
     except ValidationError as e:
         raise ProtocolError(_describe(kind, e), kind=kind, request_id=_request_id(payload)) from None
 
@@ -134,6 +134,8 @@ def _brief(value: Any, width: int = 60) -> str:
     if type(value) is list or type(value) is dict:
         n = len(value)
         return f"a {'list' if type(value) is list else 'map'} of {n} item{'' if n == 1 else 's'}"
+    if type(value) is str or type(value) is bytes:
+        value = value[:width]  # repr of a 16 MB string would itself cost 16-64 MB
     text = repr(value)
     return text if len(text) <= width else text[: width - 3] + "..."
 

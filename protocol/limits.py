@@ -3,7 +3,9 @@
 Bulk numbers (token ids, per-token log probs, embedding bias, logits) travel as
 packed bytes, so msgpack arrays stay short and `max_array_len` can be small. That
 matters: msgpack preallocates a container of the length its header declares, so
-a few kilobytes of nested headers could otherwise claim gigabytes.
+a few kilobytes of nested headers could otherwise claim gigabytes. Packed lists
+become Python lists after decoding, about 9x their wire size: `max_packed_values`
+bounds that. Logits stay bytes and count only against the size limits.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ class Limits:
     max_array_len: int = 4096  # responses in a batch, stop sequences, beams
     max_map_len: int = 64  # fields of one record
     max_depth: int = 8  # nested arrays and maps, the envelope counting as 1
+    # Packed numbers (token ids, floats) one message may expand into Python lists;
+    # at ~36 bytes each as Python ints, the default bounds that at ~150 MB.
+    max_packed_values: int = 1 << 22
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:

@@ -12,7 +12,7 @@ from array import array
 from collections.abc import Sequence
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, Field, PlainSerializer, SerializationInfo
+from pydantic import AfterValidator, BeforeValidator, Field, PlainSerializer, SerializationInfo, ValidationInfo
 
 INT32_MAX = 2**31 - 1
 
@@ -57,16 +57,42 @@ def _unpack(typecode: str, data: bytes) -> Any:
     return a.tolist()
 
 
-def _from_wire_ints(value: object) -> object:
-    # Inlined _unpack for the little-endian common case: this runs for every
+class Unpacking:
+    """Validation context of one `decode`: how many more packed values it may
+    expand into Python lists. A list of ints costs ~36 bytes per value against 4
+    on the wire, so this, not the message size, bounds decode's memory."""
+
+    __slots__ = ("limit", "remaining")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.remaining = limit
+
+
+def _spend(data: bytes, info: ValidationInfo) -> None:
+    budget = info.context
+    if type(budget) is Unpacking:
+        budget.remaining -= len(data) >> 2
+        if budget.remaining < 0:
+            raise ValueError(f"the message packs more than max_packed_values ({budget.limit}) numbers")
+
+
+def _from_wire_ints(value: object, info: ValidationInfo) -> object:
+    if type(value) is not bytes:
+        return value
+    _spend(value, info)
+    # _unpack inlined for the little-endian common case: this runs for every
     # token list of every result.
-    if type(value) is bytes and _LITTLE and not len(value) & 3:
+    if _LITTLE and not len(value) & 3:
         return array("i", value).tolist()
-    return _unpack("i", value) if isinstance(value, bytes) else value
+    return _unpack("i", value)
 
 
-def _from_wire_floats(value: object) -> object:
-    return _unpack("f", value) if isinstance(value, bytes) else value
+def _from_wire_floats(value: object, info: ValidationInfo) -> object:
+    if type(value) is not bytes:
+        return value
+    _spend(value, info)
+    return _unpack("f", value)
 
 
 def _reject_nan(values: list[float]) -> list[float]:

@@ -102,3 +102,32 @@ def test_declared_lengths_cannot_claim_unbounded_memory():
 def test_limits_must_be_positive():
     with pytest.raises(ValueError, match="max_depth must be >= 1"):
         p.Limits(max_depth=0)
+
+
+def test_packed_values_at_and_past():
+    msg = p.Submit(request_id="r", input_token_ids=[1, 2, 3], stop_words=[[4], [5, 6]], max_tokens=1)
+    wire = p.encode(msg)
+    assert p.decode(wire, p.Limits(max_packed_values=6)) == msg
+    with pytest.raises(p.ProtocolError, match=r"packs more than max_packed_values \(5\) numbers"):
+        p.decode(wire, p.Limits(max_packed_values=5))
+
+
+def test_packed_floats_count_too():
+    msg = p.Submit(request_id="r", prompt="x", embedding_bias=[0.0] * 10, max_tokens=1)
+    assert p.decode(p.encode(msg), p.Limits(max_packed_values=10)) == msg
+    with pytest.raises(p.ProtocolError, match="max_packed_values"):
+        p.decode(p.encode(msg), p.Limits(max_packed_values=9))
+
+
+def test_too_many_packed_values_are_refused_before_expanding():
+    count = p.DEFAULT_LIMITS.max_packed_values + 1
+    payload = {"request_id": "r", "input_token_ids": b"\x07\x01\x00\x00" * count, "max_tokens": 1}
+    data = msgpack.packb([1, "submit", payload], use_bin_type=True)
+    tracemalloc.start()
+    try:
+        with pytest.raises(p.ProtocolError, match="max_packed_values"):
+            p.decode(data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * len(data), f"refusing {len(data)} bytes peaked at {peak} bytes"
