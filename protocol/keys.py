@@ -51,10 +51,28 @@ class Keys:
         """Stream of queued jobs, read through a consumer group."""
         return f"{self.prefix}:jobs"
 
+    def jobs_group(self) -> str:
+        """The consumer group (a name inside the jobs stream, not a key)."""
+        return "consumers"
+
     def jobs_dead_letter(self) -> str:
         """Stream of jobs that failed too often."""
         return f"{self.prefix}:jobs:dead"
 
+    def job(self, job_id: str) -> str:
+        """Hash of one job's state: status, deliveries, last error, the packed Job.
+        No TTL while the job is live; the result's TTL once it has ended."""
+        return f"{self.prefix}:job:{job_id}"
+
     def job_result(self, job_id: str) -> str:
-        """A job's result, written once; a retried job overwrites it idempotently."""
+        """A job's packed JobResult, written once (a job completed twice keeps the
+        first), with a TTL."""
         return f"{self.prefix}:job:{job_id}:result"
+
+    def jobs_counters(self) -> str:
+        """Hash of totals: submitted, done, cancelled, expired, dead, failures."""
+        return f"{self.prefix}:jobs:counters"
+
+    def jobs_done_at(self, unix_second: int) -> str:
+        """Count of jobs that ended done in that second, with a short TTL (throughput)."""
+        return f"{self.prefix}:jobs:done:{unix_second}"
