@@ -1,0 +1,247 @@
+"""`tokenwire jobs submit|status|result|cancel|run|consume|stats`: the job queue."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from clients.cli import Subparsers
+from clients.cli_requests import DEFAULT_GATEWAY, DEFAULT_REDIS, format_table
+
+# Keys a line of a `jobs run` file may hold besides "prompt" (submit's keyword arguments).
+_JOB_FIELDS = frozenset(
+    ["job_id", "deadline_s", "result_ttl_s", "max_tokens", "model", "temperature", "top_k", "top_p", "min_p",
+     "seed", "min_tokens", "repetition_penalty", "stop", "stop_token_ids", "bad_token_ids", "end_id",
+     "num_return_sequences", "return_log_probs", "priority"]
+)  # fmt: skip
+
+
+def register(subparsers: Subparsers) -> None:
+    jobs = subparsers.add_parser("jobs", help="the durable job queue in Redis: submit, follow, consume")
+    sub = jobs.add_subparsers(title="jobs commands", metavar="JOBS_COMMAND")
+    jobs.set_defaults(handler=lambda _: (jobs.print_help(), 2)[1])
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        p.add_argument("--redis", default=DEFAULT_REDIS)
+        p.add_argument("--redis-prefix", default="tokenwire")
+        return p
+
+    p = command("submit", "queue one job; prints its id")
+    p.add_argument("prompt")
+    p.add_argument("--job-id", default=None, help="your id, for idempotency (default: a random one)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--model", default=None)
+    p.add_argument("--priority", type=float, default=0.5, help="0..1, the workers' scheduling priority")
+    p.add_argument("--deadline", type=float, default=None, help="seconds from now; later it ends expired")
+    p.set_defaults(handler=submit)
+
+    p = command("status", "a job's status, deliveries and last error")
+    p.add_argument("job_id")
+    p.set_defaults(handler=status)
+
+    p = command("result", "print a job's result as JSON, waiting for it")
+    p.add_argument("job_id")
+    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for it to end (default: none)")
+    p.set_defaults(handler=result)
+
+    p = command("cancel", "cancel a queued or running job")
+    p.add_argument("job_id")
+    p.set_defaults(handler=cancel)
+
+    p = command("run", "queue every line of a JSONL file, wait, write the results as JSONL")
+    p.add_argument("prompts", type=Path, help='one JSON object a line: {"prompt": ..., "max_tokens": ..., ...}')
+    p.add_argument("--out", type=Path, required=True, help="results, one JSON object a line, as jobs end")
+    p.add_argument("--max-tokens", type=int, default=64, help="for lines that do not say")
+    p.add_argument("--timeout", type=float, default=None, help="seconds to wait for all (default: no limit)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(handler=run)
+
+    p = command("consume", "run a job consumer: jobs from Redis to gateways, results back")
+    p.add_argument("--gateway", action="append", default=[], help=f"repeatable (default {DEFAULT_GATEWAY})")
+    p.add_argument("--name", default="", help="consumer name in the group (default host-pid)")
+    p.add_argument("--max-in-flight", type=int, default=256)
+    p.add_argument("--idle-timeout", type=float, default=30.0, help="seconds before a silent job is taken over")
+    p.add_argument("--max-deliveries", type=int, default=5, help="then the job is dead-lettered")
+    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="to the gateway, seconds")
+    p.add_argument("--missed-heartbeats", type=int, default=3)
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(handler=consume)
+
+    p = command("stats", "queued, in flight, done, failed, dead-lettered, throughput")
+    p.add_argument("--dead", type=int, default=5, help="recent dead letters shown")
+    p.set_defaults(handler=stats)
+
+
+def _queue(args: argparse.Namespace) -> Any:
+    from clients.jobs import JobQueue
+
+    return JobQueue(args.redis, prefix=args.redis_prefix)
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 1
+
+
+def submit(args: argparse.Namespace) -> int:
+    import redis
+
+    with _queue(args) as q:
+        try:
+            job_id = q.submit(
+                args.prompt, job_id=args.job_id, max_tokens=args.max_tokens, temperature=args.temperature,
+                seed=args.seed, model=args.model, priority=args.priority, deadline_s=args.deadline,
+            )  # fmt: skip
+        except ValueError as e:  # pydantic's ValidationError included: it names the field
+            return _fail(str(e))
+        except redis.RedisError as e:
+            return _fail(f"could not reach Redis at {args.redis}: {e}")
+    print(job_id)
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    with _queue(args) as q:
+        info = q.info(args.job_id)
+    if not info:
+        return _fail(f"no job {args.job_id!r} (never submitted, or its result expired)")
+    print(json.dumps(info, indent=1, sort_keys=True))
+    return 0
+
+
+def result(args: argparse.Namespace) -> int:
+    with _queue(args) as q:
+        try:
+            res = q.result(args.job_id, timeout=args.wait)
+        except TimeoutError:
+            now = q.status(args.job_id)
+            if now is None:
+                return _fail(f"no job {args.job_id!r} (never submitted, or its result expired)")
+            return _fail(f"job {args.job_id} is {now.value}; no result yet")
+    print(res.model_dump_json())
+    return 0
+
+
+def cancel(args: argparse.Namespace) -> int:
+    with _queue(args) as q:
+        now = q.cancel(args.job_id)
+    if now is None:
+        return _fail(f"no job {args.job_id!r}")
+    print(f"job {args.job_id}: {now.value}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    specs = []
+    for n, line in enumerate(args.prompts.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            spec = json.loads(line)
+        except json.JSONDecodeError as e:
+            return _fail(f"{args.prompts}:{n}: not JSON: {e}")
+        if not isinstance(spec, dict) or "prompt" not in spec:
+            return _fail(f'{args.prompts}:{n}: each line must be an object with a "prompt"')
+        unknown = set(spec) - _JOB_FIELDS - {"prompt"}
+        if unknown:
+            return _fail(f"{args.prompts}:{n}: unknown fields {sorted(unknown)}; known: {sorted(_JOB_FIELDS)}")
+        specs.append({"max_tokens": args.max_tokens, **spec})
+    with _queue(args) as q:
+        try:
+            ids = q.submit_many(specs)
+        except ValueError as e:  # pydantic's ValidationError included: it names the field
+            return _fail(f"{args.prompts}: {e}")
+        print(f"queued {len(ids)} jobs", file=sys.stderr)
+        bar = _Progress(len(ids), None if args.quiet else sys.stderr)
+        counts: dict[str, int] = {}
+        with args.out.open("w") as out:
+            try:
+                for res in q.results(ids, timeout=args.timeout):
+                    out.write(res.model_dump_json() + "\n")
+                    counts[res.status.value] = counts.get(res.status.value, 0) + 1
+                    bar.step()
+            except TimeoutError as e:
+                bar.close()
+                return _fail(str(e))
+        bar.close()
+    print(", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + f"; results in {args.out}", file=sys.stderr)
+    return 0 if counts.get("done", 0) == len(set(ids)) else 1
+
+
+class _Progress:
+    """A one-line progress bar on a terminal stream (redrawn at most 10 times a second)."""
+
+    def __init__(self, total: int, stream: IO[str] | None) -> None:
+        self.total = total
+        self.stream = stream
+        self.done = 0
+        self.start = time.monotonic()
+        self.drawn = 0.0
+
+    def step(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if self.stream is not None and (now - self.drawn > 0.1 or self.done == self.total):
+            self.drawn = now
+            width = 30
+            filled = width * self.done // max(1, self.total)
+            rate = self.done / max(1e-9, now - self.start)
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {rate:.1f} jobs/s")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.write("\n")
+
+
+def consume(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+
+    from clients.jobs_consumer import Consumer, ConsumerConfig
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s consumer %(levelname)s %(name)s: %(message)s")
+    consumer = Consumer(
+        ConsumerConfig(
+            redis_url=args.redis,
+            gateways=args.gateway or [DEFAULT_GATEWAY],
+            prefix=args.redis_prefix,
+            name=args.name,
+            max_in_flight=args.max_in_flight,
+            idle_timeout_s=args.idle_timeout,
+            max_deliveries=args.max_deliveries,
+            heartbeat_interval_s=args.heartbeat_interval,
+            missed_heartbeats=args.missed_heartbeats,
+        )
+    )
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: consumer.stop.set())
+    consumer.run()
+    return 0
+
+
+def stats(args: argparse.Namespace) -> int:
+    import redis
+
+    with _queue(args) as q:
+        try:
+            s = q.stats()
+            dead = q.dead_letters(args.dead) if args.dead else []
+        except redis.RedisError as e:
+            return _fail(f"could not read Redis at {args.redis}: {e}")
+    header = ["queued", "in flight", "submitted", "done", "failed deliveries", "cancelled", "expired",
+              "dead-lettered", "consumers", "done/s (10 s)"]  # fmt: skip
+    row = [s.queued, s.in_flight, s.submitted, s.done, s.failures, s.cancelled, s.expired, s.dead, s.consumers]
+    print(format_table(header, [[*map(str, row), f"{s.done_per_s:.1f}"]]))
+    if dead:
+        print()
+        rows = [[d.get("job_id", "?"), d.get("deliveries", "?"), d.get("error", "")[:100]] for d in dead]
+        print(format_table(["dead job", "deliveries", "last error"], rows))
+    return 0
