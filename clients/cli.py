@@ -22,7 +22,7 @@ Subparsers = Any
 
 # Modules that define `register(subparsers)`, in the order --help lists them.
 # More come with later issues (e.g. `model fetch`, jobs).
-COMMANDS: tuple[str, ...] = ("clients.cli_up", "clients.cli_processes", "clients.cli_requests")
+COMMANDS: tuple[str, ...] = ("clients.cli_up", "clients.cli_processes", "clients.cli_requests", "clients.cli_jobs")
 
 
 def _version() -> str:
