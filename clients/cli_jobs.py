@@ -158,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
             ids = q.submit_many(specs)
         except ValueError as e:  # pydantic's ValidationError included: it names the field
             return _fail(f"{args.prompts}: {e}")
+        ids = list(dict.fromkeys(ids))  # a repeated job id is one job
         print(f"queued {len(ids)} jobs", file=sys.stderr)
         bar = _Progress(len(ids), None if args.quiet else sys.stderr)
         counts: dict[str, int] = {}
@@ -172,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
                 return _fail(str(e))
         bar.close()
     print(", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + f"; results in {args.out}", file=sys.stderr)
-    return 0 if counts.get("done", 0) == len(set(ids)) else 1
+    return 0 if counts.get("done", 0) == len(ids) else 1
 
 
 class _Progress:

@@ -10,6 +10,9 @@ always) where it restarts it.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +26,7 @@ from tests.procs import HEARTBEAT_S, MISSED, Proc, Stack
 IDLE_S = 2.0  # consumers take over jobs idle this long; > the gateway's client timeout (HEARTBEAT_S * MISSED)
 MAX_DELIVERIES = 3
 # Token-id prompts: the echo backend repeats the last one, which is not the end id.
-SHORT = {"max_tokens": 8, "min_tokens": 8}
+SHORT: dict[str, Any] = {"max_tokens": 8, "min_tokens": 8}
 
 
 class Consumer(Proc):
@@ -65,7 +68,7 @@ class JobStack(Stack):
             time.sleep(0.05)
 
     def counters(self) -> dict[str, int]:
-        raw: dict[Any, Any] = self.redis.hgetall(self.keys.jobs_counters())  # type: ignore[assignment]
+        raw: dict[Any, Any] = self.redis.hgetall(self.keys.jobs_counters())
         return {k.decode(): int(v) for k, v in raw.items()}
 
     def pending(self) -> int:
@@ -204,3 +207,77 @@ def test_redis_restart_mid_run_loses_nothing(echo_stack: JobStack):
     assert 0 < s.counters().get("done", 0) < len(ids), "the restart did not land mid-run"
     late = s.queue.submit_many(_jobs(20, 200))
     _assert_each_done_once(s, ids + late, 200)
+
+
+def test_cancel_queued_and_running_jobs_and_deadlines(long_model: Path, redis_server_factory: Any, tmp_path: Path):
+    """One numpy worker with one batch slot, so a long job keeps the others queued."""
+    long: dict[str, Any] = {"max_tokens": 6000, "min_tokens": 6000, "temperature": 0.0}
+    s = _stack(long_model, redis_server_factory().url, tmp_path, 1, 1, "--max-batch-size", "1")
+    try:
+        s.consumer()
+        running = s.queue.submit([5, 6, 7, 8], **long)
+        deadline = time.monotonic() + 20
+        while s.queue.status(running) != JobStatus.RUNNING or s.load(s.workers[0]).num_active_requests != 1:
+            assert time.monotonic() < deadline, f"job not running: {s.queue.info(running)}"
+            time.sleep(0.05)
+        queued = s.queue.submit(_prompt(1), **SHORT)
+        expiring = s.queue.submit(_prompt(2), deadline_s=1.0, **SHORT)
+        time.sleep(0.5)
+        assert s.queue.status(queued) == s.queue.status(expiring) == JobStatus.QUEUED
+
+        assert s.queue.cancel(queued) == JobStatus.CANCELLED
+        result = s.queue.result(queued, timeout=1)
+        assert result.status == JobStatus.CANCELLED and result.deliveries == 0 and not result.outputs
+
+        time.sleep(0.7)  # past the deadline of `expiring`, still queued
+        assert s.queue.cancel(running) == JobStatus.RUNNING  # the worker stops it at its next poll
+        result = s.queue.result(running, timeout=20)
+        assert result.status == JobStatus.CANCELLED and result.deliveries == 1
+        assert 0 < len(result.outputs[0].token_ids) < long["max_tokens"]
+        assert result.outputs[0].finish_reason == "cancelled"
+
+        result = s.queue.result(expiring, timeout=10)
+        assert result.status == JobStatus.EXPIRED and not result.outputs
+        assert result.error == "deadline passed before the job ran"
+
+        overrun = s.queue.submit([9, 10, 11], deadline_s=1.5, **long)
+        result = s.queue.result(overrun, timeout=20)
+        assert result.status == JobStatus.EXPIRED and result.error == "deadline passed while the job ran"
+        assert 0 < len(result.outputs[0].token_ids) < long["max_tokens"]
+        assert s.queue.cancel(overrun) == JobStatus.EXPIRED  # ended: cancel changes nothing
+
+        s.wait_idle(s.workers[0])
+        deadline = time.monotonic() + 10
+        while s.pending() or s.redis.xlen(s.keys.jobs()):
+            assert time.monotonic() < deadline, "the cancelled job's entry was never acknowledged"
+            time.sleep(0.1)
+        assert s.counters() == {"submitted": 4, "cancelled": 2, "expired": 2}
+    finally:
+        s.close()
+
+
+def test_jobs_run_cli_writes_every_result(echo_stack: JobStack, tmp_path: Path):
+    s = echo_stack
+    s.consumer()
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [json.dumps({"prompt": _prompt(i), "job_id": f"line-{i}", **SHORT}) for i in range(200)]
+    prompts.write_text("\n".join([*lines, lines[0]]) + "\n")  # the last line repeats the first job
+    out = tmp_path / "results.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "clients.cli", "jobs", "run", str(prompts), "--out", str(out),
+         "--redis", s.redis_url, "--timeout", "60"],
+        capture_output=True, text=True, timeout=90, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "200/200" in done.stderr and "200 done" in done.stderr
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["job_id"] for r in results) == sorted(f"line-{i}" for i in range(200))
+    assert all(r["status"] == "done" and len(r["outputs"][0]["token_ids"]) == SHORT["max_tokens"] for r in results)
+    stats = subprocess.run(
+        [sys.executable, "-m", "clients.cli", "jobs", "stats", "--redis", s.redis_url],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    # queued, in flight, submitted, done, failed deliveries, cancelled, expired, dead-lettered, consumers, done/s
+    row = stats.stdout.splitlines()[2].split()
+    assert row[:9] == ["0", "0", "200", "200", "0", "0", "0", "0", "1"], stats.stdout
+    assert float(row[9]) > 0
