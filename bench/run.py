@@ -20,6 +20,8 @@ from bench import SkipSection
 SECTIONS: dict[str, str] = {
     "protocol": "bench.protocol_bench",
     "cpu": "bench.cpu_bench",
+    "service": "bench.service_bench",
+    "gpu": "bench.gpu_bench",
 }
 
 
