@@ -154,6 +154,10 @@ class Roofline:
         memory = self.weight_bytes + self.kv_bytes_per_token * kv_read_tokens
         return max(flops / self.flops, memory / self.bandwidth)
 
+    def decode_floor(self, context: int) -> float:
+        """Seconds per token for one sequence alone: weights plus its KV, read once."""
+        return (self.weight_bytes + self.kv_bytes_per_token * context) / self.bandwidth
+
     def offline_tok_s(self, prompt: int, output: int, requests: int, batch: int) -> float:
         """Best output tokens/s: prefill at full compute, then decode steps at `batch`
         concurrent sequences, each step reading all weights and the batch's KV."""
@@ -299,6 +303,19 @@ def last_iteration(executor: Any) -> int:
     return stats[-1].iter if stats else 0
 
 
+def iteration_summary(executor: Any, after: int) -> dict[str, float]:
+    """Iteration counts and mean latencies (ms) of generation-only and mixed iterations."""
+    stats = [s for s in executor.get_latest_iteration_stats() if s.iter > after]
+    gen = [s.iter_latency_ms for s in stats if not s.num_context_requests]
+    ctx = [s.iter_latency_ms for s in stats if s.num_context_requests]
+    return {
+        "gen_iters": len(gen),
+        "gen_ms": round(float(np.mean(gen)), 2) if gen else math.nan,
+        "ctx_iters": len(ctx),
+        "ctx_ms": round(float(np.mean(ctx)), 2) if ctx else math.nan,
+    }
+
+
 def mean_decode_batch(executor: Any, after: int) -> float:
     stats = executor.get_latest_iteration_stats()
     gen = [s.num_generation_requests for s in stats if s.iter > after and s.num_generation_requests]
@@ -317,12 +334,14 @@ def bench_tokenwire(args: argparse.Namespace, cfg: Any, weights: dict[str, torch
         max_num_tokens=args.max_num_tokens,
         kv_cache_config=KvCacheConfig(tokens_per_block=args.block_size, free_memory_fraction=0.9,
                                       enable_block_reuse=False),
+        iteration_stats_max=1_000_000,
     )  # fmt: skip
     t0 = time.perf_counter()
     executor = Executor("bench", config, backend=backend)
     graphs = backend._graphs
     if graphs is not None:
         graphs.capture_all()
+    kv_tokens = executor.blocks.num_blocks * args.block_size
     log(f"executor up in {time.perf_counter() - t0:.1f} s: {executor.blocks.num_blocks} KV blocks of "
         f"{args.block_size}, {len(graphs.graphs) if graphs else 0} CUDA graphs")  # fmt: skip
     # Warm-up: compiles the Triton kernels for prefill shapes, touches every path once.
@@ -337,16 +356,88 @@ def bench_tokenwire(args: argparse.Namespace, cfg: Any, weights: dict[str, torch
         batch = mean_decode_batch(executor, first_iter)
         ttft, tpot = run_executor_single(executor, prompts_for(1, prompt, cfg.vocab_size, 2)[0], output)
         row = Row(name, n, seconds, tokens, ttft_ms=ttft, tpot_ms=tpot, mean_batch=batch)
-        row.roofline_tok_s = roof.offline_tok_s(prompt, output, n, round(batch) if batch == batch else n)
+        row.extra = iteration_summary(executor, first_iter)
+        # The most sequences that fit at once: the batch limit, or our KV cache at full length.
+        concurrency = min(args.max_batch, n, kv_tokens // (prompt + output))
+        row.roofline_tok_s = roof.offline_tok_s(prompt, output, n, concurrency)
+        row.extra["tpot_floor_ms"] = roof.decode_floor(prompt + output // 2) * 1e3
         log(f"tokenwire {name}: {row.tok_s:,.0f} tok/s (mean decode batch {batch:.0f}), "
-            f"TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms")  # fmt: skip
+            f"TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms; iterations {row.extra}")  # fmt: skip
         rows.append(row)
+    if args.profile:
+        try:
+            profile_steps(backend, cfg, executor.blocks.num_blocks, args.block_size)
+        except Exception as e:  # a diagnostic; never lose the table for it
+            log(f"profile failed: {type(e).__name__}: {e}")
     executor.shutdown()
     del executor, backend, graphs
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def synthetic_step(num_seqs: int, q_len: int, ctx: int, block_size: int, vocab: int) -> Any:
+    """A ForwardBatch of num_seqs sequences at context ctx, each adding q_len tokens,
+    on blocks 0.. in order (the executor is idle; its cache is ours to scribble on)."""
+    from worker.backends.base import ForwardBatch
+
+    per_seq = -(-ctx // block_size)
+    tables = np.arange(num_seqs * per_seq, dtype=np.int64).reshape(num_seqs, per_seq)
+    positions = np.tile(np.arange(ctx - q_len, ctx), num_seqs)
+    seq_of = np.repeat(np.arange(num_seqs), q_len)
+    slots = tables[seq_of, positions // block_size] * block_size + positions % block_size
+    query_start = np.arange(0, (num_seqs + 1) * q_len, q_len, dtype=np.int64)
+    return ForwardBatch(
+        token_ids=np.random.default_rng(0).integers(0, vocab, num_seqs * q_len),
+        positions=positions,
+        query_start=query_start,
+        context_lens=np.full(num_seqs, ctx, dtype=np.int64),
+        block_tables=tables,
+        slot_mapping=slots,
+        logits_indices=query_start[1:] - 1,
+    )
+
+
+def profile_steps(backend: Any, cfg: Any, num_blocks: int, block_size: int) -> None:
+    """Median time of single forward + greedy sample steps, straight on the backend, and
+    where the GPU time goes (torch profiler) for a big generation step and a prefill."""
+    from worker.backends.base import SamplingBatch
+
+    def greedy(n: int) -> SamplingBatch:
+        return SamplingBatch(
+            temperature=np.zeros(n, np.float32), top_k=np.zeros(n, np.int64), top_p=np.ones(n, np.float32),
+            min_p=np.zeros(n, np.float32), uniform=np.zeros(n), ban_rows=np.zeros(0, np.int64),
+            ban_tokens=np.zeros(0, np.int64),
+        )  # fmt: skip
+
+    cases = [(1, 1, 128), (1, 1, 2048), (64, 1, 1024), (256, 1, 1024), (512, 1, 192), (512, 1, 1024),
+             (64, 128, 128), (4, 2048, 2048), (1, 2048, 2048)]  # fmt: skip
+    for n, q, ctx in cases:
+        if n * -(-ctx // block_size) > num_blocks:
+            continue
+        batch, sampling = synthetic_step(n, q, ctx, block_size, cfg.vocab_size), greedy(n)
+        for _ in range(3):
+            backend.sample(backend.forward(batch), sampling)
+        times = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            backend.sample(backend.forward(batch), sampling)
+            times.append(time.perf_counter() - t0)
+        log(f"step: {n} seqs x {q} new tokens at context {ctx}: {np.median(times) * 1e3:.2f} ms")
+    from torch.profiler import ProfilerActivity, profile
+
+    out = os.environ.get("OUT", "/tmp")
+    for n, q, ctx in [(512, 1, 192), (64, 128, 128), (1, 1, 2048)]:
+        batch, sampling = synthetic_step(n, q, ctx, block_size, cfg.vocab_size), greedy(n)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                backend.sample(backend.forward(batch), sampling)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+        with open(os.path.join(out, f"profile_{n}x{q}_{ctx}.txt"), "w") as f:
+            f.write(table)
+        print(f"--- profile: {n} seqs x {q} tokens at context {ctx}, 3 steps\n{table}", flush=True)
 
 
 # -- transformers' continuous batching ----------------------------------------------------------------
@@ -419,9 +510,9 @@ def bench_transformers(model: Any, rows: list[Row], workloads: list[tuple[int, i
 def format_rows(rows: list[Row], roof: Roofline) -> tuple[list[str], list[list[str]]]:
     header = ["workload", "reqs", "tokenwire tok/s", "HF reqs", "HF CB tok/s", "vs HF", "roofline tok/s",
               "of roofline", "mean batch", "TTFT b1 ms", "TPOT b1 ms", "TPOT floor ms", "TPOT/floor"]  # fmt: skip
-    floor_ms = roof.weight_bytes / roof.bandwidth * 1e3
     out = []
     for r in rows:
+        floor_ms = r.extra.get("tpot_floor_ms", roof.decode_floor(0) * 1e3)
         out.append([
             r.workload, str(r.requests), f"{r.tok_s:,.0f}",
             str(r.hf_requests) if r.hf_requests else "-",
@@ -514,6 +605,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--profile", action="store_true", help="time single steps of the backend, kernel breakdown")
     p.add_argument("--hf-budget", type=float, default=240.0, help="seconds for transformers before skipping")
     return p
 

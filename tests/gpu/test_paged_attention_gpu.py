@@ -27,7 +27,7 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 
 
 def run_case(seed: int, heads: int, kv_heads: int, head_dim: int, block_size: int, decode: bool,
-             window: int | None, dtype: torch.dtype) -> None:  # fmt: skip
+             window: int | None, dtype: torch.dtype, splits: int = 1) -> None:  # fmt: skip
     rng = np.random.default_rng(seed)
     n_seqs = int(rng.integers(1, 12))
     ctx = rng.integers(1, 600, n_seqs)
@@ -54,6 +54,7 @@ def run_case(seed: int, heads: int, kv_heads: int, head_dim: int, block_size: in
     paged_attention_triton(
         q, k, v, torch.tensor(tables, **i32), torch.tensor(query_start, **i32), torch.tensor(ctx, **i32),
         torch.tensor(tile_seq, **i32), torch.tensor(tile_q0, **i32), block_q, scale, window, out=out,
+        splits=splits,
     )  # fmt: skip
     torch.cuda.synchronize()
     ref = paged_attention_torch(
@@ -65,19 +66,18 @@ def run_case(seed: int, heads: int, kv_heads: int, head_dim: int, block_size: in
     assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
 
 
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(32, 8, 128), (9, 3, 64), (8, 8, 64), (16, 2, 128)]
-)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(32, 8, 128), (9, 3, 64), (8, 8, 64), (16, 2, 128)])
 @pytest.mark.parametrize("decode", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kernel_matches_reference(
-    heads: int, kv_heads: int, head_dim: int, decode: bool, dtype: torch.dtype
-) -> None:
+def test_kernel_matches_reference(heads: int, kv_heads: int, head_dim: int, decode: bool, dtype: torch.dtype) -> None:
     for seed in range(3):
         run_case(seed, heads, kv_heads, head_dim, 16 if seed % 2 else 32, decode, None, dtype)
+    if decode:  # keys spread over several programs per sequence (flash-decoding), then merged
+        for seed, splits in ((5, 2), (6, 4), (7, 16)):
+            run_case(seed, heads, kv_heads, head_dim, 16, decode, None, dtype, splits)
 
 
 @pytest.mark.parametrize("decode", [True, False])
 def test_kernel_sliding_window(decode: bool) -> None:
     for seed in range(3):
-        run_case(seed + 10, 8, 2, 64, 16, decode, 37, torch.bfloat16)
+        run_case(seed + 10, 8, 2, 64, 16, decode, 37, torch.bfloat16, 4 if decode else 1)

@@ -26,7 +26,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 # Tokens that must match transformers' bf16 greedy output on the default model.
-DEFAULT_MODEL_GREEDY_TOKENS = 16
+DEFAULT_MODEL_GREEDY_TOKENS = 6
+# The top-1 lead (in logits) under which bf16 rounding may pick either token.
+NEAR_TIE = 0.25
 
 
 def hf_generate(model: Any, prompts: dict[str, list[int]], n: int, device: str) -> dict[str, list[int]]:
@@ -89,15 +91,13 @@ def test_bf16_logits_close_to_transformers(tmp_path: Path) -> None:
     # single-token steps.
     rows = []
     for start, count in ((0, 120), (120, 100), (220, 60), *((p, 1) for p in range(280, 300))):
-        rows.append(backend.forward(paged.step([("s", tokens, start, count)])))
+        # .clone(): a CUDA-graph step's logits live in the graph's output buffer until the next step.
+        rows.append(backend.forward(paged.step([("s", tokens, start, count)])).clone())
     ours = torch.cat(rows)
     err16 = float((ours - ref16).norm() / ref16.norm())
     ours32 = float((ours - ref32).norm() / ref32.norm())
     hf_err32 = float((ref16 - ref32).norm() / ref32.norm())
-    print(
-        f"bf16 logits: vs transformers bf16 {err16:.2e}; "
-        f"vs fp32: ours {ours32:.2e}, transformers {hf_err32:.2e}"
-    )
+    print(f"bf16 logits: vs transformers bf16 {err16:.2e}; vs fp32: ours {ours32:.2e}, transformers {hf_err32:.2e}")
     assert err16 < 3e-2
     assert ours32 < 2 * hf_err32
 
@@ -106,9 +106,7 @@ def test_cuda_graph_steps_match_eager(tmp_path: Path) -> None:
     directory = mid_llama(tmp_path / "mid")
     graphs = TorchBackend.from_checkpoint(directory, device="cuda")
     eager = TorchBackend.from_checkpoint(directory, device="cuda", use_cuda_graphs=False)
-    prompts = {
-        s: np.random.default_rng(i).integers(0, 4096, 20 + 7 * i).tolist() for i, s in enumerate("abcde")
-    }
+    prompts = {s: np.random.default_rng(i).integers(0, 4096, 20 + 7 * i).tolist() for i, s in enumerate("abcde")}
     results = []
     for backend in (graphs, eager):
         backend.allocate_kv_cache(num_blocks=128, block_size=16)
@@ -123,18 +121,24 @@ def default_model_path() -> Path | None:
     return Path(path) if path and Path(path).exists() else None
 
 
-@pytest.mark.skipif(
-    default_model_path() is None, reason="TOKENWIRE_GPU_DEFAULT_MODEL (the default model) not set"
-)
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+
+
+@pytest.mark.skipif(default_model_path() is None, reason="TOKENWIRE_GPU_DEFAULT_MODEL (the default model) not set")
 def test_default_model_greedy_matches_transformers_bf16() -> None:
+    """Free-running greedy decoding must agree with transformers' bf16 greedy for the
+    first DEFAULT_MODEL_GREEDY_TOKENS tokens of every prompt; and along transformers'
+    sequence (teacher-forced), our argmax must agree wherever its bf16 top-1 logit leads
+    the top-2 by more than NEAR_TIE (elsewhere two bf16 programs may round either way)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = default_model_path()
     assert path is not None
     loaded = load_model(path)
     config = AutoConfig.for_model(**loaded.hf_config)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing = hf.load_state_dict({k: torch.from_numpy(v) for k, v in loaded.weights.items()}, strict=False)
+    hf: Any = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing = hf.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in loaded.weights.items()}, strict=False)
     assert not [k for k in missing.missing_keys if "lm_head" not in k], missing
     hf = hf.to(torch.bfloat16).cuda().eval()
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -142,13 +146,26 @@ def test_default_model_greedy_matches_transformers_bf16() -> None:
     prompts = {str(i): loaded.tokenizer.encode(t).ids for i, t in enumerate(texts)}
     n = 48
     want = hf_generate(hf, prompts, n, "cuda")
+    margins = {}
+    with torch.no_grad():
+        for s, p in prompts.items():
+            logits = hf(torch.tensor([p + want[s]], device="cuda")).logits[0, len(p) - 1 : -1].float()
+            top2 = logits.topk(2, dim=-1).values
+            margins[s] = (top2[:, 0] - top2[:, 1]).cpu()
     del hf
     backend = TorchBackend(loaded, device="cuda", dtype="bfloat16")
     backend.allocate_kv_cache(num_blocks=64, block_size=16)
     got = greedy_run(backend, prompts, n, seed=2, block_size=16, num_blocks=64, chunk=8)
-    same = {
-        s: next((i for i, (a, b) in enumerate(zip(got[s], want[s], strict=True)) if a != b), n)
-        for s in prompts
-    }
-    print(f"default model, bf16 greedy: identical leading tokens per prompt (of {n}): {same}")
+    same = {s: first_difference(got[s], want[s]) for s in prompts}
+    paged = PagedSequences(num_blocks=64, block_size=16, seed=9)
+    forced_misses = {}
+    for s, p in prompts.items():
+        seq = p + want[s]
+        logits = backend.forward(paged.step([(s, seq, 0, len(seq))]))[len(p) - 1 : -1]
+        ours = logits.argmax(dim=-1).cpu()
+        miss = (ours != torch.tensor(want[s])).nonzero()[:, 0]
+        forced_misses[s] = [(int(i), round(float(margins[s][i]), 3)) for i in miss]
+    print(f"default model, bf16 greedy: identical leading tokens per prompt (of {n}): {same}; "
+          f"teacher-forced disagreements (position, transformers' top-1 margin): {forced_misses}")  # fmt: skip
+    assert all(margin < NEAR_TIE for misses in forced_misses.values() for _, margin in misses), forced_misses
     assert min(same.values()) >= DEFAULT_MODEL_GREEDY_TOKENS, same

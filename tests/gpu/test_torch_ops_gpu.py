@@ -43,12 +43,8 @@ def test_rope_and_cache() -> None:
     cos_sin = torch.randn(4096, dim, device="cuda")
     slots = torch.randperm(64 * 16, device="cuda")[:t].to(torch.int32)
     caches = [torch.zeros(64, 16, kv_heads, dim, **BF16) for _ in range(4)]
-    q1 = torch_ops.rope_and_cache_triton(
-        qkv.clone(), pos, cos_sin, caches[0], caches[1], slots, heads, kv_heads, dim
-    )
-    q2 = torch_ops.rope_and_cache_torch(
-        qkv.clone(), pos, cos_sin, caches[2], caches[3], slots, heads, kv_heads, dim
-    )
+    q1 = torch_ops.rope_and_cache_triton(qkv.clone(), pos, cos_sin, caches[0], caches[1], slots, heads, kv_heads, dim)
+    q2 = torch_ops.rope_and_cache_torch(qkv.clone(), pos, cos_sin, caches[2], caches[3], slots, heads, kv_heads, dim)
     close(q1, q2)
     close(caches[0], caches[2])
     assert torch.equal(caches[1], caches[3])  # V is copied, not computed

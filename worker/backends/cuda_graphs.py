@@ -104,6 +104,7 @@ class DecodeGraphs:
             tile_seq=self.arange[:b],
             tile_q0=self.zeros[:b],
             block_q=1,
+            splits=self.backend.decode_splits(b),
             logits_indices=None,
             query_start_host=np.arange(b + 1),
             seq_lens_host=np.zeros(b, dtype=np.int64),

@@ -31,9 +31,7 @@ def resolve_backend(choice: str) -> str:
     return choice
 
 
-def create_backend(
-    model: Any, choice: str = "auto", device: str | None = None, dtype: str | None = None
-) -> Backend:
+def create_backend(model: Any, choice: str = "auto", device: str | None = None, dtype: str | None = None) -> Backend:
     """Build the backend for a LoadedModel. `device` / `dtype` apply to torch only
     (default: cuda and bfloat16 when there is a GPU, else cpu and float32)."""
     kind = resolve_backend(choice)

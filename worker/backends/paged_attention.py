@@ -42,40 +42,31 @@ def tile_map(query_start: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndar
     return tile_seq, tile_q0.astype(np.int32)
 
 
+# Keys per loop iteration: several cache blocks at once, so each program keeps
+# enough bytes in flight (one 16-token block per step starves the memory system).
+KEYS_PER_ITER = 64
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """How many programs share one sequence's keys in a generation step, so that a
+    small batch still fills the GPU (flash-decoding); 1 once the batch does."""
+    return max(1, min(16, -(-2 * num_sms // (num_seqs * num_kv_heads))))
+
+
 if triton is not None:
 
     @triton.jit
     def _paged_attention_kernel(  # type: ignore[no-untyped-def]
-        q_ptr,
-        k_cache_ptr,
-        v_cache_ptr,
-        out_ptr,
-        block_tables_ptr,
-        query_start_ptr,
-        seq_lens_ptr,
-        tile_seq_ptr,
-        tile_q0_ptr,
-        scale,
-        window,
-        stride_qt,
-        stride_qh,
-        stride_kb,
-        stride_ks,
-        stride_kh,
-        stride_ot,
-        stride_oh,
-        stride_bt,
-        GROUP: tl.constexpr,
-        BLOCK_Q: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
-        USE_WINDOW: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, block_tables_ptr, query_start_ptr,
+        seq_lens_ptr, tile_seq_ptr, tile_q0_ptr, scale, window, stride_qt, stride_qh, stride_kb, stride_ks,
+        stride_kh, stride_ot, stride_oh, stride_bt,
+        GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+        NUM_HEADS: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)
         seq = tl.load(tile_seq_ptr + tile)
         q0 = tl.load(tile_q0_ptr + tile)
         q_begin = tl.load(query_start_ptr + seq)
@@ -101,17 +92,26 @@ if triton is not None:
 
         # Causal: nothing past the tile's last query; window: nothing before its first.
         kv_end = tl.minimum(seq_len, first_pos + q0 + BLOCK_Q)
-        kv_begin = 0
+        it_begin = 0
         if USE_WINDOW:
-            kv_begin = tl.maximum(first_pos + q0 - window + 1, 0)
-        offs_n = tl.arange(0, BLOCK_SIZE)
-        for blk in range(kv_begin // BLOCK_SIZE, tl.cdiv(kv_end, BLOCK_SIZE)):
-            phys = tl.load(block_tables_ptr + seq * stride_bt + blk).to(tl.int64)
-            k_pos = blk * BLOCK_SIZE + offs_n
-            kv_off = phys * stride_kb + offs_n[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=d_ok[None, :], other=0.0)
+            it_begin = tl.maximum(first_pos + q0 - window + 1, 0) // BLOCK_N
+        it_end = tl.cdiv(kv_end, BLOCK_N)
+        if SPLITS > 1:
+            per_split = tl.cdiv(it_end - it_begin, SPLITS)
+            it_begin = it_begin + split * per_split
+            it_end = tl.minimum(it_end, it_begin + per_split)
+        offs_n = tl.arange(0, BLOCK_N)
+        table_row = block_tables_ptr + seq * stride_bt
+        for it in range(it_begin, it_end):
+            k_pos = it * BLOCK_N + offs_n
+            in_seq = k_pos < kv_end
+            phys = tl.load(table_row + k_pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
+            kv_off = (phys * stride_kb + (k_pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh)[:, None]
+            kv_mask = in_seq[:, None] & d_ok[None, :]
+            k = tl.load(k_cache_ptr + kv_off + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            ok = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
+            ok = (k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
             if USE_WINDOW:
                 ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(ok, s, float("-inf"))
@@ -121,18 +121,43 @@ if triton is not None:
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + kv_off, mask=d_ok[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
 
-        l_i = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / l_i[:, None]
-        o_rows = (q_begin + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh
-        tl.store(
-            out_ptr + o_rows + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & d_ok[None, :],
-        )
+        row_d_ok = row_ok[:, None] & d_ok[None, :]
+        if SPLITS == 1:
+            l_i = tl.where(l_i == 0.0, 1.0, l_i)
+            out = acc / l_i[:, None]
+            o_rows = (q_begin + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh
+            tl.store(out_ptr + o_rows + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_d_ok)
+        else:
+            # Unnormalised partials, merged by _merge_splits_kernel: [T, H, SPLITS, D] and [T, H, SPLITS, 2].
+            part = ((q_begin + q_idx) * NUM_HEADS + head) * SPLITS + split
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_d_ok)
+            tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+    @triton.jit
+    def _merge_splits_kernel(  # type: ignore[no-untyped-def]
+        part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
+        NUM_HEADS: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        tok = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        offs_s = tl.arange(0, SPLITS)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        base = (tok * NUM_HEADS + head) * SPLITS + offs_s
+        m = tl.load(part_ml_ptr + base * 2)
+        l = tl.load(part_ml_ptr + base * 2 + 1)  # noqa: E741
+        m_max = tl.max(m, 0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.exp(m - m_max)  # splits that saw no key: exp(-inf) = 0
+        acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+        total = tl.sum(l * w, 0)
+        total = tl.where(total == 0.0, 1.0, total)
+        out = tl.sum(acc * w[:, None], 0) / total
+        tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def paged_attention_triton(
@@ -148,54 +173,49 @@ def paged_attention_triton(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    splits: int = 1,
 ) -> torch.Tensor:
     """q [T, H, D]; caches [num_blocks, block_size, KVH, D]; int32 metadata on q's device.
 
     tile_seq / tile_q0 come from `tile_map(query_start, block_q)`; a generation-only
-    batch uses block_q=1 with tile_seq = arange(B), tile_q0 = 0.
+    batch uses block_q=1 with tile_seq = arange(B), tile_q0 = 0, and may spread each
+    sequence's keys over `splits` programs (a power of two; see decode_splits).
     """
     if triton is None:
         raise RuntimeError("paged_attention_triton needs Triton (a CUDA host)")
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if block_q != 1:
+        splits = 1
+    splits = triton.next_power_of_2(splits)
+    if splits > 1:
+        part_acc = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((num_tokens, num_heads, splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
     # tl.dot wants at least 16 rows.
     block_m = max(16, triton.next_power_of_2(block_q * group))
-    grid = (tile_seq.shape[0], num_kv_heads)
+    block_d = triton.next_power_of_2(head_dim)
+    grid = (tile_seq.shape[0], num_kv_heads, splits)
     _paged_attention_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        block_tables,
-        query_start,
-        seq_lens,
-        tile_seq,
-        tile_q0,
-        scale,
-        sliding_window or 0,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        GROUP=group,
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size,
+        q, k_cache, v_cache, out, part_acc, part_ml, block_tables, query_start, seq_lens, tile_seq, tile_q0,
+        scale, sliding_window or 0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, BLOCK_N=max(KEYS_PER_ITER, block_size), SPLITS=splits, NUM_HEADS=num_heads,
         USE_WINDOW=bool(sliding_window),
         # float32 caches (parity runs) get full-precision dots, not TF32.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_m <= 64 else 8,
-        num_stages=2,
-    )
+        num_warps=4 if block_m <= 64 else 8, num_stages=2,
+    )  # fmt: skip
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_acc, part_ml, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
     return out
 
 

@@ -75,6 +75,7 @@ class StepInputs:
     tile_seq: torch.Tensor
     tile_q0: torch.Tensor
     block_q: int
+    splits: int  # programs per sequence's keys in generation-only steps
     logits_indices: torch.Tensor | None  # None: every row (generation-only steps)
     # Host copies for the CPU attention path.
     query_start_host: np.ndarray
@@ -207,6 +208,7 @@ class TorchBackend:
         self.cos_sin = torch.from_numpy(np.concatenate([cos, sin], axis=1)).to(self.device)
 
         self.use_triton = self.on_cuda and paged_attention.triton is not None
+        self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_cuda else 1
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.block_size = 0
@@ -268,9 +270,7 @@ class TorchBackend:
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         cfg = self.config
         if self.use_triton and (block_size < 16 or block_size & (block_size - 1)):
-            raise ValueError(
-                f"the CUDA backend needs a power-of-two tokens_per_block >= 16, got {block_size}"
-            )
+            raise ValueError(f"the CUDA backend needs a power-of-two tokens_per_block >= 16, got {block_size}")
         self.k_cache, self.v_cache = [], []
         self._graphs = None
         if self.on_cuda:
@@ -296,6 +296,8 @@ class TorchBackend:
             v[d] = v[s]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [S, vocab] float32 on the device. After a CUDA-graph step they live in
+        the graph's output buffer: valid until the next forward (sample them first)."""
         if not self.k_cache:
             raise RuntimeError("allocate_kv_cache() must run before forward()")
         with torch.inference_mode():
@@ -371,10 +373,14 @@ class TorchBackend:
             tile_seq=views[6],
             tile_q0=views[7],
             block_q=block_q,
+            splits=self.decode_splits(b) if block_q == 1 else 1,
             logits_indices=None if (s == t and s == b) else views[8],
             query_start_host=batch.query_start,
             seq_lens_host=batch.context_lens,
         )
+
+    def decode_splits(self, num_seqs: int) -> int:
+        return paged_attention.decode_splits(num_seqs, self.config.num_kv_heads, self._num_sms)
 
     def run_model(self, inp: StepInputs) -> torch.Tensor:
         """The decoder over one packed step; returns float32 logits for the sampled rows."""
@@ -416,7 +422,7 @@ class TorchBackend:
         if self.use_triton:
             return paged_attention.paged_attention_triton(
                 q, self.k_cache[layer], self.v_cache[layer], inp.block_tables, inp.query_start, inp.seq_lens,
-                inp.tile_seq, inp.tile_q0, inp.block_q, self.scale, self.windows[layer],
+                inp.tile_seq, inp.tile_q0, inp.block_q, self.scale, self.windows[layer], splits=inp.splits,
             )  # fmt: skip
         return paged_attention.paged_attention_torch(
             q, self.k_cache[layer], self.v_cache[layer], inp.block_tables.long(), inp.query_start_host,
