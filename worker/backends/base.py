@@ -55,6 +55,32 @@ class SamplingBatch:
     # (row, token) pairs whose logits are forced to -inf (min_tokens, bad words).
     ban_rows: np.ndarray  # int64 [N]
     ban_tokens: np.ndarray  # int64 [N]
+    # The rest is off by default. A backend's sampler must honour every field
+    # that is set (the torch sampler and the numpy reference apply the same rules),
+    # in this order, before the rules above: bias, penalties, bans and mask.
+    #
+    # Embedding bias, added to the logits of some rows.
+    bias_rows: np.ndarray | None = None  # int64 [R]
+    bias: np.ndarray | None = None  # float32 [R, vocab]
+    # Per-row penalties (None: all off) over the tokens each row has seen, given
+    # as (row, token, count) triples where count is how often the row generated the
+    # token (0: only in its prompt). Repetition divides a positive logit of every
+    # seen token by the penalty and multiplies a negative one; presence subtracts
+    # its value from tokens generated at least once; frequency subtracts its value
+    # times the count.
+    repetition_penalty: np.ndarray | None = None  # float32 [S]; 1 means off
+    presence_penalty: np.ndarray | None = None  # float32 [S]; 0 means off
+    frequency_penalty: np.ndarray | None = None  # float32 [S]; 0 means off
+    seen_rows: np.ndarray | None = None  # int64 [M]
+    seen_tokens: np.ndarray | None = None  # int64 [M]
+    seen_counts: np.ndarray | None = None  # int64 [M]
+    # Guided decoding: the tokens a grammar allows, packed 32 to an int32 word,
+    # bit j of word w for token 32 * w + j (XGrammar's layout); other tokens -inf.
+    mask_rows: np.ndarray | None = None  # int64 [G]
+    token_mask: np.ndarray | None = None  # int32 [G, ceil(vocab / 32)]
+    # How many of the most likely tokens (and their log probs) to return per row:
+    # top-N log probs, and the candidates of beam search.
+    top_n: int = 0
 
     @property
     def all_greedy(self) -> bool:
@@ -64,7 +90,11 @@ class SamplingBatch:
 @dataclass(frozen=True, slots=True)
 class SampleOutput:
     token_ids: np.ndarray  # int64 [S]
-    log_probs: np.ndarray  # float32 [S]: log-softmax of the logits at the chosen token
+    log_probs: np.ndarray  # float32 [S]: log-softmax of the processed logits at the chosen token
+    # With SamplingBatch.top_n = N: the N most likely tokens of each row, most
+    # likely first, and their log probs (log-softmax of the processed logits).
+    top_tokens: np.ndarray | None = None  # int64 [S, N]
+    top_log_probs: np.ndarray | None = None  # float32 [S, N]
 
 
 class StepHandle(Protocol):

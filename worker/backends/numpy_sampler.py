@@ -1,6 +1,9 @@
 """Batched token sampling in numpy: one vectorised pass over all rows of logits.
 
-Per row: banned tokens go to -inf; greedy rows (temperature 0) take the argmax;
+Per row, first the logits are processed: embedding bias added, repetition /
+presence / frequency penalties applied to the tokens the row has seen, banned
+tokens and tokens the row's grammar forbids set to -inf (log probs, top-N
+included, are the log-softmax of these processed logits). Then: greedy rows (temperature 0) take the argmax;
 sampled rows divide by the temperature, then keep the top-k logits, then the
 smallest set of most likely tokens reaching top-p, then the tokens at least min-p
 times as likely as the most likely one (each filter renormalises what the previous
@@ -69,10 +72,67 @@ def _sample_rows(
     return np.minimum(chosen, logits.shape[1] - 1)
 
 
-def sample(logits: np.ndarray, sampling: SamplingBatch) -> SampleOutput:
+def unpack_mask(words: np.ndarray, vocab: int) -> np.ndarray:
+    """int32 [G, W] bitmask (bit j of word w: token 32 w + j) -> bool [G, vocab]."""
+    bits = np.unpackbits(np.ascontiguousarray(words, dtype="<i4").view(np.uint8), axis=1, bitorder="little")
+    return bits[:, :vocab].astype(bool)
+
+
+def process_logits(logits: np.ndarray, sampling: SamplingBatch) -> np.ndarray:
+    """The logits sampling and log probs see: bias, penalties, bans, grammar mask
+    (in place on a float32 copy)."""
     logits = np.array(logits, dtype=np.float32, copy=True)
+    if sampling.bias_rows is not None and sampling.bias_rows.size:
+        assert sampling.bias is not None
+        logits[sampling.bias_rows] += sampling.bias
+    if sampling.seen_rows is not None and sampling.seen_rows.size:
+        rows, tokens = sampling.seen_rows, sampling.seen_tokens
+        assert tokens is not None and sampling.seen_counts is not None
+        values = logits[rows, tokens]
+        if sampling.repetition_penalty is not None:
+            penalty = sampling.repetition_penalty[rows]
+            values = np.where(values > 0, values / penalty, values * penalty)
+        counts = sampling.seen_counts.astype(np.float32)
+        if sampling.presence_penalty is not None:
+            values = values - sampling.presence_penalty[rows] * (counts > 0)
+        if sampling.frequency_penalty is not None:
+            values = values - sampling.frequency_penalty[rows] * counts
+        logits[rows, tokens] = values
     if sampling.ban_rows.size:
         logits[sampling.ban_rows, sampling.ban_tokens] = -np.inf
+    if sampling.mask_rows is not None and sampling.mask_rows.size:
+        assert sampling.token_mask is not None
+        allowed = unpack_mask(sampling.token_mask, logits.shape[1])
+        sub = logits[sampling.mask_rows]
+        sub[~allowed] = -np.inf
+        logits[sampling.mask_rows] = sub
+    return logits
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    rows = logits.astype(np.float64)
+    peak = rows.max(axis=1, keepdims=True)
+    return rows - (np.log(np.exp(rows - peak).sum(axis=1, keepdims=True)) + peak)
+
+
+def top_n(logits: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The n most likely tokens per row, most likely first (ties: lower id first),
+    and their log-softmax values."""
+    n = min(n, logits.shape[1])
+    part = (
+        np.argpartition(-logits, n - 1, axis=1)[:, :n]
+        if n < logits.shape[1]
+        else np.tile(np.arange(logits.shape[1]), (logits.shape[0], 1))
+    )
+    values = np.take_along_axis(logits, part, axis=1)
+    order = np.lexsort((part, -values), axis=1)
+    tokens = np.take_along_axis(part, order, axis=1).astype(np.int64)
+    lp = np.take_along_axis(_log_softmax(logits), tokens, axis=1).astype(np.float32)
+    return tokens, lp
+
+
+def sample(logits: np.ndarray, sampling: SamplingBatch) -> SampleOutput:
+    logits = process_logits(logits, sampling)
     tokens = logits.argmax(axis=1).astype(np.int64)
     sampled = np.flatnonzero(sampling.temperature > 0)
     if sampled.size:
@@ -84,4 +144,5 @@ def sample(logits: np.ndarray, sampling: SamplingBatch) -> SampleOutput:
             sampling.min_p[sampled],
             sampling.uniform[sampled],
         )
-    return SampleOutput(token_ids=tokens, log_probs=_log_softmax_at(logits, tokens))
+    top_tokens, top_lp = top_n(logits, sampling.top_n) if sampling.top_n else (None, None)
+    return SampleOutput(tokens, _log_softmax_at(logits, tokens), top_tokens, top_lp)

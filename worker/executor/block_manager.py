@@ -108,6 +108,22 @@ class BlockManager:
         for _ in range(need):
             table.block_ids.append(self._take_free())
 
+    def make_writable(self, table: BlockTable, position: int) -> tuple[int, int] | None:
+        """Copy-on-write: if the block that `position` falls in is shared with
+        another table, give this table its own copy. Returns (source, copy) for
+        the backend to copy, or None when the block was already private."""
+        index = position // self.block_size
+        shared = table.block_ids[index]
+        if self.blocks[shared].ref_count == 1:
+            return None
+        if not self._free:
+            raise OutOfBlocksError("need 1 block for copy-on-write, 0 free")
+        copy = self._take_free()
+        self.blocks[shared].ref_count -= 1
+        table.block_ids[index] = copy
+        table.num_hashed = min(table.num_hashed, index)
+        return shared, copy
+
     def fork(self, table: BlockTable) -> BlockTable:
         """A new table sharing every block (copy-on-write is the caller's job)."""
         for b in table.block_ids:

@@ -13,7 +13,8 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, overload
@@ -21,10 +22,14 @@ from typing import Any, overload
 import numpy as np
 
 from worker.backends.base import Backend, ForwardBatch, SampleOutput, SamplingBatch, StepHandle
-from worker.executor.block_manager import BlockManager
+from worker.backends.numpy_sampler import sample as sample_on_host
+from worker.executor.beam_search import BeamSearch
+from worker.executor.block_manager import BlockManager, BlockTable
 from worker.executor.inputs import build_forward_batch, build_sampling_batch
+from worker.executor.logits_processors import apply_processors
+from worker.executor.penalties import needs_known_tokens
 from worker.executor.scheduler import ScheduledBatch, Scheduler
-from worker.executor.sequence import Sequence
+from worker.executor.sequence import Family, Sequence
 from worker.executor.types import (
     ExecutorConfig,
     FinishReason,
@@ -42,11 +47,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False, slots=True)
 class _Entry:
-    """A request in flight: its sequences (one per returned sequence)."""
+    """A request in flight: its sequences (one per returned sequence in sampling;
+    the live beams in beam search)."""
 
     request_id: int
     request: Request
     seqs: list[Sequence]
+    beam: BeamSearch | None = None
     enqueue_time: float = field(default_factory=time.monotonic)
     done: int = 0  # sequences that sent their last response
 
@@ -61,6 +68,7 @@ class _InFlight:
     handle: StepHandle
     num_context: int
     t0: float
+    errors: dict[int, str] = field(default_factory=dict)  # request id -> its logits post-processor's failure
 
 
 @dataclass(slots=True)
@@ -72,9 +80,40 @@ class _Ready:
 
 
 def _needs_known_tokens(batch: ScheduledBatch) -> bool:
-    """Multi-token bad words look at the latest token before sampling: a batch
-    with such a sequence waits for the step in flight instead of overlapping it."""
-    return any(seq.num_pending and any(len(w) > 1 for w in seq.bad_words) for seq in batch.seqs)
+    """Multi-token bad words, no-repeat n-grams, penalties, top-p reset ids and
+    grammars look at the latest token before sampling: a batch with such a
+    sequence waits for the step in flight instead of overlapping it."""
+    return any(seq.num_pending and needs_known_tokens(seq) for seq in batch.seqs)
+
+
+def _samples(seq: Sequence, n: int) -> bool:
+    return seq.num_computed + n == seq.num_tokens
+
+
+def _wants_host_logits(seq: Sequence) -> bool:
+    request = seq.request
+    return request.logits_post_processor_name is not None or request.output_config.return_generation_logits
+
+
+def _context_rows(seq: Sequence, n: int) -> tuple[int, int] | None:
+    """(first position, count) of this chunk's prompt tokens whose context logits
+    are still to collect, if the request asked for them."""
+    if not seq.request.output_config.return_context_logits:
+        return None
+    lo = max(seq.num_computed, len(seq.context_logits))
+    hi = min(seq.num_computed + n, seq.num_prompt_tokens)
+    return (lo, hi - lo) if hi > lo else None
+
+
+def _must_sync(batch: ScheduledBatch) -> bool:
+    """Steps whose results the host must act on before the next is scheduled:
+    beam steps, and steps with logits on the host (post-processors, logits outputs)."""
+    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        if _context_rows(seq, n) is not None:
+            return True
+        if _samples(seq, n) and ((seq.family is not None and seq.family.is_beam) or _wants_host_logits(seq)):
+            return True
+    return False
 
 
 class Executor:
@@ -120,6 +159,8 @@ class Executor:
         overlap = self.config.overlap_scheduling
         self._overlap = launch is not None if overlap is None else overlap
         self._last_sampled: np.ndarray | None = None
+        self.processors: dict[str, Any] = dict(self.config.logits_post_processor_map or {})
+        self._guided: Any = None  # GuidedDecoder, made on the first guided request
         log.info("executor: backend=%s kv_blocks=%d x %d tokens", backend.name, num_blocks, kv.tokens_per_block)
 
         self._ids = itertools.count(1)
@@ -243,15 +284,18 @@ class Executor:
         return max(1, tokens // kv.tokens_per_block)
 
     def _make_entry(self, request_id: int, request: Request) -> _Entry:
-        validate_request(request, self.model_config, self.config, self.max_seq_len)
+        validate_request(request, self.model_config, self.config, self.max_seq_len, self.processors)
+        cfg = request.sampling_config
+        beam = cfg.beam_width > 1
+        width = cfg.beam_width if beam else request.num_return_sequences
         kv = self.config.kv_cache_config
-        need = -(-(len(request.input_token_ids) + request.max_tokens) // kv.tokens_per_block)
+        need = width * -(-(len(request.input_token_ids) + request.max_tokens) // kv.tokens_per_block)
         total = self._num_kv_blocks()
         if need > total:
             raise RequestError(
-                f"request needs {need} KV cache blocks for prompt + max_tokens, but the cache holds {total}"
+                f"request needs {need} KV cache blocks for prompt + max_tokens"
+                f"{f' x {width} sequences' if width > 1 else ''}, but the cache holds {total}"
             )
-        cfg = request.sampling_config
         eos = self.model_config.eos_token_ids
         end_id = request.end_id if request.end_id is not None else (eos[0] if eos else -1)
         greedy = cfg.is_greedy
@@ -264,8 +308,14 @@ class Executor:
         seed = cfg.seed if cfg.seed is not None else random.getrandbits(63)
         stop_words = normalize_word_list(request.stop_words, "stop_words")
         bad_words = normalize_word_list(request.bad_words, "bad_words")
-        seqs = [
-            Sequence(
+        bias = None if request.embedding_bias is None else np.asarray(request.embedding_bias, dtype=np.float32)
+        grammar = None
+        if request.guided_decoding_params is not None:
+            grammar = self._guided_decoder().compile(request.guided_decoding_params)
+        family = Family(width, is_beam=beam)
+        seqs = []
+        for i in range(1 if beam else request.num_return_sequences):
+            seq = Sequence(
                 request_id=request_id,
                 request=request,
                 token_ids=list(request.input_token_ids),
@@ -276,10 +326,31 @@ class Executor:
                 seed=seed,
                 sampling_params=params,
                 sequence_index=i,
+                family=family,
+                embedding_bias=bias,
             )
-            for i in range(request.num_return_sequences)
-        ]
-        return _Entry(request_id, request, seqs)
+            if grammar is not None:
+                seq.matcher = self._guided.matcher(grammar, end_id)
+            seqs.append(seq)
+        family.members.append(seqs[0])
+        search = None
+        if beam:
+            search = BeamSearch(
+                width=width,
+                max_tokens=request.max_tokens,
+                length_penalty=0.0 if cfg.length_penalty is None else cfg.length_penalty,
+                early_stopping=1 if cfg.early_stopping is None else cfg.early_stopping,
+                diversity_rate=cfg.beam_search_diversity_rate or 0.0,
+            )
+        return _Entry(request_id, request, seqs, search)
+
+    def _guided_decoder(self) -> Any:
+        if self._guided is None:
+            from worker.executor.guided import GuidedDecoder
+
+            self._guided = GuidedDecoder(self.tokenizer, self.model_config.vocab_size,
+                                         list(self.model_config.eos_token_ids))
+        return self._guided
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -297,8 +368,8 @@ class Executor:
                 self._cancels = set()
             for entry in incoming:
                 self._entries[entry.request_id] = entry
-                for seq in entry.seqs:
-                    self.scheduler.add(seq)
+                # The other sequences fork this one once it has computed the prompt.
+                self.scheduler.add(entry.seqs[0])
             responses = [r for rid in cancels for r in self._cancel(rid)]
             try:
                 # Step N+1 is scheduled and launched before step N's tokens are
@@ -306,11 +377,12 @@ class Executor:
                 batch = self.scheduler.schedule()
                 launched = None
                 if batch:
-                    if inflight is not None and _needs_known_tokens(batch):
+                    sync = _must_sync(batch)
+                    if inflight is not None and (sync or _needs_known_tokens(batch)):
                         responses += self._complete(inflight)
                         inflight = None
-                    launched = self._launch(batch)
-                    if not self._overlap:
+                    launched = self._launch(batch, host=sync)
+                    if sync or not self._overlap:
                         responses += self._complete(launched)
                         launched = None
                 if inflight is not None:
@@ -327,23 +399,95 @@ class Executor:
                     self._responses.extend(responses)
                     self._lock.notify_all()
 
-    def _launch(self, batch: ScheduledBatch) -> _InFlight:
+    def _launch(self, batch: ScheduledBatch, host: bool = False) -> _InFlight:
+        """Launch one step. `host`: bring the logits to the host (post-processors,
+        logits outputs) and sample there; such a step is completed at once."""
         t0 = time.perf_counter()
         num_context = sum(1 for seq in batch.seqs if seq.in_prefill)
-        forward = build_forward_batch(batch, self.blocks.block_size)
-        samplers = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
-                    if seq.num_computed + n == seq.num_tokens]
+        samplers: list[Sequence] = []
+        rows: list[int] = []
+        extra: list[tuple[Sequence, int, int]] = []  # (seq, first position, count) of context logits
+        offset = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if host and (ctx := _context_rows(seq, n)) is not None:
+                extra.append((seq, offset + ctx[0] - seq.num_computed, ctx[1]))
+            offset += n
+            if not _samples(seq, n):
+                rows.append(0)
+                continue
+            group = [seq, *self._fork_siblings(seq, n)]
+            samplers += group
+            rows.append(len(group))
+        forward = build_forward_batch(batch, self.blocks.block_size, rows,
+                                      [(a, c) for _, a, c in extra])
         sampling = build_sampling_batch(samplers) if samplers else None
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed += n
-        # Each sampler gets a placeholder for the token this step will sample.
+        # Each sampler gets a placeholder for the token this step will sample;
+        # beams get theirs from the beam step, once every beam has its candidates.
         positions = []
         for row, seq in enumerate(samplers):
+            if seq.family is not None and seq.family.is_beam:
+                positions.append(-1)
+                continue
             seq.token_ids.append(-(row + 1))
             seq.num_pending += 1
             positions.append(len(seq.token_ids) - 1)
-        handle = self._launch_step(forward, sampling)
-        return _InFlight(batch, samplers, positions, handle, num_context, t0)
+        if batch.copies:
+            src, dst = zip(*batch.copies, strict=True)
+            self.backend.copy_blocks(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64))
+        errors: dict[int, str] = {}
+        if host:
+            handle: StepHandle = self._host_step(forward, sampling, samplers, extra, errors)
+        else:
+            handle = self._launch_step(forward, sampling)
+        return _InFlight(batch, samplers, positions, handle, num_context, t0, errors)
+
+    def _fork_siblings(self, leader: Sequence, n: int) -> list[Sequence]:
+        """When a sampling request's prompt is computed, its other returned
+        sequences fork the leader's blocks and sample from the same logits."""
+        family = leader.family
+        if family is None or family.is_beam or family.forked or family.width == 1:
+            return []
+        family.forked = True
+        entry = self._entries[leader.request_id]
+        siblings = [s for s in entry.seqs[1:] if not s.is_finished]
+        for sib in siblings:
+            sib.blocks = self.blocks.fork(leader.blocks)
+            sib.num_computed = leader.num_computed + n
+            sib.first_scheduled_time = leader.first_scheduled_time
+            sib.num_cached_prompt = leader.num_cached_prompt
+            self.scheduler.add_running(sib)
+            family.members.append(sib)
+        return siblings
+
+    def _host_step(self, forward: ForwardBatch, sampling: SamplingBatch | None, samplers: list[Sequence],
+                   extra: list[tuple[Sequence, int, int]], errors: dict[int, str]) -> _Ready:
+        logits = self.backend.logits_to_host(self.backend.forward(forward))
+        num_rows = len(samplers)
+        for seq, a, count in extra:
+            seq.context_logits.extend(logits[num_rows + a : num_rows + a + count].copy())
+        if sampling is None:
+            self._last_sampled = None
+            return _Ready(None)
+        rows = np.array(logits[:num_rows], dtype=np.float32)
+        for row, seq in enumerate(samplers):
+            if seq.request.output_config.return_generation_logits:
+                seq.generation_logits.append(rows[row].copy())
+        picked = [r for r, seq in enumerate(samplers) if seq.request.logits_post_processor_name is not None]
+        if picked:
+            new, failed = apply_processors(self.processors, [
+                (samplers[r].request_id, samplers[r].request.logits_post_processor_name or "", rows[r : r + 1],
+                 [samplers[r].token_ids[: samplers[r].num_known]], samplers[r].request.client_id)
+                for r in picked
+            ])
+            for k, r in enumerate(picked):
+                rows[r] = new[k][0]
+            for k, message in failed.items():
+                errors[samplers[picked[k]].request_id] = message
+        out = sample_on_host(rows, sampling)
+        self._last_sampled = out.token_ids
+        return _Ready(out)
 
     def _launch_sync(self, batch: ForwardBatch, sampling: SamplingBatch | None) -> StepHandle:
         """AsyncBackend.launch for a backend that computes as it is called."""
@@ -363,24 +507,40 @@ class Executor:
         """Read back a step's tokens, put them in place, answer and free what finished."""
         out = step.handle.result()
         responses: list[Response] = []
+        for request_id, message in step.errors.items():
+            responses += self._fail_request(request_id, message)
+        beams: dict[int, _Entry] = {}
         if out is not None:
             now = time.monotonic()
-            for seq, pos, token, lp in zip(step.samplers, step.positions, out.token_ids.tolist(),
-                                           out.log_probs.tolist(), strict=True):
+            for row, (seq, pos) in enumerate(zip(step.samplers, step.positions, strict=True)):
                 if seq.is_finished:
                     continue  # cancelled, or finished a step earlier: a token nobody wants
-                seq.token_ids[pos] = token
-                seq.num_pending -= 1
-                seq.log_probs.append(lp)
-                seq.state = RequestState.GENERATION
                 if seq.first_token_time is None:
                     seq.first_token_time = now
+                if pos < 0:
+                    assert out.top_tokens is not None and out.top_log_probs is not None
+                    seq.candidates = (out.top_tokens[row], out.top_log_probs[row])
+                    beams[seq.request_id] = self._entries[seq.request_id]
+                    continue
+                token = int(out.token_ids[row])
+                seq.token_ids[pos] = token
+                seq.num_pending -= 1
+                seq.log_probs.append(float(out.log_probs[row]))
+                top_n = seq.request.output_config.top_n_log_probs
+                if top_n:
+                    assert out.top_tokens is not None and out.top_log_probs is not None
+                    seq.top_log_probs.append(dict(zip(out.top_tokens[row, :top_n].tolist(),
+                                                      out.top_log_probs[row, :top_n].tolist(), strict=True)))
+                seq.state = RequestState.GENERATION
                 reason = self._finish_reason(seq, pos + 1)
                 if reason is not FinishReason.NOT_FINISHED:
                     self._finish(seq, reason)
                 response = self._respond(seq)
                 if response is not None:
                     responses.append(response)
+        for entry in beams.values():
+            if all(m.candidates is not None for m in entry.seqs):
+                responses += self._beam_step(entry)
         for seq in step.batch.seqs:
             if not seq.is_finished:
                 known = len(seq.token_ids) - seq.num_pending
@@ -388,10 +548,111 @@ class Executor:
         self._record_iteration(step.batch, step.num_context, step.t0)
         return responses
 
+    # -- beam search -----------------------------------------------------------------
+
+    def _beam_ends(self, seq: Sequence, token: int) -> FinishReason:
+        if token == seq.end_id:
+            return FinishReason.END_ID
+        generated = [*seq.generated, token]
+        for word in seq.stop_words:
+            if len(word) <= len(generated) and generated[len(generated) - len(word) :] == word:
+                return FinishReason.STOP_WORDS
+        return FinishReason.NOT_FINISHED
+
+    def _beam_step(self, entry: _Entry) -> list[Response]:
+        """Every beam has its candidates: pick the next beams, and give each its
+        parent's tokens and KV blocks (shared, copied on write)."""
+        search = entry.beam
+        assert search is not None
+        members = entry.seqs
+        k = 2 * search.width
+        tokens = np.stack([m.candidates[0][:k] for m in members])  # type: ignore[index]
+        log_probs = np.stack([m.candidates[1][:k] for m in members])  # type: ignore[index]
+        for m in members:
+            m.candidates = None
+        continuations = search.step(tokens, log_probs, [m.generated for m in members],
+                                    [m.log_probs for m in members], lambda b, t: self._beam_ends(members[b], t))
+        if search.done:
+            return self._end_beams(entry, FinishReason.NOT_FINISHED)
+        running = set(map(id, self.scheduler.running))
+        parents = [(m.token_ids, m.log_probs, m.num_computed, id(m) in running and m.num_computed == m.num_tokens)
+                   for m in members]
+        tables = [self.blocks.fork(members[c.parent].blocks) if parents[c.parent][3] else BlockTable()
+                  for c in continuations]
+        for m in members:
+            self.blocks.free(m.blocks)
+        family = members[0].family
+        assert family is not None
+        for j, c in enumerate(continuations):
+            tokens_so_far, lps, computed, has_kv = parents[c.parent]
+            if j < len(members):
+                slot = members[j]
+            else:
+                slot = replace(members[0], blocks=BlockTable(), candidates=None, state=RequestState.GENERATION,
+                               top_log_probs=[], context_logits=[], generation_logits=[])
+                members.append(slot)
+                family.members.append(slot)
+            slot.blocks = tables[j]
+            slot.token_ids = [*tokens_so_far, c.token]
+            slot.log_probs = [*lps, c.log_prob]
+            slot.num_computed = computed if has_kv else 0
+            if j >= len(parents):
+                if has_kv:
+                    self.scheduler.add_running(slot)
+                else:
+                    self.scheduler.add(slot)
+            elif id(slot) in running and not has_kv:
+                self.scheduler.requeue(slot)
+            elif id(slot) not in running and slot.blocks.block_ids:
+                self.blocks.free(slot.blocks)  # it waits: it will recompute
+                slot.num_computed = 0
+        if entry.request.streaming:
+            return [self._beam_response(entry, [(m.generated, m.log_probs, FinishReason.NOT_FINISHED)
+                                                for m in members], final=False)]
+        return []
+
+    def _end_beams(self, entry: _Entry, reason: FinishReason) -> list[Response]:
+        """Finish a beam search: free every beam, answer with the best hypotheses
+        (cancelled: the finished ones, else the running beams)."""
+        search = entry.beam
+        assert search is not None
+        hyps: list[tuple[list[int], list[float], FinishReason]] = [
+            (h.tokens, h.log_probs, h.reason) for h in search.finished]
+        if reason is not FinishReason.NOT_FINISHED and not hyps:
+            hyps = [(m.generated, m.log_probs, reason) for m in entry.seqs]
+        self._record_request(entry.seqs[0])
+        for m in entry.seqs:
+            m.finish_reason = reason if reason is not FinishReason.NOT_FINISHED else FinishReason.LENGTH
+            m.num_pending = 0
+            self.scheduler.remove(m)
+            m.state = RequestState.FINISHED
+        del self._entries[entry.request_id]
+        return [self._beam_response(entry, hyps[: entry.request.num_return_sequences], final=True)]
+
+    def _beam_response(self, entry: _Entry, beams: list[tuple[list[int], list[float], FinishReason]],
+                       final: bool) -> Response:
+        request = entry.request
+        prompt = [] if request.output_config.exclude_input_from_output else list(request.input_token_ids)
+        want_lp = request.output_config.return_log_probs
+        result = Result(
+            is_final=final,
+            output_token_ids=[prompt + tokens for tokens, _, _ in beams],
+            finish_reasons=[reason for _, _, reason in beams],
+            sequence_index=0,
+            is_sequence_final=final,
+            cum_log_probs=[float(np.sum(lps)) for _, lps, _ in beams] if want_lp else None,
+            log_probs=[list(lps) for _, lps, _ in beams] if want_lp else None,
+        )
+        return Response(entry.request_id, result=result, client_id=request.client_id)
+
     def _finish_reason(self, seq: Sequence, length: int) -> FinishReason:
         """Why the sequence ends at token_ids[:length], if it does."""
         tokens = seq.token_ids
         if tokens[length - 1] == seq.end_id:
+            return FinishReason.END_ID
+        if seq.matcher is not None and (not seq.matcher.accept(tokens[length - 1]) or seq.matcher.is_terminated):
+            # The grammar is complete (it accepted a stop token) or, with no end
+            # token to stop on, can take nothing more.
             return FinishReason.END_ID
         generated = length - seq.num_prompt_tokens
         for word in seq.stop_words:
@@ -421,16 +682,12 @@ class Executor:
             seq.state = RequestState.FINISHED
             entry.done += 1
         generated = seq.generated
-        if request.streaming and not request.return_all_generated_tokens:
-            new = generated[seq.num_emitted :]
-            lps = seq.log_probs[seq.num_emitted :]
-        else:
-            new, lps = generated, seq.log_probs
+        first = 0 if not request.streaming or request.return_all_generated_tokens else seq.num_emitted
+        new, lps = generated[first:], seq.log_probs[first:]
         seq.num_emitted = len(generated)
-        output = new if request.output_config.exclude_input_from_output else (
-            seq.token_ids[: seq.num_prompt_tokens] + new
-        )
-        want_lp = request.output_config.return_log_probs
+        out_cfg = request.output_config
+        output = new if out_cfg.exclude_input_from_output else seq.token_ids[: seq.num_prompt_tokens] + new
+        want_lp = out_cfg.return_log_probs
         result = Result(
             is_final=entry.done == len(entry.seqs),
             output_token_ids=[output],
@@ -439,6 +696,10 @@ class Executor:
             is_sequence_final=final,
             cum_log_probs=[float(np.sum(seq.log_probs))] if want_lp else None,
             log_probs=[lps] if want_lp else None,
+            top_log_probs=[seq.top_log_probs[first : len(generated)]] if out_cfg.top_n_log_probs else None,
+            context_logits=np.stack(seq.context_logits) if final and seq.context_logits else None,
+            generation_logits=(np.stack(seq.generation_logits[first : len(generated)])[None]
+                               if out_cfg.return_generation_logits and len(generated) > first else None),
         )
         if result.is_final:
             del self._entries[seq.request_id]
@@ -448,6 +709,8 @@ class Executor:
         entry = self._entries.get(request_id)
         if entry is None:
             return []  # unknown or already finished: nothing to do
+        if entry.beam is not None:
+            return self._end_beams(entry, FinishReason.CANCELLED)
         responses = []
         for seq in entry.seqs:
             if not seq.is_finished:
@@ -456,6 +719,17 @@ class Executor:
                 if response is not None:
                     responses.append(response)
         return responses
+
+    def _fail_request(self, request_id: int, message: str) -> list[Response]:
+        """End one request with an error (its sequences are freed)."""
+        entry = self._entries.pop(request_id, None)
+        if entry is None:
+            return []
+        for seq in entry.seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                self._finish(seq, FinishReason.CANCELLED)
+        return [Response(request_id, error_msg=message, client_id=entry.request.client_id)]
 
     def _fail_running(self, message: str) -> list[Response]:
         responses = []

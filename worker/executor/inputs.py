@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from worker.backends.base import ForwardBatch, SamplingBatch
+from worker.executor.penalties import banned_tokens, decayed_top_p, seen_tokens, uses_penalties
 from worker.executor.scheduler import ScheduledBatch
 from worker.executor.sequence import Sequence
 
@@ -28,7 +29,12 @@ def uniform_draws(seeds: np.ndarray, sequence_index: np.ndarray, step: np.ndarra
     return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
-def build_forward_batch(batch: ScheduledBatch, block_size: int) -> ForwardBatch:
+def build_forward_batch(batch: ScheduledBatch, block_size: int, rows: list[int] | None = None,
+                        extra_logits: list[tuple[int, int]] | None = None) -> ForwardBatch:
+    """`rows[i]`: how many sampling rows sequence i's last token feeds (more than
+    one when a leader's prompt ends and its siblings sample from the same logits).
+    `extra_logits`: (first token, count) ranges of the packed batch whose logits
+    are wanted too (context logits), after the sampling rows."""
     seqs = batch.seqs
     counts = np.asarray(batch.num_new_tokens, dtype=np.int64)
     starts = np.fromiter((s.num_computed for s in seqs), dtype=np.int64, count=len(seqs))
@@ -53,6 +59,11 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int) -> ForwardBatch:
     context_lens = starts + counts
     samples = context_lens == np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
     logits_indices = query_start[1:][samples] - 1
+    if rows is not None:
+        logits_indices = np.repeat(logits_indices, np.asarray(rows, dtype=np.int64)[samples])
+    if extra_logits:
+        extra = [np.arange(a, a + n, dtype=np.int64) for a, n in extra_logits]
+        logits_indices = np.concatenate([logits_indices, *extra])
     return ForwardBatch(
         token_ids=token_ids,
         positions=positions,
@@ -66,16 +77,42 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int) -> ForwardBatch:
 
 def build_sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
     """Sampling arrays for the sequences that sample this step, in batch order."""
-    params = np.array([s.sampling_params for s in seqs], dtype=np.float64).reshape(len(seqs), 4)
-    seeds = np.fromiter((s.seed for s in seqs), dtype=np.uint64, count=len(seqs))
-    index = np.fromiter((s.sequence_index for s in seqs), dtype=np.uint64, count=len(seqs))
-    steps = np.fromiter((s.num_generated for s in seqs), dtype=np.uint64, count=len(seqs))
+    n = len(seqs)
+    params = np.array([s.sampling_params for s in seqs], dtype=np.float64).reshape(n, 4)
+    seeds = np.fromiter((s.seed for s in seqs), dtype=np.uint64, count=n)
+    index = np.fromiter((s.sequence_index for s in seqs), dtype=np.uint64, count=n)
+    steps = np.fromiter((s.num_generated for s in seqs), dtype=np.uint64, count=n)
     ban_rows: list[int] = []
     ban_tokens: list[int] = []
+    bias_rows: list[int] = []
+    penalty_rows: list[int] = []
+    mask_rows: list[int] = []
+    top_n = 0
     for row, seq in enumerate(seqs):
         for token in banned_tokens(seq):
             ban_rows.append(row)
             ban_tokens.append(token)
+        if seq.embedding_bias is not None:
+            bias_rows.append(row)
+        cfg = seq.request.sampling_config
+        if uses_penalties(cfg):
+            penalty_rows.append(row)
+        if cfg.top_p_decay is not None:
+            params[row, 2] = decayed_top_p(seq, params[row, 2])
+        if seq.matcher is not None:
+            mask_rows.append(row)
+        top_n = max(top_n, seq.request.output_config.top_n_log_probs, 2 * cfg.beam_width if cfg.beam_width > 1 else 0)
+    extra: dict[str, object] = {}
+    if bias_rows:
+        extra["bias_rows"] = np.asarray(bias_rows, dtype=np.int64)
+        extra["bias"] = np.stack([seqs[r].embedding_bias for r in bias_rows])  # type: ignore[misc]
+    if penalty_rows:
+        extra.update(_penalties(seqs, penalty_rows))
+    if mask_rows:
+        from worker.executor.guided import fill_masks
+
+        extra["mask_rows"] = np.asarray(mask_rows, dtype=np.int64)
+        extra["token_mask"] = fill_masks([seqs[r].matcher for r in mask_rows])
     return SamplingBatch(
         temperature=params[:, 0].astype(np.float32),
         top_k=params[:, 1].astype(np.int64),
@@ -84,19 +121,31 @@ def build_sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
         uniform=uniform_draws(seeds, index, steps),
         ban_rows=np.asarray(ban_rows, dtype=np.int64),
         ban_tokens=np.asarray(ban_tokens, dtype=np.int64),
+        top_n=top_n,
+        **extra,  # type: ignore[arg-type]
     )
 
 
-def banned_tokens(seq: Sequence) -> list[int]:
-    """The end token before min_tokens, and the last token of any bad word whose
-    prefix the sequence just produced."""
-    banned: list[int] = []
-    min_tokens = seq.request.sampling_config.min_tokens or 0
-    if seq.end_id >= 0 and seq.num_generated < min_tokens:
-        banned.append(seq.end_id)
-    tokens = seq.token_ids
-    for word in seq.bad_words:
-        k = len(word) - 1
-        if k == 0 or (k <= len(tokens) and tokens[len(tokens) - k :] == word[:-1]):
-            banned.append(word[-1])
-    return banned
+def _penalties(seqs: list[Sequence], rows: list[int]) -> dict[str, np.ndarray]:
+    n = len(seqs)
+    repetition = np.ones(n, dtype=np.float32)
+    presence = np.zeros(n, dtype=np.float32)
+    frequency = np.zeros(n, dtype=np.float32)
+    seen_rows, seen_ids, seen_counts = [], [], []
+    for row in rows:
+        cfg = seqs[row].request.sampling_config
+        repetition[row] = 1.0 if cfg.repetition_penalty is None else cfg.repetition_penalty
+        presence[row] = cfg.presence_penalty or 0.0
+        frequency[row] = cfg.frequency_penalty or 0.0
+        ids, counts = seen_tokens(seqs[row])
+        seen_rows.append(np.full(len(ids), row, dtype=np.int64))
+        seen_ids.append(ids)
+        seen_counts.append(counts)
+    return {
+        "repetition_penalty": repetition,
+        "presence_penalty": presence,
+        "frequency_penalty": frequency,
+        "seen_rows": np.concatenate(seen_rows),
+        "seen_tokens": np.concatenate(seen_ids),
+        "seen_counts": np.concatenate(seen_counts),
+    }

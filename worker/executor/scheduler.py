@@ -21,6 +21,9 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # (source, destination) KV blocks the backend copies before the step runs:
+    # copy-on-write of blocks that forked sequences shared.
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -53,6 +56,22 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=_order)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one: it holds blocks already."""
+        seq.state = RequestState.GENERATION
+        self.running.append(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        """Back to waiting with no KV (it will recompute its tokens)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.blocks)
+        seq.num_computed = 0
+        seq.state = RequestState.PREEMPTED
+        self.add(seq)
+
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished or cancelled) and free its blocks."""
         if seq in self.running:
@@ -69,7 +88,9 @@ class Scheduler:
         # in this loop only under MAX_UTILIZATION, so iterate over a snapshot.
         for seq in list(self.running):
             # A sequence at max_tokens only waits for its last token to come back.
-            if seq.in_prefill or seq.reached_max_tokens or seq not in self.running or budget == 0:
+            # A beam waiting for its siblings' candidates has no new token yet.
+            if (seq.in_prefill or seq.reached_max_tokens or seq.num_uncomputed == 0 or seq not in self.running
+                    or budget == 0):
                 continue
             if not self._grow(seq, seq.num_computed + 1, batch):
                 continue
@@ -117,29 +138,53 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> bool:
         """Reserve KV blocks for a waiting sequence, if the policy allows."""
-        hits = self.blocks.cached_prefix(seq.token_ids)
+        # Context logits need every prompt token computed: no prefix-cache lookup.
+        wants_logits = seq.request.output_config.return_context_logits and (
+            len(seq.context_logits) < seq.num_prompt_tokens)
+        lookup = seq.token_ids[:1] if wants_logits else seq.token_ids
+        hits = self.blocks.cached_prefix(lookup)
         revived = sum(1 for b in hits if self.blocks.blocks[b].ref_count == 0)
         need_now = self.blocks.blocks_for(seq.num_tokens) - len(hits) + revived
         if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
-            future = self.blocks.blocks_for(seq.max_total_tokens) - self.blocks.blocks_for(seq.num_tokens)
-            reserved = sum(
-                self.blocks.blocks_for(s.max_total_tokens) - len(s.blocks.block_ids) for s in self.running
-            )
+            # A request that forks (beams, returned sequences) reserves as if none
+            # of its sequences shared a block: never too little, whatever they share.
+            width = seq.family.width if seq.family is not None else 1
+            future = width * self.blocks.blocks_for(seq.max_total_tokens) - self.blocks.blocks_for(seq.num_tokens)
+            reserved = self._reserved()
             if need_now + future + reserved > self.blocks.num_free:
                 return False
         elif need_now > self.blocks.num_free:
             return False
-        cached = self.blocks.allocate_prompt(seq.blocks, seq.token_ids, seq.num_tokens)
+        cached = self.blocks.allocate_prompt(seq.blocks, lookup, seq.num_tokens)
         seq.num_computed = cached
         if seq.state is RequestState.QUEUED:
             seq.num_cached_prompt = cached
         return True
 
+    def _reserved(self) -> int:
+        """Blocks the running requests may still take: per request (family),
+        width x blocks at max length, less the distinct blocks it holds."""
+        reserved = 0
+        seen: set[int] = set()
+        for s in self.running:
+            family = s.family
+            if family is None:
+                reserved += self.blocks.blocks_for(s.max_total_tokens) - len(s.blocks.block_ids)
+            elif id(family) not in seen:
+                seen.add(id(family))
+                held = {b for m in family.members for b in m.blocks.block_ids}
+                reserved += family.width * self.blocks.blocks_for(s.max_total_tokens) - len(held)
+        return reserved
+
     def _grow(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
-        """Make room for num_tokens in seq's table, preempting under MAX_UTILIZATION."""
+        """Make room for num_tokens in seq's table (copying a shared block it is
+        about to write), preempting under MAX_UTILIZATION."""
         while True:
             try:
                 self.blocks.ensure_capacity(seq.blocks, num_tokens)
+                copy = self.blocks.make_writable(seq.blocks, seq.num_computed)
+                if copy is not None:
+                    batch.copies.append(copy)
                 return True
             except OutOfBlocksError:
                 if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:

@@ -4,9 +4,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from worker.executor.block_manager import BlockTable
 from worker.executor.types import FinishReason, Request, RequestState
+
+
+@dataclass(eq=False, slots=True)
+class Family:
+    """The sequences of one request. They share the prompt's KV blocks: the
+    leader computes the prompt, then the others fork its block table (beams,
+    and the returned sequences of sampling)."""
+
+    width: int  # how many sequences it grows to: beam width, or num_return_sequences
+    is_beam: bool = False
+    forked: bool = False
+    members: list[Sequence] = field(default_factory=list)  # live sequences, leader first
 
 
 @dataclass(eq=False, slots=True)
@@ -31,6 +46,15 @@ class Sequence:
     # step is still sampling (see AsyncBackend.launch).
     num_pending: int = 0
     log_probs: list[float] = field(default_factory=list)
+    top_log_probs: list[dict[int, float]] = field(default_factory=list)
+    family: Family | None = None  # set for every sequence the executor creates
+    embedding_bias: np.ndarray | None = None  # float32 [vocab]
+    matcher: Any = None  # the grammar matcher of a guided request (guided.py)
+    # Beam search: this beam's next-token candidates from its last step (tokens,
+    # log probs), held until every beam of the family has its own.
+    candidates: tuple[np.ndarray, np.ndarray] | None = None
+    context_logits: list[np.ndarray] = field(default_factory=list)  # one row per prompt token, when asked
+    generation_logits: list[np.ndarray] = field(default_factory=list)  # one row per generated token
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
@@ -62,6 +86,11 @@ class Sequence:
         """True while more than the last token still needs computing: the
         prompt, or the prompt plus generated tokens after a preemption."""
         return self.num_uncomputed > 1 or self.num_computed == 0
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids the host knows (prompt + generated, less placeholders)."""
+        return len(self.token_ids) - self.num_pending
 
     @property
     def is_finished(self) -> bool:

@@ -114,6 +114,8 @@ class Result:
     is_sequence_final: bool = False
     cum_log_probs: list[float] | None = None
     log_probs: list[list[float]] | None = None
+    # Per beam, per generated token: {token id: log prob} of the top_n_log_probs most likely.
+    top_log_probs: list[list[dict[int, float]]] | None = None
     context_logits: object | None = None  # array [prompt_len, vocab] when asked for
     generation_logits: object | None = None  # array [beams, new_tokens, vocab]
 
@@ -159,7 +161,8 @@ class ExecutorConfig:
     # Schedule step N+1 while step N runs. None: on when the backend launches
     # asynchronously (CUDA); the numpy backend gains nothing from it.
     overlap_scheduling: bool | None = None
-    # name -> callable(request_id, logits, tokens_so_far, client_id) -> logits
+    # name -> callable(request_id, logits, tokens_so_far, client_id) -> logits; the
+    # name "batched" holds the batched callback (see worker/executor/logits_processors.py).
     logits_post_processor_map: dict[str, object] | None = None
     iteration_stats_max: int = 1000  # how many recent stats records to keep
 

@@ -6,6 +6,8 @@ need the model (vocabulary, context) and also guard in-process callers.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from worker.executor.types import ExecutorConfig, Request
 from worker.models.config import ModelConfig
 
@@ -40,7 +42,11 @@ def _is_offsets(words: list[list[int]]) -> bool:
     )
 
 
-def validate_request(request: Request, model: ModelConfig, config: ExecutorConfig, max_seq_len: int) -> None:
+MAX_TOP_N_LOG_PROBS = 64
+
+
+def validate_request(request: Request, model: ModelConfig, config: ExecutorConfig, max_seq_len: int,
+                     processors: Mapping[str, object] | None = None) -> None:
     prompt = request.input_token_ids
     if not prompt:
         raise RequestError("input_token_ids is empty: a prompt needs at least one token")
@@ -82,9 +88,43 @@ def validate_request(request: Request, model: ModelConfig, config: ExecutorConfi
         for word in normalize_word_list(getattr(request, name), name):
             if any(not 0 <= t < model.vocab_size for t in word):
                 raise RequestError(f"{name}: token id outside the vocabulary in {word}")
-    if request.logits_post_processor_name is not None:
-        raise RequestError("logits_post_processor_name: logits post-processors are not available in this executor yet")
-    if request.guided_decoding_params is not None:
-        raise RequestError("guided_decoding_params: guided decoding is not available in this executor yet")
-    if request.embedding_bias is not None:
-        raise RequestError("embedding_bias is not supported by this executor yet")
+    _check_decoding(request, model)
+    processor = request.logits_post_processor_name
+    if processor is not None and processor not in (processors or {}):
+        known = ", ".join(sorted(processors or {})) or "none"
+        raise RequestError(f"logits_post_processor_name: unknown logits post-processor {processor!r} (configured: {known})")
+    if request.embedding_bias is not None and len(request.embedding_bias) != model.vocab_size:
+        raise RequestError(
+            f"embedding_bias has {len(request.embedding_bias)} values; the vocabulary has {model.vocab_size} tokens")
+
+
+def _check_decoding(request: Request, model: ModelConfig) -> None:
+    cfg = request.sampling_config
+    out = request.output_config
+    if cfg.repetition_penalty is not None and cfg.repetition_penalty <= 0:
+        raise RequestError(f"sampling_config.repetition_penalty must be > 0, got {cfg.repetition_penalty}")
+    if cfg.no_repeat_ngram_size is not None and cfg.no_repeat_ngram_size < 0:
+        raise RequestError(f"sampling_config.no_repeat_ngram_size must be >= 0, got {cfg.no_repeat_ngram_size}")
+    if cfg.top_p_decay is not None and not 0.0 < cfg.top_p_decay <= 1.0:
+        raise RequestError(f"sampling_config.top_p_decay must be in (0, 1], got {cfg.top_p_decay}")
+    if cfg.top_p_min is not None and not 0.0 < cfg.top_p_min <= 1.0:
+        raise RequestError(f"sampling_config.top_p_min must be in (0, 1], got {cfg.top_p_min}")
+    if cfg.top_p_reset_ids is not None and not -1 <= cfg.top_p_reset_ids < model.vocab_size:
+        raise RequestError(f"sampling_config.top_p_reset_ids {cfg.top_p_reset_ids} is outside the vocabulary")
+    if cfg.beam_search_diversity_rate is not None and cfg.beam_search_diversity_rate < 0:
+        raise RequestError(
+            f"sampling_config.beam_search_diversity_rate must be >= 0, got {cfg.beam_search_diversity_rate}")
+    if not 0 <= out.top_n_log_probs <= MAX_TOP_N_LOG_PROBS:
+        raise RequestError(f"output_config.top_n_log_probs must be in [0, {MAX_TOP_N_LOG_PROBS}], "
+                           f"got {out.top_n_log_probs}")
+    if cfg.beam_width > 1:
+        if request.num_return_sequences > cfg.beam_width:
+            raise RequestError(f"num_return_sequences ({request.num_return_sequences}) must not exceed "
+                               f"sampling_config.beam_width ({cfg.beam_width}) in beam search")
+        unsupported = [name for name, used in (
+            ("guided_decoding_params", request.guided_decoding_params is not None),
+            ("output_config.return_generation_logits", out.return_generation_logits),
+            ("output_config.top_n_log_probs", out.top_n_log_probs > 0),
+        ) if used]
+        if unsupported:
+            raise RequestError(f"{unsupported[0]} is not supported with beam search (beam_width > 1)")
