@@ -55,7 +55,8 @@ class GuidedDecoder:
                 return self._compiler.compile_builtin_json_grammar()
             if kind == "json_schema":
                 json.loads(guide)  # type: ignore[arg-type]
-                return self._compiler.compile_json_schema(guide)
+                # Compact JSON: free whitespace lets a small model pad until max_tokens.
+                return self._compiler.compile_json_schema(guide, any_whitespace=False)
             if kind == "regex":
                 return self._compiler.compile_regex(guide)
             return self._compiler.compile_grammar(guide)
