@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,6 +28,20 @@ import zmq
 import protocol
 
 log = logging.getLogger(__name__)
+
+# Messages taken from one socket per turn of the loop: enough to amortize a poll, few
+# enough (in number and in time) that heartbeats and the other sockets are served
+# while one floods.
+_BATCH = 64
+_TURN_S = 0.02
+
+
+def _turn() -> Iterator[int]:
+    deadline = time.monotonic() + _TURN_S
+    for i in range(_BATCH):
+        if i and time.monotonic() > deadline:
+            return
+        yield i
 
 
 class RequestError(RuntimeError):
@@ -70,9 +84,7 @@ class Connection(threading.Thread):
     ) -> None:
         super().__init__(name="tokenwire-client-io", daemon=True)
         if isinstance(gateways, str) or not gateways:
-            raise ValueError(
-                "gateways must be a non-empty list of ZeroMQ endpoints, e.g. ['tcp://127.0.0.1:5550']"
-            )
+            raise ValueError("gateways must be a non-empty list of ZeroMQ endpoints, e.g. ['tcp://127.0.0.1:5550']")
         self.gateways = list(gateways)
         self.heartbeat_interval_s = heartbeat_interval_s
         self.missed_heartbeats = missed_heartbeats
@@ -169,7 +181,7 @@ class Connection(threading.Thread):
 
     def _receive(self) -> None:
         assert self._sock is not None
-        for _ in range(1000):
+        for _ in _turn():
             try:
                 payload = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
@@ -206,9 +218,7 @@ class Connection(threading.Thread):
     def _tick(self) -> None:
         assert self._sock is not None
         now = time.monotonic()
-        limit = self.missed_heartbeats * (
-            self._gateway_interval_s if self._ready else self.heartbeat_interval_s
-        )
+        limit = self.missed_heartbeats * (self._gateway_interval_s if self._ready else self.heartbeat_interval_s)
         silent = now - (self._last_seen if self._ready else self._opened)
         if silent > limit:
             self._failover(f"no answer for {silent:.1f} s")
@@ -233,9 +243,7 @@ class Connection(threading.Thread):
         self._opened = time.monotonic()
         sock.send(
             protocol.encode(
-                protocol.Hello(
-                    sender_id=self.client_id, role="client", heartbeat_interval_s=self.heartbeat_interval_s
-                )
+                protocol.Hello(sender_id=self.client_id, role="client", heartbeat_interval_s=self.heartbeat_interval_s)
             )
         )
 

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import zmq
@@ -25,6 +26,21 @@ from gateway.workers import WorkerLink, least_loaded
 from protocol import ErrorCode
 
 log = logging.getLogger(__name__)
+
+# Messages taken from one socket per turn of the loop: enough to amortize a poll, few
+# enough (in number and in time) that heartbeats and the other sockets are served
+# while one floods.
+_BATCH = 64
+_TURN_S = 0.02
+
+
+def _turn() -> Iterator[int]:
+    deadline = time.monotonic() + _TURN_S
+    for i in range(_BATCH):
+        if i and time.monotonic() > deadline:
+            return
+        yield i
+
 
 # How often one request may be handed to a new worker after its worker was lost.
 _MAX_DISPATCHES = 3
@@ -133,7 +149,7 @@ class Gateway:
     # -- clients ---------------------------------------------------------------------------
 
     def _from_clients(self) -> None:
-        for _ in range(1000):
+        for _ in _turn():
             try:
                 frames = self.frontend.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -154,9 +170,7 @@ class Gateway:
         try:
             msg = protocol.decode(payload, self.limits)
         except protocol.ProtocolError as e:
-            self._reply(
-                client, protocol.ErrorReply(code=ErrorCode.PROTOCOL, message=str(e), request_id=e.request_id)
-            )
+            self._reply(client, protocol.ErrorReply(code=ErrorCode.PROTOCOL, message=str(e), request_id=e.request_id))
             return
         state = self.clients.get(client)
         if state is None:
@@ -338,7 +352,7 @@ class Gateway:
         log.info("connecting to worker %s at %s", info.worker_id, info.address)
 
     def _from_worker(self, link: WorkerLink) -> None:
-        for _ in range(1000):
+        for _ in _turn():
             try:
                 payload = link.socket.recv(zmq.NOBLOCK)
             except zmq.Again:
@@ -410,9 +424,7 @@ class Gateway:
                 continue
             req.worker = None
             if not req.started and req.dispatches < _MAX_DISPATCHES:
-                log.info(
-                    "request %s re-dispatched: it had produced no output on %s", request_id, link.worker_id
-                )
+                log.info("request %s re-dispatched: it had produced no output on %s", request_id, link.worker_id)
                 self._dispatch(req)
             else:
                 self._fail(

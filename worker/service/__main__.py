@@ -23,9 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="SmolLM2-135M-Instruct",
         help="checkpoint directory, .gguf file, or the default model's name",
     )
-    p.add_argument(
-        "--model-name", default=None, help="name gateways route on (default: the checkpoint's name)"
-    )
+    p.add_argument("--model-name", default=None, help="name gateways route on (default: the checkpoint's name)")
     p.add_argument("--bind", default=DEFAULT_BIND, help=f"ZeroMQ endpoint to bind (default {DEFAULT_BIND})")
     p.add_argument("--advertise", default="", help="address gateways connect to (default: the bound one)")
     p.add_argument("--redis", default=DEFAULT_REDIS, help=f"Redis URL (default {DEFAULT_REDIS})")
@@ -40,9 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="torch device, e.g. cuda:0")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--max-num-tokens", type=int, default=2048)
-    p.add_argument(
-        "--kv-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)"
-    )
+    p.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
     p.add_argument(
         "--missed-heartbeats",
@@ -50,9 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=3,
         help="a gateway silent for this many of its intervals is gone and its requests aborted",
     )
-    p.add_argument(
-        "--cancel-poll-interval", type=float, default=0.25, help="seconds between Redis cancel polls"
-    )
+    p.add_argument("--cancel-poll-interval", type=float, default=0.25, help="seconds between Redis cancel polls")
     p.add_argument("--stats-stream-maxlen", type=int, default=1000, help="iteration stats kept in Redis")
     p.add_argument("--request-stats-ttl", type=float, default=3600.0, help="seconds a request's stats live")
     p.add_argument("--log-level", default="INFO")
@@ -116,9 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="tokenwire worker", description="Run one worker: an executor behind ZeroMQ."
-    )
+    parser = argparse.ArgumentParser(prog="tokenwire worker", description="Run one worker: an executor behind ZeroMQ.")
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -30,17 +30,13 @@ def to_request(msg: protocol.Submit) -> ex.Request:
         num_return_sequences=msg.num_return_sequences,
         return_all_generated_tokens=msg.return_all_generated_tokens,
         logits_post_processor_name=msg.logits_post_processor_name,
-        guided_decoding_params=None
-        if guided is None
-        else ex.GuidedDecodingParams(guided.guide_type, guided.guide),
+        guided_decoding_params=None if guided is None else ex.GuidedDecodingParams(guided.guide_type, guided.guide),
     )
 
 
 def to_wire_response(request_id: str, response: ex.Response) -> protocol.Response:
     if response.error_msg is not None:
-        return protocol.Response(
-            request_id=request_id, error_msg=response.error_msg, client_id=response.client_id
-        )
+        return protocol.Response(request_id=request_id, error_msg=response.error_msg, client_id=response.client_id)
     r = response.result
     assert r is not None
     result = protocol.Result(

@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import zmq
@@ -29,6 +30,21 @@ from worker.service.convert import to_request, to_wire_response
 from worker.service.redis_link import WorkerRedis
 
 log = logging.getLogger(__name__)
+
+# Messages taken from one socket per turn of the loop: enough to amortize a poll, few
+# enough (in number and in time) that heartbeats and the other sockets are served
+# while one floods.
+_BATCH = 64
+_TURN_S = 0.02
+
+
+def _turn() -> Iterator[int]:
+    deadline = time.monotonic() + _TURN_S
+    for i in range(_BATCH):
+        if i and time.monotonic() > deadline:
+            return
+        yield i
+
 
 _PUMP_ENDPOINT = "inproc://worker-results"
 
@@ -145,7 +161,7 @@ class WorkerService:
             self.ctx.term()
 
     def _forward_results(self) -> None:
-        for _ in range(1000):
+        for _ in _turn():
             try:
                 gateway, payload = self._pump_out.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
@@ -154,7 +170,7 @@ class WorkerService:
                 self.router.send_multipart([gateway, payload])
 
     def _receive(self) -> None:
-        for _ in range(1000):
+        for _ in _turn():
             try:
                 frames = self.router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -168,17 +184,11 @@ class WorkerService:
         try:
             msg = protocol.decode(payload, self.limits)
         except protocol.ProtocolError as e:
-            self._send(
-                gateway, protocol.ErrorReply(code=ErrorCode.PROTOCOL, message=str(e), request_id=e.request_id)
-            )
+            self._send(gateway, protocol.ErrorReply(code=ErrorCode.PROTOCOL, message=str(e), request_id=e.request_id))
             return
         peer = self.gateways.get(gateway)
         if peer is None:
-            interval = (
-                msg.heartbeat_interval_s
-                if isinstance(msg, protocol.Hello)
-                else self.config.heartbeat_interval_s
-            )
+            interval = msg.heartbeat_interval_s if isinstance(msg, protocol.Hello) else self.config.heartbeat_interval_s
             peer = self.gateways[gateway] = _Gateway(interval)
             log.info("gateway %r connected", gateway)
         peer.last_seen = time.monotonic()
@@ -208,9 +218,7 @@ class WorkerService:
         else:
             self._send(
                 gateway,
-                protocol.ErrorReply(
-                    code=ErrorCode.PROTOCOL, message=f"a worker does not accept {msg.kind} messages"
-                ),
+                protocol.ErrorReply(code=ErrorCode.PROTOCOL, message=f"a worker does not accept {msg.kind} messages"),
             )
 
     def _submit(self, gateway: bytes, msg: protocol.Submit) -> None:
@@ -218,13 +226,9 @@ class WorkerService:
             self._send(gateway, protocol.ErrorReply(code=code, message=text, request_id=msg.request_id))
 
         if msg.input_token_ids is None:
-            refuse(
-                ErrorCode.INVALID_REQUEST, "workers take input_token_ids; send text prompts through a gateway"
-            )
+            refuse(ErrorCode.INVALID_REQUEST, "workers take input_token_ids; send text prompts through a gateway")
         elif msg.model is not None and msg.model != self.config.model_name:
-            refuse(
-                ErrorCode.UNKNOWN_MODEL, f"this worker serves {self.config.model_name!r}, not {msg.model!r}"
-            )
+            refuse(ErrorCode.UNKNOWN_MODEL, f"this worker serves {self.config.model_name!r}, not {msg.model!r}")
         elif self.table.has(gateway, msg.request_id):
             refuse(ErrorCode.INVALID_REQUEST, f"request_id {msg.request_id!r} is already running")
         else:

@@ -1,0 +1,249 @@
+"""The service path against the executor in process, same workload, same run.
+
+(a) On the default model: N concurrent streaming requests of P prompt tokens and
+O output tokens (EOS banned with min_tokens), first on an Executor in this
+process, then through one gateway and one worker on loopback (real processes,
+a private Redis). Output tokens/s, TTFT and inter-token latency (p50 / p99),
+measured where the tokens arrive: the await loop, or the client library.
+(b) TRANSPORT TEST: a worker started with `--backend echo` (its backend returns
+immediately, no model runs) behind one gateway, to find how many streamed
+tokens/s one gateway process routes (detokenizing as usual).
+
+Sizes: TOKENWIRE_BENCH_SERVICE_REQUESTS, _PROMPT, _OUTPUT. The issue's workload is
+64 x 128 / 128; the defaults are 8 x 32 / 32 because the numpy backend on a 2-core
+CPU needs minutes for even that (set the variables for the full run on a bigger
+machine). All processes share this machine's cores, so the figures include their
+contention for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench import SkipSection
+
+TITLE = "service: in process vs gateway + worker on loopback; gateway transport ceiling"
+REQUESTS = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_REQUESTS", "8"))
+PROMPT = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_PROMPT", "32"))
+OUTPUT = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_OUTPUT", "32"))
+ECHO_WORKLOADS = ((64, 1024), (256, 512))  # (concurrent streams, tokens each)
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(slots=True)
+class Run:
+    name: str
+    seconds: float
+    tokens: int
+    ttft_ms: list[float]
+    itl_ms: list[float]
+
+    def row(self, peer: Run | None = None) -> list[str]:
+        tps = self.tokens / self.seconds
+        ratio = f"{tps / (peer.tokens / peer.seconds):.3f}" if peer else "1"
+        return [self.name, f"{self.tokens}", f"{self.seconds:.2f}", f"{tps:.1f}", ratio,
+                f"{_pct(self.ttft_ms, 50):.1f}", f"{_pct(self.ttft_ms, 99):.1f}",
+                f"{_pct(self.itl_ms, 50):.2f}", f"{_pct(self.itl_ms, 99):.2f}"]  # fmt: skip
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+class _Timeline:
+    """Arrival times of one request's tokens: TTFT and inter-token gaps (a message
+    carrying k tokens counts as k gaps of a k-th of its wait each)."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.last: float | None = None
+        self.ttft: float | None = None
+        self.gaps: list[float] = []
+        self.tokens = 0
+
+    def add(self, now: float, n: int) -> None:
+        if n == 0:
+            return
+        if self.last is None:
+            self.ttft = now - self.start
+        else:
+            self.gaps.extend([(now - self.last) / n] * n)
+        self.last = now
+        self.tokens += n
+
+
+def _collect(name: str, start: float, end: float, lines: list[_Timeline]) -> Run:
+    return Run(name, end - start, sum(t.tokens for t in lines),
+               [t.ttft * 1e3 for t in lines if t.ttft is not None],
+               [g * 1e3 for t in lines for g in t.gaps])  # fmt: skip
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(100, vocab) for _ in range(PROMPT)] for _ in range(REQUESTS)]
+
+
+def _kv_tokens() -> int:
+    return REQUESTS * (PROMPT + OUTPUT) + 1024
+
+
+def in_process(model: Path, prompts: list[list[int]]) -> Run:
+    from worker.executor import Executor, ExecutorConfig, KvCacheConfig, Request, SamplingConfig
+
+    config = ExecutorConfig(max_batch_size=max(64, REQUESTS), kv_cache_config=KvCacheConfig(max_tokens=_kv_tokens()))
+    with Executor(model, config) as ex:
+        _ = ex.enqueue_request(Request(input_token_ids=prompts[0][:8], max_tokens=2))
+        while not any(r.result and r.result.is_final for r in ex.await_responses(timeout=120)):
+            pass
+        sampling = SamplingConfig(temperature=0.0, min_tokens=OUTPUT)
+        start = time.perf_counter()
+        ids = ex.enqueue_requests([Request(input_token_ids=p, max_tokens=OUTPUT, streaming=True,
+                                           sampling_config=sampling) for p in prompts])  # fmt: skip
+        lines = {i: _Timeline(start) for i in ids}
+        pending = set(ids)
+        while pending:
+            for r in ex.await_responses(timeout=600):
+                now = time.perf_counter()
+                assert r.result is not None, r.error_msg
+                lines[r.request_id].add(now, len(r.result.output_token_ids[0]))
+                if r.result.is_final:
+                    pending.discard(r.request_id)
+        return _collect("in process (Executor)", start, time.perf_counter(), list(lines.values()))
+
+
+async def _stream_all(
+    endpoint: str, prompts: list[list[int]], output: int, greedy: bool
+) -> tuple[float, float, list[_Timeline]]:
+    from clients.async_client import AsyncClient
+
+    async with AsyncClient([endpoint]) as client:
+        await client.generate(prompts[0][:8], max_tokens=2, timeout=300)  # warm-up, and the worker is ready
+        start = time.perf_counter()
+        lines = [_Timeline(start) for _ in prompts]
+        extra = {"temperature": 0.0} if greedy else {}
+
+        async def one(i: int) -> None:
+            async for chunk in client.stream(prompts[i], max_tokens=output, min_tokens=output, **extra):
+                lines[i].add(time.perf_counter(), len(chunk.token_ids))
+
+        await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        return start, time.perf_counter(), lines
+
+
+class _Stack:
+    """A private redis-server, one worker and one gateway, as child processes."""
+
+    def __init__(self, model: Path, *worker_args: str) -> None:
+        redis_server = shutil.which("redis-server")
+        if redis_server is None:
+            raise SkipSection("redis-server is not on PATH")
+        self.dir = tempfile.TemporaryDirectory(prefix="tokenwire-bench-")
+        ports = [_free_port() for _ in range(3)]
+        self.redis = f"redis://127.0.0.1:{ports[0]}/0"
+        self.gateway = f"tcp://127.0.0.1:{ports[2]}"
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        log = open(Path(self.dir.name) / "log", "wb")  # noqa: SIM115 - closed with the directory
+        redis_args = [redis_server, "--port", str(ports[0]), "--save", "", "--appendonly", "no"]
+        self.procs = [subprocess.Popen(redis_args, stdout=subprocess.DEVNULL)]
+        time.sleep(0.3)
+        py = sys.executable
+        self.procs.append(subprocess.Popen(
+            [py, "-m", "worker.service", "--model", str(model), "--bind", f"tcp://127.0.0.1:{ports[1]}",
+             "--redis", self.redis, "--kv-tokens", str(_kv_tokens()), *worker_args],
+            env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+        self.procs.append(subprocess.Popen(
+            [py, "-m", "gateway", "--bind", self.gateway, "--redis", self.redis, "--model", str(model),
+             "--no-worker-timeout", "300"],
+            env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.dir.cleanup()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def through_service(model: Path, prompts: list[list[int]]) -> Run:
+    stack = _Stack(model, "--max-batch-size", str(max(64, REQUESTS)))
+    try:
+        start, end, lines = asyncio.run(_stream_all(stack.gateway, prompts, OUTPUT, greedy=True))
+    finally:
+        stack.close()
+    return _collect("gateway + worker (loopback)", start, end, lines)
+
+
+def echo_transport(model: Path) -> list[Run]:
+    runs = []
+    most = max(n for n, _ in ECHO_WORKLOADS)
+    kv_tokens = most * (3 + max(t for _, t in ECHO_WORKLOADS)) + 1024
+    stack = _Stack(
+        model,
+        "--backend",
+        "echo",
+        "--max-batch-size",
+        str(most),
+        "--max-num-tokens",
+        "65536",
+        "--kv-tokens",
+        str(kv_tokens),
+    )
+    try:
+        for streams, tokens in ECHO_WORKLOADS:
+            prompts = [[100 + i, 200 + i, 300 + i] for i in range(streams)]
+            start, end, lines = asyncio.run(_stream_all(stack.gateway, prompts, tokens, greedy=False))
+            runs.append(_collect(f"TRANSPORT TEST echo worker, {streams} streams x {tokens}", start, end, lines))
+    finally:
+        stack.close()
+    return runs
+
+
+def table() -> tuple[list[str], list[list[str]]]:
+    import json
+
+    from worker.models.default_model import DefaultModelUnavailable, resolve_model
+
+    try:
+        model = resolve_model("SmolLM2-135M-Instruct")
+    except DefaultModelUnavailable as e:
+        raise SkipSection(str(e)) from None
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    prompts = _prompts(vocab)
+    local = in_process(model, prompts)
+    remote = through_service(model, prompts)
+    header = ["path", "out tokens", "s", "tokens/s", "vs in-process", "TTFT p50 ms", "TTFT p99 ms",
+              "ITL p50 ms", "ITL p99 ms"]  # fmt: skip
+    rows = [local.row(), remote.row(local)]
+    rows.append([f"(workload: {REQUESTS} streams x {PROMPT} prompt / {OUTPUT} output tokens, default model)",
+                 *[""] * 8])  # fmt: skip
+    rows += [r.row() for r in echo_transport(model)]
+    return header, rows
+
+
+if __name__ == "__main__":
+    from bench.run import format_table
+
+    print(format_table(*table()))
