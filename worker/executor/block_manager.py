@@ -188,6 +188,7 @@ class BlockManager:
             assert block.ref_count == counts[block.block_id], (
                 f"block {block.block_id}: ref_count {block.ref_count}, referenced {counts[block.block_id]} times"
             )
-            assert (block.ref_count == 0) == (block.block_id in self._free), f"block {block.block_id} free-list mismatch"
+            free = block.block_id in self._free
+            assert (block.ref_count == 0) == free, f"block {block.block_id} free-list mismatch"
         for h, b in self._by_hash.items():
             assert self.blocks[b].hash == h, f"hash index points at block {b} with another hash"

@@ -92,7 +92,8 @@ def validate_request(request: Request, model: ModelConfig, config: ExecutorConfi
     processor = request.logits_post_processor_name
     if processor is not None and processor not in (processors or {}):
         known = ", ".join(sorted(processors or {})) or "none"
-        raise RequestError(f"logits_post_processor_name: unknown logits post-processor {processor!r} (configured: {known})")
+        raise RequestError(
+            f"logits_post_processor_name: unknown logits post-processor {processor!r} (configured: {known})")
     if request.embedding_bias is not None and len(request.embedding_bias) != model.vocab_size:
         raise RequestError(
             f"embedding_bias has {len(request.embedding_bias)} values; the vocabulary has {model.vocab_size} tokens")

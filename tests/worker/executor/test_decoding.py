@@ -4,10 +4,12 @@ penalties, returned sequences, logits post-processors."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -40,11 +42,11 @@ def prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(5, VOCAB_SIZE) for _ in range(n)]
 
 
-def hf_generate(checkpoint: Path, tokens: list[int], **kw: object) -> object:
+def hf_generate(checkpoint: Path, tokens: list[int], **kw: Any) -> Any:
     import torch
 
     with torch.no_grad():
-        return _hf_model(checkpoint).generate(  # type: ignore[attr-defined]
+        return _hf_model(checkpoint).generate(
             torch.tensor([tokens]), do_sample=False, pad_token_id=0, return_dict_in_generate=True, **kw)
 
 
@@ -70,13 +72,13 @@ def beam_cases(checkpoint: Path) -> list[BeamCase]:
         out = hf_generate(checkpoint, p, num_beams=width, num_return_sequences=n, length_penalty=lp, early_stopping=es,
                           max_new_tokens=12, eos_token_id=eos, output_scores=True)
         beams = []
-        for row in out.sequences[:, len(p):].tolist():  # type: ignore[attr-defined]
+        for row in out.sequences[:, len(p):].tolist():
             beams.append(row[: row.index(eos) + 1] if eos in row else row)
         request = Request(input_token_ids=p, max_tokens=12, end_id=eos, num_return_sequences=n,
                           sampling_config=SamplingConfig(beam_width=width, length_penalty=lp,
                                                          early_stopping=EARLY_STOPPING[es]),
                           output_config=OutputConfig(return_log_probs=True))
-        cases.append((request, beams, out.sequences_scores.tolist()))  # type: ignore[attr-defined]
+        cases.append((request, beams, out.sequences_scores.tolist()))
     return cases
 
 
@@ -105,8 +107,8 @@ def test_beam_search_matches_transformers_alone_and_batched(tiny_llama: Path, be
         assert ours == pytest.approx(scores, abs=1e-4)
         ends = [FinishReason.END_ID if t[-1] == request.end_id else FinishReason.LENGTH for t in want]
         assert result.finish_reasons == ends
-    for responses, other in zip([list(batched.values())[0], *list(batched.values())[1 + len(cases):]], others,
-                                strict=True):
+    plain = list(batched.values())
+    for responses, other in zip([plain[0], *plain[1 + len(cases):]], others, strict=True):
         assert final_tokens(responses) == hf_greedy(tiny_llama, other.input_token_ids, 10)
 
 
@@ -125,15 +127,15 @@ def test_beam_search_under_preemption_keeps_its_result_and_the_kv_invariants(
         assert ex.blocks.num_free == ex.blocks.num_blocks
         preemptions = ex.scheduler.num_preemptions
     results = list(got.values())
-    for (_, beams, _), responses in zip(cases, results[: len(cases)], strict=True):
-        assert responses[-1].result.output_token_ids == beams  # type: ignore[union-attr]
+    for (_, want, _), responses in zip(cases, results[: len(cases)], strict=True):
+        assert responses[-1].result.output_token_ids == want  # type: ignore[union-attr]
     for other, responses in zip(others, results[len(cases):], strict=True):
         assert final_tokens(responses) == hf_greedy(tiny_llama, other.input_token_ids, 16)
     assert preemptions > 0, "the tight cache never forced a preemption"
 
 
 def test_streaming_beam_search_sends_running_beams_then_the_best(tiny_llama: Path, beams: list[BeamCase]) -> None:
-    base, want, _ = beams[1]
+    base, want_beams, _ = beams[1]
     request = replace(base, streaming=True)
     with Executor(tiny_llama, config()) as ex:
         (responses,) = run_all(ex, [request]).values()
@@ -141,7 +143,7 @@ def test_streaming_beam_search_sends_running_beams_then_the_best(tiny_llama: Pat
     assert len(responses) > 2
     for step, r in enumerate(responses[:-1], start=1):
         assert all(len(t) == step for t in r.result.output_token_ids)  # type: ignore[union-attr]
-    assert responses[-1].result.output_token_ids == want  # type: ignore[union-attr]
+    assert responses[-1].result.output_token_ids == want_beams  # type: ignore[union-attr]
 
 
 # -- log probs and logits ---------------------------------------------------------------------
@@ -151,11 +153,11 @@ def test_log_probs_top_n_and_logits_match_transformers(tiny_llama: Path) -> None
 
     p = [7, 8, 9, 10, 11, 12, 13]
     out = hf_generate(tiny_llama, p, max_new_tokens=6, output_logits=True)
-    want_tokens = out.sequences[0, len(p):].tolist()  # type: ignore[attr-defined]
-    hf_logits = torch.cat(out.logits).float().numpy()  # type: ignore[attr-defined]
+    want_tokens = out.sequences[0, len(p):].tolist()
+    hf_logits = torch.cat(out.logits).float().numpy()
     hf_log_probs = torch.log_softmax(torch.from_numpy(hf_logits).double(), dim=-1).numpy()
     with torch.no_grad():
-        hf_context = _hf_model(tiny_llama)(torch.tensor([p])).logits[0].float().numpy()  # type: ignore[operator]
+        hf_context = _hf_model(tiny_llama)(torch.tensor([p])).logits[0].float().numpy()
     request = Request(input_token_ids=p, max_tokens=6, end_id=-1, output_config=OutputConfig(
         return_log_probs=True, top_n_log_probs=3, return_context_logits=True, return_generation_logits=True))
     with Executor(tiny_llama, config()) as ex:
@@ -166,7 +168,8 @@ def test_log_probs_top_n_and_logits_match_transformers(tiny_llama: Path) -> None
     tol = 1e-4
     chosen = hf_log_probs[np.arange(6), want_tokens]
     assert result.log_probs is not None and np.allclose(result.log_probs[0], chosen, atol=tol)
-    assert result.cum_log_probs == [pytest.approx(float(chosen.sum()), abs=6 * tol)]
+    assert result.cum_log_probs is not None
+    assert result.cum_log_probs[0] == pytest.approx(float(chosen.sum()), abs=6 * tol)
     assert result.top_log_probs is not None
     for position, top in enumerate(result.top_log_probs[0]):
         best = np.argsort(-hf_log_probs[position], kind="stable")[:3]
@@ -185,7 +188,7 @@ def test_penalties_match_transformers_logits_processors(tiny_llama: Path, overla
     rng = random.Random(9)
     prompts = [prompt(rng, rng.randrange(4, 16)) for _ in range(3)]
     bias_tokens = {11: 8.0, 12: 6.5}
-    cases = []
+    cases: list[tuple[dict[str, Any], dict[str, Any]]] = []
     for p in prompts:
         greedy = hf_greedy(tiny_llama, p, 4)
         cases += [
@@ -201,9 +204,9 @@ def test_penalties_match_transformers_logits_processors(tiny_llama: Path, overla
     expected = []
     for k, (ours, theirs) in enumerate(cases):
         p = prompts[k // 5]
-        requests.append(Request(input_token_ids=p, max_tokens=14, **{"end_id": -1, **ours}))  # type: ignore[arg-type]
+        requests.append(Request(input_token_ids=p, max_tokens=14, **{"end_id": -1, **ours}))
         out = hf_generate(tiny_llama, p, max_new_tokens=14, **theirs)
-        row = out.sequences[0, len(p):].tolist()  # type: ignore[attr-defined]
+        row = out.sequences[0, len(p):].tolist()
         eos = theirs.get("eos_token_id")
         expected.append(row[: row.index(eos) + 1] if eos in row else row)
     with Executor(tiny_llama, config(overlap_scheduling=overlap)) as ex:
@@ -318,14 +321,14 @@ def test_logits_post_processors_named_batched_failing_and_unknown(tiny_llama: Pa
     assert final_tokens(got[0]) == [FORCED] * 5
     assert final_tokens(got[1]) == [23] * 5
     batched = final_tokens(got[2])
-    assert all(a != b for a, b in zip(batched, batched[1:]))
+    assert all(a != b for a, b in itertools.pairwise(batched))
     assert got[3][-1].has_error and "'broken' failed: RuntimeError: boom" in (got[3][-1].error_msg or "")
     assert got[4][0].has_error and "unknown logits post-processor 'nope'" in (got[4][0].error_msg or "")
     assert final_tokens(got[5]) == hf_greedy(tiny_llama, p, 5)
 
 
 def test_load_processors_rejects_bad_specs() -> None:
-    with pytest.raises(ValueError, match="expected 'name=package.module:function'"):
+    with pytest.raises(ValueError, match=r"expected 'name=package\.module:function'"):
         load_processors(["force"])
     with pytest.raises(ValueError, match="cannot import"):
         load_processors(["x=no.such.module:f"])
