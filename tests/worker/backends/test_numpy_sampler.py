@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -172,3 +174,62 @@ def test_seeded_draws_reproduce_distribution() -> None:
     freq = np.bincount(out.token_ids, minlength=LOGITS.size) / n
     expected = np.exp(log_softmax(LOGITS))
     np.testing.assert_allclose(freq, expected, atol=0.015)
+
+
+# -- processed logits: bias, penalties, grammar mask, top-N --------------------------------
+
+def with_fields(params: SamplingBatch, **fields: object) -> SamplingBatch:
+    return replace(params, **fields)  # type: ignore[arg-type]
+
+
+def test_bias_and_penalties_match_a_hand_computation() -> None:
+    """Row 0: bias; row 1: repetition 2 on tokens 1 (generated twice) and 4 (prompt
+    only); row 2: presence 0.5 and frequency 0.3 on the same tokens."""
+    logits = np.stack([LOGITS, LOGITS, LOGITS])
+    bias = np.zeros((1, LOGITS.size), dtype=np.float32)
+    bias[0, [0, 6]] = [5.0, -2.0]
+    params = with_fields(
+        batch(3, temperature=0.0),
+        bias_rows=np.array([0]), bias=bias,
+        repetition_penalty=np.array([1.0, 2.0, 1.0], dtype=np.float32),
+        presence_penalty=np.array([0.0, 0.0, 0.5], dtype=np.float32),
+        frequency_penalty=np.array([0.0, 0.0, 0.3], dtype=np.float32),
+        seen_rows=np.array([1, 1, 2, 2]), seen_tokens=np.array([1, 4, 1, 4]), seen_counts=np.array([2, 0, 2, 0]),
+        top_n=LOGITS.size,
+    )
+    want = np.stack([LOGITS, LOGITS, LOGITS]).astype(np.float64)
+    want[0, 0] += 5.0
+    want[0, 6] -= 2.0
+    want[1, 1] = 3.0 / 2.0  # positive: divided
+    want[1, 4] = -1.0 * 2.0  # negative: multiplied
+    want[2, 1] = 3.0 - 0.5 - 0.3 * 2  # generated twice
+    want[2, 4] = -1.0  # only in the prompt: no presence or frequency
+    out = sample(logits, params)
+    assert out.token_ids.tolist() == [int(np.argmax(w)) for w in want]
+    assert out.top_tokens is not None and out.top_log_probs is not None
+    for row in range(3):
+        lp = log_softmax(want[row])
+        np.testing.assert_array_equal(out.top_tokens[row], np.argsort(-want[row], kind="stable"))
+        np.testing.assert_allclose(out.top_log_probs[row], lp[out.top_tokens[row]], atol=1e-6)
+        assert out.log_probs[row] == pytest.approx(lp[out.token_ids[row]], abs=1e-6)
+
+
+def test_grammar_mask_allows_only_its_tokens_in_greedy_and_sampled_rows() -> None:
+    n = 64
+    allowed = [0, 4, 6]  # three of the least likely tokens
+    words = np.zeros((n, 1), dtype=np.int32)
+    words[:, 0] = sum(1 << t for t in allowed)
+    params = with_fields(batch(n, temperature=[0.0] + [1.0] * (n - 1), uniform=np.linspace(0, 0.999, n)),
+                         mask_rows=np.arange(n), token_mask=words)
+    out = sample(np.broadcast_to(LOGITS, (n, LOGITS.size)), params)
+    assert out.token_ids[0] == 0  # the best allowed one
+    assert set(out.token_ids.tolist()) == set(allowed)
+    masked = np.full(LOGITS.size, -np.inf)
+    masked[allowed] = LOGITS[allowed]
+    assert out.log_probs[0] == pytest.approx(log_softmax(masked)[0], abs=1e-6)
+
+
+def test_top_n_orders_ties_by_token_id() -> None:
+    logits = np.array([[1.0, 2.0, 2.0, 0.0, 2.0]], dtype=np.float32)
+    out = sample(logits, with_fields(batch(1, temperature=0.0), top_n=4))
+    assert out.top_tokens is not None and out.top_tokens[0].tolist() == [1, 2, 4, 0]
