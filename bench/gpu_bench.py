@@ -62,7 +62,7 @@ TINY = {**LLAMA_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 
         "rope_scaling": {**LLAMA_8B["rope_scaling"], "original_max_position_embeddings": 1024}}  # fmt: skip
 
 # (prompt, output, requests for tokenwire, requests for transformers)
-WORKLOADS = [(128, 128, 1024, 256), (128, 2048, 256, 64), (2048, 128, 256, 64), (1000, 1000, 256, 64)]
+WORKLOADS = [(128, 128, 1024, 256), (128, 2048, 256, 32), (2048, 128, 256, 64), (1000, 1000, 256, 32)]
 TINY_WORKLOADS = [(16, 16, 8, 4), (16, 64, 4, 2), (64, 8, 4, 2)]
 
 
@@ -316,6 +316,16 @@ def iteration_summary(executor: Any, after: int) -> dict[str, float]:
     }
 
 
+def dump_iterations(executor: Any, after: int) -> None:
+    """Every iteration of a run (tokens, requests, latency), for looking at the schedule."""
+    out = os.environ.get("OUT")
+    if not out:
+        return
+    stats = [asdict(s) for s in executor.get_latest_iteration_stats() if s.iter > after]
+    with open(os.path.join(out, "iterations_128_128.json"), "w") as f:
+        json.dump(stats, f, default=str)
+
+
 def mean_decode_batch(executor: Any, after: int) -> float:
     stats = executor.get_latest_iteration_stats()
     gen = [s.num_generation_requests for s in stats if s.iter > after and s.num_generation_requests]
@@ -354,9 +364,12 @@ def bench_tokenwire(args: argparse.Namespace, cfg: Any, weights: dict[str, torch
         if tokens != n * output:
             raise RuntimeError(f"{name}: {tokens} output tokens, expected {n * output}")
         batch = mean_decode_batch(executor, first_iter)
+        summary = iteration_summary(executor, first_iter)
+        if prompt == 128 and output == 128:
+            dump_iterations(executor, first_iter)
         ttft, tpot = run_executor_single(executor, prompts_for(1, prompt, cfg.vocab_size, 2)[0], output)
         row = Row(name, n, seconds, tokens, ttft_ms=ttft, tpot_ms=tpot, mean_batch=batch)
-        row.extra = iteration_summary(executor, first_iter)
+        row.extra = summary
         # The most sequences that fit at once: the batch limit, or our KV cache at full length.
         concurrency = min(args.max_batch, n, kv_tokens // (prompt + output))
         row.roofline_tok_s = roof.offline_tok_s(prompt, output, n, concurrency)
@@ -364,6 +377,13 @@ def bench_tokenwire(args: argparse.Namespace, cfg: Any, weights: dict[str, torch
         log(f"tokenwire {name}: {row.tok_s:,.0f} tok/s (mean decode batch {batch:.0f}), "
             f"TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms; iterations {row.extra}")  # fmt: skip
         rows.append(row)
+    if args.direct:
+        for row, (prompt, output, n, _) in zip(rows, workloads, strict=True):
+            prompts = np.asarray(prompts_for(n, prompt, cfg.vocab_size, 1))
+            seconds, tokens = run_direct(backend, prompts, output, args.max_batch, args.max_num_tokens,
+                                         args.block_size, executor.blocks.num_blocks)  # fmt: skip
+            row.extra["direct_tok_s"] = round(tokens / seconds)
+            log(f"backend alone {row.workload}: {tokens / seconds:,.0f} tok/s")
     if args.profile:
         try:
             profile_steps(backend, cfg, executor.blocks.num_blocks, args.block_size)
@@ -440,6 +460,61 @@ def profile_steps(backend: Any, cfg: Any, num_blocks: int, block_size: int) -> N
         print(f"--- profile: {n} seqs x {q} tokens at context {ctx}, 3 steps\n{table}", flush=True)
 
 
+def run_direct(backend: Any, prompts: np.ndarray, output: int, max_batch: int, max_num_tokens: int,
+               block_size: int, num_blocks: int) -> tuple[float, int]:  # fmt: skip
+    """The backend alone, driven by a minimal vectorised offline loop: whole prompts
+    admitted while the step's token budget, the batch limit and free KV blocks allow
+    (all of a request's blocks reserved up front), then one token per step for each
+    running sequence. No executor: the gap to it is the executor's cost."""
+    from worker.backends.base import ForwardBatch, SamplingBatch
+
+    n, p = prompts.shape
+    need = -(-(p + output) // block_size)
+    tables = np.zeros((n, need), dtype=np.int64)
+    free = list(range(num_blocks))
+    last = np.zeros(n, dtype=np.int64)  # last sampled token
+    ctx = np.zeros(n, dtype=np.int64)  # tokens in the cache
+    made = np.zeros(n, dtype=np.int64)
+    running = np.zeros(0, dtype=np.int64)
+    waiting = 0
+    zeros_f, zeros_i = np.zeros(max_batch, np.float32), np.zeros(max_batch, np.int64)
+    t0 = time.perf_counter()
+    while waiting < n or running.size:
+        k = 0
+        budget = max_num_tokens - running.size
+        while (waiting + k < n and running.size + k < max_batch and (k + 1) * p <= budget
+               and len(free) >= (k + 1) * need):  # fmt: skip
+            k += 1
+        new = np.arange(waiting, waiting + k)
+        for i in new:
+            tables[i] = [free.pop() for _ in range(need)]
+        waiting += k
+        rows = np.concatenate([running, new])
+        q_len = np.concatenate([np.ones(running.size, np.int64), np.full(k, p)])
+        query_start = np.concatenate([[0], np.cumsum(q_len)])
+        seq_of = np.repeat(np.arange(rows.size), q_len)
+        offset = np.arange(int(query_start[-1])) - query_start[:-1][seq_of]
+        positions = ctx[rows][seq_of] + offset
+        tokens = np.concatenate([last[running], prompts[new].ravel()])
+        slots = tables[rows[seq_of], positions // block_size] * block_size + positions % block_size
+        batch = ForwardBatch(token_ids=tokens, positions=positions, query_start=query_start,
+                             context_lens=ctx[rows] + q_len, block_tables=tables[rows], slot_mapping=slots,
+                             logits_indices=query_start[1:] - 1)  # fmt: skip
+        b = rows.size
+        sampling = SamplingBatch(temperature=zeros_f[:b], top_k=zeros_i[:b], top_p=zeros_f[:b] + 1,
+                                 min_p=zeros_f[:b], uniform=np.zeros(b), ban_rows=zeros_i[:0],
+                                 ban_tokens=zeros_i[:0])  # fmt: skip
+        out = backend.sample(backend.forward(batch), sampling)
+        last[rows] = out.token_ids
+        ctx[rows] += q_len
+        made[rows] += 1
+        done = rows[made[rows] >= output]
+        for i in done:
+            free.extend(tables[i].tolist())
+        running = rows[made[rows] < output]
+    return time.perf_counter() - t0, int(made.sum())
+
+
 # -- transformers' continuous batching ----------------------------------------------------------------
 
 
@@ -485,9 +560,11 @@ def hf_offline(model: Any, inputs: list[list[int]], output: int) -> tuple[float,
 
 
 def bench_transformers(model: Any, rows: list[Row], workloads: list[tuple[int, int, int, int]], vocab: int,
-                       budget_s: float) -> None:  # fmt: skip
+                       budget_s: float, save: Any) -> None:  # fmt: skip
     start = time.perf_counter()
-    for row, (prompt, output, _, n) in zip(rows, workloads, strict=True):
+    # Cheapest first, so a spent time budget skips the longest run.
+    order = sorted(zip(rows, workloads, strict=True), key=lambda rw: rw[1][1] * rw[1][3] + rw[1][0] * rw[1][3] / 8)
+    for row, (prompt, output, _, n) in order:
         if time.perf_counter() - start > budget_s:
             row.hf_error = "not run (time budget)"
             continue
@@ -500,6 +577,7 @@ def bench_transformers(model: Any, rows: list[Row], workloads: list[tuple[int, i
         row.hf_requests = n
         log(f"transformers {row.workload}: {row.hf_tok_s:,.0f} tok/s ({row.hf_output_tokens} tokens "
             f"of {n * output}; {how})")  # fmt: skip
+        save()
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -509,7 +587,8 @@ def bench_transformers(model: Any, rows: list[Row], workloads: list[tuple[int, i
 
 def format_rows(rows: list[Row], roof: Roofline) -> tuple[list[str], list[list[str]]]:
     header = ["workload", "reqs", "tokenwire tok/s", "HF reqs", "HF CB tok/s", "vs HF", "roofline tok/s",
-              "of roofline", "mean batch", "TTFT b1 ms", "TPOT b1 ms", "TPOT floor ms", "TPOT/floor"]  # fmt: skip
+              "of roofline", "mean batch", "backend alone tok/s", "TTFT b1 ms", "TPOT b1 ms", "TPOT floor ms",
+              "TPOT/floor"]  # fmt: skip
     out = []
     for r in rows:
         floor_ms = r.extra.get("tpot_floor_ms", roof.decode_floor(0) * 1e3)
@@ -519,6 +598,7 @@ def format_rows(rows: list[Row], roof: Roofline) -> tuple[list[str], list[list[s
             f"{r.hf_tok_s:,.0f}" if r.hf_output_tokens else (r.hf_error or "-"),
             f"{r.tok_s / r.hf_tok_s:.1f}x" if r.hf_output_tokens else "-",
             f"{r.roofline_tok_s:,.0f}", f"{r.tok_s / r.roofline_tok_s:.0%}", f"{r.mean_batch:.0f}",
+            f"{r.extra['direct_tok_s']:,.0f}" if "direct_tok_s" in r.extra else "-",
             f"{r.ttft_ms:.1f}", f"{r.tpot_ms:.2f}", f"{floor_ms:.2f}", f"{r.tpot_ms / floor_ms:.2f}",
         ])  # fmt: skip
     return header, out
@@ -571,21 +651,25 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
     sync(device)
     log(f"random weights made in {time.perf_counter() - t0:.1f} s")
     rows = bench_tokenwire(args, cfg, weights, device, workloads, roof)
+
+    def save() -> None:  # after each engine, so a run cut short still leaves its figures
+        summary = {
+            "environment": env,
+            "bandwidth_TBps": bandwidth / 1e12,
+            "gemm_TFLOPps": flops / 1e12,
+            "weight_GB": roof.weight_bytes / 1e9,
+            "rows": [asdict(r) | {"tok_s": r.tok_s, "hf_tok_s": r.hf_tok_s} for r in rows],
+        }
+        out = os.environ.get("OUT")
+        if out:
+            with open(os.path.join(out, "gpu_bench.json"), "w") as f:
+                json.dump(summary, f, indent=1, default=str)
+
+    save()
     if not args.skip_hf:
         model = transformers_model(hf_cfg, cfg, weights, device)
-        bench_transformers(model, rows, workloads, cfg.vocab_size, args.hf_budget)
+        bench_transformers(model, rows, workloads, cfg.vocab_size, args.hf_budget, save)
     header, table = format_rows(rows, roof)
-    summary = {
-        "environment": env,
-        "bandwidth_TBps": bandwidth / 1e12,
-        "gemm_TFLOPps": flops / 1e12,
-        "weight_GB": roof.weight_bytes / 1e9,
-        "rows": [asdict(r) | {"tok_s": r.tok_s, "hf_tok_s": r.hf_tok_s} for r in rows],
-    }
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "gpu_bench.json"), "w") as f:
-            json.dump(summary, f, indent=1, default=str)
     print(f"\n{env.get('gpu', 'cpu')} | torch {env['torch']} | triton {env['triton']} | transformers "
           f"{env['transformers']} | {env['date']}")  # fmt: skip
     print(f"roofline inputs: HBM {bandwidth / 1e12:.2f} TB/s (D2D copy, read+write), bf16 GEMM {flops / 1e12:.0f} "
@@ -605,6 +689,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--direct", action="store_true", help="also drive the backend alone, without the executor")
     p.add_argument("--profile", action="store_true", help="time single steps of the backend, kernel breakdown")
     p.add_argument("--hf-budget", type=float, default=240.0, help="seconds for transformers before skipping")
     return p
