@@ -391,13 +391,14 @@ class Gateway:
                 out[req.client].append(response)
                 self._forget(req)
                 continue
+            worker_final = response.result.is_final
             result = req.stream.apply(response.result)
             if result is None:
                 continue
             req.started = True
-            out[req.client].append(response.model_copy(update={"result": result}))
+            out[req.client].append(response)
             if result.is_final:
-                if not response.result.is_final:  # a stop string ended it here: stop the worker too
+                if not worker_final:  # a stop string ended it here: stop the worker too
                     link.socket.send(protocol.encode(protocol.Cancel(request_id=req.request_id)))
                 self._forget(req)
         for client, items in out.items():

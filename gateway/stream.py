@@ -35,8 +35,9 @@ class OutputStream:
     _seqs: dict[int, _Sequence] = field(default_factory=dict)
 
     def apply(self, result: protocol.Result) -> protocol.Result | None:
-        """The result to send for one from the worker, or None when there is nothing
-        to send (a sequence already ended by a stop string). Sets `finished`."""
+        """Fill in the text of a result from the worker (in place: the gateway owns
+        it) and apply stop strings. None when there is nothing to send (a sequence
+        already ended by a stop string). Sets `finished`."""
         if self.finished:
             return None
         seq = self._seqs.get(result.sequence_index)
@@ -47,23 +48,23 @@ class OutputStream:
             if not result.is_final:
                 return None
             self.finished = True
-            return result.model_copy(update={"output_token_ids": [[]], "text": None})
+            result.output_token_ids = [[]]
+            result.text = None
+            return result
         self.num_tokens += sum(len(t) for t in result.output_token_ids)
-        update: dict[str, object] = {}
         if seq.detok is not None and len(result.output_token_ids) == 1:
             text, stopped = self._text(seq, result.output_token_ids[0], result.is_sequence_final)
-            update["text"] = [text]
+            result.text = [text]
             if stopped:
                 seq.finished = True
-                update["is_sequence_final"] = True
-                update["finish_reasons"] = [FinishReason.STOP_WORDS]
                 done = sum(s.finished for s in self._seqs.values())
-                update["is_final"] = result.is_final or done == self.num_sequences
+                result.is_sequence_final = True
+                result.finish_reasons = [FinishReason.STOP_WORDS]
+                result.is_final = result.is_final or done == self.num_sequences
         if result.is_sequence_final:
             seq.finished = True
-        out = result.model_copy(update=update) if update else result
-        self.finished = out.is_final
-        return out
+        self.finished = result.is_final
+        return result
 
     def _text(self, seq: _Sequence, token_ids: list[int], final: bool) -> tuple[str, bool]:
         assert seq.detok is not None

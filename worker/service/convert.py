@@ -35,11 +35,13 @@ def to_request(msg: protocol.Submit) -> ex.Request:
 
 
 def to_wire_response(request_id: str, response: ex.Response) -> protocol.Response:
+    """Built without validation (model_construct): the executor's output is ours and
+    this runs for every token; the gateway validates what it receives."""
     if response.error_msg is not None:
         return protocol.Response(request_id=request_id, error_msg=response.error_msg, client_id=response.client_id)
     r = response.result
     assert r is not None
-    result = protocol.Result(
+    result = protocol.Result.model_construct(
         is_final=r.is_final,
         output_token_ids=r.output_token_ids,
         finish_reasons=[protocol.FinishReason(int(f)) for f in r.finish_reasons],
@@ -49,8 +51,11 @@ def to_wire_response(request_id: str, response: ex.Response) -> protocol.Respons
         log_probs=r.log_probs,
         context_logits=_logits(r.context_logits),
         generation_logits=_logits(r.generation_logits),
+        text=None,
     )
-    return protocol.Response(request_id=request_id, result=result, client_id=response.client_id)
+    return protocol.Response.model_construct(
+        request_id=request_id, result=result, error_msg=None, client_id=response.client_id
+    )
 
 
 def _logits(value: Any) -> protocol.Logits | None:
