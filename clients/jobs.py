@@ -33,8 +33,10 @@ from protocol.jobs import DEFAULT_RESULT_TTL_S, Job, JobResult, JobStatus, pack,
 
 __all__ = ["JobQueue", "JobResult", "JobStatus", "QueueStats"]
 
-# Results are polled; the interval grows from the first to the last.
-_POLL_S = (0.02, 0.5)
+# Results are polled: every _POLL_S[0] s while few are awaited, _POLL_S[1] while many
+# (each poll reads them all), growing to _POLL_S[2] while none arrive.
+_POLL_S = (0.005, 0.05, 0.5)
+_FEW = 16
 _SUBMIT_CHUNK = 500
 _THROUGHPUT_WINDOW_S = 10
 
@@ -157,7 +159,7 @@ class JobQueue:
         Redis outage meanwhile is waited out (within the timeout)."""
         waiting = list(dict.fromkeys(job_ids))
         deadline = None if timeout is None else time.monotonic() + timeout
-        pause = _POLL_S[0]
+        pause = 0.0
         while waiting:
             try:
                 blobs = self._get_results(waiting)
@@ -170,14 +172,15 @@ class JobQueue:
                 else:
                     yield unpack_result(blob)
             if len(still) < len(waiting):
-                pause = _POLL_S[0]
+                pause = 0.0
             waiting = still
             if not waiting:
                 return
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"{len(waiting)} of {len(job_ids)} jobs not finished after {timeout} s")
+            floor = _POLL_S[0] if len(waiting) <= _FEW else _POLL_S[1]
+            pause = min(_POLL_S[2], max(floor, pause * 1.5))
             time.sleep(pause)
-            pause = min(_POLL_S[1], pause * 1.5)
 
     def _get_results(self, job_ids: list[str]) -> list[bytes | None]:
         out: list[bytes | None] = []

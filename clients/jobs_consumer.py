@@ -30,7 +30,6 @@ import queue
 import socket
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +78,8 @@ class _Ended:
     """A job's outcome, waiting for Redis to record it."""
 
     entry_id: str
-    result: JobResult
+    job_id: str
+    result: JobResult | None  # None: the job had ended already; only acknowledge its entry
     error: str
     retry: bool  # a failed delivery to be retried, not a final status
     ttl_s: int
@@ -111,7 +111,7 @@ class Consumer:
         self.scripts = Scripts(self.redis, self.keys)
         self.stop = threading.Event()
         self._running: dict[str, _Running] = {}
-        self._ended: deque[_Ended] = deque()  # recorded once Redis answers
+        self._ended: list[_Ended] = []  # recorded once Redis answers
         self._done: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._budget = 0
         self._connection: Connection | None = None
@@ -209,9 +209,7 @@ class Consumer:
         reply = self.redis.xreadgroup(
             self.keys.jobs_group(), self.name, {self.keys.jobs(): ">"}, count=room, block=block
         )
-        for _, entries in reply or []:
-            for entry_id, fields in entries:
-                self._start(entry_id.decode(), fields.get(b"job_id", b"").decode())
+        self._start([(e.decode(), f.get(b"job_id", b"").decode()) for _, entries in reply or [] for e, f in entries])
 
     def _claim(self) -> None:
         """Take over jobs pending longer than the idle timeout (their consumer died,
@@ -223,15 +221,16 @@ class Consumer:
         reply = self.redis.xautoclaim(
             self.keys.jobs(), self.keys.jobs_group(), self.name, idle_ms, start_id="0-0", count=room
         )
+        taken = []
         for entry_id, fields in reply[1]:
             if fields is None:
                 continue  # deleted meanwhile
-            entry = entry_id.decode()
             job_id = fields.get(b"job_id", b"").decode()
-            if job_id in self._running:
-                continue  # ours already (its refresh was late)
-            log.info("consumer %s: took over job %s", self.name, job_id)
-            self._start(entry, job_id)
+            if job_id not in self._running:  # else ours already (its refresh was late)
+                taken.append((entry_id.decode(), job_id))
+        if taken:
+            log.info("consumer %s: took over %d jobs, e.g. %s", self.name, len(taken), taken[0][1])
+            self._start(taken)
 
     def _refresh(self) -> None:
         """Touch our pending entries so no other consumer takes them over."""
@@ -245,33 +244,36 @@ class Consumer:
                 run.stopped = True
                 self._connection.cancel(job_id)
 
-    def _start(self, entry_id: str, job_id: str) -> None:
-        reply = self.scripts.start(keys=[self.keys.job(job_id)], args=[self.name, time.time()])
-        verdict = reply[0].decode()
-        if verdict != "start":
-            # Ended already (e.g. cancelled while queued) or unknown: just acknowledge.
-            self._finish_entry(entry_id, job_id)
+    def _start(self, entries: list[tuple[str, str]]) -> None:
+        """Deliver (entry id, job id) pairs: count each delivery, then run the job
+        or end it (cancelled, expired, delivered too often)."""
+        if not entries:
             return
-        deliveries, blob, cancel, last_error = int(reply[1]), reply[2], reply[3], reply[4].decode()
-        job = unpack_job(blob)
+        pipe = self.redis.pipeline(transaction=False)
+        for _, job_id in entries:
+            self.scripts.start(keys=[self.keys.job(job_id)], args=[self.name, time.time()], client=pipe)
         now = time.time()
-        if cancel:
-            self._end(entry_id, job, deliveries, JobStatus.CANCELLED)
-        elif job.deadline is not None and now > job.deadline:
-            self._end(entry_id, job, deliveries, JobStatus.EXPIRED, "deadline passed before the job ran")
-        elif deliveries > self.config.max_deliveries:
-            why = f"delivered {deliveries} times without finishing; last error: {last_error or 'none (consumers died)'}"
-            self._end(entry_id, job, deliveries, JobStatus.DEAD, why)
-        else:
-            assert self._connection is not None
-            self._running[job_id] = _Running(entry_id, job, deliveries, time.monotonic())
-            sink = _JobSink(job_id, job.submit.num_return_sequences, self._done)
-            self._connection.submit(job_id, protocol.encode(job.submit), sink)
-
-    def _finish_entry(self, entry_id: str, job_id: str) -> None:
-        self.scripts.finish(
-            keys=self._finish_keys(job_id), args=[entry_id, self.keys.jobs_group(), "", b"", 1, "", 0, job_id]
-        )
+        for (entry_id, job_id), reply in zip(entries, pipe.execute(), strict=True):
+            if reply[0] != b"start":
+                # Ended already (e.g. cancelled while queued) or unknown: only acknowledge it.
+                self._ended.append(_Ended(entry_id, job_id, None, "", False, 1))
+                continue
+            deliveries, blob, cancel, last_error = int(reply[1]), reply[2], reply[3], reply[4].decode()
+            job = unpack_job(blob)
+            if cancel:
+                self._end(entry_id, job, deliveries, JobStatus.CANCELLED)
+            elif job.deadline is not None and now > job.deadline:
+                self._end(entry_id, job, deliveries, JobStatus.EXPIRED, "deadline passed before the job ran")
+            elif deliveries > self.config.max_deliveries:
+                last = last_error or "none (its consumers died)"
+                self._end(
+                    entry_id, job, deliveries, JobStatus.DEAD, f"delivered {deliveries} times; last error: {last}"
+                )
+            else:
+                assert self._connection is not None
+                self._running[job_id] = _Running(entry_id, job, deliveries, time.monotonic())
+                sink = _JobSink(job_id, job.submit.num_return_sequences, self._done)
+                self._connection.submit(job_id, protocol.encode(job.submit), sink)
 
     # -- ending jobs --------------------------------------------------------------------------
 
@@ -299,7 +301,7 @@ class Consumer:
             else:
                 log.info("consumer %s: job %s failed (delivery %d): %s", self.name, job_id, run.deliveries, error)
                 result = JobResult(job_id=job_id, status=JobStatus.QUEUED, finished_at=time.time())
-                self._ended.append(_Ended(run.entry_id, result, error, True, run.job.result_ttl_s))
+                self._ended.append(_Ended(run.entry_id, job_id, result, error, True, run.job.result_ttl_s))
             return
         outputs = [
             JobOutput(
@@ -336,21 +338,29 @@ class Consumer:
             submitted_at=job.submitted_at,
             finished_at=time.time(),
         )
-        self._ended.append(_Ended(entry_id, result, error, False, job.result_ttl_s))
+        self._ended.append(_Ended(entry_id, job.job_id, result, error, False, job.result_ttl_s))
 
     def _record_ended(self) -> None:
-        while self._ended:
-            ended = self._ended[0]
-            job_id = ended.result.job_id
-            if ended.retry:
-                self.scripts.fail(keys=[self.keys.job(job_id), self.keys.jobs_counters()], args=[ended.error])
+        """Write every outcome in one pipeline. Each script is idempotent, so after
+        a Redis error the whole batch is simply sent again."""
+        if not self._ended:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        group = self.keys.jobs_group()
+        for e in self._ended:
+            if e.retry:
+                self.scripts.fail(
+                    keys=[self.keys.job(e.job_id), self.keys.jobs_counters()], args=[e.error], client=pipe
+                )
+            elif e.result is None:
+                args = [e.entry_id, group, "", b"", 1, "", 0, e.job_id]
+                self.scripts.finish(keys=self._finish_keys(e.job_id), args=args, client=pipe)
             else:
-                self.scripts.finish(
-                    keys=self._finish_keys(job_id),
-                    args=[ended.entry_id, self.keys.jobs_group(), ended.result.status.value, pack(ended.result),
-                          ended.ttl_s, ended.error, ended.result.finished_at, job_id],
-                )  # fmt: skip
-            self._ended.popleft()
+                args = [e.entry_id, group, e.result.status.value, pack(e.result), e.ttl_s, e.error,
+                        e.result.finished_at, e.job_id]  # fmt: skip
+                self.scripts.finish(keys=self._finish_keys(e.job_id), args=args, client=pipe)
+        pipe.execute()
+        self._ended.clear()
 
     def _finish_keys(self, job_id: str) -> list[str]:
         return [
