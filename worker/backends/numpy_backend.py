@@ -140,9 +140,7 @@ class NumpyBackend:
             qkv=np.ascontiguousarray(np.concatenate([w[attn + f"{n}_proj.weight"] for n in "qkv"]).T),
             qkv_bias=bias,
             o=np.ascontiguousarray(w[attn + "o_proj.weight"].T),
-            gate_up=np.ascontiguousarray(
-                np.concatenate([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]).T
-            ),
+            gate_up=np.ascontiguousarray(np.concatenate([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]).T),
             down=np.ascontiguousarray(w[mlp + "down_proj.weight"].T),
             window=cfg.sliding_window if i in cfg.sliding_layers else None,
         )
@@ -262,9 +260,7 @@ class NumpyBackend:
     ) -> tuple[list[np.ndarray], list[np.ndarray]]:
         bs = self.block_size
         # [B, 1, 1, L]: broadcast over kv heads and the query heads that share each
-        group_masks = [
-            _key_mask(g.positions, g.block_tables.shape[1] * bs, window)[:, None, None, :] for g in groups
-        ]
+        group_masks = [_key_mask(g.positions, g.block_tables.shape[1] * bs, window)[:, None, None, :] for g in groups]
         chunk_masks = [_key_mask(c.positions, c.block_table.shape[0] * bs, window) for c in chunks]
         return group_masks, chunk_masks
 

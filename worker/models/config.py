@@ -88,9 +88,7 @@ class ModelConfig:
         )
 
 
-def _sliding_window(
-    cfg: dict[str, Any], model_type: str, num_layers: int
-) -> tuple[int | None, tuple[int, ...]]:
+def _sliding_window(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
     window = cfg.get("sliding_window")
     # Qwen2 configs carry a sliding_window value even when the switch that enables it is off.
     if window is None or (model_type == "qwen2" and not cfg.get("use_sliding_window", False)):

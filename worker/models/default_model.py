@@ -129,7 +129,6 @@ def resolve_model(name_or_path: str | Path) -> Path:
     path = Path(name_or_path).expanduser()
     if not path.exists():
         raise CheckpointError(
-            f"{name_or_path}: no such checkpoint directory or .gguf file "
-            f"(the default model is {DEFAULT_MODEL_NAME!r})"
+            f"{name_or_path}: no such checkpoint directory or .gguf file (the default model is {DEFAULT_MODEL_NAME!r})"
         )
     return path

@@ -108,9 +108,7 @@ def _hf_config(meta: dict[str, Any], path: Path, has_output: bool, has_bias: boo
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = meta.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else None)
     if vocab is None:
-        raise CheckpointError(
-            f"{path}: metadata gives no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens)"
-        )
+        raise CheckpointError(f"{path}: metadata gives no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens)")
     cfg: dict[str, Any] = {
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]],
         "model_type": _ARCHITECTURES[arch],
@@ -163,14 +161,11 @@ def build_tokenizer(meta: dict[str, Any], path: Path) -> Tokenizer:
     """A byte-level BPE `tokenizers.Tokenizer` from llama.cpp's tokenizer metadata."""
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise CheckpointError(
-            f"{path}: tokenizer.ggml.model {kind!r} is not supported (only byte-level BPE, 'gpt2')"
-        )
+        raise CheckpointError(f"{path}: tokenizer.ggml.model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE_TOKENIZER_SPLITS:
         raise CheckpointError(
-            f"{path}: tokenizer.ggml.pre {pre!r} is not supported "
-            f"(supported: {', '.join(_PRE_TOKENIZER_SPLITS)})"
+            f"{path}: tokenizer.ggml.pre {pre!r} is not supported (supported: {', '.join(_PRE_TOKENIZER_SPLITS)})"
         )
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
         if key not in meta:
@@ -181,14 +176,11 @@ def build_tokenizer(meta: dict[str, Any], path: Path) -> Tokenizer:
     spelled = set(alphabet.values())
     # Tokens with characters outside the byte alphabet are stored as plain text; respell them.
     vocab = {
-        (t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))): i
-        for i, t in enumerate(tokens)
+        (t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))): i for i, t in enumerate(tokens)
     }
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     tokenizer = Tokenizer(
-        models.BPE(
-            vocab=vocab, merges=merges, fuse_unk=False, continuing_subword_prefix="", end_of_word_suffix=""
-        )
+        models.BPE(vocab=vocab, merges=merges, fuse_unk=False, continuing_subword_prefix="", end_of_word_suffix="")
     )
     split = _PRE_TOKENIZER_SPLITS[pre]
     if split is None:
@@ -241,9 +233,7 @@ def load_gguf(path: Path, progress: Callable[[int, int], None] | None = None) ->
     meta = _metadata(reader)
     by_name = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in by_name:
-        raise CheckpointError(
-            f"{path}: tensor 'rope_freqs.weight' (per-dimension RoPE factors) is not supported"
-        )
+        raise CheckpointError(f"{path}: tensor 'rope_freqs.weight' (per-dimension RoPE factors) is not supported")
     hf_config = _hf_config(meta, path, "output.weight" in by_name, "blk.0.attn_q.bias" in by_name)
     config = ModelConfig.from_hf(hf_config)
 

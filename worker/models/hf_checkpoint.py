@@ -51,9 +51,7 @@ def _safetensors_files(directory: Path) -> list[Path]:
         return [single]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(
-            f"{directory}: no *.safetensors weights (other weight formats are not supported)"
-        )
+        raise CheckpointError(f"{directory}: no *.safetensors weights (other weight formats are not supported)")
     return files
 
 
@@ -109,9 +107,7 @@ def load_hf_checkpoint(directory: Path, load_weights: bool = True) -> LoadedMode
     bos = gen_cfg.get("bos_token_id", config.bos_token_id)
     for name, token_id in [("eos_token_id", t) for t in eos] + [("bos_token_id", bos)]:
         if token_id is not None and not 0 <= token_id < config.vocab_size:
-            raise CheckpointError(
-                f"{directory}: {name} {token_id} is outside the vocabulary ({config.vocab_size})"
-            )
+            raise CheckpointError(f"{directory}: {name} {token_id} is outside the vocabulary ({config.vocab_size})")
     return LoadedModel(
         config=config,
         weights=weights,

@@ -18,8 +18,7 @@ def rope_type(config: ModelConfig) -> str:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in SUPPORTED_ROPE_TYPES:
         raise CheckpointError(
-            f"config.json: rope scaling type {kind!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            f"config.json: rope scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
     return str(kind)
 
@@ -105,21 +104,13 @@ class Rope:
         cfg, dim = self.config, self.config.head_dim
         factor = float(self.scaling["factor"])
         seq_len = max(seq_len, cfg.max_position_embeddings)
-        base = cfg.rope_theta * ((factor * seq_len / cfg.max_position_embeddings) - (factor - 1)) ** (
-            dim / (dim - 2)
-        )
+        base = cfg.rope_theta * ((factor * seq_len / cfg.max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
         return _base_inv_freq(base, dim).astype(np.float32)
 
-    def cos_sin(
-        self, positions: np.ndarray, seq_lens: np.ndarray | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def cos_sin(self, positions: np.ndarray, seq_lens: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin, float32 [T, head_dim // 2], already multiplied by the attention factor."""
         pos = positions.astype(np.float32)
-        if (
-            self.kind == "dynamic"
-            and seq_lens is not None
-            and (seq_lens > self.config.max_position_embeddings).any()
-        ):
+        if self.kind == "dynamic" and seq_lens is not None and (seq_lens > self.config.max_position_embeddings).any():
             inv = np.stack([self._dynamic_inv_freq(int(n)) for n in seq_lens])
             angles = pos[:, None] * inv
         else:

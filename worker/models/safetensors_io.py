@@ -56,17 +56,11 @@ def read_float32(ref: TensorRef) -> np.ndarray:
     """The tensor as a float32 array (a fresh array, not a view of the file)."""
     np_dtype = _NUMPY_DTYPES.get(ref.dtype)
     if np_dtype is None:
-        raise CheckpointError(
-            f"{ref.file}: tensor dtype {ref.dtype} is not supported (want F32, F16, BF16, F64)"
-        )
+        raise CheckpointError(f"{ref.file}: tensor dtype {ref.dtype} is not supported (want F32, F16, BF16, F64)")
     count = int(np.prod(ref.shape, dtype=np.int64))
     if (ref.end - ref.start) != count * np.dtype(np_dtype).itemsize:
-        raise CheckpointError(
-            f"{ref.file}: tensor byte range does not match its shape {ref.shape} and {ref.dtype}"
-        )
+        raise CheckpointError(f"{ref.file}: tensor byte range does not match its shape {ref.shape} and {ref.dtype}")
     raw = np.memmap(ref.file, dtype=np_dtype, mode="r", offset=ref.start, shape=(count,))
     if ref.dtype == "BF16":
-        widened = (raw.astype(np.uint32) << 16).view(np.float32)
-    else:
-        widened = raw.astype(np.float32)
-    return widened.reshape(ref.shape)
+        return (raw.astype(np.uint32) << 16).view(np.float32).reshape(ref.shape)
+    return raw.astype(np.float32).reshape(ref.shape)

@@ -31,9 +31,7 @@ def batch(rows: int, **params: object) -> SamplingBatch:
     )
 
 
-def by_hand(
-    logits: np.ndarray, u: float, t: float = 1.0, k: int = 0, p: float = 1.0, min_p: float = 0.0
-) -> int:
+def by_hand(logits: np.ndarray, u: float, t: float = 1.0, k: int = 0, p: float = 1.0, min_p: float = 0.0) -> int:
     """Keep/renormalise step by step with plain Python, then invert the CDF over token ids."""
     scores = [float(x) / t for x in logits]
     kept = set(range(len(scores)))
@@ -88,9 +86,7 @@ def test_bans_apply_to_greedy_and_sampled_rows() -> None:
     banned[[1, 5]] = -np.inf
     assert out.log_probs[0] == pytest.approx(log_softmax(banned)[3], abs=1e-6)
     for u in np.linspace(0, 0.999, 50):
-        assert sample(
-            logits, batch(2, temperature=1.0, uniform=u, bans=[(0, 1), (1, 1)])
-        ).token_ids.tolist() != [1, 1]
+        assert sample(logits, batch(2, temperature=1.0, uniform=u, bans=[(0, 1), (1, 1)])).token_ids.tolist() != [1, 1]
 
 
 @pytest.mark.parametrize("u", UNIFORMS)
@@ -178,6 +174,7 @@ def test_seeded_draws_reproduce_distribution() -> None:
 
 # -- processed logits: bias, penalties, grammar mask, top-N --------------------------------
 
+
 def with_fields(params: SamplingBatch, **fields: object) -> SamplingBatch:
     return replace(params, **fields)  # type: ignore[arg-type]
 
@@ -190,11 +187,14 @@ def test_bias_and_penalties_match_a_hand_computation() -> None:
     bias[0, [0, 6]] = [5.0, -2.0]
     params = with_fields(
         batch(3, temperature=0.0),
-        bias_rows=np.array([0]), bias=bias,
+        bias_rows=np.array([0]),
+        bias=bias,
         repetition_penalty=np.array([1.0, 2.0, 1.0], dtype=np.float32),
         presence_penalty=np.array([0.0, 0.0, 0.5], dtype=np.float32),
         frequency_penalty=np.array([0.0, 0.0, 0.3], dtype=np.float32),
-        seen_rows=np.array([1, 1, 2, 2]), seen_tokens=np.array([1, 4, 1, 4]), seen_counts=np.array([2, 0, 2, 0]),
+        seen_rows=np.array([1, 1, 2, 2]),
+        seen_tokens=np.array([1, 4, 1, 4]),
+        seen_counts=np.array([2, 0, 2, 0]),
         top_n=LOGITS.size,
     )
     want = np.stack([LOGITS, LOGITS, LOGITS]).astype(np.float64)
@@ -219,8 +219,11 @@ def test_grammar_mask_allows_only_its_tokens_in_greedy_and_sampled_rows() -> Non
     allowed = [0, 4, 6]  # three of the least likely tokens
     words = np.zeros((n, 1), dtype=np.int32)
     words[:, 0] = sum(1 << t for t in allowed)
-    params = with_fields(batch(n, temperature=[0.0] + [1.0] * (n - 1), uniform=np.linspace(0, 0.999, n)),
-                         mask_rows=np.arange(n), token_mask=words)
+    params = with_fields(
+        batch(n, temperature=[0.0] + [1.0] * (n - 1), uniform=np.linspace(0, 0.999, n)),
+        mask_rows=np.arange(n),
+        token_mask=words,
+    )
     out = sample(np.broadcast_to(LOGITS, (n, LOGITS.size)), params)
     assert out.token_ids[0] == 0  # the best allowed one
     assert set(out.token_ids.tolist()) == set(allowed)

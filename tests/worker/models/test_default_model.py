@@ -29,9 +29,7 @@ def test_cache_location_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert models_dir() == Path.home() / ".cache" / "tokenwire" / "models"
 
 
-def test_conversion_into_a_fresh_cache(
-    default_gguf: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_conversion_into_a_fresh_cache(default_gguf: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     cache = tmp_path / "tokenwire" / "models"
     cache.mkdir(parents=True)

@@ -82,9 +82,7 @@ def test_logits_match_transformers_gguf(default_gguf: Path, gguf_model: Any, hf_
     import torch
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(
-        default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32
-    )
+    hf = AutoModelForCausalLM.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32)
     ids = hf_tokenizer("The capital of France is Paris, and the capital of Italy is")["input_ids"]
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0].numpy()

@@ -91,9 +91,7 @@ def test_missing_tensor_is_named(tiny_checkpoints: dict[str, Path], tmp_path: Pa
 def test_wrong_shape_is_named(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
     directory = _copy(tiny_checkpoints["llama_gqa"], tmp_path)
     _edit_config(directory, intermediate_size=96)
-    with pytest.raises(
-        CheckpointError, match=r"'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \(128, 64\)"
-    ):
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \(128, 64\)"):
         load_model(directory)
 
 

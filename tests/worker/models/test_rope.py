@@ -37,9 +37,7 @@ def _configs(scaling: dict[str, Any] | None) -> tuple[Any, ModelConfig]:
 
     # the pre-v5 spelling (rope_theta, rope_scaling), which transformers still accepts
     legacy: dict[str, Any] = {"rope_theta": 50000.0, "rope_scaling": scaling}
-    hf = LlamaConfig(
-        hidden_size=128, num_attention_heads=2, head_dim=64, max_position_embeddings=1024, **legacy
-    )
+    hf = LlamaConfig(hidden_size=128, num_attention_heads=2, head_dim=64, max_position_embeddings=1024, **legacy)
     ours = ModelConfig.from_hf(hf.to_dict())
     return hf, ours
 
@@ -79,8 +77,6 @@ def test_dynamic_ntk_grows_past_the_trained_length() -> None:
 
 def test_unsupported_rope_type_is_named() -> None:
     _, ours = _configs(None)
-    bad = ModelConfig(
-        **{**{f: getattr(ours, f) for f in ours.__slots__}, "rope_scaling": {"rope_type": "longrope"}}
-    )
+    bad = ModelConfig(**{**{f: getattr(ours, f) for f in ours.__slots__}, "rope_scaling": {"rope_type": "longrope"}})
     with pytest.raises(CheckpointError, match="rope scaling type 'longrope' is not supported"):
         Rope(bad)
