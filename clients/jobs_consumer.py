@@ -114,6 +114,7 @@ class Consumer:
         self._ended: list[_Ended] = []  # recorded once Redis answers
         self._done: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._budget = 0
+        self._claim_cursor: bytes | str = "0-0"
         self._connection: Connection | None = None
 
     def run(self) -> None:
@@ -219,8 +220,9 @@ class Consumer:
             return
         idle_ms = int(self.config.idle_timeout_s * 1000)
         reply = self.redis.xautoclaim(
-            self.keys.jobs(), self.keys.jobs_group(), self.name, idle_ms, start_id="0-0", count=room
+            self.keys.jobs(), self.keys.jobs_group(), self.name, idle_ms, start_id=self._claim_cursor, count=room
         )
+        self._claim_cursor = reply[0]  # where the next scan of the pending list goes on ("0-0": from the top)
         taken = []
         for entry_id, fields in reply[1]:
             if fields is None:
