@@ -49,6 +49,10 @@ class Result(WireModel):
     is_sequence_final: bool = False
     cum_log_probs: list[Annotated[float, Field(allow_inf_nan=True)]] | None = None
     log_probs: list[Floats] | None = None
+    # Per beam, per generated token: the output_config.top_n_log_probs most likely
+    # tokens, most likely first, and their log probs.
+    top_token_ids: list[list[list[int]]] | None = None
+    top_log_probs: list[list[list[Annotated[float, Field(allow_inf_nan=True)]]]] | None = None
     context_logits: Logits | None = None  # [prompt_len, vocab]
     generation_logits: Logits | None = None  # [beams, new_tokens, vocab]
     # Filled by the gateway: the text these tokens add, one string per beam.
@@ -65,6 +69,10 @@ class Result(WireModel):
             _beam_mismatch("cum_log_probs", self.cum_log_probs, beams)
         if self.log_probs is not None and len(self.log_probs) != beams:
             _beam_mismatch("log_probs", self.log_probs, beams)
+        if self.top_token_ids is not None and len(self.top_token_ids) != beams:
+            _beam_mismatch("top_token_ids", self.top_token_ids, beams)
+        if self.top_log_probs is not None and len(self.top_log_probs) != beams:
+            _beam_mismatch("top_log_probs", self.top_log_probs, beams)
         if self.text is not None and len(self.text) != beams:
             _beam_mismatch("text", self.text, beams)
         return self
