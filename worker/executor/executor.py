@@ -529,8 +529,8 @@ class Executor:
                 top_n = seq.request.output_config.top_n_log_probs
                 if top_n:
                     assert out.top_tokens is not None and out.top_log_probs is not None
-                    seq.top_log_probs.append(dict(zip(out.top_tokens[row, :top_n].tolist(),
-                                                      out.top_log_probs[row, :top_n].tolist(), strict=True)))
+                    seq.top_token_ids.append(out.top_tokens[row, :top_n].tolist())
+                    seq.top_log_probs.append(out.top_log_probs[row, :top_n].tolist())
                 seq.state = RequestState.GENERATION
                 reason = self._finish_reason(seq, pos + 1)
                 if reason is not FinishReason.NOT_FINISHED:
@@ -589,7 +589,7 @@ class Executor:
                 slot = members[j]
             else:
                 slot = replace(members[0], blocks=BlockTable(), candidates=None, state=RequestState.GENERATION,
-                               top_log_probs=[], context_logits=[], generation_logits=[])
+                               top_token_ids=[], top_log_probs=[], context_logits=[], generation_logits=[])
                 members.append(slot)
                 family.members.append(slot)
             slot.blocks = tables[j]
@@ -696,6 +696,7 @@ class Executor:
             is_sequence_final=final,
             cum_log_probs=[float(np.sum(seq.log_probs))] if want_lp else None,
             log_probs=[lps] if want_lp else None,
+            top_token_ids=[seq.top_token_ids[first : len(generated)]] if out_cfg.top_n_log_probs else None,
             top_log_probs=[seq.top_log_probs[first : len(generated)]] if out_cfg.top_n_log_probs else None,
             context_logits=np.stack(seq.context_logits) if final and seq.context_logits else None,
             generation_logits=(np.stack(seq.generation_logits[first : len(generated)])[None]

@@ -46,7 +46,8 @@ class Sequence:
     # step is still sampling (see AsyncBackend.launch).
     num_pending: int = 0
     log_probs: list[float] = field(default_factory=list)
-    top_log_probs: list[dict[int, float]] = field(default_factory=list)
+    top_token_ids: list[list[int]] = field(default_factory=list)  # per generated token, when asked
+    top_log_probs: list[list[float]] = field(default_factory=list)
     family: Family | None = None  # set for every sequence the executor creates
     embedding_bias: np.ndarray | None = None  # float32 [vocab]
     matcher: Any = None  # the grammar matcher of a guided request (guided.py)

@@ -114,8 +114,10 @@ class Result:
     is_sequence_final: bool = False
     cum_log_probs: list[float] | None = None
     log_probs: list[list[float]] | None = None
-    # Per beam, per generated token: {token id: log prob} of the top_n_log_probs most likely.
-    top_log_probs: list[list[dict[int, float]]] | None = None
+    # Per beam, per generated token: the output_config.top_n_log_probs most likely
+    # tokens, most likely first, and their log probs.
+    top_token_ids: list[list[list[int]]] | None = None
+    top_log_probs: list[list[list[float]]] | None = None
     context_logits: object | None = None  # array [prompt_len, vocab] when asked for
     generation_logits: object | None = None  # array [beams, new_tokens, vocab]
 

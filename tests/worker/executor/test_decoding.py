@@ -170,11 +170,12 @@ def test_log_probs_top_n_and_logits_match_transformers(tiny_llama: Path) -> None
     assert result.log_probs is not None and np.allclose(result.log_probs[0], chosen, atol=tol)
     assert result.cum_log_probs is not None
     assert result.cum_log_probs[0] == pytest.approx(float(chosen.sum()), abs=6 * tol)
-    assert result.top_log_probs is not None
-    for position, top in enumerate(result.top_log_probs[0]):
+    assert result.top_token_ids is not None and result.top_log_probs is not None
+    assert len(result.top_token_ids[0]) == 6
+    for position, (ids, lps) in enumerate(zip(result.top_token_ids[0], result.top_log_probs[0], strict=True)):
         best = np.argsort(-hf_log_probs[position], kind="stable")[:3]
-        assert list(top) == best.tolist()
-        assert np.allclose(list(top.values()), hf_log_probs[position][best], atol=tol)
+        assert ids == best.tolist()
+        assert np.allclose(lps, hf_log_probs[position][best], atol=tol)
     assert np.asarray(result.generation_logits).shape == (1, 6, VOCAB_SIZE)
     assert np.allclose(np.asarray(result.generation_logits)[0], hf_logits, atol=tol)
     assert np.asarray(result.context_logits).shape == (len(p), VOCAB_SIZE)
