@@ -52,7 +52,7 @@ class QueueStats:
     expired: int
     dead: int  # in the dead-letter stream
     consumers: int
-    done_per_s: float  # over the last _THROUGHPUT_WINDOW_S seconds
+    done_per_s: float  # over the last _THROUGHPUT_WINDOW_S seconds, this one included
 
 
 class JobQueue:
@@ -215,7 +215,7 @@ class JobQueue:
         pipe.xinfo_groups(self.keys.jobs())
         pipe.xlen(self.keys.jobs())
         pipe.hgetall(self.keys.jobs_counters())
-        pipe.mget([self.keys.jobs_done_at(s) for s in range(now - _THROUGHPUT_WINDOW_S, now)])
+        pipe.mget([self.keys.jobs_done_at(s) for s in range(now - _THROUGHPUT_WINDOW_S + 1, now + 1)])
         groups, length, counters, done_at = pipe.execute()
         group = next((g for g in groups if g["name"].decode() == self.keys.jobs_group()), None)
         c = {k.decode(): int(v) for k, v in counters.items()}

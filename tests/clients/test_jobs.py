@@ -126,6 +126,7 @@ def test_a_job_ended_twice_keeps_its_first_result(queue: JobQueue):
     assert _finish(queue, scripts, entry, second) == 0
     assert queue.result(job_id, timeout=1) == first
     assert _counters(queue) == {"submitted": 1, "done": 1}
+    assert queue.stats().done_per_s == pytest.approx(0.1)  # one job in the 10 s window
     # Acknowledged and deleted: nothing pending, nothing left in the stream.
     assert queue.redis.xpending(queue.keys.jobs(), queue.keys.jobs_group())["pending"] == 0
     assert queue.redis.xlen(queue.keys.jobs()) == 0
