@@ -227,8 +227,9 @@ class Gateway:
             served = sorted({m for w in ready for m in w.models})
             return refuse(ErrorCode.UNKNOWN_MODEL, f"no worker serves model {model!r}; served: {served}")
         if model is None and msg.prompt is not None:
-            # Text needs a tokenizer, so settle the model now: the one most workers serve.
-            names = [m for w in ready for m in w.models[:1]]
+            # Text needs a tokenizer, so settle the model now: the one most workers serve,
+            # or, before any worker is ready, the first model this gateway has a tokenizer for.
+            names = [m for w in ready for m in w.models[:1]] or self.tokenizers.names()[:1]
             model = max(set(names), key=names.count) if names else None
         tokenizer = self.tokenizers.get(model) if model is not None else None
         if msg.prompt is not None:

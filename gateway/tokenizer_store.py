@@ -39,3 +39,6 @@ class Tokenizers:
 
     def get(self, model: str) -> Tokenizer | None:
         return self._by_name.get(model)
+
+    def names(self) -> list[str]:
+        return list(self._by_name)
