@@ -606,9 +606,10 @@ class Executor:
             elif id(slot) not in running and slot.blocks.block_ids:
                 self.blocks.free(slot.blocks)  # it waits: it will recompute
                 slot.num_computed = 0
-        if entry.request.streaming:
+        if entry.request.streaming:  # the best running beams so far (members are in score order)
+            best = members[: entry.request.num_return_sequences]
             return [self._beam_response(entry, [(m.generated, m.log_probs, FinishReason.NOT_FINISHED)
-                                                for m in members], final=False)]
+                                                for m in best], final=False)]
         return []
 
     def _end_beams(self, entry: _Entry, reason: FinishReason) -> list[Response]:

@@ -142,6 +142,7 @@ def test_streaming_beam_search_sends_running_beams_then_the_best(tiny_llama: Pat
     assert [r.result.is_final for r in responses] == [False] * (len(responses) - 1) + [True]  # type: ignore[union-attr]
     assert len(responses) > 2
     for step, r in enumerate(responses[:-1], start=1):
+        assert len(r.result.output_token_ids) == request.num_return_sequences  # type: ignore[union-attr]
         assert all(len(t) == step for t in r.result.output_token_ids)  # type: ignore[union-attr]
     assert responses[-1].result.output_token_ids == want_beams  # type: ignore[union-attr]
 
