@@ -11,6 +11,7 @@ for users of the ZeroMQ client only.
 from __future__ import annotations
 
 import asyncio
+import json
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -42,8 +43,25 @@ class SamplingParams:
     bad_token_ids: list[list[int]] | None = None
     end_id: int | None = None
     ignore_eos: bool = False
-    num_return_sequences: int = 1
+    num_return_sequences: int = 1  # with beam_width > 1: the best beams, at most beam_width
     return_log_probs: bool = False
+    top_n_log_probs: int = 0
+    # Beam search (TensorRT-LLM semantics: early_stopping 1 stops at beam_width
+    # finished beams, 0 when none can improve, -1 never before max_tokens).
+    beam_width: int = 1
+    length_penalty: float | None = None
+    early_stopping: int | None = None
+    beam_search_diversity_rate: float | None = None
+    repetition_penalty: float | None = None  # multiplicative, over prompt and output
+    presence_penalty: float | None = None  # additive, over output tokens
+    frequency_penalty: float | None = None  # additive x count, over output tokens
+    no_repeat_ngram_size: int | None = None
+    embedding_bias: list[float] | None = None  # one value per vocabulary token
+    logits_post_processor: str | None = None  # a name configured in the executor
+    # Guided decoding (the `guided` extra): at most one of these.
+    guided_json: str | dict[str, Any] | bool | None = None  # a JSON schema, or True for any JSON
+    guided_regex: str | None = None
+    guided_grammar: str | None = None  # EBNF
 
 
 @dataclass(slots=True)
@@ -54,6 +72,7 @@ class CompletionOutput:
     finish_reason: FinishReason | None = None
     log_probs: list[float] | None = None
     cum_log_prob: float | None = None
+    top_log_probs: list[list[tuple[int, float]]] | None = None  # per token: (id, log prob), most likely first
 
 
 @dataclass(slots=True)
@@ -98,6 +117,9 @@ class RequestHandle:
             return
         result = response.result
         assert result is not None
+        if self._params.beam_width > 1:
+            self._apply_beams(result)
+            return
         out = self.output.outputs[result.sequence_index]
         if out.finish_reason is not None:
             return  # a sequence cut short by a stop string: ignore what was in flight
@@ -108,6 +130,10 @@ class RequestHandle:
         if result.log_probs is not None:
             out.log_probs = (out.log_probs or []) + list(result.log_probs[0])
             out.cum_log_prob = result.cum_log_probs[0] if result.cum_log_probs else None
+        if result.top_token_ids is not None and result.top_log_probs is not None:
+            out.top_log_probs = (out.top_log_probs or []) + [
+                list(zip(ids, lps, strict=True))
+                for ids, lps in zip(result.top_token_ids[0], result.top_log_probs[0], strict=True)]
         if result.is_sequence_final:
             detok.flush()
             out.finish_reason = result.finish_reasons[0]
@@ -119,6 +145,23 @@ class RequestHandle:
             if not result.is_sequence_final:
                 self._llm.executor.cancel_request(self.request_id)
         self.output.finished = all(o.finish_reason is not None for o in self.output.outputs)
+
+    def _apply_beams(self, result: Any) -> None:
+        """Beam search answers with whole beams (the running ones while streaming,
+        the best finished ones at the end), so each output is replaced, not extended."""
+        tokenizer = self._llm.tokenizer
+        for i, tokens in enumerate(result.output_token_ids):
+            out = self.output.outputs[i]
+            out.token_ids = list(tokens)
+            out.text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            if result.log_probs is not None:
+                out.log_probs = list(result.log_probs[i])
+                out.cum_log_prob = result.cum_log_probs[i] if result.cum_log_probs else None
+            if result.is_final:
+                out.finish_reason = result.finish_reasons[i]
+        if result.is_final:
+            del self.output.outputs[len(result.output_token_ids):]
+            self.output.finished = True
 
     def _next(self, timeout: float | None) -> RequestOutput | None:
         """Apply the next response; None once the request is finished."""
@@ -213,8 +256,17 @@ class LLM:
         return [h.result(timeout) for h in handles]
 
     def _request(self, prompt_ids: list[int], p: SamplingParams, streaming: bool) -> Request:
-        from worker.executor import OutputConfig, Request, SamplingConfig
+        from worker.executor import GuidedDecodingParams, OutputConfig, Request, SamplingConfig
 
+        guides = [g for g in (
+            None if p.guided_json is None or p.guided_json is False else (
+                GuidedDecodingParams("json") if p.guided_json is True else GuidedDecodingParams(
+                    "json_schema", p.guided_json if isinstance(p.guided_json, str) else json.dumps(p.guided_json))),
+            None if p.guided_regex is None else GuidedDecodingParams("regex", p.guided_regex),
+            None if p.guided_grammar is None else GuidedDecodingParams("ebnf_grammar", p.guided_grammar),
+        ) if g is not None]
+        if len(guides) > 1:
+            raise ValueError("give at most one of guided_json, guided_regex and guided_grammar")
         return Request(
             input_token_ids=prompt_ids,
             max_tokens=p.max_tokens,
@@ -222,9 +274,15 @@ class LLM:
             streaming=streaming or bool(p.stop),
             sampling_config=SamplingConfig(
                 temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                seed=p.seed, min_tokens=p.min_tokens,
+                seed=p.seed, min_tokens=p.min_tokens, beam_width=p.beam_width, length_penalty=p.length_penalty,
+                early_stopping=p.early_stopping, beam_search_diversity_rate=p.beam_search_diversity_rate,
+                repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty, no_repeat_ngram_size=p.no_repeat_ngram_size,
             ),
-            output_config=OutputConfig(return_log_probs=p.return_log_probs),
+            output_config=OutputConfig(return_log_probs=p.return_log_probs, top_n_log_probs=p.top_n_log_probs),
+            embedding_bias=p.embedding_bias,
+            logits_post_processor_name=p.logits_post_processor,
+            guided_decoding_params=guides[0] if guides else None,
             end_id=-1 if p.ignore_eos else p.end_id,
             stop_words=p.stop_token_ids,
             bad_words=p.bad_token_ids,
