@@ -164,7 +164,14 @@ class Gateway:
                         ),
                     )
                 continue
-            self._from_client(frames[0], frames[1])
+            try:
+                self._from_client(frames[0], frames[1])
+            except Exception as e:  # a bug on one message must not stop the gateway
+                log.exception("message from client %s failed", frames[0].hex())
+                self._reply(
+                    frames[0],
+                    protocol.ErrorReply(code=ErrorCode.INTERNAL, message=f"the gateway failed on this message: {e}"),
+                )
 
     def _from_client(self, client: bytes, payload: bytes) -> None:
         try:
@@ -368,7 +375,10 @@ class Gateway:
             link.last_seen = time.monotonic()
             if isinstance(msg, protocol.ResultBatch):
                 link.update_load(msg.load)
-                self._results(link, msg.responses)
+                try:
+                    self._results(link, msg.responses)
+                except Exception:
+                    log.exception("results from worker %s failed", link.worker_id)
             elif isinstance(msg, protocol.Heartbeat):
                 link.update_load(msg.load)
             elif isinstance(msg, protocol.ErrorReply):

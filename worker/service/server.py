@@ -25,6 +25,7 @@ import zmq
 import protocol
 from protocol import ErrorCode
 from worker.executor import Executor
+from worker.executor import types as ex
 from worker.service.active import Active, ActiveTable
 from worker.service.convert import to_request, to_wire_response
 from worker.service.redis_link import WorkerRedis
@@ -193,7 +194,18 @@ class WorkerService:
             log.info("gateway %r connected", gateway)
         peer.last_seen = time.monotonic()
         if isinstance(msg, protocol.Submit):
-            self._submit(gateway, msg)
+            try:
+                self._submit(gateway, msg)
+            except Exception as e:  # a bug on one request must not stop the worker
+                log.exception("request %s: submit failed", msg.request_id)
+                self._send(
+                    gateway,
+                    protocol.ErrorReply(
+                        code=ErrorCode.INTERNAL,
+                        message=f"worker failed to start the request: {e}",
+                        request_id=msg.request_id,
+                    ),
+                )
         elif isinstance(msg, protocol.Cancel):
             entry = self.table.find(gateway, msg.request_id)
             if entry is not None:
@@ -265,40 +277,46 @@ class WorkerService:
         out.setsockopt(zmq.SNDHWM, 0)
         out.connect(_PUMP_ENDPOINT)
         exec_stats: dict[int, object] = {}
-        max_batch = self.limits.max_array_len
         try:
             while not self.stop.is_set():
                 responses = self.executor.await_responses(None, timeout=0.1)
-                if not responses:
-                    continue
-                batches: dict[bytes, list[protocol.Response]] = defaultdict(list)
-                finished: list[tuple[Active, protocol.Response]] = []
-                with self.table.lock:
-                    for r in responses:
-                        entry = self.table.get(r.request_id)
-                        if entry is None:
-                            continue
-                        wire = to_wire_response(entry.request_id, r)
-                        if r.result is not None:
-                            entry.output_tokens += sum(len(t) for t in r.result.output_token_ids)
-                        batches[entry.gateway].append(wire)
-                        if wire.is_final:
-                            self.table.remove(entry)
-                            finished.append((entry, wire))
-                load = self.load()
-                for gateway, items in batches.items():
-                    for start in range(0, len(items), max_batch):
-                        batch = protocol.ResultBatch(responses=items[start : start + max_batch], load=load)
-                        out.send_multipart([gateway, protocol.encode(batch, self.limits)])
-                if finished:
-                    for s in self.executor.get_latest_request_stats():
-                        exec_stats[s.request_id] = s
-                    for entry, wire in finished:
-                        self._record_finished(entry, wire, exec_stats.pop(entry.exec_id, None))
-                    if len(exec_stats) > 10_000:  # stats of requests never seen final: forget
-                        exec_stats.clear()
+                if responses:
+                    try:
+                        self._deliver(responses, out, exec_stats)
+                    except Exception:  # keep pumping: one bad response must not hang every stream
+                        log.exception("result pump: could not deliver %d responses", len(responses))
         finally:
             out.close(0)
+
+    def _deliver(self, responses: list[ex.Response], out: zmq.Socket, exec_stats: dict[int, object]) -> None:
+        """One result batch per gateway for what the executor produced since the last call."""
+        batches: dict[bytes, list[protocol.Response]] = defaultdict(list)
+        finished: list[tuple[Active, protocol.Response]] = []
+        with self.table.lock:
+            for r in responses:
+                entry = self.table.get(r.request_id)
+                if entry is None:
+                    continue
+                wire = to_wire_response(entry.request_id, r)
+                if r.result is not None:
+                    entry.output_tokens += sum(len(t) for t in r.result.output_token_ids)
+                batches[entry.gateway].append(wire)
+                if wire.is_final:
+                    self.table.remove(entry)
+                    finished.append((entry, wire))
+        load = self.load()
+        step = self.limits.max_array_len
+        for gateway, items in batches.items():
+            for start in range(0, len(items), step):
+                batch = protocol.ResultBatch.model_construct(responses=items[start : start + step], load=load)
+                out.send_multipart([gateway, protocol.encode(batch, self.limits)])
+        if finished:
+            for s in self.executor.get_latest_request_stats():
+                exec_stats[s.request_id] = s
+            for entry, wire in finished:
+                self._record_finished(entry, wire, exec_stats.pop(entry.exec_id, None))
+            if len(exec_stats) > 10_000:  # stats of requests never seen final: forget
+                exec_stats.clear()
 
     def _record_finished(self, entry: Active, wire: protocol.Response, stats: object) -> None:
         fields = {
