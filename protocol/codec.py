@@ -10,6 +10,7 @@ from typing import Any
 
 import msgpack
 from pydantic import ValidationError
+from pydantic_core import PydanticSerializationError
 
 from protocol.base import Message
 from protocol.control import Cancel, Drain, ErrorReply, Heartbeat, Hello, Ready
@@ -45,11 +46,11 @@ _MAX_ERRORS_SHOWN = 3
 def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
     """Serialize a message. Fields equal to their default are left out (the
     receiver fills them back in), which keeps hot-path messages short."""
-    payload = msg.model_dump(context=WIRE_CONTEXT, exclude_defaults=True)
     try:
+        payload = msg.model_dump(context=WIRE_CONTEXT, exclude_defaults=True)
         data: bytes = msgpack.packb([VERSION, msg.kind, payload], use_bin_type=True)
-    except (OverflowError, ValueError, TypeError) as e:
-        # e.g. an integer beyond 64 bits in a field without a bound
+    except (PydanticSerializationError, OverflowError, ValueError, TypeError) as e:
+        # e.g. rows of unequal length to pack, or an integer beyond 64 bits
         raise ProtocolError(f"cannot encode {msg.kind}: {e}", kind=msg.kind) from None
     if len(data) > limits.max_message_bytes:
         raise ProtocolError(

@@ -126,3 +126,59 @@ Floats = Annotated[
     AfterValidator(_reject_nan),
     PlainSerializer(_to_wire_floats, when_used="unless-none"),
 ]
+
+
+def _rows_from_wire(typecode: str, value: object, info: ValidationInfo) -> object:
+    """[width, packed] back into rows of `width` values; anything else is left
+    for the list validation to judge."""
+    if not (type(value) is list and len(value) == 2 and type(value[0]) is int and type(value[1]) is bytes):
+        return value
+    width, data = value
+    _spend(data, info)
+    flat = _unpack(typecode, data)
+    if width < 1:
+        if flat:
+            raise ValueError(f"packed rows of width {width} cannot hold {len(flat)} values")
+        return []
+    if len(flat) % width:
+        raise ValueError(f"{len(flat)} packed values do not divide into rows of {width}")
+    return [flat[i : i + width] for i in range(0, len(flat), width)]
+
+
+def _rows_to_wire(pack: Any, value: list[list[Any]], info: SerializationInfo) -> object:
+    if info.context is not WIRE_CONTEXT:
+        return value
+    width = len(value[0]) if value else 0
+    if any(len(row) != width for row in value):
+        raise ValueError(f"rows of unequal length cannot be packed (first has {width})")
+    return [width, pack([x for row in value for x in row])]
+
+
+def _int_rows_from_wire(value: object, info: ValidationInfo) -> object:
+    return _rows_from_wire("i", value, info)
+
+
+def _float_rows_from_wire(value: object, info: ValidationInfo) -> object:
+    return _rows_from_wire("f", value, info)
+
+
+def _int_rows_to_wire(value: list[list[int]], info: SerializationInfo) -> object:
+    return _rows_to_wire(pack_ints, value, info)
+
+
+def _float_rows_to_wire(value: list[list[float]], info: SerializationInfo) -> object:
+    return _rows_to_wire(pack_floats, value, info)
+
+
+# Rows of equal length (per generated token: its top-N candidates): one
+# [width, packed] pair on the wire rather than an array per token.
+TokenIdRows = Annotated[
+    list[list[TokenId]],
+    BeforeValidator(_int_rows_from_wire),
+    PlainSerializer(_int_rows_to_wire),
+]
+FloatRows = Annotated[
+    list[Annotated[list[Annotated[float, Field(allow_inf_nan=True)]], AfterValidator(_reject_nan)]],
+    BeforeValidator(_float_rows_from_wire),
+    PlainSerializer(_float_rows_to_wire),
+]

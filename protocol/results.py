@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 
 from protocol.base import Message, Name, Uint64, WireModel
 from protocol.limits import DEFAULT_LIMITS
-from protocol.packed import Floats, TokenIds
+from protocol.packed import FloatRows, Floats, TokenIdRows, TokenIds
 from protocol.records import WorkerLoad
 
 
@@ -51,8 +51,8 @@ class Result(WireModel):
     log_probs: list[Floats] | None = None
     # Per beam, per generated token: the output_config.top_n_log_probs most likely
     # tokens, most likely first, and their log probs.
-    top_token_ids: list[list[list[int]]] | None = None
-    top_log_probs: list[list[list[Annotated[float, Field(allow_inf_nan=True)]]]] | None = None
+    top_token_ids: list[TokenIdRows] | None = None
+    top_log_probs: list[FloatRows] | None = None
     context_logits: Logits | None = None  # [prompt_len, vocab]
     generation_logits: Logits | None = None  # [beams, new_tokens, vocab]
     # Filled by the gateway: the text these tokens add, one string per beam.

@@ -100,9 +100,14 @@ def logits(draw: st.DrawFn) -> p.Logits:
     return p.Logits(shape=shape, data=draw(st.binary(min_size=4 * count, max_size=4 * count)))
 
 
+def rows(values: st.SearchStrategy[Any], width: int) -> st.SearchStrategy[list[list[Any]]]:
+    return st.lists(st.lists(values, min_size=width, max_size=width), max_size=6)
+
+
 @st.composite
 def results(draw: st.DrawFn) -> p.Result:
     beams = draw(st.integers(1, 4))
+    top_n = draw(st.integers(1, 3))
 
     def per_beam(strategy: st.SearchStrategy[Any]) -> Any:
         return draw(st.lists(strategy, min_size=beams, max_size=beams))
@@ -115,6 +120,8 @@ def results(draw: st.DrawFn) -> p.Result:
         is_sequence_final=draw(st.booleans()),
         cum_log_probs=draw(_maybe(st.just(per_beam(st.floats(allow_nan=False))))),
         log_probs=draw(_maybe(st.just(per_beam(packed_floats)))),
+        top_token_ids=draw(_maybe(st.just(per_beam(rows(st.integers(0, INT32_MAX), top_n))))),
+        top_log_probs=draw(_maybe(st.just(per_beam(rows(st.floats(width=32, allow_nan=False), top_n))))),
         context_logits=draw(_maybe(logits())),
         generation_logits=draw(_maybe(logits())),
         text=draw(_maybe(st.just(per_beam(st.text(max_size=20))))),

@@ -131,3 +131,16 @@ def test_too_many_packed_values_are_refused_before_expanding():
     finally:
         tracemalloc.stop()
     assert peak < 3 * len(data), f"refusing {len(data)} bytes peaked at {peak} bytes"
+
+
+def test_top_log_probs_of_a_long_output_fit_the_array_limit():
+    tokens = p.DEFAULT_LIMITS.max_array_len * 2
+    result = p.Result(
+        is_final=True,
+        output_token_ids=[list(range(tokens))],
+        finish_reasons=[p.FinishReason.LENGTH],
+        top_token_ids=[[[t, t + 1, t + 2] for t in range(tokens)]],
+        top_log_probs=[[[-0.5, -1.5, -2.5]] * tokens],
+    )
+    batch = p.ResultBatch(responses=[p.Response(request_id="r", result=result)])
+    assert p.decode(p.encode(batch)) == batch

@@ -192,3 +192,17 @@ def test_many_errors_are_summarised():
 def test_constructing_an_invalid_message_fails_early():
     with pytest.raises(ValueError, match="max_tokens"):
         p.Submit(request_id="r", prompt="x", max_tokens=0)
+
+
+def test_packed_rows_must_divide_evenly():
+    result = {"is_final": True, "output_token_ids": [b""], "finish_reasons": [1], "top_token_ids": [[2, b"\x00" * 12]]}
+    with pytest.raises(p.ProtocolError, match="3 packed values do not divide into rows of 2"):
+        decode_payload("results", {"responses": [{"request_id": "a", "result": result}]})
+
+
+def test_ragged_rows_cannot_be_encoded():
+    result = p.Result(
+        is_final=True, output_token_ids=[[1, 2]], finish_reasons=[p.FinishReason.END_ID], top_token_ids=[[[1, 2], [3]]]
+    )
+    with pytest.raises(p.ProtocolError, match="rows of unequal length"):
+        p.encode(p.ResultBatch(responses=[p.Response(request_id="a", result=result)]))
