@@ -62,7 +62,14 @@ def generate(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "stop": args.stop,
     }
-    build_submit(args.prompt, **kwargs)  # bad flags fail here, before any connection
+    from pydantic import ValidationError
+
+    try:
+        build_submit(args.prompt, **kwargs)  # bad flags fail here, before any connection
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        print(f"error: {problems}", file=sys.stderr)
+        return 2
     with Client(args.gateway or [DEFAULT_GATEWAY]) as client:
         future = client.submit(args.prompt, streaming=args.stream, **kwargs)
         print(f"request {future.request_id}", file=sys.stderr)
