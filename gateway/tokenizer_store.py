@@ -20,6 +20,7 @@ class Tokenizers:
     def __init__(self, models: list[str]) -> None:
         """`models`: checkpoint directories, .gguf files or the default model's name."""
         self._by_name: dict[str, Tokenizer] = {}
+        self._failed: set[str] = set()
         for model in models:
             self.load(model)
 
@@ -38,7 +39,20 @@ class Tokenizers:
         return name
 
     def get(self, model: str) -> Tokenizer | None:
-        return self._by_name.get(model)
+        """The tokenizer for `model`; the embedded default model's is loaded on first
+        use even without --model (other names only from the paths given)."""
+        found = self._by_name.get(model)
+        if found is None and model not in self._failed:
+            from worker.models.default_model import DEFAULT_MODEL_ALIASES
+
+            if model in DEFAULT_MODEL_ALIASES:
+                try:
+                    self.load(model)
+                except Exception as e:  # not cached and no network: text prompts get a clear error
+                    log.warning("no tokenizer for %s: %s", model, e)
+                    self._failed.add(model)
+            found = self._by_name.get(model)
+        return found
 
     def names(self) -> list[str]:
         return list(self._by_name)
