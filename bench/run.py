@@ -20,6 +20,7 @@ from bench import SkipSection
 SECTIONS: dict[str, str] = {
     "protocol": "bench.protocol_bench",
     "cpu": "bench.cpu_bench",
+    "decoding": "bench.decoding_bench",
     "jobs": "bench.jobs_bench",
     "service": "bench.service_bench",
     "gpu": "bench.gpu_bench",
