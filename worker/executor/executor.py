@@ -91,8 +91,11 @@ def _samples(seq: Sequence, n: int) -> bool:
 
 
 def _wants_host_logits(seq: Sequence) -> bool:
+    """Post-processors and logits outputs need the logits on the host; so do
+    top-N log probs, which a backend's own sampler does not return."""
     request = seq.request
-    return request.logits_post_processor_name is not None or request.output_config.return_generation_logits
+    out = request.output_config
+    return request.logits_post_processor_name is not None or out.return_generation_logits or out.top_n_log_probs > 0
 
 
 def _context_rows(seq: Sequence, n: int) -> tuple[int, int] | None:
@@ -107,7 +110,8 @@ def _context_rows(seq: Sequence, n: int) -> tuple[int, int] | None:
 
 def _must_sync(batch: ScheduledBatch) -> bool:
     """Steps whose results the host must act on before the next is scheduled:
-    beam steps, and steps with logits on the host (post-processors, logits outputs)."""
+    beam steps (their candidates are top-N log probs), and steps with logits on
+    the host (post-processors, logits outputs, top-N log probs)."""
     for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
         if _context_rows(seq, n) is not None:
             return True
