@@ -26,7 +26,7 @@ from worker.backends.numpy_sampler import sample as sample_on_host
 from worker.executor.beam_search import BeamSearch
 from worker.executor.block_manager import BlockManager, BlockTable
 from worker.executor.inputs import build_forward_batch, build_sampling_batch
-from worker.executor.logits_processors import apply_processors
+from worker.executor.logits_processors import apply_processors, load_processors
 from worker.executor.penalties import needs_known_tokens
 from worker.executor.scheduler import ScheduledBatch, Scheduler
 from worker.executor.sequence import Family, Sequence
@@ -164,6 +164,10 @@ class Executor:
         self._overlap = launch is not None if overlap is None else overlap
         self._last_sampled: np.ndarray | None = None
         self.processors: dict[str, Any] = dict(self.config.logits_post_processor_map or {})
+        for name, fn in load_processors(self.config.logits_post_processors).items():
+            if name in self.processors:
+                raise ValueError(f"logits post-processor {name!r} is configured twice")
+            self.processors[name] = fn
         self._guided: Any = None  # GuidedDecoder, made on the first guided request
         log.info("executor: backend=%s kv_blocks=%d x %d tokens", backend.name, num_blocks, kv.tokens_per_block)
 

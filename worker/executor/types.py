@@ -166,6 +166,9 @@ class ExecutorConfig:
     # name -> callable(request_id, logits, tokens_so_far, client_id) -> logits; the
     # name "batched" holds the batched callback (see worker/executor/logits_processors.py).
     logits_post_processor_map: dict[str, object] | None = None
+    # The same by import path, "name=package.module:function", for a service whose
+    # config file names them (worker/executor/logits_processors.py loads them).
+    logits_post_processors: tuple[str, ...] = ()
     iteration_stats_max: int = 1000  # how many recent stats records to keep
 
 

@@ -307,10 +307,12 @@ def broken(request_id: int, logits: np.ndarray, tokens: list[list[int]], client_
 
 @OVERLAP
 def test_logits_post_processors_named_batched_failing_and_unknown(tiny_llama: Path, overlap: bool) -> None:
-    processors = load_processors([
-        f"force={__name__}:force_token", f"batched={__name__}:ban_previous_batched", f"broken={__name__}:broken"])
+    # One processor as a callable, the others by import path, as a service's config names them.
+    processors = load_processors([f"force={__name__}:force_token"])
+    by_path = (f"batched={__name__}:ban_previous_batched", f"broken={__name__}:broken")
     p = [40, 41, 42]
-    with Executor(tiny_llama, config(overlap_scheduling=overlap, logits_post_processor_map=processors)) as ex:
+    with Executor(tiny_llama, config(overlap_scheduling=overlap, logits_post_processor_map=processors,
+                                     logits_post_processors=by_path)) as ex:
         got = list(run_all(ex, [
             Request(input_token_ids=p, max_tokens=5, end_id=-1, logits_post_processor_name="force"),
             Request(input_token_ids=p, max_tokens=5, end_id=-1, logits_post_processor_name="force", client_id=23),
