@@ -86,7 +86,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama: Path, overlap:
                       sampling_config=SamplingConfig(temperature=0.7, seed=i)) for i in range(7)]
     with Executor(tiny_llama, config(overlap_scheduling=overlap)) as ex:
         alone = final_tokens(next(iter(run_all(ex, [target]).values())))
-        mixed = run_all(ex, others[:3] + [target] + others[3:])
+        mixed = run_all(ex, [*others[:3], target, *others[3:]])
         again = final_tokens(list(mixed.values())[3])
         greedy = final_tokens(next(iter(run_all(ex, [Request(input_token_ids=target.input_token_ids,
                                                                max_tokens=16, end_id=-1)]).values())))
@@ -150,7 +150,7 @@ def test_end_id_stop_words_min_tokens_and_word_list_format(tiny_llama: Path, ove
         stop = [tokens[3], tokens[4]]
         (stopped,) = run_all(ex, [Request(input_token_ids=p, max_tokens=12, end_id=-1,
                                           stop_words=[[999 % VOCAB_SIZE, 7], stop])]).values()
-        flat = [stop + [5], [2, 3, -1]]  # TensorRT-LLM [2, len]: words [t3, t4] and [5]
+        flat = [[*stop, 5], [2, 3, -1]]  # TensorRT-LLM [2, len]: words [t3, t4] and [5]
         (stopped_flat,) = run_all(ex, [Request(input_token_ids=p, max_tokens=12, end_id=-1,
                                                stop_words=flat)]).values()
     first_end = tokens.index(tokens[4])
@@ -235,7 +235,7 @@ def test_kv_invariants_under_random_load_with_cancels_preemption_and_reuse(
         ex.blocks.check_invariants([])
         assert ex.blocks.num_free == ex.blocks.num_blocks
         preemptions = ex.scheduler.num_preemptions
-    for k, (rid, responses) in enumerate(got.items()):
+    for k, (_rid, responses) in enumerate(got.items()):
         reason = responses[-1].result.finish_reasons[0]
         tokens = final_tokens(responses)
         if reason == FinishReason.CANCELLED:
