@@ -24,6 +24,7 @@ from worker.executor import (
     KvCacheConfig,
     OutputConfig,
     Request,
+    Response,
     SamplingConfig,
     SchedulerConfig,
 )
@@ -361,3 +362,71 @@ def test_bad_decoding_input_gets_an_error_for_that_request_alone(
                                          Request(input_token_ids=[11, 12], max_tokens=3, end_id=-1)]).values()
     assert bad[0].has_error and message in (bad[0].error_msg or ""), bad[0].error_msg
     assert len(final_tokens(good1)) == 3 and len(final_tokens(good2)) == 3
+
+
+@pytest.mark.parametrize("policy", list(CapacitySchedulerPolicy))
+def test_kv_invariants_with_beams_and_returned_sequences_under_load_and_cancels(
+    tiny_llama: Path, policy: CapacitySchedulerPolicy
+) -> None:
+    rng = random.Random(12)
+    shared = prompt(rng, 13)
+    requests = []
+    for k in range(36):
+        p = shared[: rng.randrange(0, 14)] + prompt(rng, rng.randrange(1, 10))
+        kind = k % 3
+        if kind == 0:
+            cfg = SamplingConfig(beam_width=rng.choice([2, 4]), length_penalty=1.0)
+            requests.append(Request(input_token_ids=p, max_tokens=rng.randrange(1, 12), end_id=-1, sampling_config=cfg,
+                                    num_return_sequences=rng.randrange(1, cfg.beam_width + 1)))
+        elif kind == 1:
+            requests.append(Request(input_token_ids=p, max_tokens=rng.randrange(1, 12), end_id=-1,
+                                    num_return_sequences=rng.randrange(2, 4), streaming=rng.random() < 0.5,
+                                    sampling_config=SamplingConfig(temperature=0.9, seed=k)))
+        else:
+            requests.append(Request(input_token_ids=p, max_tokens=rng.randrange(1, 12), end_id=-1))
+    with Executor(tiny_llama, config(kv=KvCacheConfig(tokens_per_block=4, max_tokens=20000,
+                                                      enable_block_reuse=False))) as ex:
+        reference = [outputs(r) for r in run_all(ex, requests).values()]
+    tight = config(kv=KvCacheConfig(tokens_per_block=4, max_tokens=240),
+                   scheduler_config=SchedulerConfig(capacity_scheduler_policy=policy))
+    with Executor(tiny_llama, tight) as ex:
+        ids = ex.enqueue_requests(requests)
+        cancel = set(rng.sample(range(len(requests)), 8))
+        for i in cancel:
+            ex.cancel_request(ids[i])
+        got = {i: [] for i in ids}  # type: dict[int, list[Response]]
+        pending = set(ids)
+        while pending:
+            for r in ex.await_responses(timeout=60):
+                assert r.request_id in pending, "a response after the final one"
+                got[r.request_id].append(r)
+                if r.has_error or r.result.is_final:  # type: ignore[union-attr]
+                    pending.discard(r.request_id)
+        time.sleep(0.05)
+        ex.blocks.check_invariants([])
+        assert ex.blocks.num_free == ex.blocks.num_blocks
+        preemptions = ex.scheduler.num_preemptions
+    cancelled = 0
+    for k, responses in enumerate(got.values()):
+        assert all(not r.has_error for r in responses), responses[-1].error_msg
+        if FinishReason.CANCELLED in responses[-1].result.finish_reasons:  # type: ignore[union-attr]
+            assert k in cancel
+            cancelled += 1
+            continue
+        assert outputs(responses) == reference[k], f"request {k} changed under a tight cache"
+    assert cancelled, "every cancel came too late: the test shows little"
+    if policy is CapacitySchedulerPolicy.MAX_UTILIZATION:
+        assert preemptions > 0, "the tight cache never forced a preemption"
+
+
+def outputs(responses: list[Response]) -> dict[int, list[list[int]]]:
+    """sequence index -> its beams, streamed tokens gathered (beam search never streams here)."""
+    got: dict[int, list[list[int]]] = {}
+    for r in responses:
+        assert r.result is not None, r.error_msg
+        beams = r.result.output_token_ids
+        if len(beams) == 1:
+            got.setdefault(r.result.sequence_index, [[]])[0] += beams[0]
+        else:
+            got[r.result.sequence_index] = [list(b) for b in beams]
+    return got
