@@ -173,6 +173,8 @@ class Consumer:
         if self._running:
             left = len(self._running)
             log.warning("consumer %s: %d jobs still running at exit; others take them over", self.name, left)
+        else:
+            log.info("consumer %s: stopped with no job in flight", self.name)
 
     # -- capacity ---------------------------------------------------------------------------
 
