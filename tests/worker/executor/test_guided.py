@@ -30,7 +30,7 @@ SCHEMA = {
         "name": {"type": "string", "minLength": 1, "maxLength": 12},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "city": {"enum": ["Paris", "Berlin", "Rome"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
     },
     "required": ["name", "age", "city"],
     "additionalProperties": False,
