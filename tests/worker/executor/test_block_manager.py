@@ -105,3 +105,34 @@ def test_randomized_allocations_never_leak() -> None:
         bm.free(t)
     assert bm.num_free == 64
     bm.check_invariants([])
+
+
+def test_fork_shares_blocks_and_a_write_into_a_shared_block_copies_it() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    leader = BlockTable()
+    bm.allocate_prompt(leader, list(range(6)), 6)  # one full block, one half full
+    child = bm.fork(leader)
+    assert child.block_ids == leader.block_ids and bm.num_free == 6
+    bm.check_invariants([leader, child])
+    # the child writes position 6, in the shared half-full block: it gets a copy
+    shared = child.block_ids[1]
+    assert bm.make_writable(child, 6) == (shared, child.block_ids[1]) and child.block_ids[1] != shared
+    assert child.block_ids[0] == leader.block_ids[0] and bm.num_free == 5
+    # the leader is now the block's only owner: it writes in place
+    assert bm.make_writable(leader, 6) is None
+    bm.check_invariants([leader, child])
+    bm.free(leader)
+    bm.free(child)
+    assert bm.num_free == 8
+    bm.check_invariants([])
+
+
+def test_copy_on_write_with_no_free_block_is_out_of_blocks() -> None:
+    bm = BlockManager(num_blocks=2, block_size=4)
+    leader = BlockTable()
+    bm.allocate_prompt(leader, list(range(3)), 3)
+    child = bm.fork(leader)
+    bm.ensure_capacity(BlockTable(), 4)  # take the last free block
+    with pytest.raises(OutOfBlocksError):
+        bm.make_writable(child, 3)
+    assert child.block_ids == leader.block_ids
