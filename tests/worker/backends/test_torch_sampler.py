@@ -43,7 +43,8 @@ def random_batch(rng: np.random.Generator, rows: int, vocab: int) -> SamplingBat
     )
 
 
-def test_processed_logits_and_tokens_match_the_numpy_reference() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_processed_logits_and_tokens_match_the_numpy_reference(device: str) -> None:
     from worker.backends.torch_sampler import sample_tokens
 
     rng = np.random.default_rng(3)
@@ -51,9 +52,9 @@ def test_processed_logits_and_tokens_match_the_numpy_reference() -> None:
     logits = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
     sampling = random_batch(rng, rows, vocab)
     want = sample(logits, sampling)
-    ids, log_probs = sample_tokens(torch.from_numpy(logits), sampling)
-    np.testing.assert_array_equal(ids.numpy(), want.token_ids)
-    np.testing.assert_allclose(log_probs.numpy(), want.log_probs, atol=1e-5)
+    ids, log_probs = sample_tokens(torch.from_numpy(logits).to(device), sampling)
+    np.testing.assert_array_equal(ids.cpu().numpy(), want.token_ids)
+    np.testing.assert_allclose(log_probs.cpu().numpy(), want.log_probs, atol=1e-5)
     plain = sample(logits, SamplingBatch(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
                                          sampling.uniform, sampling.ban_rows, sampling.ban_tokens))
     assert (plain.token_ids != want.token_ids).sum() > rows // 4, "the new fields changed little: a weak test"

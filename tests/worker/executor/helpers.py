@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from worker.executor import Executor, Request, Response
 
@@ -37,7 +38,7 @@ def hf_greedy(checkpoint: Path, prompt: list[int], max_new_tokens: int) -> list[
 
     model = _hf_model(checkpoint)
     with torch.no_grad():
-        out = model.generate(  # type: ignore[attr-defined]
+        out = model.generate(
             torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
         )
     return list(out[0, len(prompt) :].tolist())
@@ -46,7 +47,7 @@ def hf_greedy(checkpoint: Path, prompt: list[int], max_new_tokens: int) -> list[
 _MODELS: dict[Path, object] = {}
 
 
-def _hf_model(checkpoint: Path):  # type: ignore[no-untyped-def]
+def _hf_model(checkpoint: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 

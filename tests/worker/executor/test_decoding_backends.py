@@ -67,6 +67,8 @@ def test_torch_backend_matches_numpy_on_every_decoding_feature(tiny_llama: Path,
     reference, torch_run = run("numpy"), run("torch")
     for want, got in zip(reference, torch_run, strict=True):
         assert outputs(got) == outputs(want)
-        if want[-1].result.log_probs is not None:  # type: ignore[union-attr]
-            np.testing.assert_allclose(got[-1].result.cum_log_probs, want[-1].result.cum_log_probs,  # type: ignore[union-attr]
-                                       atol=1e-4)
+        want_result, got_result = want[-1].result, got[-1].result
+        assert want_result is not None and got_result is not None
+        if want_result.cum_log_probs is not None:
+            assert got_result.cum_log_probs is not None
+            np.testing.assert_allclose(got_result.cum_log_probs, want_result.cum_log_probs, atol=1e-4)

@@ -30,7 +30,8 @@ def test_greedy_from_the_gguf_matches_transformers_loading_the_same_gguf(gguf: P
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True)
     if not isinstance(prompt, list):  # transformers 5 returns a BatchEncoding here
-        prompt = prompt["input_ids"]
+        prompt = prompt["input_ids"]  # type: ignore[index]
+    prompt = [int(t) for t in prompt]  # type: ignore[arg-type]
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     with torch.no_grad():
         want = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,

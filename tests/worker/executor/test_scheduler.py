@@ -53,7 +53,7 @@ def test_chunked_context_respects_the_token_budget_and_mixes_with_generation() -
 
 
 def test_without_chunking_a_prompt_waits_for_a_whole_budget() -> None:
-    s = make_scheduler(max_num_tokens=16, enable_chunked_context=False)  # type: ignore[arg-type]
+    s = make_scheduler(max_num_tokens=16, enable_chunked_context=False)
     a, b = make_seq(1, 10), make_seq(2, 10)
     s.add(a)
     s.add(b)
