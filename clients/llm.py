@@ -251,7 +251,7 @@ class LLM:
                  timeout: float | None = None) -> list[RequestOutput]:
         """Generate for one prompt or many (all enqueued at once, batched by the executor)."""
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
-        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
         handles = [self.generate_async(p, sampling) for p in batch]
         return [h.result(timeout) for h in handles]
 
