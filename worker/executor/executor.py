@@ -627,8 +627,9 @@ class Executor:
         assert search is not None
         hyps: list[tuple[list[int], list[float], FinishReason]] = [
             (h.tokens, h.log_probs, h.reason) for h in search.finished]
-        if reason is not FinishReason.NOT_FINISHED and not hyps:
-            hyps = [(m.generated, m.log_probs, reason) for m in entry.seqs]
+        if reason is not FinishReason.NOT_FINISHED:  # cut short: the best it has, marked so
+            found = hyps or [(m.generated, m.log_probs, reason) for m in entry.seqs]
+            hyps = [(tokens, lps, reason) for tokens, lps, _ in found]
         self._record_request(entry.seqs[0])
         for m in entry.seqs:
             m.finish_reason = reason if reason is not FinishReason.NOT_FINISHED else FinishReason.LENGTH

@@ -430,3 +430,22 @@ def outputs(responses: list[Response]) -> dict[int, list[list[int]]]:
         else:
             got[r.result.sequence_index] = [list(b) for b in beams]
     return got
+
+
+def test_cancelled_beam_search_ends_once_with_cancelled_and_frees_its_blocks(tiny_llama: Path) -> None:
+    request = Request(input_token_ids=list(range(50, 70)), max_tokens=300, end_id=-1, streaming=True,
+                      num_return_sequences=2, sampling_config=SamplingConfig(beam_width=4))
+    with Executor(tiny_llama, config()) as ex:
+        rid = ex.enqueue_request(request)
+        responses = ex.await_responses(rid, timeout=30)
+        ex.cancel_request(rid)
+        while not responses[-1].result.is_final:  # type: ignore[union-attr]
+            responses += ex.await_responses(rid, timeout=30)
+        time.sleep(0.05)
+        assert ex.load()[1] == 0
+        ex.blocks.check_invariants([])
+        assert ex.blocks.num_free == ex.blocks.num_blocks
+    last = responses[-1].result
+    assert last is not None and last.finish_reasons == [FinishReason.CANCELLED] * 2
+    assert len(last.output_token_ids) == 2 and 0 < len(last.output_token_ids[0]) < 300
+    assert sum(r.result.is_final for r in responses) == 1  # type: ignore[union-attr]
