@@ -160,16 +160,16 @@ class Roofline:
         return (self.weight_bytes + self.kv_bytes_per_token * context) / self.bandwidth
 
     def offline_tok_s(self, prompt: int, output: int, requests: int, batch: int) -> float:
-        """Best output tokens/s: prefill at full compute, then decode steps at `batch`
-        concurrent sequences, each step reading all weights and the batch's KV."""
+        """Best output tokens/s: prefill at full compute, then waves of at most `batch`
+        concurrent sequences decoding, each step reading all weights and the wave's KV."""
         prefill = self.step_floor(prompt * requests, requests, requests * prompt * prompt / 2, 0)
-        waves = math.ceil(requests / batch)
-        per_wave = batch if requests >= batch else requests
-        decode = 0.0
-        for i in range(output - 1):
-            ctx = prompt + i
-            decode += self.step_floor(per_wave, per_wave, per_wave * ctx, per_wave * ctx)
-        return requests * output / (prefill + waves * decode)
+        full, rest = divmod(requests, min(batch, requests))
+
+        def wave(n: int) -> float:
+            return sum(self.step_floor(n, n, n * (prompt + i), n * (prompt + i)) for i in range(output - 1))
+
+        decode = full * wave(min(batch, requests)) + (wave(rest) if rest else 0.0)
+        return requests * output / (prefill + decode)
 
 
 def roofline_for(cfg: Any, bandwidth: float, flops: float, dtype_bytes: int) -> Roofline:
@@ -362,7 +362,7 @@ def bench_tokenwire(args: argparse.Namespace, cfg: Any, weights: dict[str, torch
             dump_iterations(stats)
         ttft, tpot = run_executor_single(executor, prompts_for(1, prompt, cfg.vocab_size, 2)[0], output)
         row = Row(name, n, seconds, tokens, ttft_ms=ttft, tpot_ms=tpot, mean_batch=batch)
-        row.extra = summary
+        row.extra = {**summary, "kv_tokens": kv_tokens}
         # The most sequences that fit at once: the batch limit, or our KV cache at full length.
         concurrency = min(args.max_batch, n, kv_tokens // (prompt + output))
         row.roofline_tok_s = roof.offline_tok_s(prompt, output, n, concurrency)
@@ -670,6 +670,28 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
     return header, table
 
 
+def table_from_json(path: str) -> tuple[list[str], list[list[str]]]:
+    """Re-render a saved run's table (the roofline recomputed from its measured ceilings)."""
+    from worker.models.config import ModelConfig
+
+    with open(path) as f:
+        saved = json.load(f)
+    cfg = ModelConfig.from_hf(LLAMA_8B)
+    roof = roofline_for(cfg, saved["bandwidth_TBps"] * 1e12, saved["gemm_TFLOPps"] * 1e12, 2)
+    fields = set(Row.__dataclass_fields__)
+    rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in saved["rows"]]
+    for row in rows:
+        prompt, output = (int(x) for x in row.workload.split("/"))
+        # Runs saved before kv_tokens was recorded: the H100's 13773 blocks of 32 tokens.
+        kv_tokens = int(row.extra.get("kv_tokens", 13773 * 32))
+        n = row.requests
+        row.roofline_tok_s = roof.offline_tok_s(prompt, output, n, min(512, n, kv_tokens // (prompt + output)))
+    env = saved["environment"]
+    print(f"{env.get('gpu', 'cpu')} | torch {env['torch']} | triton {env['triton']} | transformers "
+          f"{env['transformers']} | {env['date']}")  # fmt: skip
+    return format_rows(rows, roof)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
@@ -683,6 +705,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--direct", action="store_true", help="also drive the backend alone, without the executor")
+    p.add_argument("--table-from", default="", help="print the table of a saved gpu_bench.json and exit")
     p.add_argument("--profile", action="store_true", help="time single steps of the backend, kernel breakdown")
     p.add_argument("--hf-budget", type=float, default=240.0, help="seconds for transformers before skipping")
     return p
@@ -698,7 +721,8 @@ def table() -> tuple[list[str], list[list[str]]]:
 def main() -> None:
     from bench.run import format_table
 
-    header, rows = run(parser().parse_args())
+    args = parser().parse_args()
+    header, rows = table_from_json(args.table_from) if args.table_from else run(args)
     print(format_table(header, rows))
 
 
