@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from worker.backends import paged_attention, torch_ops
 from worker.backends.base import ForwardBatch, SampleOutput, SamplingBatch
-from worker.backends.torch_sampler import sample_tokens
+from worker.backends.torch_sampler import sample_all
 from worker.models.config import CheckpointError, ModelConfig
 from worker.models.rope import Rope
 
@@ -118,13 +118,14 @@ class PinnedStaging:
 class _Launched:
     """A step queued on the device; `result` waits for its token ids and log probs."""
 
-    def __init__(self, ids: torch.Tensor, log_probs: torch.Tensor, event: torch.cuda.Event | None) -> None:
-        self.ids, self.log_probs, self.event = ids, log_probs, event
+    def __init__(self, tensors: list[torch.Tensor], event: torch.cuda.Event | None) -> None:
+        self.tensors, self.event = tensors, event  # ids, log probs[, top tokens, top log probs]
 
     def result(self) -> SampleOutput:
         if self.event is not None:
             self.event.synchronize()
-        return SampleOutput(self.ids.numpy().astype(np.int64), self.log_probs.numpy().copy())
+        ids, lps, *top = (t.numpy().copy() for t in self.tensors)
+        return SampleOutput(ids.astype(np.int64), lps, *top)
 
 
 class _NothingSampled:
@@ -269,8 +270,6 @@ class TorchBackend:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         cfg = self.config
-        if self.use_triton and (block_size < 16 or block_size & (block_size - 1)):
-            raise ValueError(f"the CUDA backend needs a power-of-two tokens_per_block >= 16, got {block_size}")
         self.k_cache, self.v_cache = [], []
         self._graphs = None
         if self.on_cuda:
@@ -319,18 +318,18 @@ class TorchBackend:
 
     def _sample_async(self, logits: torch.Tensor, sampling: SamplingBatch) -> _Launched:
         with torch.inference_mode():
-            ids, log_probs = sample_tokens(logits, sampling)
+            ids, log_probs, top = sample_all(logits, sampling)
             self._last_ids = ids
+            tensors = [ids, log_probs, *(top or ())]
             if not self.on_cuda:
-                return _Launched(ids, log_probs, None)
+                return _Launched(tensors, None)
             # Fresh pinned buffers per step: a step's results may be read after the next launch.
-            host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            host_lp = torch.empty(log_probs.shape, dtype=log_probs.dtype, pin_memory=True)
-            host_ids.copy_(ids, non_blocking=True)
-            host_lp.copy_(log_probs, non_blocking=True)
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for h, t in zip(host, tensors, strict=True):
+                h.copy_(t, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            return _Launched(host_ids, host_lp, event)
+            return _Launched(host, event)
 
     def resolve_pending(self, tokens: torch.Tensor, host_tokens: np.ndarray) -> None:
         """Replace placeholder ids -(k + 1) in `tokens` (on the device) by the previous

@@ -1,13 +1,15 @@
 """Batched sampling on the device: one vectorised pass over all rows of logits.
 
 The same rules as the numpy reference (numpy_sampler.py), so both backends pick
-the same token from the same logits and draw: banned tokens go to -inf; greedy rows
+the same token from the same logits and draw. First the logits are processed:
+embedding bias added, repetition / presence / frequency penalties applied to the
+tokens each row has seen, banned tokens and tokens the row's grammar forbids set
+to -inf (log probs, top-N included, are the log-softmax of these). Then greedy rows
 (temperature 0) take the argmax; sampled rows divide by the temperature, keep the
 logits >= the k-th largest (top-k), then the smallest set of most likely tokens
 whose renormalised mass reaches top-p, then the tokens at least min-p times as
 likely as the most likely, and invert the CDF, over token ids, at the row's own
 uniform draw (seeded per request on the host, so a row never depends on its batch).
-The log prob is the log-softmax of the banned logits at the chosen token.
 Sampled rows are computed in float64, as the reference does.
 """
 
@@ -23,20 +25,71 @@ def _to(device: torch.device, a: object, dtype: torch.dtype) -> torch.Tensor:
     return torch.as_tensor(a, dtype=dtype).to(device, non_blocking=True)
 
 
+def _has(rows: np.ndarray | None) -> bool:
+    return rows is not None and rows.size > 0
+
+
+def process_logits(logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
+    """Bias, penalties, bans and grammar mask; a float32 copy when any applies."""
+    s = sampling
+    if not (_has(s.bias_rows) or _has(s.seen_rows) or s.ban_rows.size or _has(s.mask_rows)):
+        return logits
+    device = logits.device
+    logits = logits.float().clone()
+    if _has(s.bias_rows):
+        logits[_to(device, s.bias_rows, torch.int64)] += _to(device, s.bias, torch.float32)
+    if _has(s.seen_rows):
+        rows, tokens = _to(device, s.seen_rows, torch.int64), _to(device, s.seen_tokens, torch.int64)
+        values = logits[rows, tokens]
+        if s.repetition_penalty is not None:
+            penalty = _to(device, s.repetition_penalty, torch.float32)[rows]
+            values = torch.where(values > 0, values / penalty, values * penalty)
+        counts = _to(device, s.seen_counts, torch.float32)
+        if s.presence_penalty is not None:
+            values = values - _to(device, s.presence_penalty, torch.float32)[rows] * (counts > 0)
+        if s.frequency_penalty is not None:
+            values = values - _to(device, s.frequency_penalty, torch.float32)[rows] * counts
+        logits[rows, tokens] = values
+    if s.ban_rows.size:
+        logits[_to(device, s.ban_rows, torch.int64), _to(device, s.ban_tokens, torch.int64)] = float("-inf")
+    if _has(s.mask_rows):
+        # Bit j of int32 word w allows token 32 w + j (arithmetic shift, then & 1, reads any bit).
+        words = _to(device, s.token_mask, torch.int32)
+        bits = (words[:, :, None] >> torch.arange(32, device=device, dtype=torch.int32)) & 1
+        allowed = bits.reshape(words.shape[0], -1)[:, : logits.shape[1]].bool()
+        rows = _to(device, s.mask_rows, torch.int64)
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
+def top_n(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n most likely tokens per row, most likely first (ties: lower id first),
+    and their log-softmax values."""
+    n = min(n, logits.shape[1])
+    # A stable descending sort keeps equal logits in id order.
+    tokens = logits.sort(dim=-1, descending=True, stable=True).indices[:, :n]
+    return tokens, torch.log_softmax(logits.float(), dim=-1).gather(1, tokens)
+
+
 def sample_tokens(logits: torch.Tensor, sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """logits float32 [S, V] on the device -> (token ids int64 [S], log probs float32 [S])."""
+    ids, log_probs, _ = sample_all(logits, sampling)
+    return ids, log_probs
+
+
+def sample_all(
+    logits: torch.Tensor, sampling: SamplingBatch
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """As sample_tokens, plus the top-N tokens and log probs when sampling.top_n asks."""
     device = logits.device
-    if len(sampling.ban_rows):
-        logits = logits.clone()
-        rows = _to(device, sampling.ban_rows, torch.int64)
-        logits[rows, _to(device, sampling.ban_tokens, torch.int64)] = float("-inf")
+    logits = process_logits(logits, sampling)
     chosen = logits.argmax(dim=-1)
     if not sampling.all_greedy:
         sampled = np.flatnonzero(sampling.temperature > 0)
         on_device = _to(device, sampled, torch.int64)
         chosen[on_device] = _sample_rows(logits[on_device], sampling, sampled)
     log_probs = logits.gather(1, chosen[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
-    return chosen, log_probs
+    return chosen, log_probs, (top_n(logits, sampling.top_n) if sampling.top_n else None)
 
 
 def _sample_rows(logits: torch.Tensor, sampling: SamplingBatch, rows: np.ndarray) -> torch.Tensor:
