@@ -16,7 +16,8 @@ from pathlib import Path
 PROMPT_LEN = int(os.environ.get("TOKENWIRE_BENCH_PROMPT", "128"))
 OUTPUT_LEN = int(os.environ.get("TOKENWIRE_BENCH_OUTPUT", "128"))
 CONCURRENCY = (1, 32)
-TITLE = f"Executor on this CPU vs transformers generate: default model, {PROMPT_LEN} prompt / {OUTPUT_LEN} output tokens"
+TITLE = (f"Executor on this CPU vs transformers generate: default model, "
+         f"{PROMPT_LEN} prompt / {OUTPUT_LEN} output tokens")
 
 
 @dataclass(slots=True)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -26,7 +26,8 @@ GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
 def test_generate_text_and_token_prompts_agree(llm: LLM) -> None:
     text = "The quick brown fox"
-    by_text, by_ids = llm.generate([text, llm.encode(text)], GREEDY)
+    prompts: list[str | list[int]] = [text, llm.encode(text)]
+    by_text, by_ids = llm.generate(prompts, GREEDY)
     assert by_text.prompt == text and by_text.prompt_token_ids == by_ids.prompt_token_ids
     out = by_text.outputs[0]
     assert out.token_ids == by_ids.outputs[0].token_ids and len(out.token_ids) == 10
@@ -43,12 +44,13 @@ def test_streaming_sync_and_async_builds_the_same_text(llm: LLM) -> None:
 
     assert asyncio.run(collect()) == seen
     # Every partial text extends the one before it.
-    assert all(b.startswith(a) for a, b in zip(seen, seen[1:], strict=False))
+    assert all(b.startswith(a) for a, b in itertools.pairwise(seen))
 
 
 def test_future_style_result_and_aresult(llm: LLM) -> None:
     handle = llm.generate_async("tokenwire streams", GREEDY)
-    assert handle.result(timeout=30).outputs[0].token_ids == llm.generate("tokenwire streams", GREEDY)[0].outputs[0].token_ids
+    expected = llm.generate("tokenwire streams", GREEDY)[0].outputs[0].token_ids
+    assert handle.result(timeout=30).outputs[0].token_ids == expected
 
     async def get() -> list[int]:
         return (await llm.generate_async("tokenwire streams", GREEDY).aresult()).outputs[0].token_ids

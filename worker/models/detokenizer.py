@@ -42,7 +42,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of a stream: whatever is left, replacement characters included."""
-        rest = self._decode(self.token_ids[self._prefix :])[len(self._decode(self.token_ids[self._prefix : self._read])) :]
+        done = self._decode(self.token_ids[self._prefix : self._read])
+        rest = self._decode(self.token_ids[self._prefix :])[len(done) :]
         self.text += rest
         self._read = len(self.token_ids)
         return rest
