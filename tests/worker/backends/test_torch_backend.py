@@ -160,9 +160,7 @@ def test_launch_reads_placeholders_from_the_previous_step(tiny_checkpoints: dict
         ban_tokens=np.zeros(0, np.int64),
     )  # fmt: skip
     tokens = {s: list(p) for s, p in prompts.items()}
-    handle = backend.launch(
-        paged.step([(s, t, 0, len(t)) for s, t in tokens.items()], all_logits=False), greedy
-    )
+    handle = backend.launch(paged.step([(s, t, 0, len(t)) for s, t in tokens.items()], all_logits=False), greedy)
     got: dict[str, list[int]] = {"a": [], "b": []}
     for _ in range(6):
         for row, s in enumerate(tokens):
