@@ -389,6 +389,8 @@ class Executor:
                     if inflight is not None and (sync or _needs_known_tokens(batch)):
                         responses += self._complete(inflight)
                         inflight = None
+                        batch.drop_finished()  # a token just read back may have ended one
+                if batch:
                     launched = self._launch(batch, host=sync)
                     if sync or not self._overlap:
                         responses += self._complete(launched)

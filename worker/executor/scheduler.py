@@ -32,6 +32,14 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.seqs)
 
+    def drop_finished(self) -> None:
+        """Take out sequences that finished after being scheduled (the step in
+        flight was completed first); their blocks are already free."""
+        keep = [i for i, seq in enumerate(self.seqs) if not seq.is_finished]
+        if len(keep) < len(self.seqs):
+            self.seqs = [self.seqs[i] for i in keep]
+            self.num_new_tokens = [self.num_new_tokens[i] for i in keep]
+
 
 def _order(seq: Sequence) -> tuple[float, float]:
     # Higher priority first, then first come first served.

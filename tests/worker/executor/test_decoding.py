@@ -449,3 +449,21 @@ def test_cancelled_beam_search_ends_once_with_cancelled_and_frees_its_blocks(tin
     assert last is not None and last.finish_reasons == [FinishReason.CANCELLED] * 2
     assert len(last.output_token_ids) == 2 and 0 < len(last.output_token_ids[0]) < 300
     assert sum(r.result.is_final for r in responses) == 1  # type: ignore[union-attr]
+
+
+def test_overlap_drops_scheduled_sequences_that_ended_in_flight(tiny_llama: Path) -> None:
+    """A batch that must see its latest tokens (here: multi-token bad words)
+    first completes the step in flight; a sequence that token ended leaves the
+    batch already scheduled."""
+    rng = random.Random(13)
+    prompts = [prompt(rng, 6) for _ in range(8)]
+    ends = [hf_greedy(tiny_llama, p, 4)[2] for p in prompts]
+    requests = [Request(input_token_ids=p, max_tokens=10, end_id=e) for p, e in zip(prompts, ends, strict=True)]
+    requests.append(Request(input_token_ids=[5, 6, 7], max_tokens=10, end_id=-1, bad_words=[[8, 9]]))
+    with Executor(tiny_llama, config(overlap_scheduling=True)) as ex:
+        got = list(run_all(ex, requests).values())
+        ex.blocks.check_invariants([])
+    for responses, p, e in zip(got[:-1], prompts, ends, strict=True):
+        tokens = final_tokens(responses)
+        assert tokens[-1] == e and tokens == hf_greedy(tiny_llama, p, len(tokens))
+    assert len(final_tokens(got[-1])) == 10
