@@ -31,9 +31,17 @@ def resolve_backend(choice: str) -> str:
     return choice
 
 
-def create_backend(model: Any, choice: str = "auto", device: str | None = None, dtype: str | None = None) -> Backend:
+def create_backend(
+    model: Any,
+    choice: str = "auto",
+    device: str | None = None,
+    dtype: str | None = None,
+    max_num_tokens: int | None = None,
+    max_batch_size: int | None = None,
+) -> Backend:
     """Build the backend for a LoadedModel. `device` / `dtype` apply to torch only
-    (default: cuda and bfloat16 when there is a GPU, else cpu and float32)."""
+    (default: cuda and bfloat16 when there is a GPU, else cpu and float32); so do the
+    executor's limits, which size the activation reserve and the CUDA-graph buckets."""
     kind = resolve_backend(choice)
     if kind == "numpy":
         if device not in (None, "cpu"):
@@ -43,7 +51,14 @@ def create_backend(model: Any, choice: str = "auto", device: str | None = None, 
         return NumpyBackend(model)
     from worker.backends.torch_backend import TorchBackend
 
-    return TorchBackend(model, device=device, dtype=dtype)
+    options: dict[str, int] = {}
+    if max_num_tokens is not None:
+        options["max_num_tokens"] = max_num_tokens
+    if max_batch_size is not None:
+        # Generation steps above 512 sequences run without a graph: every bucket's
+        # captured logits buffer stays allocated, and 512 already saturates the GEMMs.
+        options["max_graph_batch"] = min(max_batch_size, 512)
+    return TorchBackend(model, device=device, dtype=dtype, **options)
 
 
 def describe(backend: Backend) -> dict[str, str]:
