@@ -51,14 +51,15 @@ def create_backend(
         return NumpyBackend(model)
     from worker.backends.torch_backend import TorchBackend
 
-    options: dict[str, int] = {}
-    if max_num_tokens is not None:
-        options["max_num_tokens"] = max_num_tokens
-    if max_batch_size is not None:
-        # Generation steps above 512 sequences run without a graph: every bucket's
-        # captured logits buffer stays allocated, and 512 already saturates the GEMMs.
-        options["max_graph_batch"] = min(max_batch_size, 512)
-    return TorchBackend(model, device=device, dtype=dtype, **options)
+    # Generation steps above 512 sequences run without a graph: every bucket's captured
+    # logits buffer stays allocated, and 512 rows already saturate the GEMMs.
+    return TorchBackend(
+        model,
+        device=device,
+        dtype=dtype,
+        max_num_tokens=max_num_tokens or 8192,
+        max_graph_batch=min(max_batch_size or 512, 512),
+    )
 
 
 def describe(backend: Backend) -> dict[str, str]:
