@@ -13,7 +13,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -128,10 +128,16 @@ class Executor:
         *,
         backend: Backend | None = None,
         tokenizer: Any = None,
+        on_iteration: Callable[[], None] | None = None,
     ) -> None:
         """Load `model` (checkpoint dir, .gguf file or the default model's name)
         onto the backend `config.backend` picks; tests and transport benchmarks
-        may pass a ready `backend` (and its `tokenizer`) instead."""
+        may pass a ready `backend` (and its `tokenizer`) instead.
+
+        `on_iteration` is called from the loop thread at every turn of the loop,
+        and at least once a second while idle: proof that the loop is alive (the
+        worker pings systemd's watchdog from it). It must be quick and not raise."""
+        self._on_iteration = on_iteration
         self.config = config or ExecutorConfig()
         if backend is None:
             from worker.backends.device import create_backend
@@ -364,10 +370,14 @@ class Executor:
 
     def _loop(self) -> None:
         inflight: _InFlight | None = None
+        idle_wake_s = None if self._on_iteration is None else 1.0
         while True:
+            if self._on_iteration is not None:
+                self._on_iteration()
             with self._lock:
                 while not (self._shutdown or self._incoming or self._cancels or self.scheduler.has_work or inflight):
-                    self._lock.wait()
+                    if not self._lock.wait(idle_wake_s):
+                        break  # idle: one empty turn, so that on_iteration is called
                 if self._shutdown:
                     return
                 incoming = list(self._incoming)
