@@ -91,11 +91,9 @@ def _samples(seq: Sequence, n: int) -> bool:
 
 
 def _wants_host_logits(seq: Sequence) -> bool:
-    """Post-processors and logits outputs need the logits on the host; so do
-    top-N log probs, which a backend's own sampler does not return."""
+    """Post-processors and generation logits need the logits on the host."""
     request = seq.request
-    out = request.output_config
-    return request.logits_post_processor_name is not None or out.return_generation_logits or out.top_n_log_probs > 0
+    return request.logits_post_processor_name is not None or request.output_config.return_generation_logits
 
 
 def _context_rows(seq: Sequence, n: int) -> tuple[int, int] | None:
@@ -108,16 +106,17 @@ def _context_rows(seq: Sequence, n: int) -> tuple[int, int] | None:
     return (lo, hi - lo) if hi > lo else None
 
 
-def _must_sync(batch: ScheduledBatch) -> bool:
-    """Steps whose results the host must act on before the next is scheduled:
-    beam steps (their candidates are top-N log probs), and steps with logits on
-    the host (post-processors, logits outputs, top-N log probs)."""
-    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-        if _context_rows(seq, n) is not None:
-            return True
-        if _samples(seq, n) and ((seq.family is not None and seq.family.is_beam) or _wants_host_logits(seq)):
-            return True
-    return False
+def _on_host(batch: ScheduledBatch) -> bool:
+    """Steps whose logits come to the host: post-processors, logits outputs."""
+    return any(_context_rows(seq, n) is not None or (_samples(seq, n) and _wants_host_logits(seq))
+               for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True))
+
+
+def _has_beam_step(batch: ScheduledBatch) -> bool:
+    """Beams pick their next tokens on the host from every beam's candidates,
+    before the next step can be scheduled."""
+    return any(_samples(seq, n) and seq.family is not None and seq.family.is_beam
+               for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True))
 
 
 class Executor:
@@ -395,14 +394,18 @@ class Executor:
                 batch = self.scheduler.schedule()
                 launched = None
                 if batch:
-                    sync = _must_sync(batch)
-                    if inflight is not None and (sync or _needs_known_tokens(batch)):
+                    host = _on_host(batch)
+                    sync = host or _has_beam_step(batch)
+                    if inflight is not None and (host or _needs_known_tokens(batch)):
                         responses += self._complete(inflight)
                         inflight = None
                         batch.drop_finished()  # a token just read back may have ended one
                 if batch:
-                    launched = self._launch(batch, host=sync)
-                    if sync or not self._overlap:
+                    launched = self._launch(batch, host=host)
+                    if sync or not self._overlap:  # steps complete in order
+                        if inflight is not None:
+                            responses += self._complete(inflight)
+                            inflight = None
                         responses += self._complete(launched)
                         launched = None
                 if inflight is not None:
