@@ -26,7 +26,7 @@ class AsyncRequest:
         self.request_id = msg.request_id
         self._connection = connection
         self._loop = loop
-        self._acc = Accumulator(msg.request_id, msg.num_return_sequences)
+        self._acc = Accumulator(msg.request_id, msg.num_return_sequences, msg.sampling_config.beam_width > 1)
         self._chunks: asyncio.Queue[StreamChunk | object] = asyncio.Queue()
         self._future: asyncio.Future[GenerationResult] = loop.create_future()
 

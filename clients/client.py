@@ -70,7 +70,8 @@ class GenerationResult:
 
 @dataclass(frozen=True, slots=True)
 class StreamChunk:
-    """What one sequence added since the last chunk."""
+    """What one sequence added since the last chunk (with beam search: the best
+    beam so far, whole, since beams are replaced rather than extended)."""
 
     request_id: str
     index: int  # sequence index
@@ -94,6 +95,10 @@ def build_submit(
     seed: int | None = None,
     min_tokens: int | None = None,
     repetition_penalty: float | None = None,
+    beam_width: int = 1,
+    length_penalty: float | None = None,
+    early_stopping: int | None = None,
+    top_n_log_probs: int = 0,
     stop: Sequence[str] | None = None,
     stop_token_ids: Sequence[Sequence[int]] | None = None,
     bad_token_ids: Sequence[Sequence[int]] | None = None,
@@ -120,8 +125,11 @@ def build_submit(
             "seed": seed,
             "min_tokens": min_tokens,
             "repetition_penalty": repetition_penalty,
+            "beam_width": beam_width,
+            "length_penalty": length_penalty,
+            "early_stopping": early_stopping,
         },
-        "output_config": {"return_log_probs": return_log_probs},
+        "output_config": {"return_log_probs": return_log_probs, "top_n_log_probs": top_n_log_probs},
         "stop": list(stop) if stop else None,
         "stop_words": [list(w) for w in stop_token_ids] if stop_token_ids else None,
         "bad_words": [list(w) for w in bad_token_ids] if bad_token_ids else None,
@@ -135,12 +143,15 @@ def build_submit(
 class Accumulator:
     """Folds a request's responses into chunks and the final result."""
 
-    def __init__(self, request_id: str, num_sequences: int) -> None:
+    def __init__(self, request_id: str, num_sequences: int, beam_search: bool = False) -> None:
         self.result = GenerationResult(request_id, [CompletionOutput(i) for i in range(num_sequences)])
+        self.beam_search = beam_search
 
     def add(self, response: protocol.Response) -> StreamChunk:
         r = response.result
         assert r is not None
+        if self.beam_search:
+            return self._replace_beams(r)
         out = self.result.outputs[r.sequence_index]
         new_ids = list(r.output_token_ids[0])
         new_text = r.text[0] if r.text else ""
@@ -160,6 +171,21 @@ class Accumulator:
             r.is_final,
         )
 
+    def _replace_beams(self, r: protocol.Result) -> StreamChunk:
+        """Beam search sends whole beams each time (the best ones, best first): each
+        output is replaced, and the chunk carries the best beam as it stands."""
+        outputs = []
+        for i, tokens in enumerate(r.output_token_ids):
+            out = CompletionOutput(i, list(tokens), r.text[i] if r.text else "")
+            if r.is_final:
+                out.finish_reason = FinishReason(r.finish_reasons[i])
+            if r.log_probs is not None:
+                out.log_probs = list(r.log_probs[i])
+            outputs.append(out)
+        self.result.outputs = outputs
+        best = outputs[0]
+        return StreamChunk(self.result.request_id, 0, best.token_ids, best.text, best.finish_reason, r.is_final)
+
 
 class RequestFuture:
     """One request in flight: `.result(timeout)`, `.cancel()`, and, for a streaming
@@ -169,7 +195,7 @@ class RequestFuture:
         self.request_id = msg.request_id
         self._connection = connection
         self._cond = threading.Condition()
-        self._acc = Accumulator(msg.request_id, msg.num_return_sequences)
+        self._acc = Accumulator(msg.request_id, msg.num_return_sequences, msg.sampling_config.beam_width > 1)
         self._chunks: deque[StreamChunk] = deque()
         self._keep_chunks = msg.streaming
         self._done = False

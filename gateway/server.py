@@ -250,7 +250,9 @@ class Gateway:
             if not ids:
                 return refuse(ErrorCode.INVALID_REQUEST, "the prompt encodes to no tokens")
             msg = msg.model_copy(update={"prompt": None, "input_token_ids": ids})
-        stream = OutputStream(tokenizer, msg.stop or [], msg.num_return_sequences)
+        stream = OutputStream(
+            tokenizer, msg.stop or [], msg.num_return_sequences, beam_search=msg.sampling_config.beam_width > 1
+        )
         req = _Request(msg.request_id, client, msg, stream, model)
         self.requests[req.request_id] = req
         state.requests.add(req.request_id)

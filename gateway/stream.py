@@ -30,6 +30,7 @@ class OutputStream:
     tokenizer: Tokenizer | None
     stop: list[str]
     num_sequences: int
+    beam_search: bool = False
     finished: bool = False  # the client got its final response
     num_tokens: int = 0
     _seqs: dict[int, _Sequence] = field(default_factory=dict)
@@ -50,6 +51,15 @@ class OutputStream:
             self.finished = True
             result.output_token_ids = [[]]
             result.text = None
+            return result
+        if self.beam_search:
+            # Beams come whole (the running ones while streaming, the best finished
+            # ones at the end), so their text is decoded whole too; stop strings do
+            # not apply to beam search.
+            self.num_tokens = max(len(t) for t in result.output_token_ids)
+            if self.tokenizer is not None:
+                result.text = [self.tokenizer.decode(t, skip_special_tokens=True) for t in result.output_token_ids]
+            self.finished = result.is_final
             return result
         self.num_tokens += sum(len(t) for t in result.output_token_ids)
         if seq.detok is not None and len(result.output_token_ids) == 1:

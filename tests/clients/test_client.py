@@ -117,3 +117,25 @@ def test_unstarted_requests_fail_over_to_the_next_gateway(service):
         result = c.generate([13, 14], max_tokens=5, timeout=30)
         assert len(result.token_ids) == 5
         assert c.gateway == service.gateways[0].endpoint
+
+
+def test_beam_search_matches_the_executor_in_process(service, client):
+    from worker.executor import Executor, ExecutorConfig, KvCacheConfig, Request, SamplingConfig
+
+    prompt = [5, 6, 7, 8]
+    config = ExecutorConfig(max_beam_width=2, kv_cache_config=KvCacheConfig(max_tokens=4096))
+    with Executor(service.model, config) as ex:
+        rid = ex.enqueue_request(Request(input_token_ids=prompt, max_tokens=8, num_return_sequences=2,
+                                         sampling_config=SamplingConfig(beam_width=2)))  # fmt: skip
+        responses = ex.await_responses(rid, timeout=60)
+        while not any(r.error_msg or (r.result and r.result.is_final) for r in responses):
+            responses += ex.await_responses(rid, timeout=60)
+        final = responses[-1]
+        assert final.result is not None, final.error_msg
+        expected = final.result.output_token_ids
+    whole = client.generate(prompt, max_tokens=8, beam_width=2, num_return_sequences=2, timeout=30)
+    assert [o.token_ids for o in whole.outputs] == expected
+    chunks = list(client.stream(prompt, max_tokens=8, beam_width=2, num_return_sequences=2))
+    assert chunks[-1].is_final
+    assert chunks[-1].token_ids == expected[0]
+    assert all(o.finish_reason is not None for o in whole.outputs)

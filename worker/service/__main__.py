@@ -7,8 +7,13 @@ import json
 import logging
 import signal
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from ops.config import add_config_options
 
 if TYPE_CHECKING:
     from worker.executor import Executor
@@ -38,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="torch device, e.g. cuda:0")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--max-num-tokens", type=int, default=2048)
+    p.add_argument("--max-beam-width", type=int, default=4, help="widest beam search accepted")
     p.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
     p.add_argument(
@@ -50,13 +56,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats-stream-maxlen", type=int, default=1000, help="iteration stats kept in Redis")
     p.add_argument("--request-stats-ttl", type=float, default=3600.0, help="seconds a request's stats live")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="seconds in-flight requests get to finish after SIGTERM; a second SIGTERM ends them at once",
+    )
+    # Makes the executor loop hang after this many seconds, so tests see the watchdog pings stop.
+    p.add_argument("--test-hang-loop-after", type=float, default=None, help=argparse.SUPPRESS)
+    add_config_options(p, "worker")
 
 
 def model_name_of(path: Path) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def build_executor(args: argparse.Namespace) -> tuple[Executor, Path]:
+def build_executor(
+    args: argparse.Namespace, on_iteration: Callable[[], None] | None = None
+) -> tuple[Executor, Path]:
     from worker.executor import Executor, ExecutorConfig, KvCacheConfig
     from worker.models.default_model import resolve_model
 
@@ -64,25 +81,47 @@ def build_executor(args: argparse.Namespace) -> tuple[Executor, Path]:
     config = ExecutorConfig(
         max_batch_size=args.max_batch_size,
         max_num_tokens=args.max_num_tokens,
+        max_beam_width=args.max_beam_width,
         kv_cache_config=KvCacheConfig(max_tokens=args.kv_tokens),
         backend="auto" if args.backend == "echo" else args.backend,
         device=args.device,
     )
     if args.backend != "echo":
-        return Executor(path, config), path
+        return Executor(path, config, on_iteration=on_iteration), path
     from worker.models.config import ModelConfig
     from worker.service.echo_backend import EchoBackend
 
     logging.getLogger(__name__).warning("echo backend: TRANSPORT TEST ONLY, no model runs")
     hf_config = json.loads((path / "config.json").read_text())
-    return Executor(path, config, backend=EchoBackend(ModelConfig.from_hf(hf_config))), path
+    backend = EchoBackend(ModelConfig.from_hf(hf_config))
+    return Executor(path, config, backend=backend, on_iteration=on_iteration), path
+
+
+def _loop_alive(ping: Callable[[], None], hang_after_s: float | None) -> Callable[[], None]:
+    """The executor's on_iteration hook: the systemd watchdog ping (and the test hang)."""
+    if hang_after_s is None:
+        return ping
+    hang_at = time.monotonic() + hang_after_s
+
+    def hook() -> None:
+        if time.monotonic() >= hang_at:
+            logging.getLogger(__name__).warning("--test-hang-loop-after: the executor loop hangs now")
+            threading.Event().wait()
+        ping()
+
+    return hook
 
 
 def run(args: argparse.Namespace) -> int:
+    from ops.config import apply_config
+    from ops.sd_notify import Notifier
     from worker.service.server import ServiceConfig, WorkerService
 
+    apply_config(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s worker %(levelname)s %(name)s: %(message)s")
-    executor, path = build_executor(args)
+    notifier = Notifier()
+    notifier.status(f"loading {args.model}")
+    executor, path = build_executor(args, _loop_alive(notifier.watchdog, args.test_hang_loop_after))
     service = WorkerService(
         executor,
         ServiceConfig(
@@ -98,10 +137,12 @@ def run(args: argparse.Namespace) -> int:
             stats_stream_maxlen=args.stats_stream_maxlen,
             request_stats_ttl_s=args.request_stats_ttl,
             device=args.device or args.backend,
+            drain_timeout_s=args.drain_timeout,
         ),
+        notifier,
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: service.stop.set())
+        signal.signal(sig, lambda *_: service.request_drain())
     try:
         service.serve()
     finally:

@@ -49,6 +49,8 @@ def to_wire_response(request_id: str, response: ex.Response) -> protocol.Respons
         is_sequence_final=r.is_sequence_final,
         cum_log_probs=r.cum_log_probs,
         log_probs=r.log_probs,
+        top_token_ids=r.top_token_ids,
+        top_log_probs=r.top_log_probs,
         context_logits=_logits(r.context_logits),
         generation_logits=_logits(r.generation_logits),
         text=None,

@@ -59,6 +59,9 @@ class WorkerRedis(threading.Thread):
         self.request_stats: queue.Queue[tuple[str, dict[str, str]]] = queue.Queue(maxsize=10_000)
         self.dropped_request_stats = 0
         self.connected = False
+        # Set when the worker drains: leave the registry at once and stop heartbeating there.
+        self.leave = threading.Event()
+        self._left = False
         # A registry entry outlives three missed heartbeats, no more.
         self._ttl_ms = int(max(3.0, 3 * heartbeat_interval_s) * 1000)
 
@@ -75,7 +78,10 @@ class WorkerRedis(threading.Thread):
         while not self.stop.is_set():
             try:
                 now = time.monotonic()
-                if now >= next_heartbeat:
+                if self.leave.is_set():
+                    if not self._left:
+                        self._left = self._deregister()
+                elif now >= next_heartbeat:
                     self._heartbeat()
                     next_heartbeat = now + self.heartbeat_interval_s
                 self._poll_cancels()
@@ -139,7 +145,7 @@ class WorkerRedis(threading.Thread):
                 self.record_request(*item)
             raise
 
-    def _deregister(self) -> None:
+    def _deregister(self) -> bool:
         try:
             pipe = self.redis.pipeline(transaction=False)
             pipe.delete(self.keys.worker(self.info.worker_id), self.keys.heartbeat(self.info.worker_id))
@@ -147,3 +153,6 @@ class WorkerRedis(threading.Thread):
             pipe.execute()
         except redis.RedisError as e:
             log.warning("redis: could not deregister (%s); the entry expires on its own", e)
+            return False
+        log.info("redis: left the worker registry")
+        return True

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import zmq
 
 import protocol
+from ops.sd_notify import Notifier
 from protocol import ErrorCode
 from worker.executor import Executor
 from worker.executor import types as ex
@@ -65,6 +66,9 @@ class ServiceConfig:
     stats_stream_maxlen: int = 1000
     request_stats_ttl_s: float = 3600.0
     device: str | None = None
+    # After SIGTERM: how long in-flight requests may still take before they end with a
+    # "worker draining" error.
+    drain_timeout_s: float = 60.0
 
 
 @dataclass(slots=True)
@@ -74,9 +78,13 @@ class _Gateway:
 
 
 class WorkerService:
-    def __init__(self, executor: Executor, config: ServiceConfig) -> None:
+    def __init__(self, executor: Executor, config: ServiceConfig, notifier: Notifier | None = None) -> None:
         self.executor = executor
         self.config = config
+        self.notifier = notifier or Notifier(address="")
+        # SIGTERMs received (request_drain); the first drains, a second ends the rest now.
+        self._drain_requests = 0
+        self._drain_deadline: float | None = None
         self.limits = protocol.DEFAULT_LIMITS
         self.keys = protocol.Keys(config.redis_prefix)
         self.ctx = zmq.Context()
@@ -137,6 +145,10 @@ class WorkerService:
         self.redis.start()
         self._pump.start()
         log.info("worker %s serving %s at %s", self.worker_id, self.config.model_name, self.address)
+        self.notifier.ready(
+            f"serving {self.config.model_name} at {self.address}: {self.executor.backend.name} backend, "
+            f"{self.executor.blocks.num_blocks} KV blocks, max batch {self.executor.config.max_batch_size}"
+        )
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self._pump_out, zmq.POLLIN)
@@ -153,13 +165,75 @@ class WorkerService:
                 if time.monotonic() >= next_tick:
                     self._tick()
                     next_tick = time.monotonic() + interval
+                if self._drain_requests and self._drain_deadline is None:
+                    self._start_drain()
+                if self._drain_deadline is not None and self._drained():
+                    break
         finally:
             self.stop.set()
             self._pump.join(timeout=2)
+            self._forward_all_results()
             self.redis.join(timeout=5)
-            self.router.close(0)
+            # A drained worker's last results and errors must leave before the socket goes.
+            self.router.close(2000 if self._drain_deadline is not None else 0)
             self._pump_out.close(0)
             self.ctx.term()
+
+    # -- drain -------------------------------------------------------------------------
+
+    def request_drain(self) -> None:
+        """From a signal handler: the first call drains, a second ends the rest at once."""
+        self._drain_requests += 1
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    def _start_drain(self) -> None:
+        bound = self.config.drain_timeout_s
+        self._drain_deadline = time.monotonic() + bound
+        log.info("draining: %d requests in flight get up to %.1f s to finish", len(self.table), bound)
+        self.notifier.stopping(f"draining: {len(self.table)} requests in flight, {bound:g} s bound")
+        self.redis.leave.set()
+        drain = protocol.encode(protocol.Drain(sender_id=self.sender_id, deadline_s=bound))
+        for gateway in self.gateways:
+            self.router.send_multipart([gateway, drain])
+
+    def _drained(self) -> bool:
+        """True when nothing is left to wait for: every request finished, or the bound
+        passed (or a second SIGTERM came) and the rest were ended with an error."""
+        if not len(self.table):
+            log.info("drained: every request finished")
+            return True
+        assert self._drain_deadline is not None
+        if self._drain_requests < 2 and time.monotonic() < self._drain_deadline:
+            return False
+        why = "a second SIGTERM" if self._drain_requests >= 2 else f"its {self.config.drain_timeout_s:g} s bound passed"
+        ended = 0
+        for entry in self.table.snapshot():
+            with self.table.lock:
+                if self.table.get(entry.exec_id) is not entry:
+                    continue  # it finished meanwhile
+                self.table.remove(entry)
+            self.executor.cancel_request(entry.exec_id)
+            text = (
+                f"worker draining: {self.worker_id} is shutting down ({why}); "
+                f"the request ended after {entry.output_tokens} tokens"
+            )
+            error = protocol.ErrorReply(code=ErrorCode.DRAINING, message=text, request_id=entry.request_id)
+            self._send(entry.gateway, error)
+            ended += 1
+        log.warning("drain ended by %s: %d requests ended with the draining error", why, ended)
+        return True
+
+    def _forward_all_results(self) -> None:
+        while True:
+            try:
+                gateway, payload = self._pump_out.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if gateway in self.gateways:
+                self.router.send_multipart([gateway, payload])
 
     def _forward_results(self) -> None:
         for _ in _turn():
@@ -237,7 +311,9 @@ class WorkerService:
         def refuse(code: ErrorCode, text: str) -> None:
             self._send(gateway, protocol.ErrorReply(code=code, message=text, request_id=msg.request_id))
 
-        if msg.input_token_ids is None:
+        if self.draining:
+            refuse(ErrorCode.DRAINING, f"worker draining: {self.worker_id} is shutting down and takes no new requests")
+        elif msg.input_token_ids is None:
             refuse(ErrorCode.INVALID_REQUEST, "workers take input_token_ids; send text prompts through a gateway")
         elif msg.model is not None and msg.model != self.config.model_name:
             refuse(ErrorCode.UNKNOWN_MODEL, f"this worker serves {self.config.model_name!r}, not {msg.model!r}")
