@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 # Touched after a successful install; older than pyproject.toml means reinstall.
 INSTALLED := $(VENV)/.tokenwire-installed
 PYTEST_ARGS ?=
-LINT_PATHS := protocol worker gateway clients bench tests
+LINT_PATHS := protocol worker gateway clients ops bench tests
 
 .PHONY: help bootstrap system-deps run test lint bench test-gpu
 

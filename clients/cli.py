@@ -22,7 +22,13 @@ Subparsers = Any
 
 # Modules that define `register(subparsers)`, in the order --help lists them.
 # More come with later issues (e.g. `model fetch`, jobs).
-COMMANDS: tuple[str, ...] = ("clients.cli_up", "clients.cli_processes", "clients.cli_requests", "clients.cli_jobs")
+COMMANDS: tuple[str, ...] = (
+    "clients.cli_up",
+    "clients.cli_processes",
+    "clients.cli_requests",
+    "clients.cli_jobs",
+    "clients.cli_config",
+)
 
 
 def _version() -> str:
