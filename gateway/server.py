@@ -385,6 +385,10 @@ class Gateway:
                 link.update_load(msg.load)
             elif isinstance(msg, protocol.ErrorReply):
                 self._worker_error(link, msg)
+            elif isinstance(msg, protocol.Drain):
+                # It finishes what it has (results keep coming on this link) but takes nothing new.
+                link.ready = False
+                log.info("worker %s draining: no new requests go to it", link.worker_id)
             elif isinstance(msg, protocol.Ready):
                 link.ready = True
                 link.heartbeat_interval_s = msg.heartbeat_interval_s
@@ -421,6 +425,14 @@ class Gateway:
         req = self.requests.get(msg.request_id) if msg.request_id else None
         if req is None or req.worker is not link:
             log.warning("worker %s: %s error: %s", link.worker_id, msg.code, msg.message)
+            return
+        if msg.code == ErrorCode.DRAINING and not req.started and req.dispatches < _MAX_DISPATCHES:
+            # Sent before its Drain reached us: nothing was produced, so another worker can run it.
+            link.ready = False
+            link.requests.discard(req.request_id)
+            req.worker = None
+            log.info("request %s re-dispatched: worker %s is draining", req.request_id, link.worker_id)
+            self._dispatch(req)
             return
         self._reply(req.client, msg)
         self._forget(req)

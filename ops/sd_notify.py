@@ -27,6 +27,7 @@ class Notifier:
         # now and then, so a manager that enables one later is served.
         self.watchdog_interval_s = int(usec) / 2e6 if usec else 5.0
         self._last_ping = 0.0
+        self._ready = False
         self._lock = threading.Lock()
 
     @property
@@ -46,6 +47,7 @@ class Notifier:
             log.warning("sd_notify: could not send %r: %s", fields, e)
 
     def ready(self, status: str) -> None:
+        self._ready = True
         self.notify("READY=1", f"STATUS={_one_line(status)}", f"MAINPID={os.getpid()}")
 
     def status(self, status: str) -> None:
@@ -56,8 +58,9 @@ class Notifier:
 
     def watchdog(self) -> None:
         """Call as often as you like from the loop whose liveness it proves: it
-        sends at most one WATCHDOG=1 per interval."""
-        if self._sock is None:
+        sends at most one WATCHDOG=1 per interval, and none before READY=1 (systemd
+        arms the watchdog once start-up is complete)."""
+        if self._sock is None or not self._ready:
             return
         now = time.monotonic()
         if now - self._last_ping >= self.watchdog_interval_s:

@@ -1,0 +1,127 @@
+"""A real worker process under a NOTIFY_SOCKET of the test's own: the notify messages
+and their order (no READY before the model is loaded and the socket bound, then
+WATCHDOG pings from the executor loop, STOPPING on SIGTERM), and a worker whose
+executor loop hangs stops pinging."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+import protocol
+from tests.procs import Worker
+
+WATCHDOG_USEC = 200_000  # the worker pings every 0.1 s
+
+
+class NotifySocket:
+    """The manager's side of the notify protocol: one datagram per message."""
+
+    def __init__(self) -> None:
+        # AF_UNIX paths are short (108 bytes): not under pytest's deep tmp dirs.
+        self.dir = Path(tempfile.mkdtemp(prefix="tw-notify-"))
+        self.path = str(self.dir / "notify")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.messages: list[tuple[float, dict[str, str]]] = []
+
+    def receive(self, timeout: float) -> dict[str, str] | None:
+        self.sock.settimeout(timeout)
+        try:
+            data = self.sock.recv(4096)
+        except TimeoutError:
+            return None
+        fields = dict(line.split("=", 1) for line in data.decode().splitlines())
+        self.messages.append((time.monotonic(), fields))
+        return fields
+
+    def wait_for(self, key: str, timeout: float) -> dict[str, str]:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            fields = self.receive(left)
+            if fields is not None and key in fields:
+                return fields
+        raise AssertionError(f"no {key} within {timeout} s; got {[m for _, m in self.messages]}")
+
+    def kinds(self) -> list[str]:
+        order = ("READY", "STOPPING", "WATCHDOG")
+        return [next((k for k in order if k in m), "STATUS") for _, m in self.messages]
+
+    def close(self) -> None:
+        self.sock.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def notify(monkeypatch: pytest.MonkeyPatch) -> Iterator[NotifySocket]:
+    ns = NotifySocket()
+    monkeypatch.setenv("NOTIFY_SOCKET", ns.path)  # the worker process inherits the environment
+    monkeypatch.setenv("WATCHDOG_USEC", str(WATCHDOG_USEC))
+    yield ns
+    ns.close()
+
+
+def _answers_hello(worker: Worker) -> bool:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(worker.endpoint)
+    try:
+        sock.send(protocol.encode(protocol.Hello(sender_id="probe", role="gateway", heartbeat_interval_s=1.0)))
+        return bool(sock.poll(5000)) and isinstance(protocol.decode(sock.recv()), protocol.Ready)
+    finally:
+        sock.close()
+
+
+def test_ready_then_watchdog_then_stopping(notify, service_model, redis_url, tmp_path):
+    worker = Worker("notified", service_model, redis_url, tmp_path)
+    try:
+        ready = notify.wait_for("READY", timeout=60)
+        # READY comes after the model is loaded and the socket bound: the log already
+        # says the executor is up, and the socket answers at once.
+        assert "executor: backend=" in worker.log()
+        assert ready["MAINPID"] == str(worker.process.pid)
+        assert "serving" in ready["STATUS"] and "KV blocks" in ready["STATUS"]
+        assert _answers_hello(worker)
+        for _ in range(3):
+            notify.wait_for("WATCHDOG", timeout=5)
+        worker.process.send_signal(signal.SIGTERM)
+        stopping = notify.wait_for("STOPPING", timeout=10)
+        assert stopping["STATUS"].startswith("draining")
+        assert worker.process.wait(timeout=30) == 0
+    finally:
+        worker.stop()
+    kinds = notify.kinds()
+    assert kinds[0] == "STATUS"  # "loading ...", before anything else
+    assert kinds.count("READY") == 1 and kinds.count("STOPPING") == 1
+    ready_at, stopping_at = kinds.index("READY"), kinds.index("STOPPING")
+    assert set(kinds[:ready_at]) == {"STATUS"}  # no watchdog ping before READY
+    assert kinds[ready_at + 1 : stopping_at].count("WATCHDOG") >= 3
+
+
+def test_a_hung_executor_loop_stops_the_watchdog(notify, service_model, redis_url, tmp_path):
+    worker = Worker("hangs", service_model, redis_url, tmp_path, "--test-hang-loop-after", "2")
+    try:
+        notify.wait_for("READY", timeout=60)
+        notify.wait_for("WATCHDOG", timeout=5)
+        worker.wait_log("the executor loop hangs now", timeout=30)
+        hung_at = time.monotonic()
+        while notify.receive(timeout=0.5) is not None:  # what was sent before the hang
+            pass
+        silent_from = time.monotonic()
+        while time.monotonic() - silent_from < 1.5:  # 15 ping intervals
+            fields = notify.receive(timeout=0.2)
+            assert fields is None or "WATCHDOG" not in fields, "WATCHDOG=1 from a hung loop"
+        assert worker.alive  # the process lives on: only the watchdog can tell it is stuck
+        assert silent_from - hung_at < 1.0
+    finally:
+        worker.kill9()
+        worker.stop()
