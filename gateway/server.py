@@ -387,7 +387,7 @@ class Gateway:
                 self._worker_error(link, msg)
             elif isinstance(msg, protocol.Drain):
                 # It finishes what it has (results keep coming on this link) but takes nothing new.
-                link.ready = False
+                link.draining = True
                 log.info("worker %s draining: no new requests go to it", link.worker_id)
             elif isinstance(msg, protocol.Ready):
                 link.ready = True
@@ -428,7 +428,7 @@ class Gateway:
             return
         if msg.code == ErrorCode.DRAINING and not req.started and req.dispatches < _MAX_DISPATCHES:
             # Sent before its Drain reached us: nothing was produced, so another worker can run it.
-            link.ready = False
+            link.draining = True
             link.requests.discard(req.request_id)
             req.worker = None
             log.info("request %s re-dispatched: worker %s is draining", req.request_id, link.worker_id)

@@ -18,6 +18,7 @@ class WorkerLink:
     connected_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
     ready: bool = False
+    draining: bool = False  # it said Drain: its requests finish here, new ones go elsewhere
     heartbeat_interval_s: float = 1.0
     models: list[str] = field(default_factory=list)
     vocab_size: int | None = None
@@ -46,7 +47,7 @@ class WorkerLink:
 
 def least_loaded(workers: list[WorkerLink], model: str | None) -> WorkerLink | None:
     """The least-loaded ready worker serving `model` (any model when None); ties at random."""
-    candidates = [w for w in workers if w.ready and (model is None or model in w.models)]
+    candidates = [w for w in workers if w.ready and not w.draining and (model is None or model in w.models)]
     if not candidates:
         return None
     best = min(w.score() for w in candidates)

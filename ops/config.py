@@ -96,7 +96,7 @@ def settings_model(parser: argparse.ArgumentParser, section: str) -> type[BaseMo
         if not action.option_strings or action.dest in _SKIP or action.dest.startswith("_"):
             continue
         fields[action.dest] = (_field_type(action), action.default)
-    return create_model(  # type: ignore[call-overload,no-any-return]
+    return create_model(
         f"{section}_settings", __config__=ConfigDict(extra="forbid"), **fields
     )
 
@@ -108,7 +108,7 @@ def _field_type(action: argparse.Action) -> Any:
     if action.choices is not None:
         base = Literal[tuple(action.choices)]
     if isinstance(action, argparse._AppendAction) or action.nargs in ("*", "+"):
-        return list[base]  # type: ignore[valid-type]
+        return list[base]
     return base | None if action.default is None else base
 
 

@@ -70,8 +70,7 @@ def notify(monkeypatch: pytest.MonkeyPatch) -> Iterator[NotifySocket]:
 
 
 def _answers_hello(worker: Worker) -> bool:
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(worker.endpoint)
     try:

@@ -1,0 +1,84 @@
+"""SIGTERM drains a worker: during 50 streaming requests, each ends complete or with
+the "worker draining" error, the worker exits 0 and leaves the registry, and the
+gateway sends new requests only to the other worker."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from clients.client import Client, FinishReason
+from clients.connection import RequestError
+from protocol import ErrorCode
+from tests.procs import HEARTBEAT_S, Stack
+
+LONG = {"max_tokens": 6000, "min_tokens": 6000, "temperature": 0.0}  # cannot finish within the bound
+SHORT = {"max_tokens": 40, "min_tokens": 40, "temperature": 0.0}  # finishes within it
+
+
+def test_sigterm_during_50_streams(long_model, redis_url, tmp_path):
+    s = Stack(long_model, redis_url, tmp_path)
+    try:
+        draining = s.worker("--drain-timeout", "3")
+        s.gateway("--no-worker-timeout", "20")
+        s.gateways[0].wait_workers(1)
+        with Client([s.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+            futures = [client.stream([5 + i % 50, 6, 7], **(LONG if i % 2 else SHORT)) for i in range(50)]
+            for f in futures:
+                next(iter(f))  # every one has streamed a token: all 50 run on the worker
+            draining.process.send_signal(signal.SIGTERM)
+            s.gateways[0].wait_log("worker worker0 draining", timeout=10)
+            # Sent while the only worker drains: they wait for another, and never fail.
+            late = [client.submit([9, 10, 11], max_tokens=4) for _ in range(5)]
+            other = s.worker()
+            assert draining.process.wait(timeout=30) == 0, draining.log()[-3000:]
+
+            completed = drained = 0
+            for i, f in enumerate(futures):
+                try:
+                    result = f.result(timeout=30)
+                except RequestError as e:
+                    error = e
+                else:
+                    assert result.finish_reason == FinishReason.LENGTH
+                    assert len(result.token_ids) == (LONG if i % 2 else SHORT)["max_tokens"]
+                    completed += 1
+                    continue
+                assert error.code == ErrorCode.DRAINING and "worker draining" in error.message, error
+                drained += 1
+            assert completed + drained == 50
+            assert drained >= 25  # every long one hit the bound
+            assert completed >= 1  # in-flight work was let finish, not cut at the signal
+
+            assert s.redis.zscore(s.keys.workers(), draining.worker_id) is None
+            assert not s.redis.exists(s.keys.worker(draining.worker_id), s.keys.heartbeat(draining.worker_id))
+
+            for f in late:
+                f.result(timeout=30)
+                assert s.request_stats(f.request_id)["worker"] == other.worker_id
+    finally:
+        s.close()
+
+
+def test_second_sigterm_ends_the_drain_at_once(long_model, redis_url, tmp_path):
+    s = Stack(long_model, redis_url, tmp_path)
+    try:
+        worker = s.worker("--drain-timeout", "600")
+        s.gateway()
+        s.gateways[0].wait_workers(1)
+        with Client([s.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+            future = client.stream([5, 6, 7], **LONG)
+            next(iter(future))
+            worker.process.send_signal(signal.SIGTERM)
+            worker.wait_log("draining: ", timeout=10)
+            t0 = time.monotonic()
+            worker.process.send_signal(signal.SIGTERM)
+            assert worker.process.wait(timeout=30) == 0
+            assert time.monotonic() - t0 < 10
+            with pytest.raises(RequestError, match="second SIGTERM") as e:
+                future.result(timeout=30)
+            assert e.value.code == ErrorCode.DRAINING
+    finally:
+        s.close()
