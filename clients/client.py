@@ -48,6 +48,9 @@ class CompletionOutput:
     text: str = ""
     finish_reason: FinishReason | None = None
     log_probs: list[float] | None = None
+    # Per generated token, with output_config.top_n_log_probs: the likeliest tokens and their log probs.
+    top_token_ids: list[list[int]] | None = None
+    top_log_probs: list[list[float]] | None = None
 
 
 @dataclass(slots=True)
@@ -159,6 +162,9 @@ class Accumulator:
         out.text += new_text
         if r.log_probs is not None:
             out.log_probs = (out.log_probs or []) + list(r.log_probs[0])
+        if r.top_token_ids is not None and r.top_log_probs is not None:
+            out.top_token_ids = (out.top_token_ids or []) + [list(t) for t in r.top_token_ids[0]]
+            out.top_log_probs = (out.top_log_probs or []) + [list(p) for p in r.top_log_probs[0]]
         reason = r.finish_reasons[0] if r.is_sequence_final or r.is_final else None
         if reason is not None:
             out.finish_reason = FinishReason(reason)

@@ -139,3 +139,16 @@ def test_beam_search_matches_the_executor_in_process(service, client):
     assert chunks[-1].is_final
     assert chunks[-1].token_ids == expected[0]
     assert all(o.finish_reason is not None for o in whole.outputs)
+
+
+def test_log_probs_and_top_n_travel_to_the_client(client):
+    out = client.generate([5, 6, 7], max_tokens=6, temperature=0.0, return_log_probs=True, top_n_log_probs=3,
+                          timeout=30).outputs[0]  # fmt: skip
+    assert out.log_probs is not None
+    assert len(out.log_probs) == 6
+    assert out.top_token_ids is not None
+    assert out.top_log_probs is not None
+    assert [len(t) for t in out.top_token_ids] == [3] * 6
+    # Greedy: the chosen token is the likeliest, with the log prob reported for it.
+    assert [t[0] for t in out.top_token_ids] == out.token_ids
+    assert [p[0] for p in out.top_log_probs] == pytest.approx(out.log_probs, abs=1e-4)

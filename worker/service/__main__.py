@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=60.0,
         help="seconds in-flight requests get to finish after SIGTERM; a second SIGTERM ends them at once",
     )
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics listens on")
     # Makes the executor loop hang after this many seconds, so tests see the watchdog pings stop.
     p.add_argument("--test-hang-loop-after", type=float, default=None, help=argparse.SUPPRESS)
     add_config_options(p, "worker")
@@ -143,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: service.request_drain())
+    if args.metrics_port:
+        service.metrics.serve(args.metrics_host, args.metrics_port)
     try:
         service.serve()
     finally:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import zmq
 
 import protocol
+from ops.metrics import WorkerMetrics, outcome
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
 from worker.executor import Executor
@@ -128,6 +129,8 @@ class WorkerService:
         self._pump_out = self.ctx.socket(zmq.PAIR)
         self._pump_out.bind(_PUMP_ENDPOINT)
         self._pump = threading.Thread(target=self._pump_results, name="worker-pump", daemon=True)
+        self.metrics = WorkerMetrics()
+        self.metrics.watch(self.load, lambda: self.redis.connected, lambda: len(self.gateways), lambda: self.draining)
 
     def load(self) -> protocol.WorkerLoad:
         queued, active, free = self.executor.load()
@@ -222,6 +225,7 @@ class WorkerService:
             )
             error = protocol.ErrorReply(code=ErrorCode.DRAINING, message=text, request_id=entry.request_id)
             self._send(entry.gateway, error)
+            self.metrics.finished(entry.exec_id, "draining")
             ended += 1
         log.warning("drain ended by %s: %d requests ended with the draining error", why, ended)
         return True
@@ -309,6 +313,7 @@ class WorkerService:
 
     def _submit(self, gateway: bytes, msg: protocol.Submit) -> None:
         def refuse(code: ErrorCode, text: str) -> None:
+            self.metrics.requests.labels("rejected").inc()
             self._send(gateway, protocol.ErrorReply(code=code, message=text, request_id=msg.request_id))
 
         if self.draining:
@@ -323,7 +328,9 @@ class WorkerService:
             request = to_request(msg)
             with self.table.lock:
                 exec_id = self.executor.enqueue_request(request)
-                self.table.add(Active(exec_id, gateway, msg.request_id, len(request.input_token_ids)))
+                entry = Active(exec_id, gateway, msg.request_id, len(request.input_token_ids))
+                self.table.add(entry)
+                self.metrics.started(exec_id, entry.prompt_tokens, entry.received)
 
     def _send(self, gateway: bytes, msg: protocol.Message) -> None:
         self.router.send_multipart([gateway, protocol.encode(msg, self.limits)])
@@ -375,9 +382,12 @@ class WorkerService:
                     continue
                 wire = to_wire_response(entry.request_id, r)
                 if r.result is not None:
-                    entry.output_tokens += sum(len(t) for t in r.result.output_token_ids)
+                    n = sum(len(t) for t in r.result.output_token_ids)
+                    entry.output_tokens += n
+                    self.metrics.streams.tokens(entry.exec_id, n)
                 batches[entry.gateway].append(wire)
                 if wire.is_final:
+                    self.metrics.finished(entry.exec_id, outcome(wire))
                     self.table.remove(entry)
                     finished.append((entry, wire))
         load = self.load()
