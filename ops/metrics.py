@@ -1,0 +1,179 @@
+"""Prometheus metrics of a worker and of a gateway, each in its own registry,
+served on /metrics by prometheus-client's HTTP server (its own thread).
+
+Counters and histograms are updated where the events happen (cheap, any thread);
+gauges read the process's state when scraped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+import protocol
+
+# Seconds. TTFT spans a queue wait and a prefill; inter-token latency is one decoding step.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+RATE_WINDOW_S = 10.0
+
+
+def outcome(response: protocol.Response) -> str:
+    """How a final response ended: completed, cancelled or error."""
+    if response.result is None:
+        return "error"
+    if protocol.FinishReason.CANCELLED in response.result.finish_reasons:
+        return "cancelled"
+    return "completed"
+
+
+def new_tokens(response: protocol.Response) -> int:
+    return sum(len(t) for t in response.result.output_token_ids) if response.result is not None else 0
+
+
+class _Streams:
+    """Per-request timing: TTFT from when it arrived, inter-token latency per chunk
+    (the gap since the previous chunk over the tokens in it), tokens/s over a window."""
+
+    def __init__(self, ttft: Histogram, itl: Histogram, tokens: Counter) -> None:
+        self._ttft = ttft
+        self._itl = itl
+        self._tokens = tokens
+        self._lock = threading.Lock()
+        self._started: dict[object, float] = {}
+        self._last: dict[object, float] = {}
+        self._window: deque[tuple[float, int]] = deque()
+
+    def start(self, key: object, at: float | None = None) -> None:
+        with self._lock:
+            self._started[key] = time.monotonic() if at is None else at
+
+    def tokens(self, key: object, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        self._tokens.inc(n)
+        with self._lock:
+            last = self._last.get(key)
+            started = self._started.get(key)
+            self._last[key] = now
+            self._window.append((now, n))
+        if last is not None:
+            self._itl.observe((now - last) / n)
+        elif started is not None:
+            self._ttft.observe(now - started)
+
+    def end(self, key: object) -> None:
+        with self._lock:
+            self._started.pop(key, None)
+            self._last.pop(key, None)
+
+    def tokens_per_s(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            while self._window and self._window[0][0] < now - RATE_WINDOW_S:
+                self._window.popleft()
+            return sum(n for _, n in self._window) / RATE_WINDOW_S
+
+
+class _Metrics:
+    def __init__(self, role: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        p = f"tokenwire_{role}"
+        self.requests = Counter(f"{p}_requests", "Requests that ended, by outcome", ["outcome"], registry=r)
+        self.generated_tokens = Counter(f"{p}_generated_tokens", "Output tokens streamed", registry=r)
+        self.ttft = Histogram(
+            f"{p}_time_to_first_token_seconds", "From a request's arrival to its first token", buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            f"{p}_inter_token_latency_seconds", "Gap between a stream's chunks, per token", buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.streams = _Streams(self.ttft, self.itl, self.generated_tokens)
+        Gauge(f"{p}_tokens_per_second", f"Output tokens/s over the last {RATE_WINDOW_S:g} s",
+              registry=r).set_function(self.streams.tokens_per_s)
+        self.redis_connected = Gauge(f"{p}_redis_connected", "1 while Redis answers", registry=r)
+        self._server: object = None
+
+    def gauge(self, name: str, doc: str, read: Callable[[], float]) -> None:
+        Gauge(name, doc, registry=self.registry).set_function(read)
+
+    def serve(self, host: str, port: int) -> None:
+        """Serve /metrics on host:port, on a daemon thread."""
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+
+
+class WorkerMetrics(_Metrics):
+    def __init__(self) -> None:
+        super().__init__("worker")
+        self.prompt_tokens = Counter("tokenwire_worker_prompt_tokens", "Prompt tokens of requests taken",
+                                     registry=self.registry)
+
+    def watch(
+        self,
+        load: Callable[[], protocol.WorkerLoad],
+        redis_connected: Callable[[], bool],
+        gateways: Callable[[], int],
+        draining: Callable[[], bool],
+    ) -> None:
+        self.gauge("tokenwire_worker_queued_requests", "Requests waiting to be scheduled",
+                   lambda: load().num_queued_requests)
+        self.gauge("tokenwire_worker_active_requests", "Requests being decoded", lambda: load().num_active_requests)
+        self.gauge("tokenwire_worker_kv_blocks_total", "KV cache blocks", lambda: load().max_num_blocks)
+        self.gauge("tokenwire_worker_kv_blocks_used", "KV cache blocks in use",
+                   lambda: load().max_num_blocks - load().free_num_blocks)
+        self.redis_connected.set_function(lambda: float(redis_connected()))
+        self.gauge("tokenwire_worker_gateways_connected", "Gateways heard from within their heartbeat bound",
+                   gateways)
+        self.gauge("tokenwire_worker_draining", "1 once SIGTERM came and the worker drains",
+                   lambda: float(draining()))
+
+    def started(self, key: object, prompt_tokens: int, received_at: float) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.streams.start(key, received_at)
+
+    def finished(self, key: object, how: str) -> None:
+        self.requests.labels(how).inc()
+        self.streams.end(key)
+
+
+class GatewayMetrics(_Metrics):
+    def __init__(self) -> None:
+        super().__init__("gateway")
+
+    def watch(
+        self,
+        in_flight: Callable[[], int],
+        waiting: Callable[[], int],
+        workers: Callable[[str], int],
+        clients: Callable[[], int],
+        redis_connected: Callable[[], bool],
+    ) -> None:
+        self.gauge("tokenwire_gateway_requests_in_flight", "Requests accepted and not ended", in_flight)
+        self.gauge("tokenwire_gateway_queued_requests", "Requests waiting for a worker", waiting)
+        state = Gauge("tokenwire_gateway_workers", "Workers by connection state", ["state"], registry=self.registry)
+        for name in ("ready", "draining", "connecting"):
+            state.labels(name).set_function(lambda name=name: workers(name))
+        self.gauge("tokenwire_gateway_clients_connected", "Clients heard from within their heartbeat bound", clients)
+        self.redis_connected.set_function(lambda: float(redis_connected()))
+
+    def accepted(self, request_id: str) -> None:
+        self.streams.start(request_id)
+
+    def replied(self, msg: protocol.Message) -> None:
+        """Every message to a client passes here: tokens, first tokens, final outcomes."""
+        if isinstance(msg, protocol.ResultBatch):
+            for r in msg.responses:
+                self.streams.tokens(r.request_id, new_tokens(r))
+                if r.is_final:
+                    self.requests.labels(outcome(r)).inc()
+                    self.streams.end(r.request_id)
+        elif isinstance(msg, protocol.ErrorReply) and msg.request_id is not None:
+            self.requests.labels(f"error_{msg.code}").inc()
+            self.streams.end(msg.request_id)
