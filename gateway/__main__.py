@@ -7,6 +7,8 @@ import logging
 import signal
 import sys
 
+from ops.config import add_config_options
+
 DEFAULT_BIND = "tcp://127.0.0.1:5550"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
@@ -28,11 +30,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight-per-client", type=int, default=1024)
     p.add_argument("--no-worker-timeout", type=float, default=10.0, help="seconds a request waits for a worker")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics listens on")
+    add_config_options(p, "gateway")
 
 
 def run(args: argparse.Namespace) -> int:
     from gateway.server import Gateway, GatewayConfig
+    from ops.config import apply_config
+    from ops.sd_notify import Notifier
 
+    apply_config(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s")
     gw = Gateway(
         GatewayConfig(
@@ -48,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
             tokenizer_models=args.model,
         )
     )
+    gw.notifier = Notifier()
+    if args.metrics_port:
+        gw.metrics.serve(args.metrics_host, args.metrics_port)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: gw.stop.set())
     gw.serve()

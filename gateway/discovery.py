@@ -31,21 +31,21 @@ class Discovery(threading.Thread):
         self.stop = stop
         # The newest registry snapshot: worker id -> (entry, unix time of its last heartbeat).
         self.snapshots: queue.Queue[dict[str, tuple[protocol.WorkerInfo, float]]] = queue.Queue(maxsize=1)
+        self.connected = False  # Redis answered the last read
 
     def run(self) -> None:
         backoff = 0.2
-        connected = False
         while not self.stop.is_set():
             try:
                 snapshot = self._read()
-                if not connected:
+                if not self.connected:
                     log.info("redis: connected")
-                    connected = True
+                    self.connected = True
                 backoff = 0.2
             except redis.RedisError as e:
-                if connected:
+                if self.connected:
                     log.warning("redis: lost (%s); keeping the workers already connected", e)
-                connected = False
+                self.connected = False
                 self.stop.wait(backoff)
                 backoff = min(_MAX_BACKOFF_S, backoff * 2)
                 continue

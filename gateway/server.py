@@ -23,6 +23,8 @@ from gateway.discovery import Discovery
 from gateway.stream import OutputStream
 from gateway.tokenizer_store import Tokenizers
 from gateway.workers import WorkerLink, least_loaded
+from ops.metrics import GatewayMetrics
+from ops.sd_notify import Notifier
 from protocol import ErrorCode
 
 log = logging.getLogger(__name__)
@@ -113,6 +115,21 @@ class Gateway:
         self.poller = zmq.Poller()
         self.poller.register(self.frontend, zmq.POLLIN)
         self._sockets: dict[zmq.Socket, WorkerLink] = {}
+        self.notifier = Notifier(address="")  # the process's own under systemd (gateway/__main__.py)
+        self.metrics = GatewayMetrics()
+        self.metrics.watch(
+            lambda: len(self.requests),
+            lambda: len(self.waiting),
+            self._count_workers,
+            lambda: len(self.clients),
+            lambda: self.discovery.connected,
+        )
+
+    def _count_workers(self, state: str) -> int:
+        def state_of(w: WorkerLink) -> str:
+            return "connecting" if not w.ready else "draining" if w.draining else "ready"
+
+        return sum(state_of(w) == state for w in list(self.workers.values()))
 
     # -- main loop ---------------------------------------------------------------------
 
@@ -122,8 +139,13 @@ class Gateway:
         log.info("gateway %s listening at %s", self.gateway_id, self.address)
         interval = self.config.heartbeat_interval_s
         next_tick = 0.0
+        ready_sent = False
         try:
             while not self.stop.is_set():
+                self.notifier.watchdog()
+                if not ready_sent and self.discovery.connected:
+                    ready_sent = True
+                    self.notifier.ready(f"gateway {self.gateway_id} listening at {self.address}; Redis reached")
                 events = dict(self.poller.poll(50))
                 if self.frontend in events:
                     self._from_clients()
@@ -139,6 +161,7 @@ class Gateway:
                 if self.waiting:
                     self._dispatch_waiting(now)
         finally:
+            self.notifier.stopping(f"gateway {self.gateway_id} stopping")
             self.stop.set()
             self.discovery.join(timeout=5)
             for link in list(self.workers.values()):
@@ -255,6 +278,7 @@ class Gateway:
         )
         req = _Request(msg.request_id, client, msg, stream, model)
         self.requests[req.request_id] = req
+        self.metrics.accepted(req.request_id)
         state.requests.add(req.request_id)
         self._dispatch(req)
 
@@ -268,6 +292,7 @@ class Gateway:
             self._finish_with_result(req, protocol.FinishReason.CANCELLED)
 
     def _reply(self, client: bytes, msg: protocol.Message) -> None:
+        self.metrics.replied(msg)
         self.frontend.send_multipart([client, protocol.encode(msg, self.limits)])
 
     # -- routing -----------------------------------------------------------------------------

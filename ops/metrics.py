@@ -7,6 +7,7 @@ gauges read the process's state when scraped.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -159,7 +160,7 @@ class GatewayMetrics(_Metrics):
         self.gauge("tokenwire_gateway_queued_requests", "Requests waiting for a worker", waiting)
         state = Gauge("tokenwire_gateway_workers", "Workers by connection state", ["state"], registry=self.registry)
         for name in ("ready", "draining", "connecting"):
-            state.labels(name).set_function(lambda name=name: workers(name))
+            state.labels(name).set_function(functools.partial(workers, name))
         self.gauge("tokenwire_gateway_clients_connected", "Clients heard from within their heartbeat bound", clients)
         self.redis_connected.set_function(lambda: float(redis_connected()))
 
