@@ -11,6 +11,7 @@ from typing import IO, Any
 
 from clients.cli import Subparsers
 from clients.cli_requests import DEFAULT_GATEWAY, DEFAULT_REDIS, format_table
+from ops.config import add_config_options
 
 # Keys a line of a `jobs run` file may hold besides "prompt" (submit's keyword arguments).
 _JOB_FIELDS = frozenset(
@@ -72,6 +73,7 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="to the gateway, seconds")
     p.add_argument("--missed-heartbeats", type=int, default=3)
     p.add_argument("--log-level", default="INFO")
+    add_config_options(p, "jobs_consumer")
     p.set_defaults(handler=consume)
 
     p = command("stats", "queued, in flight, done, failed, dead-lettered, throughput")
@@ -207,7 +209,9 @@ def consume(args: argparse.Namespace) -> int:
     import signal
 
     from clients.jobs_consumer import Consumer, ConsumerConfig
+    from ops.config import apply_config
 
+    apply_config(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s consumer %(levelname)s %(name)s: %(message)s")
     consumer = Consumer(
         ConsumerConfig(

@@ -104,7 +104,9 @@ def test_worker_instance_sets_its_port_from_the_gpu_index(tmp_path: Path) -> Non
     exec_start = _unit("tokenwire-worker@.service")["Service"]["ExecStart"]
     command = exec_start.replace(INSTALLED, str(stub)).replace("%i", "2").replace("%H", "host").replace("$$", "$")
     argv = ["/bin/sh", "-c", command.split("'", 2)[1]]
-    env = {**os.environ, "TOKENWIRE_BIND_HOST": "0.0.0.0", "TOKENWIRE_PORT_BASE": "5600"}
+    env = {**os.environ, "TOKENWIRE_BIND_HOST": "0.0.0.0", "TOKENWIRE_PORT_BASE": "5600",
+           "TOKENWIRE_METRICS_PORT_BASE": "9600"}
     out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[out.index("--bind") + 1] == "tcp://0.0.0.0:5602"
+    assert out[out.index("--metrics-port") + 1] == "9602"
     assert out[out.index("--worker-id") + 1] == "host-gpu2"
