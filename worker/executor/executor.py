@@ -148,7 +148,9 @@ class Executor:
 
                 path = resolve_model(str(model))
             loaded = load_model(path)
-            backend = create_backend(loaded, self.config.backend, self.config.device, self.config.dtype)
+            cfg = self.config
+            backend = create_backend(loaded, cfg.backend, cfg.device, cfg.dtype,
+                                     max_num_tokens=cfg.max_num_tokens, max_batch_size=cfg.max_batch_size)
             tokenizer = loaded.tokenizer
             self.chat_template: str | None = loaded.chat_template
         else:
