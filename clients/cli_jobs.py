@@ -73,6 +73,7 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="to the gateway, seconds")
     p.add_argument("--missed-heartbeats", type=int, default=3)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", default="text", choices=["text", "json"], help="one event a line: text or JSON")
     add_config_options(p, "jobs_consumer")
     p.set_defaults(handler=consume)
 
@@ -205,14 +206,14 @@ class _Progress:
 
 
 def consume(args: argparse.Namespace) -> int:
-    import logging
     import signal
 
     from clients.jobs_consumer import Consumer, ConsumerConfig
     from ops.config import apply_config
+    from ops.logs import setup_logging
 
     apply_config(args)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s consumer %(levelname)s %(name)s: %(message)s")
+    setup_logging("consumer", args.log_level, args.log_format)
     consumer = Consumer(
         ConsumerConfig(
             redis_url=args.redis,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 import sys
 
@@ -30,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight-per-client", type=int, default=1024)
     p.add_argument("--no-worker-timeout", type=float, default=10.0, help="seconds a request waits for a worker")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", default="text", choices=["text", "json"], help="one event a line: text or JSON")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics listens on")
     add_config_options(p, "gateway")
@@ -38,10 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from gateway.server import Gateway, GatewayConfig
     from ops.config import apply_config
+    from ops.logs import setup_logging
     from ops.sd_notify import Notifier
 
     apply_config(args)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s")
+    setup_logging("gateway", args.log_level, args.log_format)
     gw = Gateway(
         GatewayConfig(
             bind=args.bind,

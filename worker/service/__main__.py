@@ -56,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats-stream-maxlen", type=int, default=1000, help="iteration stats kept in Redis")
     p.add_argument("--request-stats-ttl", type=float, default=3600.0, help="seconds a request's stats live")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", default="text", choices=["text", "json"], help="one event a line: text or JSON")
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -116,11 +117,12 @@ def _loop_alive(ping: Callable[[], None], hang_after_s: float | None) -> Callabl
 
 def run(args: argparse.Namespace) -> int:
     from ops.config import apply_config
+    from ops.logs import setup_logging
     from ops.sd_notify import Notifier
     from worker.service.server import ServiceConfig, WorkerService
 
     apply_config(args)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s worker %(levelname)s %(name)s: %(message)s")
+    setup_logging("worker", args.log_level, args.log_format)
     notifier = Notifier()
     notifier.status(f"loading {args.model}")
     executor, path = build_executor(args, _loop_alive(notifier.watchdog, args.test_hang_loop_after))

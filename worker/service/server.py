@@ -423,3 +423,5 @@ class WorkerService:
             if value is not None:
                 fields[key] = f"{value:.3f}"
         self.redis.record_request(entry.request_id, fields)
+        # One event per request, with what its stats hold (journald, log collectors).
+        log.info("request %s ended: %s", entry.request_id, fields["finish_reason"], extra=fields)
