@@ -45,6 +45,10 @@ def register(subparsers: Subparsers) -> None:
     stats.add_argument("--redis", default=DEFAULT_REDIS)
     stats.add_argument("--redis-prefix", default="tokenwire")
     stats.add_argument("--iterations", type=int, default=5, help="recent iterations shown per worker")
+    stats.add_argument(
+        "--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+        help="redraw every SECONDS (default 2) with live throughput, until Ctrl-C",
+    )  # fmt: skip
     stats.set_defaults(handler=show_stats)
 
 
@@ -113,6 +117,10 @@ def cancel_request(args: argparse.Namespace) -> int:
 
 
 def show_stats(args: argparse.Namespace) -> int:
+    if getattr(args, "watch", None):
+        from clients.cli_watch import watch
+
+        return watch(args, show_stats)
     import redis
 
     import protocol
