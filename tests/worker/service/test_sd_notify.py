@@ -5,68 +5,22 @@ executor loop hangs stops pinging."""
 
 from __future__ import annotations
 
-import shutil
 import signal
-import socket
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import zmq
 
 import protocol
+from tests.notify import NotifySocket, notify_socket
 from tests.procs import Worker
-
-WATCHDOG_USEC = 200_000  # the worker pings every 0.1 s
-
-
-class NotifySocket:
-    """The manager's side of the notify protocol: one datagram per message."""
-
-    def __init__(self) -> None:
-        # AF_UNIX paths are short (108 bytes): not under pytest's deep tmp dirs.
-        self.dir = Path(tempfile.mkdtemp(prefix="tw-notify-"))
-        self.path = str(self.dir / "notify")
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-        self.messages: list[tuple[float, dict[str, str]]] = []
-
-    def receive(self, timeout: float) -> dict[str, str] | None:
-        self.sock.settimeout(timeout)
-        try:
-            data = self.sock.recv(4096)
-        except TimeoutError:
-            return None
-        fields = dict(line.split("=", 1) for line in data.decode().splitlines())
-        self.messages.append((time.monotonic(), fields))
-        return fields
-
-    def wait_for(self, key: str, timeout: float) -> dict[str, str]:
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            fields = self.receive(left)
-            if fields is not None and key in fields:
-                return fields
-        raise AssertionError(f"no {key} within {timeout} s; got {[m for _, m in self.messages]}")
-
-    def kinds(self) -> list[str]:
-        order = ("READY", "STOPPING", "WATCHDOG")
-        return [next((k for k in order if k in m), "STATUS") for _, m in self.messages]
-
-    def close(self) -> None:
-        self.sock.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @pytest.fixture
 def notify(monkeypatch: pytest.MonkeyPatch) -> Iterator[NotifySocket]:
-    ns = NotifySocket()
-    monkeypatch.setenv("NOTIFY_SOCKET", ns.path)  # the worker process inherits the environment
-    monkeypatch.setenv("WATCHDOG_USEC", str(WATCHDOG_USEC))
-    yield ns
-    ns.close()
+    with notify_socket(monkeypatch) as ns:
+        yield ns
 
 
 def _answers_hello(worker: Worker) -> bool:
