@@ -108,7 +108,9 @@ class Worker(Proc):
         args = [
             "--model", str(model), "--bind", self.endpoint, "--redis", redis_url, "--worker-id", name,
             "--backend", "numpy", "--heartbeat-interval", str(HEARTBEAT_S),
-            "--missed-heartbeats", str(MISSED), "--cancel-poll-interval", "0.1", *extra,
+            "--missed-heartbeats", str(MISSED), "--cancel-poll-interval", "0.1",
+            # stop() at teardown drains: requests still running get a second, not a minute.
+            "--drain-timeout", "1", *extra,
         ]  # fmt: skip
         super().__init__(name, "worker.service", args, log_dir)
 
