@@ -39,10 +39,12 @@ def run(args: argparse.Namespace) -> int:
     from gateway.server import Gateway, GatewayConfig
     from ops.config import apply_config
     from ops.logs import setup_logging
+    from ops.process import exit_on_thread_crash
     from ops.sd_notify import Notifier
 
     apply_config(args)
     setup_logging("gateway", args.log_level, args.log_format)
+    exit_on_thread_crash()
     gw = Gateway(
         GatewayConfig(
             bind=args.bind,

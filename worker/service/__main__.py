@@ -118,11 +118,13 @@ def _loop_alive(ping: Callable[[], None], hang_after_s: float | None) -> Callabl
 def run(args: argparse.Namespace) -> int:
     from ops.config import apply_config
     from ops.logs import setup_logging
+    from ops.process import exit_on_thread_crash
     from ops.sd_notify import Notifier
     from worker.service.server import ServiceConfig, WorkerService
 
     apply_config(args)
     setup_logging("worker", args.log_level, args.log_format)
+    exit_on_thread_crash()
     notifier = Notifier()
     notifier.status(f"loading {args.model}")
     executor, path = build_executor(args, _loop_alive(notifier.watchdog, args.test_hang_loop_after))

@@ -1,0 +1,31 @@
+"""Process-wide rules for a service under systemd."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+log = logging.getLogger(__name__)
+
+
+def exit_on_thread_crash() -> None:
+    """An exception that ends any thread ends the process with status 1.
+
+    A service's threads (I/O, result pump, Redis, executor loop) are all needed;
+    one dying silently would leave a process that looks alive but is not whole.
+    Exiting non-zero lets systemd's Restart=on-failure bring up a whole one.
+    """
+
+    def crash(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is SystemExit:
+            return
+        name = args.thread.name if args.thread is not None else "?"
+        log.critical(
+            "thread %s died: %s: %s; exiting", name, args.exc_type.__name__, args.exc_value,
+            exc_info=(args.exc_type, args.exc_value, args.exc_traceback),  # type: ignore[arg-type]
+        )  # fmt: skip
+        logging.shutdown()
+        os._exit(1)
+
+    threading.excepthook = crash
