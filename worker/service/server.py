@@ -349,7 +349,14 @@ class WorkerService:
                 for entry in orphans:
                     self.executor.cancel_request(entry.exec_id)
                 del self.gateways[gateway]
-        beat = protocol.encode(protocol.Heartbeat(sender_id=self.sender_id, load=self.load()))
+        load = self.load()
+        # The line `systemctl status` shows, kept current.
+        self.notifier.status(
+            f"{'draining' if self.draining else 'serving'} {self.config.model_name}: "
+            f"{load.num_active_requests} active, {load.num_queued_requests} queued, "
+            f"{load.free_num_blocks}/{load.max_num_blocks} KV blocks free, {len(self.gateways)} gateways"
+        )
+        beat = protocol.encode(protocol.Heartbeat(sender_id=self.sender_id, load=load))
         for gateway in self.gateways:
             self.router.send_multipart([gateway, beat])
 

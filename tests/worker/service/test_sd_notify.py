@@ -46,6 +46,8 @@ def test_ready_then_watchdog_then_stopping(notify, service_model, redis_url, tmp
         assert _answers_hello(worker)
         for _ in range(3):
             notify.wait_for("WATCHDOG", timeout=5)
+        # STATUS stays current: the load, every heartbeat interval.
+        assert "0 active, 0 queued" in notify.wait_for("STATUS", timeout=5)["STATUS"]
         worker.process.send_signal(signal.SIGTERM)
         stopping = notify.wait_for("STOPPING", timeout=10)
         assert stopping["STATUS"].startswith("draining")
