@@ -66,7 +66,7 @@ class Submit(Message):
     streaming: bool = False
     sampling_config: SamplingConfig = Field(default_factory=SamplingConfig)
     output_config: OutputConfig = Field(default_factory=OutputConfig)
-    end_id: int | None = Field(None, ge=0)
+    end_id: int | None = Field(None, ge=-1)  # -1: no end token (generate max_tokens)
     pad_id: int | None = Field(None, ge=0)
     bad_words: list[Annotated[TokenIds, Field(min_length=1)]] | None = None
     stop_words: list[Annotated[TokenIds, Field(min_length=1)]] | None = None

@@ -51,7 +51,7 @@ def submit(**fields: Any) -> dict[str, Any]:
         ({"prompt": ""}, "prompt", "at least 1 character"),
         ({"request_id": ""}, "request_id", "at least 1 character"),
         ({"stop_words": [b""]}, "stop_words.0", "at least 1 item"),
-        ({"end_id": -1}, "end_id", "greater than or equal to 0"),
+        ({"end_id": -2}, "end_id", "greater than or equal to -1"),
         ({"bogus": 1}, "bogus", "Extra inputs are not permitted"),
         ({"guided_decoding_params": {"guide_type": "xml"}}, "guided_decoding_params.guide_type", "'json'"),
     ],

@@ -45,6 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-tokens", type=int, default=2048)
     p.add_argument("--max-beam-width", type=int, default=4, help="widest beam search accepted")
     p.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
+    p.add_argument(
+        "--logits-post-processor",
+        action="append",
+        default=[],
+        metavar="NAME=MODULE:FUNCTION",
+        help="a logits post-processor requests may name (clients cannot send code); repeatable",
+    )
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
     p.add_argument(
         "--missed-heartbeats",
@@ -86,6 +93,7 @@ def build_executor(
         max_num_tokens=args.max_num_tokens,
         max_beam_width=args.max_beam_width,
         kv_cache_config=KvCacheConfig(max_tokens=args.kv_tokens),
+        logits_post_processors=tuple(args.logits_post_processor),
         backend="auto" if args.backend == "echo" else args.backend,
         device=args.device,
     )

@@ -9,6 +9,7 @@ import zmq
 
 import protocol
 from tests.procs import HEARTBEAT_S, MISSED, Stack
+from tests.worker.service.processors import FORCED_TOKEN
 
 
 class FakeGateway:
@@ -172,6 +173,29 @@ def test_echo_backend_is_a_transport_test_worker(service_model, redis_server, tm
         tokens = [t for r in g.responses("e") for t in r.result.output_token_ids[0]]  # type: ignore[union-attr]
         assert tokens == [77] * 50
         assert "TRANSPORT TEST ONLY" in w.log()
+        g.close()
+    finally:
+        s.close()
+
+
+def test_logits_post_processors_are_configured_by_import_path(service_model, redis_server, tmp_path):
+    s = Stack(service_model, redis_server.url, tmp_path)
+    try:
+        w = s.worker("--logits-post-processor", "force=tests.worker.service.processors:force_token")
+        g = FakeGateway(w.endpoint)
+        g.send(protocol.Submit(request_id="forced", input_token_ids=[5, 6], max_tokens=6, end_id=-1,
+                               logits_post_processor_name="force"))
+        g.send(protocol.Submit(request_id="free", input_token_ids=[5, 6], max_tokens=6, end_id=-1))
+        g.send(protocol.Submit(request_id="unknown", input_token_ids=[5, 6], max_tokens=6,
+                               logits_post_processor_name="nope"))
+        g.recv_until(lambda: all(g.final(r) or any(x.error_msg for x in g.responses(r))
+                                 for r in ("forced", "free", "unknown")))
+        (forced,) = g.responses("forced")
+        assert forced.result is not None and forced.result.output_token_ids[0] == [FORCED_TOKEN] * 6
+        (free,) = g.responses("free")
+        assert free.result is not None and free.result.output_token_ids[0] != [FORCED_TOKEN] * 6
+        (unknown,) = g.responses("unknown")
+        assert unknown.error_msg is not None and "nope" in unknown.error_msg
         g.close()
     finally:
         s.close()
