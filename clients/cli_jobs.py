@@ -211,6 +211,7 @@ def consume(args: argparse.Namespace) -> int:
     from clients.jobs_consumer import Consumer, ConsumerConfig
     from ops.config import apply_config
     from ops.logs import setup_logging
+    from ops.sd_notify import Notifier
 
     apply_config(args)
     setup_logging("consumer", args.log_level, args.log_format)
@@ -227,6 +228,7 @@ def consume(args: argparse.Namespace) -> int:
             missed_heartbeats=args.missed_heartbeats,
         )
     )
+    consumer.notifier = Notifier()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: consumer.stop.set())
     consumer.run()

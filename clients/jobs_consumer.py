@@ -39,6 +39,7 @@ import protocol
 from clients.client import Accumulator
 from clients.connection import Connection, RequestError
 from clients.job_scripts import Scripts, ensure_group
+from ops.sd_notify import Notifier
 from protocol import FinishReason, Keys
 from protocol.jobs import Job, JobOutput, JobResult, JobStatus, pack, unpack_job
 
@@ -110,6 +111,7 @@ class Consumer:
         self.redis: Any = redis.Redis.from_url(config.redis_url, socket_timeout=5, socket_connect_timeout=2)
         self.scripts = Scripts(self.redis, self.keys)
         self.stop = threading.Event()
+        self.notifier = Notifier(address="")  # the process's own under systemd (tokenwire jobs consume)
         self._running: dict[str, _Running] = {}
         self._ended: list[_Ended] = []  # recorded once Redis answers
         self._done: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -129,11 +131,13 @@ class Consumer:
         group_ready = False
         try:
             while not self.stop.is_set():
+                self.notifier.watchdog()
                 self._collect(wait_s=0.02 if self._running else 0.0)
                 try:
                     if not group_ready:
                         ensure_group(self.redis, self.keys)
                         group_ready = True
+                        self.notifier.ready(f"consumer {self.name}: Redis reached, gateways {self.config.gateways}")
                     self._record_ended()
                     now = time.monotonic()
                     if now >= next_capacity:
@@ -155,6 +159,7 @@ class Consumer:
                     if "NOGROUP" not in str(e):
                         raise
                     group_ready = False  # Redis lost the stream (restarted without persistence)
+            self.notifier.stopping(f"consumer {self.name}: draining {len(self._running)} jobs in flight")
             self._drain()
         finally:
             self._connection.close()

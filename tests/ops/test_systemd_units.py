@@ -73,7 +73,7 @@ def test_services_are_drained_restarted_and_run_as_their_own_user(name: str) -> 
     assert "[Install]" in (UNITS / name).read_text()
 
 
-@pytest.mark.parametrize("name", ["tokenwire-worker@.service", "tokenwire-gateway.service"])
+@pytest.mark.parametrize("name", SERVICES)
 def test_services_speak_notify_and_are_watched(name: str) -> None:
     service = _unit(name)["Service"]
     assert service["Type"] == "notify"
