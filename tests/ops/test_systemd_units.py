@@ -104,9 +104,30 @@ def test_worker_instance_sets_its_port_from_the_gpu_index(tmp_path: Path) -> Non
     exec_start = _unit("tokenwire-worker@.service")["Service"]["ExecStart"]
     command = exec_start.replace(INSTALLED, str(stub)).replace("%i", "2").replace("%H", "host").replace("$$", "$")
     argv = ["/bin/sh", "-c", command.split("'", 2)[1]]
-    env = {**os.environ, "TOKENWIRE_BIND_HOST": "0.0.0.0", "TOKENWIRE_PORT_BASE": "5600",
-           "TOKENWIRE_METRICS_PORT_BASE": "9600"}
+    env = {
+        **os.environ,
+        "TOKENWIRE_BIND_HOST": "0.0.0.0",
+        "TOKENWIRE_PORT_BASE": "5600",
+        "TOKENWIRE_METRICS_PORT_BASE": "9600",
+    }
     out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[out.index("--bind") + 1] == "tcp://0.0.0.0:5602"
     assert out[out.index("--metrics-port") + 1] == "9602"
     assert out[out.index("--worker-id") + 1] == "host-gpu2"
+
+
+@pytest.mark.parametrize(
+    ("name", "threshold"),
+    [("tokenwire-worker@.service", 40), ("tokenwire-gateway.service", 20), ("tokenwire-jobs-consumer.service", 20)],
+)
+def test_hardening_keeps_the_exposure_score_low(units: Path, name: str, threshold: int) -> None:
+    """`systemd-analyze security` scores 0 (locked down) to 10 (exposed); the worker's GPU
+    access and generated code cost it points the others do not pay."""
+    analyze = shutil.which("systemd-analyze")
+    assert analyze is not None
+    run = subprocess.run(
+        [analyze, "security", "--offline=yes", "--root=/", f"--threshold={threshold}", "--no-pager",
+         f"./{name.replace('@.', '@0.')}"],
+        cwd=units, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr
