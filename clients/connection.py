@@ -19,30 +19,16 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import zmq
 
 import protocol
+from protocol.limits import socket_turn
 
 log = logging.getLogger(__name__)
-
-# Messages taken from one socket per turn of the loop: enough to amortize a poll, few
-# enough (in number and in time) that heartbeats and the other sockets are served
-# while one floods.
-_BATCH = 64
-_TURN_S = 0.02
-
-
-def _turn() -> Iterator[int]:
-    deadline = time.monotonic() + _TURN_S
-    for i in range(_BATCH):
-        if i and time.monotonic() > deadline:
-            return
-        yield i
-
 
 class RequestError(RuntimeError):
     """The service answered this request with an error."""
@@ -181,7 +167,7 @@ class Connection(threading.Thread):
 
     def _receive(self) -> None:
         assert self._sock is not None
-        for _ in _turn():
+        for _ in socket_turn():
             try:
                 payload = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:

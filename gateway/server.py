@@ -13,7 +13,6 @@ import socket
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import zmq
@@ -26,23 +25,9 @@ from gateway.workers import WorkerLink, least_loaded
 from ops.metrics import GatewayMetrics
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
+from protocol.limits import socket_turn
 
 log = logging.getLogger(__name__)
-
-# Messages taken from one socket per turn of the loop: enough to amortize a poll, few
-# enough (in number and in time) that heartbeats and the other sockets are served
-# while one floods.
-_BATCH = 64
-_TURN_S = 0.02
-
-
-def _turn() -> Iterator[int]:
-    deadline = time.monotonic() + _TURN_S
-    for i in range(_BATCH):
-        if i and time.monotonic() > deadline:
-            return
-        yield i
-
 
 # How often one request may be handed to a new worker after its worker was lost.
 _MAX_DISPATCHES = 3
@@ -172,7 +157,7 @@ class Gateway:
     # -- clients ---------------------------------------------------------------------------
 
     def _from_clients(self) -> None:
-        for _ in _turn():
+        for _ in socket_turn():
             try:
                 frames = self.frontend.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -387,7 +372,7 @@ class Gateway:
         log.info("connecting to worker %s at %s", info.worker_id, info.address)
 
     def _from_worker(self, link: WorkerLink) -> None:
-        for _ in _turn():
+        for _ in socket_turn():
             try:
                 payload = link.socket.recv(zmq.NOBLOCK)
             except zmq.Again:

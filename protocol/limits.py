@@ -10,6 +10,8 @@ bounds that. Logits stay bytes and count only against the size limits.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 MiB = 1 << 20
@@ -34,3 +36,19 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+
+
+# Messages any socket loop (worker, gateway, client) takes from one socket per turn:
+# enough to amortize a poll, few enough (in number and in time) that heartbeats and
+# the other sockets are served while one peer floods.
+TURN_MESSAGES = 64
+TURN_SECONDS = 0.02
+
+
+def socket_turn() -> Iterator[int]:
+    """Counts off one turn's messages; stops early once the turn's time is up."""
+    deadline = time.monotonic() + TURN_SECONDS
+    for i in range(TURN_MESSAGES):
+        if i and time.monotonic() > deadline:
+            return
+        yield i

@@ -17,7 +17,6 @@ import socket
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import zmq
@@ -26,6 +25,7 @@ import protocol
 from ops.metrics import WorkerMetrics, outcome
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
+from protocol.limits import socket_turn
 from worker.executor import Executor
 from worker.executor import types as ex
 from worker.service.active import Active, ActiveTable
@@ -33,21 +33,6 @@ from worker.service.convert import to_request, to_wire_response
 from worker.service.redis_link import WorkerRedis
 
 log = logging.getLogger(__name__)
-
-# Messages taken from one socket per turn of the loop: enough to amortize a poll, few
-# enough (in number and in time) that heartbeats and the other sockets are served
-# while one floods.
-_BATCH = 64
-_TURN_S = 0.02
-
-
-def _turn() -> Iterator[int]:
-    deadline = time.monotonic() + _TURN_S
-    for i in range(_BATCH):
-        if i and time.monotonic() > deadline:
-            return
-        yield i
-
 
 _PUMP_ENDPOINT = "inproc://worker-results"
 
@@ -240,7 +225,7 @@ class WorkerService:
                 self.router.send_multipart([gateway, payload])
 
     def _forward_results(self) -> None:
-        for _ in _turn():
+        for _ in socket_turn():
             try:
                 gateway, payload = self._pump_out.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
@@ -249,7 +234,7 @@ class WorkerService:
                 self.router.send_multipart([gateway, payload])
 
     def _receive(self) -> None:
-        for _ in _turn():
+        for _ in socket_turn():
             try:
                 frames = self.router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
