@@ -26,7 +26,7 @@ pytestmark = [
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 
 
-def run_case(seed: int, heads: int, kv_heads: int, head_dim: int, block_size: int, decode: bool,
+def check_case(seed: int, heads: int, kv_heads: int, head_dim: int, block_size: int, decode: bool,
              window: int | None, dtype: torch.dtype, splits: int = 1) -> None:  # fmt: skip
     rng = np.random.default_rng(seed)
     n_seqs = int(rng.integers(1, 12))
@@ -71,13 +71,13 @@ def run_case(seed: int, heads: int, kv_heads: int, head_dim: int, block_size: in
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kernel_matches_reference(heads: int, kv_heads: int, head_dim: int, decode: bool, dtype: torch.dtype) -> None:
     for seed in range(3):
-        run_case(seed, heads, kv_heads, head_dim, 16 if seed % 2 else 32, decode, None, dtype)
+        check_case(seed, heads, kv_heads, head_dim, 16 if seed % 2 else 32, decode, None, dtype)
     if decode:  # keys spread over several programs per sequence (flash-decoding), then merged
         for seed, splits in ((5, 2), (6, 4), (7, 16)):
-            run_case(seed, heads, kv_heads, head_dim, 16, decode, None, dtype, splits)
+            check_case(seed, heads, kv_heads, head_dim, 16, decode, None, dtype, splits)
 
 
 @pytest.mark.parametrize("decode", [True, False])
 def test_kernel_sliding_window(decode: bool) -> None:
     for seed in range(3):
-        run_case(seed + 10, 8, 2, 64, 16, decode, 37, torch.bfloat16, 4 if decode else 1)
+        check_case(seed + 10, 8, 2, 64, 16, decode, 37, torch.bfloat16, 4 if decode else 1)

@@ -17,7 +17,7 @@ pytestmark = [
 BF16: dict[str, Any] = {"dtype": torch.bfloat16, "device": "cuda"}
 
 
-def close(a: torch.Tensor, b: torch.Tensor) -> None:
+def check_close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
@@ -26,14 +26,14 @@ def test_add_rmsnorm(with_residual: bool) -> None:
     x, w = torch.randn(77, 4096, **BF16), torch.randn(4096, **BF16)
     r1 = torch.randn(77, 4096, **BF16) if with_residual else None
     r2 = r1.clone() if r1 is not None else None
-    close(torch_ops.add_rmsnorm_triton(x, r1, w, 1e-5), torch_ops.add_rmsnorm_torch(x, r2, w, 1e-5))
+    check_close(torch_ops.add_rmsnorm_triton(x, r1, w, 1e-5), torch_ops.add_rmsnorm_torch(x, r2, w, 1e-5))
     if r1 is not None and r2 is not None:
-        close(r1, r2)
+        check_close(r1, r2)
 
 
 def test_silu_mul() -> None:
     gu = torch.randn(33, 2 * 14336, **BF16)
-    close(torch_ops.silu_mul_triton(gu), torch_ops.silu_mul_torch(gu))
+    check_close(torch_ops.silu_mul_triton(gu), torch_ops.silu_mul_torch(gu))
 
 
 def test_rope_and_cache() -> None:
@@ -45,6 +45,6 @@ def test_rope_and_cache() -> None:
     caches = [torch.zeros(64, 16, kv_heads, dim, **BF16) for _ in range(4)]
     q1 = torch_ops.rope_and_cache_triton(qkv.clone(), pos, cos_sin, caches[0], caches[1], slots, heads, kv_heads, dim)
     q2 = torch_ops.rope_and_cache_torch(qkv.clone(), pos, cos_sin, caches[2], caches[3], slots, heads, kv_heads, dim)
-    close(q1, q2)
-    close(caches[0], caches[2])
+    check_close(q1, q2)
+    check_close(caches[0], caches[2])
     assert torch.equal(caches[1], caches[3])  # V is copied, not computed
