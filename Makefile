@@ -68,8 +68,12 @@ lint: bootstrap
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/mypy
 
+# OpenBLAS picks its kernels from the CPU unless OPENBLAS_CORETYPE pins them, and some
+# machines pin an AVX2 core on AVX-512 CPUs (this one pins Haswell on a Zen 5). torch,
+# the peer in the CPU tables, detects the CPU regardless; so that both sides run the
+# kernels made for this CPU, benchmarks let OpenBLAS detect it too.
 bench: bootstrap
-	$(PY) -m bench.run
+	env -u OPENBLAS_CORETYPE $(PY) -m bench.run
 
 # The GPU host has no network and no pip: use its python as it is.
 test-gpu:

@@ -17,7 +17,8 @@ PROMPT_LEN = int(os.environ.get("TOKENWIRE_BENCH_PROMPT", "128"))
 OUTPUT_LEN = int(os.environ.get("TOKENWIRE_BENCH_OUTPUT", "128"))
 CONCURRENCY = (1, 32)
 TITLE = (f"Executor on this CPU vs transformers generate: default model, "
-         f"{PROMPT_LEN} prompt / {OUTPUT_LEN} output tokens")
+         f"{PROMPT_LEN} prompt / {OUTPUT_LEN} output tokens, "
+         f"OpenBLAS kernels {os.environ.get('OPENBLAS_CORETYPE', 'detected from the CPU')}")
 
 
 @dataclass(slots=True)

@@ -19,10 +19,13 @@ from worker.backends.base import SampleOutput, SamplingBatch
 
 
 def _log_softmax_at(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    rows = logits.astype(np.float64)
-    peak = rows.max(axis=1, keepdims=True)
-    log_z = np.log(np.exp(rows - peak).sum(axis=1)) + peak[:, 0]
-    return (rows[np.arange(len(tokens)), tokens] - log_z).astype(np.float32)
+    # exp in float32 (each term is within 1e-7 of float64), summed in float64: a fifth
+    # of the time of a float64 copy of every row, which this runs on every step.
+    peak = logits.max(axis=1, keepdims=True)
+    terms = logits - peak
+    np.exp(terms, out=terms)
+    log_z = np.log(terms.sum(axis=1, dtype=np.float64)) + peak[:, 0]
+    return (logits[np.arange(len(tokens)), tokens] - log_z).astype(np.float32)
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
@@ -78,9 +81,18 @@ def unpack_mask(words: np.ndarray, vocab: int) -> np.ndarray:
     return bits[:, :vocab].astype(bool)
 
 
+def _changes_logits(sampling: SamplingBatch) -> bool:
+    return any(
+        rows is not None and rows.size
+        for rows in (sampling.bias_rows, sampling.seen_rows, sampling.ban_rows, sampling.mask_rows)
+    )
+
+
 def process_logits(logits: np.ndarray, sampling: SamplingBatch) -> np.ndarray:
     """The logits sampling and log probs see: bias, penalties, bans, grammar mask
-    (in place on a float32 copy)."""
+    (in place on a float32 copy; the input itself when there is nothing to apply)."""
+    if not _changes_logits(sampling):
+        return np.asarray(logits, dtype=np.float32)
     logits = np.array(logits, dtype=np.float32, copy=True)
     if sampling.bias_rows is not None and sampling.bias_rows.size:
         assert sampling.bias is not None
