@@ -63,7 +63,7 @@ class _Processes:
         tw = [sys.executable, "-m"]
         self._start("worker", [*tw, "worker.service", "--model", model, "--bind", worker, "--redis", self.redis_url,
                                "--max-batch-size", str(SLOTS), *worker_args])  # fmt: skip
-        self._start("gateway", [*tw, "gateway", "--bind", self.gateway, "--redis", self.redis_url, "--model", model])
+        self._start("gateway", [*tw, "gateway", "--bind", self.gateway, "--redis", self.redis_url])
         self._start("consumer", [*tw, "clients.cli", "jobs", "consume", "--gateway", self.gateway,
                                  "--redis", self.redis_url, "--max-in-flight", str(SLOTS)])  # fmt: skip
         self._wait_ready()

@@ -80,8 +80,6 @@ def run(args: argparse.Namespace) -> int:
                         args.gateway_bind,
                         "--redis",
                         args.redis,
-                        "--model",
-                        str(path),
                     ]
                 ),
             )

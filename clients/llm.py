@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from gateway.detokenizer import IncrementalDetokenizer
     from worker.executor import Executor, ExecutorConfig, Request, Response
     from worker.executor.types import FinishReason
-    from worker.models.detokenizer import IncrementalDetokenizer
 
 Prompt = str | Sequence[int]
 
@@ -94,7 +94,7 @@ class RequestHandle:
 
     def __init__(self, llm: LLM, request_id: int, prompt: str | None, prompt_ids: list[int],
                  params: SamplingParams) -> None:
-        from worker.models.detokenizer import IncrementalDetokenizer
+        from gateway.detokenizer import IncrementalDetokenizer
 
         self._llm = llm
         self.request_id = request_id

@@ -17,12 +17,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", default=DEFAULT_REDIS, help=f"Redis URL (default {DEFAULT_REDIS})")
     p.add_argument("--redis-prefix", default="tokenwire")
     p.add_argument("--gateway-id", default="", help="id workers know this gateway by (default gw-host-pid)")
-    p.add_argument(
-        "--model",
-        action="append",
-        default=[],
-        help="checkpoint (or default model name) whose tokenizer serves text prompts; repeatable",
-    )
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
     p.add_argument("--missed-heartbeats", type=int, default=3, help="silent intervals before a peer is gone")
     p.add_argument("--max-inflight", type=int, default=4096, help="requests in flight, whole gateway")
@@ -56,7 +50,6 @@ def run(args: argparse.Namespace) -> int:
             max_inflight=args.max_inflight,
             max_inflight_per_client=args.max_inflight_per_client,
             no_worker_timeout_s=args.no_worker_timeout,
-            tokenizer_models=args.model,
         )
     )
     gw.notifier = Notifier()

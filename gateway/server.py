@@ -16,6 +16,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import zmq
+from tokenizers import Tokenizer
 
 import protocol
 from gateway.discovery import Discovery
@@ -47,7 +48,6 @@ class GatewayConfig:
     max_inflight_per_client: int = 1024
     # How long a request may wait for a worker to serve it before it fails.
     no_worker_timeout_s: float = 10.0
-    tokenizer_models: list[str] = field(default_factory=list)
 
 
 @dataclass(eq=False, slots=True)
@@ -83,7 +83,7 @@ class Gateway:
         self.frontend.bind(config.bind)
         self.address = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
         self.gateway_id = config.gateway_id or f"gw-{socket.gethostname()}-{os.getpid()}"
-        self.tokenizers = Tokenizers(config.tokenizer_models)
+        self.tokenizers = Tokenizers()
         self.stop = threading.Event()
         self.discovery = Discovery(
             config.redis_url,
@@ -242,25 +242,12 @@ class Gateway:
             served = sorted({m for w in ready for m in w.models})
             return refuse(ErrorCode.UNKNOWN_MODEL, f"no worker serves model {model!r}; served: {served}")
         if model is None and msg.prompt is not None:
-            # Text needs a tokenizer, so settle the model now: the one most workers serve,
-            # or, before any worker is ready, the first model this gateway has a tokenizer for.
-            names = [m for w in ready for m in w.models[:1]] or self.tokenizers.names()[:1]
+            # Text is tokenized for one model: the one most ready workers serve. With none
+            # ready yet, the first worker to take the request settles it.
+            names = [m for w in ready for m in w.models[:1]]
             model = max(set(names), key=names.count) if names else None
-        tokenizer = self.tokenizers.get(model) if model is not None else None
-        if msg.prompt is not None:
-            if tokenizer is None:
-                return refuse(
-                    ErrorCode.INVALID_REQUEST,
-                    f"this gateway has no tokenizer for model {model!r}: send input_token_ids, "
-                    "or start the gateway with --model for it",
-                )
-            ids = tokenizer.encode(msg.prompt).ids
-            if not ids:
-                return refuse(ErrorCode.INVALID_REQUEST, "the prompt encodes to no tokens")
-            msg = msg.model_copy(update={"prompt": None, "input_token_ids": ids})
-        stream = OutputStream(
-            tokenizer, msg.stop or [], msg.num_return_sequences, beam_search=msg.sampling_config.beam_width > 1
-        )
+        # Its tokenizer comes with the worker it is dispatched to.
+        stream = OutputStream(None, msg.stop or [], msg.num_return_sequences, msg.sampling_config.beam_width > 1)
         req = _Request(msg.request_id, client, msg, stream, model)
         self.requests[req.request_id] = req
         self.metrics.accepted(req.request_id)
@@ -287,19 +274,32 @@ class Gateway:
         if link is None:
             self.waiting.append(req)
             return
-        problem = self._check_fits(req.submit, link)
+        req.model = req.model or (link.models[0] if link.models else None)
+        tokenizer = self.tokenizers.get(req.model) if req.model is not None else None
+        prompt = req.submit.prompt
+        problem = None if prompt is None else self._tokenize(req, prompt, tokenizer)
+        problem = problem or self._check_fits(req.submit, link)
         if problem:
             self._fail(req, ErrorCode.INVALID_REQUEST, problem)
             return
-        req.model = req.model or (link.models[0] if link.models else None)
-        if req.stream.tokenizer is None and req.model is not None:
-            req.stream.tokenizer = self.tokenizers.get(req.model)
+        req.stream.tokenizer = req.stream.tokenizer or tokenizer
         req.worker = link
         req.dispatches += 1
         link.requests.add(req.request_id)
         link.sent_since_load += 1
         wire = req.submit.model_copy(update={"model": req.model, "stop": None})
         link.socket.send(protocol.encode(wire, self.limits))
+
+    @staticmethod
+    def _tokenize(req: _Request, prompt: str, tokenizer: Tokenizer | None) -> str | None:
+        """Replace the text prompt by its token ids; what is wrong, or None."""
+        if tokenizer is None:
+            return f"no tokenizer for model {req.model!r} (its worker sent none): send input_token_ids"
+        ids = tokenizer.encode(prompt).ids
+        if not ids:
+            return "the prompt encodes to no tokens"
+        req.submit = req.submit.model_copy(update={"prompt": None, "input_token_ids": ids})
+        return None
 
     @staticmethod
     def _check_fits(msg: protocol.Submit, link: WorkerLink) -> str | None:
@@ -406,6 +406,9 @@ class Gateway:
                 link.vocab_size = msg.vocab_size
                 link.max_seq_len = msg.max_seq_len
                 link.update_load(msg.load)
+                if msg.tokenizer_json is not None:
+                    for model in msg.models:
+                        self.tokenizers.add(model, msg.tokenizer_json)
                 log.info("worker %s ready: %s", link.worker_id, msg.models)
 
     def _results(self, link: WorkerLink, responses: list[protocol.Response]) -> None:

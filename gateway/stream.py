@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 
 import protocol
+from gateway.detokenizer import IncrementalDetokenizer
 from protocol import FinishReason
-from worker.models.detokenizer import IncrementalDetokenizer
 
 
 @dataclass(slots=True)

@@ -71,6 +71,9 @@ class Ready(Message):
     vocab_size: int | None = Field(None, ge=1)
     max_seq_len: int | None = Field(None, ge=1)  # prompt + generated tokens
     load: WorkerLoad | None = None
+    # A worker's model's tokenizer, as the `tokenizers` library's JSON (UTF-8): a
+    # gateway tokenizes and detokenizes with it and needs no copy of the checkpoint.
+    tokenizer_json: bytes | None = None
 
 
 class Drain(Message):

@@ -116,12 +116,12 @@ class Worker(Proc):
 
 
 class Gateway(Proc):
-    def __init__(self, name: str, model: Path, redis_url: str, log_dir: Path, *extra: str) -> None:
+    def __init__(self, name: str, redis_url: str, log_dir: Path, *extra: str) -> None:
         self.port = free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.gateway_id = name
         args = [
-            "--bind", self.endpoint, "--redis", redis_url, "--gateway-id", name, "--model", str(model),
+            "--bind", self.endpoint, "--redis", redis_url, "--gateway-id", name,
             "--heartbeat-interval", str(HEARTBEAT_S), "--missed-heartbeats", str(MISSED), *extra,
         ]  # fmt: skip
         super().__init__(name, "gateway", args, log_dir)
@@ -148,7 +148,7 @@ class Stack:
         return w
 
     def gateway(self, *extra: str) -> Gateway:
-        g = Gateway(f"gateway{len(self.gateways)}", self.model, self.redis_url, self.log_dir, *extra)
+        g = Gateway(f"gateway{len(self.gateways)}", self.redis_url, self.log_dir, *extra)
         self.gateways.append(g)
         return g
 

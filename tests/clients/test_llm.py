@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 
 from clients.llm import LLM, GenerationError, SamplingParams
+from gateway.detokenizer import IncrementalDetokenizer
 from tests.checkpoints import build_tokenizer, make_checkpoint
 from worker.executor import ExecutorConfig, FinishReason, KvCacheConfig
-from worker.models.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,10 @@ def notify(monkeypatch: pytest.MonkeyPatch) -> Iterator[NotifySocket]:
         yield ns
 
 
-def test_ready_only_once_redis_is_reached(notify, service_model, redis_server_factory, tmp_path):
+def test_ready_only_once_redis_is_reached(notify, redis_server_factory, tmp_path):
     server = redis_server_factory()
     server.stop()  # its port is kept: started again below, at the same URL
-    gateway = Gateway("gw", service_model, server.url, tmp_path)
+    gateway = Gateway("gw", server.url, tmp_path)
     try:
         gateway.wait_log("listening at", timeout=30)
         while (fields := notify.receive(timeout=1.5)) is not None:

@@ -170,6 +170,7 @@ MESSAGES: dict[str, st.SearchStrategy[p.Message]] = {
         vocab_size=_maybe(st.integers(1, 1 << 20)),
         max_seq_len=_maybe(st.integers(1, 1 << 20)),
         load=_maybe(worker_loads),
+        tokenizer_json=_maybe(st.binary(max_size=64)),
     ),
     "drain": st.builds(p.Drain, sender_id=names, deadline_s=_maybe(st.floats(0.0, 1e6))),
     "worker_info": st.builds(

@@ -4,8 +4,9 @@ One forward runs a packed batch (context chunks and generation tokens together).
 Each layer writes the new tokens' K/V into their cache slots first, then every token
 attends to its own sequence's cached keys at positions <= its own. Generation tokens
 (one per sequence) are attended all at once: their block tables gather the cache into a
-dense [B, L, kv_heads, head_dim] copy with one `np.take` (a third of fancy indexing's time), followed by a batched masked
-softmax. A multi-token chunk is attended per sequence, as one causal-masked matmul.
+dense [B, L, kv_heads, head_dim] copy with one `np.take` (faster than fancy indexing),
+followed by a batched masked softmax. A multi-token chunk is attended per sequence, as
+one causal-masked matmul.
 """
 
 from __future__ import annotations

@@ -86,6 +86,8 @@ class WorkerService:
         self.worker_id = config.worker_id or f"{socket.gethostname()}:{port}"
         self.sender_id = self.worker_id
         self.table = ActiveTable()
+        tokenizer = executor.tokenizer
+        self._tokenizer_json = None if tokenizer is None else tokenizer.to_str().encode()
         self.gateways: dict[bytes, _Gateway] = {}
         self.stop = threading.Event()
         info = protocol.WorkerInfo(
@@ -286,6 +288,7 @@ class WorkerService:
                     vocab_size=mc.vocab_size,
                     max_seq_len=self.executor.max_seq_len,
                     load=self.load(),
+                    tokenizer_json=self._tokenizer_json,
                 ),
             )
         elif isinstance(msg, protocol.Heartbeat | protocol.Drain):
@@ -367,6 +370,7 @@ class WorkerService:
         """One result batch per gateway for what the executor produced since the last call."""
         batches: dict[bytes, list[protocol.Response]] = defaultdict(list)
         finished: list[tuple[Active, protocol.Response]] = []
+        chunks: list[tuple[object, int]] = []
         with self.table.lock:
             for r in responses:
                 entry = self.table.get(r.request_id)
@@ -376,12 +380,14 @@ class WorkerService:
                 if r.result is not None:
                     n = sum(len(t) for t in r.result.output_token_ids)
                     entry.output_tokens += n
-                    self.metrics.streams.tokens(entry.exec_id, n)
+                    chunks.append((entry.exec_id, n))
                 batches[entry.gateway].append(wire)
                 if wire.is_final:
-                    self.metrics.finished(entry.exec_id, outcome(wire))
                     self.table.remove(entry)
                     finished.append((entry, wire))
+        self.metrics.streams.tokens(chunks)  # before finished() forgets the streams' timings
+        for entry, wire in finished:
+            self.metrics.finished(entry.exec_id, outcome(wire))
         load = self.load()
         step = self.limits.max_array_len
         for gateway, items in batches.items():
