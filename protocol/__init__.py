@@ -2,7 +2,7 @@
 limits, and the names of Redis keys. Imports nothing else of tokenwire."""
 
 from protocol.base import Message, WireModel
-from protocol.codec import KINDS, VERSION, decode, encode, unpack
+from protocol.codec import KINDS, VERSION, decode, encode, encode_payload, unpack
 from protocol.control import Cancel, Drain, ErrorCode, ErrorReply, Heartbeat, Hello, Ready
 from protocol.errors import ProtocolError
 from protocol.keys import CANCEL_TTL_S, DEFAULT_PREFIX, Keys
@@ -44,5 +44,6 @@ __all__ = [
     "WorkerLoad",
     "decode",
     "encode",
+    "encode_payload",
     "unpack",
 ]

@@ -48,15 +48,26 @@ def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
     receiver fills them back in), which keeps hot-path messages short."""
     try:
         payload = msg.model_dump(context=WIRE_CONTEXT, exclude_defaults=True)
-        data: bytes = msgpack.packb([VERSION, msg.kind, payload], use_bin_type=True)
     except (PydanticSerializationError, OverflowError, ValueError, TypeError) as e:
         # e.g. rows of unequal length to pack, or an integer beyond 64 bits
         raise ProtocolError(f"cannot encode {msg.kind}: {e}", kind=msg.kind) from None
+    return encode_payload(msg.kind, payload, limits, request_id=getattr(msg, "request_id", None))
+
+
+def encode_payload(kind: str, payload: dict[str, Any], limits: Limits = DEFAULT_LIMITS,
+                   request_id: str | None = None) -> bytes:
+    """Serialize a payload already in wire form (what `encode` makes of a model's
+    fields). For a sender's hot path that builds it directly; the receiver validates
+    it like any other message."""
+    try:
+        data: bytes = msgpack.packb([VERSION, kind, payload], use_bin_type=True)
+    except (OverflowError, ValueError, TypeError) as e:
+        raise ProtocolError(f"cannot encode {kind}: {e}", kind=kind) from None
     if len(data) > limits.max_message_bytes:
         raise ProtocolError(
-            f"{msg.kind} message is {len(data)} bytes; the limit is {limits.max_message_bytes}",
-            kind=msg.kind,
-            request_id=getattr(msg, "request_id", None),
+            f"{kind} message is {len(data)} bytes; the limit is {limits.max_message_bytes}",
+            kind=kind,
+            request_id=request_id,
         )
     return data
 

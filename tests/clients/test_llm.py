@@ -9,8 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from clients.llm import LLM, GenerationError, SamplingParams
-from gateway.detokenizer import IncrementalDetokenizer
-from tests.checkpoints import build_tokenizer, make_checkpoint
+from tests.checkpoints import make_checkpoint
 from worker.executor import ExecutorConfig, FinishReason, KvCacheConfig
 
 
@@ -76,15 +75,3 @@ def test_invalid_request_raises_a_clear_error(llm: LLM) -> None:
 def test_chat_template_renders_messages(llm: LLM) -> None:
     text = llm.apply_chat_template([{"role": "user", "content": "hi"}])
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-
-
-def test_incremental_detokenizer_is_exact_across_multibyte_characters() -> None:
-    tok = build_tokenizer()
-    text = "héllo wörld — ünïcode 🙂 and 漢字 text 🙂🙂"
-    ids = tok.encode(text).ids
-    assert len(ids) > len(text) // 3  # byte-level pieces split the multi-byte characters
-    detok = IncrementalDetokenizer(tok)
-    deltas = [detok.add([t]) for t in ids]
-    detok.flush()
-    assert "".join(deltas) == text == detok.text
-    assert not any("\ufffd" in d for d in deltas)

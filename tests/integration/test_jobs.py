@@ -225,6 +225,8 @@ def test_cancel_queued_and_running_jobs_and_deadlines(long_model: Path, redis_se
         while s.queue.status(running) != JobStatus.RUNNING or s.load(s.workers[0]).num_active_requests != 1:
             assert time.monotonic() < deadline, f"job not running: {s.queue.info(running)}"
             time.sleep(0.05)
+        # The consumer reads the workers' load every 0.25 s: let it see the busy slot first.
+        time.sleep(0.5)
         queued = s.queue.submit(_prompt(1), **SHORT)
         expiring = s.queue.submit(_prompt(2), deadline_s=1.0, **SHORT)
         time.sleep(0.5)

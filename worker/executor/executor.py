@@ -537,6 +537,8 @@ class Executor:
         beams: dict[int, _Entry] = {}
         if out is not None:
             now = time.monotonic()
+            # Python numbers once per step, not a numpy scalar per row.
+            tokens, log_probs = out.token_ids.tolist(), out.log_probs.tolist()
             for row, (seq, pos) in enumerate(zip(step.samplers, step.positions, strict=True)):
                 if seq.is_finished:
                     continue  # cancelled, or finished a step earlier: a token nobody wants
@@ -547,10 +549,9 @@ class Executor:
                     seq.candidates = (out.top_tokens[row], out.top_log_probs[row])
                     beams[seq.request_id] = self._entries[seq.request_id]
                     continue
-                token = int(out.token_ids[row])
-                seq.token_ids[pos] = token
+                seq.token_ids[pos] = tokens[row]
                 seq.num_pending -= 1
-                seq.log_probs.append(float(out.log_probs[row]))
+                seq.log_probs.append(log_probs[row])
                 top_n = seq.request.output_config.top_n_log_probs
                 if top_n:
                     assert out.top_tokens is not None and out.top_log_probs is not None
@@ -708,10 +709,12 @@ class Executor:
             self.scheduler.remove(seq)
             seq.state = RequestState.FINISHED
             entry.done += 1
-        generated = seq.generated
+        # Sliced straight from token_ids: copying all generated tokens first would make
+        # every streamed step cost as much as the stream is long.
+        num_generated = seq.num_known - seq.num_prompt_tokens
         first = 0 if not request.streaming or request.return_all_generated_tokens else seq.num_emitted
-        new, lps = generated[first:], seq.log_probs[first:]
-        seq.num_emitted = len(generated)
+        new, lps = seq.token_ids[seq.num_prompt_tokens + first : seq.num_known], seq.log_probs[first:]
+        seq.num_emitted = num_generated
         out_cfg = request.output_config
         output = new if out_cfg.exclude_input_from_output else seq.token_ids[: seq.num_prompt_tokens] + new
         want_lp = out_cfg.return_log_probs
@@ -723,11 +726,11 @@ class Executor:
             is_sequence_final=final,
             cum_log_probs=[float(np.sum(seq.log_probs))] if want_lp else None,
             log_probs=[lps] if want_lp else None,
-            top_token_ids=[seq.top_token_ids[first : len(generated)]] if out_cfg.top_n_log_probs else None,
-            top_log_probs=[seq.top_log_probs[first : len(generated)]] if out_cfg.top_n_log_probs else None,
+            top_token_ids=[seq.top_token_ids[first:num_generated]] if out_cfg.top_n_log_probs else None,
+            top_log_probs=[seq.top_log_probs[first:num_generated]] if out_cfg.top_n_log_probs else None,
             context_logits=np.stack(seq.context_logits) if final and seq.context_logits else None,
-            generation_logits=(np.stack(seq.generation_logits[first : len(generated)])[None]
-                               if out_cfg.return_generation_logits and len(generated) > first else None),
+            generation_logits=(np.stack(seq.generation_logits[first:num_generated])[None]
+                               if out_cfg.return_generation_logits and num_generated > first else None),
         )
         if result.is_final:
             del self._entries[seq.request_id]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import sys
@@ -81,6 +80,9 @@ def model_name_of(path: Path) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+GIL_SWITCH_INTERVAL_S = 0.0002
+
+
 def build_executor(
     args: argparse.Namespace, on_iteration: Callable[[], None] | None = None
 ) -> tuple[Executor, Path]:
@@ -99,13 +101,13 @@ def build_executor(
     )
     if args.backend != "echo":
         return Executor(path, config, on_iteration=on_iteration), path
-    from worker.models.config import ModelConfig
+    from worker.models.loader import load_model
     from worker.service.echo_backend import EchoBackend
 
     logging.getLogger(__name__).warning("echo backend: TRANSPORT TEST ONLY, no model runs")
-    hf_config = json.loads((path / "config.json").read_text())
-    backend = EchoBackend(ModelConfig.from_hf(hf_config))
-    return Executor(path, config, backend=backend, on_iteration=on_iteration), path
+    meta = load_model(path, load_weights=False)  # config and tokenizer: gateways detokenize as usual
+    backend = EchoBackend(meta.config)
+    return Executor(path, config, backend=backend, tokenizer=meta.tokenizer, on_iteration=on_iteration), path
 
 
 def _loop_alive(ping: Callable[[], None], hang_after_s: float | None) -> Callable[[], None]:
@@ -132,6 +134,10 @@ def run(args: argparse.Namespace) -> int:
 
     apply_config(args)
     setup_logging("worker", args.log_level, args.log_format)
+    # The executor thread is the critical path, and the pump, socket and Redis threads
+    # share its GIL: with Python's 5 ms switch interval one of them can keep it waiting
+    # that long. 0.2 ms measured 11% more tokens/s through the service on an H200.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     exit_on_thread_crash()
     notifier = Notifier()
     notifier.status(f"loading {args.model}")

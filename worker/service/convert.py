@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 import protocol
+from protocol.packed import WIRE_CONTEXT, pack_ints
 from worker.executor import types as ex
 
 
@@ -57,6 +58,41 @@ def to_wire_response(request_id: str, response: ex.Response) -> protocol.Respons
     )
     return protocol.Response.model_construct(
         request_id=request_id, result=result, error_msg=None, client_id=response.client_id
+    )
+
+
+def to_wire_payload(request_id: str, response: ex.Response) -> dict[str, Any]:
+    """What `protocol.encode` makes of to_wire_response(request_id, response), built
+    directly for a result of tokens and finish state alone: the pump runs this for
+    every streamed token, and the models' serializer costs several times more.
+    Anything else (errors, log probs, logits) takes that serializer."""
+    r = response.result
+    if r is None or not _tokens_only(r):
+        return to_wire_response(request_id, response).model_dump(context=WIRE_CONTEXT, exclude_defaults=True)
+    # Field order and the defaults left out follow protocol.Result and protocol.Response.
+    result: dict[str, Any] = {
+        "is_final": r.is_final,
+        "output_token_ids": [pack_ints(ids) for ids in r.output_token_ids],
+        "finish_reasons": [int(f) for f in r.finish_reasons],
+    }
+    if r.sequence_index:
+        result["sequence_index"] = r.sequence_index
+    if r.is_sequence_final:
+        result["is_sequence_final"] = True
+    payload: dict[str, Any] = {"request_id": request_id, "result": result}
+    if response.client_id is not None:
+        payload["client_id"] = response.client_id
+    return payload
+
+
+def _tokens_only(r: ex.Result) -> bool:
+    return (
+        r.cum_log_probs is None
+        and r.log_probs is None
+        and r.top_token_ids is None
+        and r.top_log_probs is None
+        and r.context_logits is None
+        and r.generation_logits is None
     )
 
 

@@ -1,0 +1,50 @@
+"""The pump's direct wire form of a result is byte for byte what the protocol models
+would encode, so gateways validate it like any other message."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import protocol
+from protocol.packed import WIRE_CONTEXT
+from worker.executor import types as ex
+from worker.service.convert import to_wire_payload, to_wire_response
+
+F = ex.FinishReason
+RESPONSES = {
+    "streamed token": ex.Response(1, ex.Result(False, [[42]], [F.NOT_FINISHED])),
+    "several tokens": ex.Response(1, ex.Result(False, [[1, 2, 3]], [F.NOT_FINISHED])),
+    "final": ex.Response(2, ex.Result(True, [[7]], [F.LENGTH], is_sequence_final=True)),
+    "no new tokens": ex.Response(2, ex.Result(True, [[]], [F.CANCELLED], is_sequence_final=True)),
+    "returned sequence": ex.Response(3, ex.Result(False, [[5]], [F.END_ID], sequence_index=2, is_sequence_final=True)),
+    "client id": ex.Response(4, ex.Result(False, [[9]], [F.NOT_FINISHED]), client_id=2**63),
+    "beams": ex.Response(5, ex.Result(True, [[1, 2], [1, 3]], [F.END_ID, F.LENGTH], is_sequence_final=True)),
+    "log probs": ex.Response(6, ex.Result(False, [[4]], [F.NOT_FINISHED], cum_log_probs=[-0.5], log_probs=[[-0.5]])),
+    "top tokens": ex.Response(
+        6, ex.Result(False, [[4]], [F.NOT_FINISHED], top_token_ids=[[[4, 8]]], top_log_probs=[[[-0.125, -2.5]]])
+    ),
+    "logits": ex.Response(
+        7, ex.Result(True, [[4]], [F.LENGTH], is_sequence_final=True, generation_logits=np.zeros((1, 1, 3), np.float32))
+    ),
+    "error": ex.Response(8, error_msg="prompt too long", client_id=3),
+}
+
+
+@pytest.mark.parametrize("name", RESPONSES)
+def test_payload_is_what_the_model_encodes_to(name: str) -> None:
+    response = RESPONSES[name]
+    model = to_wire_response(f"req-{name}", response)
+    assert to_wire_payload(f"req-{name}", response) == model.model_dump(context=WIRE_CONTEXT, exclude_defaults=True)
+
+
+def test_a_batch_encodes_to_the_same_bytes_and_validates() -> None:
+    names = list(RESPONSES)
+    load = protocol.WorkerLoad(num_active_requests=3, free_num_blocks=10, max_num_blocks=64)
+    payloads = [to_wire_payload(n, RESPONSES[n]) for n in names]
+    fast = protocol.encode_payload(
+        protocol.ResultBatch.kind, {"responses": payloads, "load": load.model_dump(exclude_defaults=True)}
+    )
+    models = protocol.ResultBatch(responses=[to_wire_response(n, RESPONSES[n]) for n in names], load=load)
+    assert fast == protocol.encode(models)
+    assert protocol.decode(fast) == models
