@@ -1,7 +1,7 @@
 """The service path against the executor in process, same workload, same run.
 
 (a) On the default model (each path runs the workload TOKENWIRE_BENCH_SERVICE_REPEATS
-times, default 2, with new prompts each time, on one warm Executor or stack; the
+times, default 3, with new prompts each time, on one warm Executor or stack; the
 fastest run of each is shown): N concurrent streaming requests of P prompt tokens and
 O output tokens (EOS banned with min_tokens), first on an Executor in this
 process, then through one gateway and one worker on loopback (real processes,
@@ -41,7 +41,7 @@ TITLE = "service: in process vs gateway + worker on loopback; gateway transport 
 REQUESTS = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_REQUESTS", "64"))
 PROMPT = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_PROMPT", "128"))
 OUTPUT = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_OUTPUT", "128"))
-REPEATS = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_REPEATS", "2"))
+REPEATS = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_REPEATS", "3"))
 ECHO_WORKLOADS = ((64, 1024), (256, 512))  # (concurrent streams, tokens each)
 REPO = Path(__file__).resolve().parents[1]
 
