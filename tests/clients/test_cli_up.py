@@ -1,0 +1,82 @@
+"""`tokenwire up` (what `make run` runs): a worker and a gateway as child processes, a
+streamed demo, then serving requests until Ctrl-C, which stops every child."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from clients.client import Client
+from tests.procs import REPO, free_port
+
+
+def _lines(proc: subprocess.Popen[str]) -> queue.Queue[str]:
+    out: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return out
+
+
+def _read_until(lines: queue.Queue[str], marker: str, timeout: float) -> str:
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        seen.append(line)
+        if marker in line:
+            return "".join(seen)
+    raise AssertionError(f"no {marker!r} within {timeout} s; output so far:\n{''.join(seen)}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def test_up_runs_a_demo_serves_and_stops_on_ctrl_c(service_model: Path, redis_url: str) -> None:
+    ports = [free_port(), free_port()]
+    gateway = f"tcp://127.0.0.1:{ports[0]}"
+    args = [sys.executable, "-m", "clients.cli", "up", "--model", str(service_model), "--redis", redis_url,
+            "--gateway-bind", gateway, "--worker-bind", f"tcp://127.0.0.1:{ports[1]}",
+            "--backend", "numpy", "--max-tokens", "6"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = _lines(proc)
+        out = _read_until(lines, "serving;", timeout=90)
+        assert "tokenwire is up" in out
+        assert re.search(r"\[[1-6] tokens in [0-9.]+ s, first token after \d+ ms\]", out), out
+
+        # The gateway got its tokenizer from the worker: text prompts work.
+        with Client([gateway]) as client:
+            result = client.generate("The quick brown fox", max_tokens=4, min_tokens=4, temperature=0.0, timeout=30)
+        assert len(result.token_ids) == 4 and result.text
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert "stopping" in out + _read_until(lines, "stopping", timeout=5)
+        assert all(_bindable(port) for port in ports), "a child still holds its port"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
