@@ -15,8 +15,8 @@ order the requests arrived in, not on the transport.
 immediately, no model runs) behind one gateway, to find how many streamed
 tokens/s one gateway process routes (detokenizing as usual).
 
-Sizes: TOKENWIRE_BENCH_SERVICE_REQUESTS, _PROMPT, _OUTPUT; the defaults are the
-issue's workload, 64 x 128 / 128 (about two minutes for the four runs on a 2-core
+Sizes: TOKENWIRE_BENCH_SERVICE_REQUESTS, _PROMPT, _OUTPUT (_REPEATS above); the defaults are the
+issue's workload, 64 x 128 / 128 (about three minutes for the six runs on a 2-core
 CPU). All processes share this machine's cores, so the service path's figures
 include the gateway's and the client's use of the cores the model runs on.
 """
