@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,20 +29,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import SkipSection
+from bench import SkipSection, free_port
+from ops.process import stop_children
 
 TITLE = "jobs: N short jobs through Redis + consumer vs the same requests sent straight to the gateway"
 JOBS = int(os.environ.get("TOKENWIRE_BENCH_JOBS", "1000"))
 OUTPUT = int(os.environ.get("TOKENWIRE_BENCH_JOBS_OUTPUT", "2"))
 SLOTS = 64  # the worker's --max-batch-size: the consumer keeps at most this many jobs in flight
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class _Processes:
@@ -54,10 +47,10 @@ class _Processes:
         if binary is None:
             raise SkipSection("redis-server is not on PATH")
         self.dir = Path(tempfile.mkdtemp(prefix="tokenwire-jobs-bench-"))
-        port = _free_port()
+        port = free_port()
         self.redis_url = f"redis://127.0.0.1:{port}/0"
-        self.gateway = f"tcp://127.0.0.1:{_free_port()}"
-        worker = f"tcp://127.0.0.1:{_free_port()}"
+        self.gateway = f"tcp://127.0.0.1:{free_port()}"
+        worker = f"tcp://127.0.0.1:{free_port()}"
         self.procs: list[subprocess.Popen[bytes]] = []
         self._start("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(self.dir)])
         tw = [sys.executable, "-m"]
@@ -99,13 +92,7 @@ class _Processes:
             time.sleep(0.1)
 
     def close(self) -> None:
-        for p in reversed(self.procs):
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_children(self.procs, timeout_s=15)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

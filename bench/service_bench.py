@@ -27,7 +27,6 @@ import asyncio
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import SkipSection
+from bench import SkipSection, free_port
+from ops.process import stop_children
 
 TITLE = "service: in process vs gateway + worker on loopback; gateway transport ceiling"
 REQUESTS = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_REQUESTS", "64"))
@@ -167,7 +167,7 @@ class _Stack:
         if redis_server is None:
             raise SkipSection("redis-server is not on PATH")
         self.dir = tempfile.TemporaryDirectory(prefix="tokenwire-bench-")
-        ports = [_free_port() for _ in range(3)]
+        ports = [free_port() for _ in range(3)]
         self.redis = f"redis://127.0.0.1:{ports[0]}/0"
         self.gateway = f"tcp://127.0.0.1:{ports[2]}"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -186,21 +186,8 @@ class _Stack:
             env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
 
     def close(self) -> None:
-        for p in reversed(self.procs):
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_children(self.procs, timeout_s=10)
         self.dir.cleanup()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def through_service(model: Path, prompt_sets: list[list[list[int]]]) -> Run:

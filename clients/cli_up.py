@@ -17,6 +17,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from clients.cli import Subparsers
+from ops.process import stop_children
 
 DEMO_PROMPT = "In one sentence, what is a message queue?"
 
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         print("\nstopping")
         return 0
     finally:
-        _stop(children)
+        stop_children([proc for _, proc in children])
 
 
 def _redis_answers(url: str) -> bool:
@@ -193,13 +194,3 @@ def _demo(gateway: str, prompt: str, max_tokens: int) -> None:
     print(f"\n\n[{len(result.token_ids)} tokens in {total:.2f} s, first token after {ttft_ms:.0f} ms]\n")
 
 
-def _stop(children: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
-    for _, proc in reversed(children):
-        if proc.poll() is None:
-            proc.terminate()
-    for _, proc in reversed(children):
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

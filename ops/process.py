@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import threading
+from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -29,3 +31,17 @@ def exit_on_thread_crash() -> None:
         os._exit(1)
 
     threading.excepthook = crash
+
+
+def stop_children(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:
+    """SIGTERM each running child, the last started first (the gateway before the
+    worker it talks to), then wait for each; SIGKILL what outlives `timeout_s`."""
+    for proc in reversed(procs):
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in reversed(procs):
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -22,6 +22,7 @@ from pathlib import Path
 import redis
 
 import protocol
+from ops.process import stop_children
 
 HEARTBEAT_S = 0.25
 MISSED = 8  # a peer is declared gone after HEARTBEAT_S * MISSED = 2 s: tolerant of a loaded 2-core CI machine
@@ -77,13 +78,7 @@ class Proc:
             self.process.wait()
 
     def stop(self) -> int | None:
-        if self.alive:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_children([self.process])
         self._log.close()
         return self.process.returncode
 
