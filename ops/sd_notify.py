@@ -30,10 +30,6 @@ class Notifier:
         self._ready = False
         self._lock = threading.Lock()
 
-    @property
-    def enabled(self) -> bool:
-        return self._sock is not None
-
     def notify(self, *fields: str) -> None:
         """Send 'KEY=value' fields as one message; a failure is logged, never raised
         (losing a notification must not take the service down)."""

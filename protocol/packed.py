@@ -32,14 +32,6 @@ def pack_floats(values: Sequence[float]) -> bytes:
     return _pack("f", values)
 
 
-def unpack_ints(data: bytes) -> list[int]:
-    return _unpack("i", data)
-
-
-def unpack_floats(data: bytes) -> list[float]:
-    return _unpack("f", data)
-
-
 def _pack(typecode: str, values: Sequence[Any]) -> bytes:
     a = array(typecode, values)
     if not _LITTLE:
