@@ -7,6 +7,7 @@ numpy and torch but no redis, zmq or pydantic.
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import socket
@@ -98,10 +99,24 @@ class RedisServer:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A free loopback port below the kernel's ephemeral range. Tests stop Redis and
+    start it again on its port while clients keep reconnecting; a port inside the
+    range can be taken meanwhile by such a client's own connection to itself (TCP
+    simultaneous open picks the target port as the source port), and then the
+    restarted server cannot bind it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    while True:
+        port = rng.randrange(10000, max(low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def _ping(port: int) -> bool:
