@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from gateway.server import Gateway, GatewayConfig
     from ops.config import apply_config
     from ops.logs import setup_logging
-    from ops.process import exit_on_thread_crash
+    from ops.process import exit_on_thread_crash, settle_gc
     from ops.sd_notify import Notifier
 
     apply_config(args)
@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         gw.metrics.serve(args.metrics_host, args.metrics_port)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: gw.stop.set())
+    settle_gc()
     gw.serve()
     return 0
 

@@ -1,5 +1,6 @@
 """ops.process: a thread dying of an exception ends the process non-zero (so that
-systemd restarts it), with the reason in the log."""
+systemd restarts it), with the reason in the log; settle_gc keeps the loaded heap
+out of the collector's way."""
 
 from __future__ import annotations
 
@@ -28,3 +29,26 @@ def test_a_crashed_thread_ends_the_process_with_status_1() -> None:
     assert run.returncode == 1
     assert "still alive" not in run.stdout
     assert "thread worker-pump died: RuntimeError: the pump broke; exiting" in run.stderr
+
+
+SETTLE_SCRIPT = """
+import gc
+from ops.process import GC_YOUNG_THRESHOLD, settle_gc
+loaded = [[i] for i in range(10_000)]  # what a worker holds once loaded
+settle_gc()
+assert gc.get_freeze_count() >= len(loaded), gc.get_freeze_count()
+assert gc.get_threshold()[0] == GC_YOUNG_THRESHOLD
+before = gc.get_count()[0]
+made = [[i] for i in range(1000)]  # 1000 new containers: no young collection yet
+assert gc.get_count()[0] >= before + 1000, (before, gc.get_count())
+print("settled")
+"""
+
+
+def test_settle_gc_freezes_what_is_loaded_and_collects_young_objects_less_often() -> None:
+    # In a child: freezing is process-wide, and this test process must keep its own collector.
+    run = subprocess.run(
+        [sys.executable, "-c", SETTLE_SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=20, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "settled"

@@ -128,7 +128,7 @@ def _loop_alive(ping: Callable[[], None], hang_after_s: float | None) -> Callabl
 def run(args: argparse.Namespace) -> int:
     from ops.config import apply_config
     from ops.logs import setup_logging
-    from ops.process import exit_on_thread_crash
+    from ops.process import exit_on_thread_crash, settle_gc
     from ops.sd_notify import Notifier
     from worker.service.server import ServiceConfig, WorkerService
 
@@ -163,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: service.request_drain())
+    settle_gc()
     if args.metrics_port:
         service.metrics.serve(args.metrics_host, args.metrics_port)
     try:
