@@ -22,7 +22,12 @@ from worker.backends.base import SamplingBatch
 
 
 def _to(device: torch.device, a: object, dtype: torch.dtype) -> torch.Tensor:
-    return torch.as_tensor(a, dtype=dtype).to(device, non_blocking=True)
+    t = torch.as_tensor(a, dtype=dtype)
+    if device.type == "cuda":
+        # From pageable memory the driver may wait for the stream to drain before the
+        # copy; pinned (torch's caching host allocator), it is queued like a kernel.
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def _has(rows: np.ndarray | None) -> bool:
@@ -51,7 +56,11 @@ def process_logits(logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tenso
             values = values - _to(device, s.frequency_penalty, torch.float32)[rows] * counts
         logits[rows, tokens] = values
     if s.ban_rows.size:
-        logits[_to(device, s.ban_rows, torch.int64), _to(device, s.ban_tokens, torch.int64)] = float("-inf")
+        # A Python scalar assigned through advanced indexing is first copied to the device
+        # by value, and that copy waits for the stream: the host would stall until the
+        # step's forward ends. index_fill_ takes the scalar as it is.
+        flat = s.ban_rows * logits.shape[1] + s.ban_tokens
+        logits.view(-1).index_fill_(0, _to(device, flat, torch.int64), float("-inf"))
     if _has(s.mask_rows):
         # Bit j of int32 word w allows token 32 w + j (arithmetic shift, then & 1, reads any bit).
         words = _to(device, s.token_mask, torch.int32)
@@ -108,7 +117,7 @@ def _sample_rows(logits: torch.Tensor, sampling: SamplingBatch, rows: np.ndarray
         k < vocab, desc.gather(1, (k - 1)[:, None])[:, 0], torch.full_like(temperature, float("-inf"))
     )
     use_p = top_p < 1.0
-    if bool(use_p.any()):
+    if (sampling.top_p[rows] < 1.0).any():  # asked of the host copy: the device's would wait for the stream
         rank = torch.arange(vocab, device=device)[None, :]
         desc = desc.masked_fill(rank >= k[:, None], float("-inf"))
         probs = torch.softmax(desc, dim=-1)

@@ -1,5 +1,7 @@
 """The torch sampler applies the numpy reference's bias, penalties, bans and
-grammar mask, so both backends pick the same tokens from the same logits."""
+grammar mask, so both backends pick the same tokens from the same logits; on a
+GPU it queues its work without waiting for the device (overlapped scheduling
+prepares the next step meanwhile)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from dataclasses import replace  # noqa: E402
 
 from worker.backends.base import SamplingBatch  # noqa: E402
 from worker.backends.numpy_sampler import sample  # noqa: E402
@@ -58,3 +62,24 @@ def test_processed_logits_and_tokens_match_the_numpy_reference(device: str) -> N
     plain = sample(logits, SamplingBatch(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
                                          sampling.uniform, sampling.ban_rows, sampling.ban_tokens))
     assert (plain.token_ids != want.token_ids).sum() > rows // 4, "the new fields changed little: a weak test"
+
+
+@pytest.mark.gpu
+def test_sampling_on_the_gpu_never_waits_for_the_device() -> None:
+    from worker.backends.torch_sampler import sample_all
+
+    rng = np.random.default_rng(5)
+    rows, vocab = 48, 300
+    sampling = replace(random_batch(rng, rows, vocab), top_n=3)
+    logits = torch.from_numpy((rng.standard_normal((rows, vocab)) * 3).astype(np.float32)).to("cuda")
+    sample_all(logits, sampling)  # first use: allocations, kernel loading
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising call raises
+    try:
+        ids, log_probs, top = sample_all(logits, sampling)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = sample(logits.cpu().numpy(), sampling)
+    np.testing.assert_array_equal(ids.cpu().numpy(), want.token_ids)
+    np.testing.assert_allclose(log_probs.cpu().numpy(), want.log_probs, atol=1e-5)
+    assert top is not None and top[0].shape == (rows, 3)
