@@ -1,5 +1,7 @@
 """Encode and decode throughput of the wire format, for the messages that matter:
-a submit, a single-token streaming result, and a 64-request result batch."""
+a submit, a single-token streaming result, and a 64-request result batch, whole
+and as workers send it (the streamed steps in columns; its decode includes
+expanding them into Responses, as a gateway does)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,20 @@ def result_batch(n: int) -> p.Message:
     return p.ResultBatch(responses=responses, load=load)
 
 
+def streamed_batch(n: int) -> p.Message:
+    columns = p.StreamedTokens(
+        request_ids=[f"client-7f3a:{i:06d}" for i in range(n)], counts=[1] * n, token_ids=[1000 + i for i in range(n)]
+    )
+    load = p.WorkerLoad(num_queued_requests=3, num_active_requests=n, free_num_blocks=812, max_num_blocks=4096)
+    return p.ResultBatch(streamed=columns, load=load)
+
+
+def _decode_all(wire: bytes) -> object:
+    msg = p.decode(wire)
+    assert isinstance(msg, p.ResultBatch)
+    return msg.all_responses()
+
+
 def per_call_seconds(fn: Callable[[], object]) -> float:
     """Best of five timed runs, each at least MIN_SECONDS / 5 long."""
     fn()
@@ -61,17 +77,18 @@ def per_call_seconds(fn: Callable[[], object]) -> float:
 
 def table() -> tuple[list[str], list[list[str]]]:
     cases = [
-        ("submit (512 token ids)", submit(), 1),
-        ("result, 1 token", result_batch(1), 1),
-        ("result batch, 64 requests", result_batch(64), 64),
+        ("submit (512 token ids)", submit(), 1, p.decode),
+        ("result, 1 token", result_batch(1), 1, p.decode),
+        ("result batch, 64 requests", result_batch(64), 64, p.decode),
+        ("result batch, 64 streamed steps in columns", streamed_batch(64), 64, _decode_all),
     ]
     header = ["message", "bytes", "encode µs", "decode µs", "encode msg/s", "decode msg/s", "decode µs/resp"]
     rows = []
-    for name, msg, responses in cases:
+    for name, msg, responses, decode in cases:
         wire = p.encode(msg)
         assert p.decode(wire) == msg
         enc = per_call_seconds(partial(p.encode, msg))
-        dec = per_call_seconds(partial(p.decode, wire))
+        dec = per_call_seconds(partial(decode, wire))
         rows.append(
             [
                 name,

@@ -388,7 +388,7 @@ class Gateway:
             if isinstance(msg, protocol.ResultBatch):
                 link.update_load(msg.load)
                 try:
-                    self._results(link, msg.responses)
+                    self._results(link, msg.all_responses())
                 except Exception:
                     log.exception("results from worker %s failed", link.worker_id)
             elif isinstance(msg, protocol.Heartbeat):

@@ -9,7 +9,7 @@ from protocol.keys import CANCEL_TTL_S, DEFAULT_PREFIX, Keys
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.records import IterationStats, RequestStats, WorkerInfo, WorkerLoad
 from protocol.request import GuidedDecodingParams, OutputConfig, SamplingConfig, Submit
-from protocol.results import FinishReason, Logits, Response, Result, ResultBatch
+from protocol.results import FinishReason, Logits, Response, Result, ResultBatch, StreamedTokens
 
 __all__ = [
     "CANCEL_TTL_S",
@@ -38,6 +38,7 @@ __all__ = [
     "Result",
     "ResultBatch",
     "SamplingConfig",
+    "StreamedTokens",
     "Submit",
     "WireModel",
     "WorkerInfo",

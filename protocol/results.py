@@ -105,11 +105,54 @@ class Response(WireModel):
         return self.result is None or self.result.is_final
 
 
+class StreamedTokens(WireModel):
+    """Streamed steps in columns: entry i says request `request_ids[i]` produced the
+    next `counts[i]` of `token_ids`. Each stands for a Response whose result is
+    not final, is sequence 0's, carries no client id and holds tokens alone: what
+    almost every message of a streaming worker is. A worker builds three arrays
+    per step for its 64 streams several times faster than 64 Responses, and that
+    work shares the executor's GIL."""
+
+    request_ids: list[Name] = Field(max_length=DEFAULT_LIMITS.max_array_len)
+    counts: TokenIds
+    token_ids: TokenIds
+
+    @model_validator(mode="after")
+    def _columns_agree(self) -> Self:
+        if len(self.counts) != len(self.request_ids):
+            raise ValueError(f"{len(self.counts)} counts for {len(self.request_ids)} request ids")
+        if 0 in self.counts:
+            raise ValueError("a streamed step carries at least one token")
+        if sum(self.counts) != len(self.token_ids):
+            raise ValueError(f"counts add up to {sum(self.counts)} tokens; token_ids has {len(self.token_ids)}")
+        return self
+
+    def responses(self) -> list[Response]:
+        """The Responses these columns stand for."""
+        out = []
+        start = 0
+        for request_id, n in zip(self.request_ids, self.counts, strict=True):
+            # Validating constructors: in pydantic 2 model_construct costs twice as much.
+            tokens = self.token_ids[start : start + n]
+            result = Result(is_final=False, output_token_ids=[tokens], finish_reasons=[FinishReason.NOT_FINISHED])
+            out.append(Response(request_id=request_id, result=result))
+            start += n
+        return out
+
+
 class ResultBatch(Message):
     """The responses of one executor iteration for one peer, and the sender's load
-    (what gateways route on)."""
+    (what gateways route on). `streamed` holds the plain streamed steps in columns
+    (workers send them so); they happened before anything in `responses`."""
 
     kind: ClassVar[str] = "results"
 
-    responses: list[Response] = Field(max_length=DEFAULT_LIMITS.max_array_len)
+    responses: list[Response] = Field(default_factory=list, max_length=DEFAULT_LIMITS.max_array_len)
+    streamed: StreamedTokens | None = None
     load: WorkerLoad | None = None
+
+    def all_responses(self) -> list[Response]:
+        """Every response of the batch, the streamed steps first, in the order they happened."""
+        if self.streamed is None:
+            return self.responses
+        return self.streamed.responses() + self.responses

@@ -133,6 +133,18 @@ responses = st.one_of(
     st.builds(p.Response, request_id=names, error_msg=st.text(max_size=80)),
 )
 
+
+
+@st.composite
+def streamed_tokens(draw: st.DrawFn) -> p.StreamedTokens:
+    steps = draw(st.lists(st.tuples(names, st.lists(st.integers(0, INT32_MAX), min_size=1, max_size=4)), max_size=8))
+    return p.StreamedTokens(
+        request_ids=[rid for rid, _ in steps],
+        counts=[len(tokens) for _, tokens in steps],
+        token_ids=[t for _, tokens in steps for t in tokens],
+    )
+
+
 counts = st.integers(0, 1 << 40)
 worker_loads = st.builds(
     p.WorkerLoad,
@@ -147,7 +159,12 @@ millis = st.floats(0.0, 1e9)
 MESSAGES: dict[str, st.SearchStrategy[p.Message]] = {
     "submit": submits(),
     "cancel": st.builds(p.Cancel, request_id=names),
-    "results": st.builds(p.ResultBatch, responses=st.lists(responses, max_size=8), load=_maybe(worker_loads)),
+    "results": st.builds(
+        p.ResultBatch,
+        responses=st.lists(responses, max_size=8),
+        streamed=_maybe(streamed_tokens()),
+        load=_maybe(worker_loads),
+    ),
     "error": st.builds(
         p.ErrorReply,
         code=st.sampled_from(p.ErrorCode),

@@ -8,6 +8,7 @@ import msgpack
 import pytest
 
 import protocol as p
+from protocol.packed import pack_ints
 
 
 def decode_payload(kind: str, payload: Any) -> p.Message:
@@ -111,6 +112,36 @@ def test_result_fields_per_beam_must_agree():
     result = {"is_final": True, "output_token_ids": [b"", b""], "finish_reasons": [1]}
     with pytest.raises(p.ProtocolError, match="finish_reasons has 1 entries; output_token_ids has 2 beams"):
         decode_payload("results", {"responses": [{"request_id": "a", "result": result}]})
+
+
+def _ints(*values: int) -> bytes:
+    return pack_ints(values)
+
+
+@pytest.mark.parametrize(
+    ("streamed", "rule"),
+    [
+        ({"request_ids": ["a", "b"], "counts": _ints(1), "token_ids": _ints(7)}, "1 counts for 2 request ids"),
+        ({"request_ids": ["a"], "counts": _ints(0), "token_ids": b""}, "a streamed step carries at least one token"),
+        ({"request_ids": ["a"], "counts": _ints(2), "token_ids": _ints(7)}, "counts add up to 2 tokens; token_ids has 1"),
+        ({"request_ids": [""], "counts": _ints(1), "token_ids": _ints(7)}, "streamed.request_ids.0"),
+    ],
+)
+def test_streamed_columns_must_agree(streamed: dict[str, Any], rule: str):
+    with pytest.raises(p.ProtocolError, match=rule):
+        decode_payload("results", {"streamed": streamed})
+
+
+def test_streamed_columns_stand_for_responses_before_the_others():
+    final = {"is_final": True, "output_token_ids": [_ints(9)], "finish_reasons": [3], "is_sequence_final": True}
+    batch = decode_payload("results", {
+        "responses": [{"request_id": "a", "result": final}],
+        "streamed": {"request_ids": ["a", "b", "a"], "counts": _ints(2, 1, 1), "token_ids": _ints(5, 6, 7, 8)},
+    })  # fmt: skip
+    assert isinstance(batch, p.ResultBatch)
+    got = [(r.request_id, r.result.output_token_ids, r.result.is_final) for r in batch.all_responses() if r.result]
+    assert got == [("a", [[5, 6]], False), ("b", [[7]], False), ("a", [[8]], False), ("a", [[9]], True)]
+    assert all(r.result.finish_reasons == [p.FinishReason.NOT_FINISHED] for r in batch.all_responses()[:3] if r.result)
 
 
 def test_unknown_finish_reason_is_refused():

@@ -236,14 +236,16 @@ class Executor:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while True:
-                ready = [r for r in self._responses if wanted is None or r.request_id in wanted]
+                ready = self._responses if wanted is None else [r for r in self._responses if r.request_id in wanted]
                 if ready or self._shutdown:
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     break
                 self._lock.wait(remaining)
-            if ready:
+            if ready and wanted is None:
+                self._responses = []  # all taken (the worker's pump, every step)
+            elif ready:
                 taken = {id(r) for r in ready}
                 self._responses = [r for r in self._responses if id(r) not in taken]
         if id_or_ids is None or isinstance(id_or_ids, int):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -82,6 +84,77 @@ def to_wire_payload(request_id: str, response: ex.Response) -> dict[str, Any]:
     payload: dict[str, Any] = {"request_id": request_id, "result": result}
     if response.client_id is not None:
         payload["client_id"] = response.client_id
+    return payload
+
+
+def streamed_step(response: ex.Response) -> list[int] | None:
+    """The new tokens of a response that protocol.StreamedTokens can carry (a plain
+    streamed step: not final, sequence 0, no client id, tokens alone); None otherwise."""
+    r = response.result
+    if (
+        r is None
+        or r.is_final
+        or r.is_sequence_final
+        or r.sequence_index
+        or response.client_id is not None
+        or len(r.output_token_ids) != 1
+        or not r.output_token_ids[0]
+        or not _tokens_only(r)
+    ):
+        return None
+    return r.output_token_ids[0]
+
+
+class WireBatch:
+    """One gateway's share of a delivery, built as the wire wants it: plain streamed
+    steps in columns (protocol.StreamedTokens), every other response whole."""
+
+    __slots__ = ("counts", "request_ids", "responses", "token_ids")
+
+    def __init__(self) -> None:
+        self.request_ids: list[str] = []
+        self.counts: list[int] = []
+        self.token_ids: list[int] = []
+        self.responses: list[dict[str, Any]] = []
+
+    def add(self, request_id: str, response: ex.Response) -> None:
+        tokens = streamed_step(response)
+        if tokens is None:
+            self.responses.append(to_wire_payload(request_id, response))
+        else:
+            self.request_ids.append(request_id)
+            self.counts.append(len(tokens))
+            self.token_ids += tokens
+
+    def payloads(self, load: dict[str, Any], max_array_len: int) -> Iterator[dict[str, Any]]:
+        """ResultBatch payloads (what protocol.encode makes of the model), as many as
+        max_array_len needs. A request's streamed steps precede its other responses
+        (they did), so split batches send every column first."""
+        n, step = len(self.request_ids), max_array_len
+        if n <= step and len(self.responses) <= step:
+            yield _batch_payload(self.request_ids, self.counts, self.token_ids, self.responses, load)
+            return
+        ends = list(itertools.accumulate(self.counts))
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            tokens = self.token_ids[ends[a - 1] if a else 0 : ends[b - 1]]
+            yield _batch_payload(self.request_ids[a:b], self.counts[a:b], tokens, [], load)
+        for a in range(0, len(self.responses), step):
+            yield _batch_payload([], [], [], self.responses[a : a + step], load)
+
+
+def _batch_payload(
+    request_ids: list[str], counts: list[int], token_ids: list[int], responses: list[dict[str, Any]],
+    load: dict[str, Any],
+) -> dict[str, Any]:
+    # Field order and the defaults left out follow protocol.ResultBatch.
+    payload: dict[str, Any] = {}
+    if responses:
+        payload["responses"] = responses
+    if request_ids:
+        payload["streamed"] = {"request_ids": request_ids, "counts": pack_ints(counts),
+                               "token_ids": pack_ints(token_ids)}  # fmt: skip
+    payload["load"] = load
     return payload
 
 

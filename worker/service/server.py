@@ -16,7 +16,6 @@ import os
 import socket
 import threading
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import zmq
@@ -29,7 +28,7 @@ from protocol.limits import socket_turn
 from worker.executor import Executor
 from worker.executor import types as ex
 from worker.service.active import Active, ActiveTable
-from worker.service.convert import to_request, to_wire_payload, to_wire_response
+from worker.service.convert import WireBatch, to_request, to_wire_response
 from worker.service.redis_link import WorkerRedis
 
 log = logging.getLogger(__name__)
@@ -368,7 +367,7 @@ class WorkerService:
 
     def _deliver(self, responses: list[ex.Response], out: zmq.Socket, exec_stats: dict[int, object]) -> None:
         """One result batch per gateway for what the executor produced since the last call."""
-        batches: dict[bytes, list[dict[str, object]]] = defaultdict(list)
+        batches: dict[bytes, WireBatch] = {}
         finished: list[tuple[Active, protocol.Response]] = []
         chunks: list[tuple[object, int]] = []
         with self.table.lock:
@@ -376,22 +375,25 @@ class WorkerService:
                 entry = self.table.get(r.request_id)
                 if entry is None:
                     continue
-                batches[entry.gateway].append(to_wire_payload(entry.request_id, r))
-                if r.result is not None:
-                    n = sum(len(t) for t in r.result.output_token_ids)
+                batch = batches.get(entry.gateway)
+                if batch is None:
+                    batch = batches[entry.gateway] = WireBatch()
+                batch.add(entry.request_id, r)
+                result = r.result
+                if result is not None:
+                    ids = result.output_token_ids
+                    n = len(ids[0]) if len(ids) == 1 else sum(map(len, ids))
                     entry.output_tokens += n
                     chunks.append((entry.exec_id, n))
-                if r.result is None or r.result.is_final:
+                if result is None or result.is_final:
                     self.table.remove(entry)
                     finished.append((entry, to_wire_response(entry.request_id, r)))
         self.metrics.streams.tokens(chunks)  # before finished() forgets the streams' timings
         for entry, wire in finished:
             self.metrics.finished(entry.exec_id, outcome(wire))
         load = self.load().model_dump(exclude_defaults=True)
-        step = self.limits.max_array_len
-        for gateway, items in batches.items():
-            for start in range(0, len(items), step):
-                payload = {"responses": items[start : start + step], "load": load}
+        for gateway, batch in batches.items():
+            for payload in batch.payloads(load, self.limits.max_array_len):
                 out.send_multipart([gateway, protocol.encode_payload(protocol.ResultBatch.kind, payload, self.limits)])
         if finished:
             for s in self.executor.get_latest_request_stats():

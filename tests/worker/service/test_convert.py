@@ -1,5 +1,6 @@
 """The pump's direct wire form of a result is byte for byte what the protocol models
-would encode, so gateways validate it like any other message."""
+would encode, so gateways validate it like any other message; plain streamed steps
+travel in columns and stand for the same responses."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import protocol
 from protocol.packed import WIRE_CONTEXT
 from worker.executor import types as ex
-from worker.service.convert import to_wire_payload, to_wire_response
+from worker.service.convert import WireBatch, streamed_step, to_wire_payload, to_wire_response
 
 F = ex.FinishReason
 RESPONSES = {
@@ -48,3 +49,37 @@ def test_a_batch_encodes_to_the_same_bytes_and_validates() -> None:
     models = protocol.ResultBatch(responses=[to_wire_response(n, RESPONSES[n]) for n in names], load=load)
     assert fast == protocol.encode(models)
     assert protocol.decode(fast) == models
+
+
+COLUMNS = {"streamed token", "several tokens"}  # the plain streamed steps among RESPONSES
+
+
+def test_only_plain_streamed_steps_go_in_columns() -> None:
+    assert {name for name, r in RESPONSES.items() if streamed_step(r) is not None} == COLUMNS
+
+
+@pytest.mark.parametrize("max_array_len", [4096, 2])
+def test_a_wire_batch_stands_for_the_same_responses(max_array_len: int) -> None:
+    # Interleaved as a delivery may be: streamed steps of requests between others' results.
+    names = [n for n in RESPONSES if n not in COLUMNS]
+    order = [("s1", "streamed token"), *[(n, n) for n in names[:3]], ("s2", "several tokens"), ("s1", "streamed token"),
+             *[(n, n) for n in names[3:]]]  # fmt: skip
+    batch = WireBatch()
+    for request_id, name in order:
+        batch.add(request_id, RESPONSES[name])
+    load = protocol.WorkerLoad(num_active_requests=3, max_num_blocks=64)
+    payloads = list(batch.payloads(load.model_dump(exclude_defaults=True), max_array_len))
+    assert len(payloads) == (1 if max_array_len > 8 else 2 + 5)  # 3 streamed steps, 9 whole responses
+    decoded = []
+    for payload in payloads:
+        wire = protocol.encode_payload(protocol.ResultBatch.kind, payload)
+        msg = protocol.decode(wire)
+        assert isinstance(msg, protocol.ResultBatch)
+        assert wire == protocol.encode(msg)  # what the models encode, byte for byte
+        assert msg.load == load
+        decoded += msg.all_responses()
+    want = [to_wire_response(request_id, RESPONSES[name]) for request_id, name in order]
+    # Each request's responses in their order; the columns (sent first) move ahead of other requests' results.
+    for request_id in {rid for rid, _ in order}:
+        assert [r for r in decoded if r.request_id == request_id] == [r for r in want if r.request_id == request_id]
+    assert len(decoded) == len(want)

@@ -41,7 +41,7 @@ class FakeGateway:
         return [m for m in self.messages if isinstance(m, protocol.ResultBatch)]
 
     def responses(self, request_id: str) -> list[protocol.Response]:
-        return [r for b in self.batches() for r in b.responses if r.request_id == request_id]
+        return [r for b in self.batches() for r in b.all_responses() if r.request_id == request_id]
 
     def errors(self) -> list[protocol.ErrorReply]:
         return [m for m in self.messages if isinstance(m, protocol.ErrorReply)]
@@ -98,9 +98,12 @@ def test_results_coalesced_per_iteration_with_load(worker, gw):
     for i, rid in enumerate(ids):
         gw.send(protocol.Submit(request_id=rid, input_token_ids=[5, 6 + i], max_tokens=20, streaming=True))
     gw.recv_until(lambda: all(gw.final(r) for r in ids))
-    batches = [b for b in gw.batches() if any(r.request_id in ids for r in b.responses)]
+    batches = [b for b in gw.batches() if any(r.request_id in ids for r in b.all_responses())]
     assert all(b.load is not None for b in batches)
-    assert max(len({r.request_id for r in b.responses}) for b in batches) > 1, "one message, many requests"
+    assert max(len({r.request_id for r in b.all_responses()}) for b in batches) > 1, "one message, many requests"
+    # Plain streamed steps travel in columns; the final responses whole.
+    assert sum(len(b.streamed.request_ids) for b in batches if b.streamed is not None) >= 8 * 18
+    assert all(r.is_final for b in batches for r in b.responses if r.request_id in ids)
     for rid in ids:
         tokens = [t for r in gw.responses(rid) for t in r.result.output_token_ids[0]]
         assert len(tokens) == 20
