@@ -1,11 +1,11 @@
 """The service path against the executor in process, same workload, same run.
 
-(a) On the default model (each path runs the workload TOKENWIRE_BENCH_SERVICE_REPEATS
-times, default 3, with new prompts each time, on one warm Executor or stack; the
-fastest run of each is shown): N concurrent streaming requests of P prompt tokens and
-O output tokens (EOS banned with min_tokens), first on an Executor in this
-process, then through one gateway and one worker on loopback (real processes,
-a private Redis). Output tokens/s, TTFT and inter-token latency (p50 / p99),
+(a) On the default model: N concurrent streaming requests of P prompt tokens and
+O output tokens (EOS banned with min_tokens) on an Executor in this process and
+through one gateway and one worker on loopback (real processes, a private Redis),
+taking turns: each of TOKENWIRE_BENCH_SERVICE_REPEATS sets of new prompts (default
+3) runs in process, then through the service, on one warm Executor and one warm
+stack, and the fastest run of each path is shown. Output tokens/s, TTFT and inter-token latency (p50 / p99),
 measured where the tokens arrive: the await loop, or the client library. ITL
 is given over all gaps and over the decode phase alone (gaps that began once
 every stream had its first token): before that, a gap may hold a step that
@@ -33,9 +33,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench import SkipSection, free_port
-from ops.process import stop_children
+from ops.process import settle_gc, stop_children
+
+if TYPE_CHECKING:
+    from worker.executor import Executor
 
 TITLE = "service: in process vs gateway + worker on loopback; gateway transport ceiling"
 REQUESTS = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_REQUESTS", "64"))
@@ -112,32 +116,23 @@ def _kv_tokens() -> int:
     return REQUESTS * (PROMPT + OUTPUT) + 1024
 
 
-def in_process(model: Path, prompt_sets: list[list[list[int]]]) -> Run:
-    """One Executor runs each set of prompts in turn; the fastest run counts."""
-    from worker.executor import Executor, ExecutorConfig, KvCacheConfig, Request, SamplingConfig
+def _in_process_run(ex: Executor, prompts: list[list[int]]) -> Run:
+    from worker.executor import Request, SamplingConfig
 
-    config = ExecutorConfig(max_batch_size=max(64, REQUESTS), kv_cache_config=KvCacheConfig(max_tokens=_kv_tokens()))
-    runs = []
-    with Executor(model, config) as ex:
-        _ = ex.enqueue_request(Request(input_token_ids=[100, 101, 102], max_tokens=2))
-        while not any(r.result and r.result.is_final for r in ex.await_responses(timeout=120)):
-            pass
-        sampling = SamplingConfig(temperature=0.0, min_tokens=OUTPUT)
-        for prompts in prompt_sets:
-            start = time.perf_counter()
-            ids = ex.enqueue_requests([Request(input_token_ids=p, max_tokens=OUTPUT, streaming=True,
-                                               sampling_config=sampling) for p in prompts])  # fmt: skip
-            lines = {i: _Timeline(start) for i in ids}
-            pending = set(ids)
-            while pending:
-                for r in ex.await_responses(timeout=600):
-                    now = time.perf_counter()
-                    assert r.result is not None, r.error_msg
-                    lines[r.request_id].add(now, len(r.result.output_token_ids[0]))
-                    if r.result.is_final:
-                        pending.discard(r.request_id)
-            runs.append(_collect("in process (Executor)", start, time.perf_counter(), list(lines.values())))
-    return min(runs, key=lambda r: r.seconds)
+    sampling = SamplingConfig(temperature=0.0, min_tokens=OUTPUT)
+    start = time.perf_counter()
+    ids = ex.enqueue_requests([Request(input_token_ids=p, max_tokens=OUTPUT, streaming=True,
+                                       sampling_config=sampling) for p in prompts])  # fmt: skip
+    lines = {i: _Timeline(start) for i in ids}
+    pending = set(ids)
+    while pending:
+        for r in ex.await_responses(timeout=600):
+            now = time.perf_counter()
+            assert r.result is not None, r.error_msg
+            lines[r.request_id].add(now, len(r.result.output_token_ids[0]))
+            if r.result.is_final:
+                pending.discard(r.request_id)
+    return _collect("in process (Executor)", start, time.perf_counter(), list(lines.values()))
 
 
 async def _stream_all(
@@ -190,17 +185,28 @@ class _Stack:
         self.dir.cleanup()
 
 
-def through_service(model: Path, prompt_sets: list[list[list[int]]]) -> Run:
-    """One gateway and one worker run each set of prompts in turn; the fastest run counts."""
+def compare(model: Path, prompt_sets: list[list[list[int]]]) -> tuple[Run, Run]:
+    """Both paths on each set of prompts in turn, in process first, so that a change
+    in the machine's pace during the section weighs on both; the fastest run of
+    each path counts. One warm Executor here and one stack throughout."""
+    from worker.executor import Executor, ExecutorConfig, KvCacheConfig, Request
+
+    config = ExecutorConfig(max_batch_size=max(64, REQUESTS), kv_cache_config=KvCacheConfig(max_tokens=_kv_tokens()))
     stack = _Stack(model, "--max-batch-size", str(max(64, REQUESTS)))
-    runs = []
+    local, remote = [], []
     try:
-        for prompts in prompt_sets:
-            start, end, lines = asyncio.run(_stream_all(stack.gateway, prompts, OUTPUT, greedy=True))
-            runs.append(_collect("gateway + worker (loopback)", start, end, lines))
+        with Executor(model, config) as ex:
+            _ = ex.enqueue_request(Request(input_token_ids=[100, 101, 102], max_tokens=2))
+            while not any(r.result and r.result.is_final for r in ex.await_responses(timeout=120)):
+                pass
+            settle_gc()  # as the worker and the gateway do once loaded
+            for prompts in prompt_sets:
+                local.append(_in_process_run(ex, prompts))
+                start, end, lines = asyncio.run(_stream_all(stack.gateway, prompts, OUTPUT, greedy=True))
+                remote.append(_collect("gateway + worker (loopback)", start, end, lines))
     finally:
         stack.close()
-    return min(runs, key=lambda r: r.seconds)
+    return min(local, key=lambda r: r.seconds), min(remote, key=lambda r: r.seconds)
 
 
 def echo_transport(model: Path) -> list[Run]:
@@ -241,8 +247,7 @@ def table() -> tuple[list[str], list[list[str]]]:
     # New prompts for each repeat (the same sets for both paths): a repeated prompt
     # would be served from the prefix cache.
     prompt_sets = [_prompts(vocab, seed) for seed in range(REPEATS)]
-    local = in_process(model, prompt_sets)
-    remote = through_service(model, prompt_sets)
+    local, remote = compare(model, prompt_sets)
     header = ["path", "out tokens", "s", "tokens/s", "vs in-process", "TTFT p50 ms", "TTFT p99 ms",
               "ITL p50 ms", "ITL p99 ms", "decode ITL p50 ms", "decode ITL p99 ms"]  # fmt: skip
     rows = [local.row(), remote.row(local)]
