@@ -88,6 +88,9 @@ class WorkerService:
         tokenizer = executor.tokenizer
         self._tokenizer_json = None if tokenizer is None else tokenizer.to_str().encode()
         self.gateways: dict[bytes, _Gateway] = {}
+        # Submits of the current socket turn, enqueued together at its end.
+        self._taken: list[tuple[bytes, str, ex.Request]] = []
+        self._taken_ids: set[tuple[bytes, str]] = set()
         self.stop = threading.Event()
         info = protocol.WorkerInfo(
             worker_id=self.worker_id,
@@ -235,15 +238,18 @@ class WorkerService:
                 self.router.send_multipart([gateway, payload])
 
     def _receive(self) -> None:
-        for _ in socket_turn():
-            try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) != 2:
-                continue  # not a DEALER speaking our protocol; nothing to answer
-            gateway, payload = frames
-            self._handle(gateway, payload)
+        try:
+            for _ in socket_turn():
+                try:
+                    frames = self.router.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+                if len(frames) != 2:
+                    continue  # not a DEALER speaking our protocol; nothing to answer
+                gateway, payload = frames
+                self._handle(gateway, payload)
+        finally:
+            self._enqueue_taken()
 
     def _handle(self, gateway: bytes, payload: bytes) -> None:
         try:
@@ -271,6 +277,7 @@ class WorkerService:
                     ),
                 )
         elif isinstance(msg, protocol.Cancel):
+            self._enqueue_taken()  # it may cancel a submit of this same turn
             entry = self.table.find(gateway, msg.request_id)
             if entry is not None:
                 self.executor.cancel_request(entry.exec_id)
@@ -309,13 +316,31 @@ class WorkerService:
             refuse(ErrorCode.INVALID_REQUEST, "workers take input_token_ids; send text prompts through a gateway")
         elif msg.model is not None and msg.model != self.config.model_name:
             refuse(ErrorCode.UNKNOWN_MODEL, f"this worker serves {self.config.model_name!r}, not {msg.model!r}")
-        elif self.table.has(gateway, msg.request_id):
+        elif self.table.has(gateway, msg.request_id) or (gateway, msg.request_id) in self._taken_ids:
             refuse(ErrorCode.INVALID_REQUEST, f"request_id {msg.request_id!r} is already running")
         else:
-            request = to_request(msg)
-            with self.table.lock:
-                exec_id = self.executor.enqueue_request(request)
-                entry = Active(exec_id, gateway, msg.request_id, len(request.input_token_ids))
+            self._taken.append((gateway, msg.request_id, to_request(msg)))
+            self._taken_ids.add((gateway, msg.request_id))
+
+    def _enqueue_taken(self) -> None:
+        """Hand a socket turn's submits to the executor together. A burst of requests
+        then reaches it as one batch: one prefill step, not a step for each request
+        that got through while this thread waited for the GIL between messages."""
+        if not self._taken:
+            return
+        taken, self._taken, self._taken_ids = self._taken, [], set()
+        with self.table.lock:
+            try:
+                exec_ids = self.executor.enqueue_requests([request for _, _, request in taken])
+            except Exception as e:  # a bug here must not stop the worker
+                log.exception("could not enqueue %d requests", len(taken))
+                text = f"worker failed to start the request: {e}"
+                for gateway, request_id, _ in taken:
+                    error = protocol.ErrorReply(code=ErrorCode.INTERNAL, message=text, request_id=request_id)
+                    self._send(gateway, error)
+                return
+            for exec_id, (gateway, request_id, request) in zip(exec_ids, taken, strict=True):
+                entry = Active(exec_id, gateway, request_id, len(request.input_token_ids))
                 self.table.add(entry)
                 self.metrics.started(exec_id, entry.prompt_tokens, entry.received)
 
