@@ -115,12 +115,15 @@ class Scheduler:
                     batch.add(seq, n)
                     budget -= n
 
-        # 3. New (or preempted) sequences, by priority.
+        # 3. New (or preempted) sequences, by priority. What the running requests may
+        # still take is counted once, then kept up to date as each is admitted.
+        guaranteed = self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+        reserved = self._reserved() if guaranteed and self.waiting else 0
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             # A sequence preempted with a token still being sampled waits for it:
             # its recompute and its prefix lookup need the real id.
-            if seq.num_pending or not self._admit(seq):
+            if seq.num_pending or not self._admit(seq, reserved):
                 break
             n = self._chunk(seq, budget)
             if n == 0:
@@ -129,6 +132,8 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             self.running.append(seq)
+            if guaranteed:
+                reserved += self._reservation(seq)
             seq.state = RequestState.CONTEXT
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
@@ -144,8 +149,9 @@ class Scheduler:
             return 0
         return n
 
-    def _admit(self, seq: Sequence) -> bool:
-        """Reserve KV blocks for a waiting sequence, if the policy allows."""
+    def _admit(self, seq: Sequence, reserved: int) -> bool:
+        """Reserve KV blocks for a waiting sequence, if the policy allows; `reserved`:
+        what the running requests may still take (_reserved())."""
         # Context logits need every prompt token computed: no prefix-cache lookup.
         wants_logits = seq.request.output_config.return_context_logits and (
             len(seq.context_logits) < seq.num_prompt_tokens)
@@ -158,7 +164,6 @@ class Scheduler:
             # of its sequences shared a block: never too little, whatever they share.
             width = seq.family.width if seq.family is not None else 1
             future = width * self.blocks.blocks_for(seq.max_total_tokens) - self.blocks.blocks_for(seq.num_tokens)
-            reserved = self._reserved()
             if need_now + future + reserved > self.blocks.num_free:
                 return False
         elif need_now > self.blocks.num_free:
@@ -170,19 +175,24 @@ class Scheduler:
         return True
 
     def _reserved(self) -> int:
-        """Blocks the running requests may still take: per request (family),
-        width x blocks at max length, less the distinct blocks it holds."""
+        """Blocks the running requests may still take (_reservation of each)."""
         reserved = 0
         seen: set[int] = set()
         for s in self.running:
-            family = s.family
-            if family is None:
-                reserved += self.blocks.blocks_for(s.max_total_tokens) - len(s.blocks.block_ids)
-            elif id(family) not in seen:
-                seen.add(id(family))
-                held = {b for m in family.members for b in m.blocks.block_ids}
-                reserved += family.width * self.blocks.blocks_for(s.max_total_tokens) - len(held)
+            if s.family is None or id(s.family) not in seen:
+                if s.family is not None:
+                    seen.add(id(s.family))
+                reserved += self._reservation(s)
         return reserved
+
+    def _reservation(self, seq: Sequence) -> int:
+        """Blocks seq's request (family) may still take: width x blocks at max length,
+        less the distinct blocks it holds."""
+        family = seq.family
+        if family is None:
+            return self.blocks.blocks_for(seq.max_total_tokens) - len(seq.blocks.block_ids)
+        held = {b for m in family.members for b in m.blocks.block_ids}
+        return family.width * self.blocks.blocks_for(seq.max_total_tokens) - len(held)
 
     def _grow(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Make room for num_tokens in seq's table (copying a shared block it is
