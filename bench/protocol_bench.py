@@ -76,7 +76,7 @@ def per_call_seconds(fn: Callable[[], object]) -> float:
 
 
 def table() -> tuple[list[str], list[list[str]]]:
-    cases = [
+    cases: list[tuple[str, p.Message, int, Callable[[bytes], object]]] = [
         ("submit (512 token ids)", submit(), 1, p.decode),
         ("result, 1 token", result_batch(1), 1, p.decode),
         ("result batch, 64 requests", result_batch(64), 64, p.decode),

@@ -123,7 +123,7 @@ def _ints(*values: int) -> bytes:
     [
         ({"request_ids": ["a", "b"], "counts": _ints(1), "token_ids": _ints(7)}, "1 counts for 2 request ids"),
         ({"request_ids": ["a"], "counts": _ints(0), "token_ids": b""}, "a streamed step carries at least one token"),
-        ({"request_ids": ["a"], "counts": _ints(2), "token_ids": _ints(7)}, "counts add up to 2 tokens; token_ids has 1"),
+        ({"request_ids": ["a"], "counts": _ints(2), "token_ids": _ints(7)}, "add up to 2 tokens; token_ids has 1"),
         ({"request_ids": [""], "counts": _ints(1), "token_ids": _ints(7)}, "streamed.request_ids.0"),
     ],
 )
