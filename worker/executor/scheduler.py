@@ -179,10 +179,11 @@ class Scheduler:
         reserved = 0
         seen: set[int] = set()
         for s in self.running:
-            if s.family is None or id(s.family) not in seen:
-                if s.family is not None:
-                    seen.add(id(s.family))
-                reserved += self._reservation(s)
+            if s.family is not None:
+                if id(s.family) in seen:
+                    continue  # a family reserves once
+                seen.add(id(s.family))
+            reserved += self._reservation(s)
         return reserved
 
     def _reservation(self, seq: Sequence) -> int:

@@ -11,11 +11,13 @@ Threads, so that no ZeroMQ or Redis call ever runs on the executor's thread:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import zmq
@@ -88,9 +90,8 @@ class WorkerService:
         tokenizer = executor.tokenizer
         self._tokenizer_json = None if tokenizer is None else tokenizer.to_str().encode()
         self.gateways: dict[bytes, _Gateway] = {}
-        # Submits of the current socket turn, enqueued together at its end.
-        self._taken: list[tuple[bytes, str, ex.Request]] = []
-        self._taken_ids: set[tuple[bytes, str]] = set()
+        # Submits of the current socket turn by (gateway, request id), enqueued together at its end.
+        self._taken: dict[tuple[bytes, str], ex.Request] = {}
         self.stop = threading.Event()
         info = protocol.WorkerInfo(
             worker_id=self.worker_id,
@@ -164,7 +165,7 @@ class WorkerService:
         finally:
             self.stop.set()
             self._pump.join(timeout=2)
-            self._forward_all_results()
+            self._forward_results(itertools.count())
             self.redis.join(timeout=5)
             # A drained worker's last results and errors must leave before the socket goes.
             self.router.close(2000 if self._drain_deadline is not None else 0)
@@ -219,17 +220,10 @@ class WorkerService:
         log.warning("drain ended by %s: %d requests ended with the draining error", why, ended)
         return True
 
-    def _forward_all_results(self) -> None:
-        while True:
-            try:
-                gateway, payload = self._pump_out.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return
-            if gateway in self.gateways:
-                self.router.send_multipart([gateway, payload])
-
-    def _forward_results(self) -> None:
-        for _ in socket_turn():
+    def _forward_results(self, turn: Iterable[int] | None = None) -> None:
+        """The pump's batches to their gateways: one socket turn's worth, or (given
+        itertools.count(), at shutdown) all that are waiting."""
+        for _ in socket_turn() if turn is None else turn:
             try:
                 gateway, payload = self._pump_out.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
@@ -316,11 +310,10 @@ class WorkerService:
             refuse(ErrorCode.INVALID_REQUEST, "workers take input_token_ids; send text prompts through a gateway")
         elif msg.model is not None and msg.model != self.config.model_name:
             refuse(ErrorCode.UNKNOWN_MODEL, f"this worker serves {self.config.model_name!r}, not {msg.model!r}")
-        elif self.table.has(gateway, msg.request_id) or (gateway, msg.request_id) in self._taken_ids:
+        elif self.table.has(gateway, msg.request_id) or (gateway, msg.request_id) in self._taken:
             refuse(ErrorCode.INVALID_REQUEST, f"request_id {msg.request_id!r} is already running")
         else:
-            self._taken.append((gateway, msg.request_id, to_request(msg)))
-            self._taken_ids.add((gateway, msg.request_id))
+            self._taken[gateway, msg.request_id] = to_request(msg)
 
     def _enqueue_taken(self) -> None:
         """Hand a socket turn's submits to the executor together. A burst of requests
@@ -328,18 +321,18 @@ class WorkerService:
         that got through while this thread waited for the GIL between messages."""
         if not self._taken:
             return
-        taken, self._taken, self._taken_ids = self._taken, [], set()
+        taken, self._taken = self._taken, {}
         with self.table.lock:
             try:
-                exec_ids = self.executor.enqueue_requests([request for _, _, request in taken])
+                exec_ids = self.executor.enqueue_requests(list(taken.values()))
             except Exception as e:  # a bug here must not stop the worker
                 log.exception("could not enqueue %d requests", len(taken))
                 text = f"worker failed to start the request: {e}"
-                for gateway, request_id, _ in taken:
+                for gateway, request_id in taken:
                     error = protocol.ErrorReply(code=ErrorCode.INTERNAL, message=text, request_id=request_id)
                     self._send(gateway, error)
                 return
-            for exec_id, (gateway, request_id, request) in zip(exec_ids, taken, strict=True):
+            for exec_id, ((gateway, request_id), request) in zip(exec_ids, taken.items(), strict=True):
                 entry = Active(exec_id, gateway, request_id, len(request.input_token_ids))
                 self.table.add(entry)
                 self.metrics.started(exec_id, entry.prompt_tokens, entry.received)
