@@ -6,16 +6,9 @@ import argparse
 import logging
 import signal
 import sys
-import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ops.config import add_config_options
-
-if TYPE_CHECKING:
-    from worker.executor import Executor
 
 DEFAULT_BIND = "tcp://127.0.0.1:5600"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -80,49 +73,9 @@ def model_name_of(path: Path) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+# The worker's threads relay messages and hold the GIL briefly; with Python's
+# 5 ms switch interval one could still keep another waiting that long.
 GIL_SWITCH_INTERVAL_S = 0.0002
-
-
-def build_executor(
-    args: argparse.Namespace, on_iteration: Callable[[], None] | None = None
-) -> tuple[Executor, Path]:
-    from worker.executor import Executor, ExecutorConfig, KvCacheConfig
-    from worker.models.default_model import resolve_model
-
-    path = Path(args.model) if Path(args.model).exists() else resolve_model(args.model)
-    config = ExecutorConfig(
-        max_batch_size=args.max_batch_size,
-        max_num_tokens=args.max_num_tokens,
-        max_beam_width=args.max_beam_width,
-        kv_cache_config=KvCacheConfig(max_tokens=args.kv_tokens),
-        logits_post_processors=tuple(args.logits_post_processor),
-        backend="auto" if args.backend == "echo" else args.backend,
-        device=args.device,
-    )
-    if args.backend != "echo":
-        return Executor(path, config, on_iteration=on_iteration), path
-    from worker.models.loader import load_model
-    from worker.service.echo_backend import EchoBackend
-
-    logging.getLogger(__name__).warning("echo backend: TRANSPORT TEST ONLY, no model runs")
-    meta = load_model(path, load_weights=False)  # config and tokenizer: gateways detokenize as usual
-    backend = EchoBackend(meta.config)
-    return Executor(path, config, backend=backend, tokenizer=meta.tokenizer, on_iteration=on_iteration), path
-
-
-def _loop_alive(ping: Callable[[], None], hang_after_s: float | None) -> Callable[[], None]:
-    """The executor's on_iteration hook: the systemd watchdog ping (and the test hang)."""
-    if hang_after_s is None:
-        return ping
-    hang_at = time.monotonic() + hang_after_s
-
-    def hook() -> None:
-        if time.monotonic() >= hang_at:
-            logging.getLogger(__name__).warning("--test-hang-loop-after: the executor loop hangs now")
-            threading.Event().wait()
-        ping()
-
-    return hook
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,47 +83,62 @@ def run(args: argparse.Namespace) -> int:
     from ops.logs import setup_logging
     from ops.process import exit_on_thread_crash, settle_gc
     from ops.sd_notify import Notifier
+    from worker.service.engine import EngineConfig, EngineFailed, EngineProcess
     from worker.service.server import ServiceConfig, WorkerService
 
     apply_config(args)
     setup_logging("worker", args.log_level, args.log_format)
-    # The executor thread is the critical path, and the pump, socket and Redis threads
-    # share its GIL: with Python's 5 ms switch interval one of them can keep it waiting
-    # that long. 0.2 ms measured 11% more tokens/s through the service on an H200.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     exit_on_thread_crash()
     notifier = Notifier()
     notifier.status(f"loading {args.model}")
-    executor, path = build_executor(args, _loop_alive(notifier.watchdog, args.test_hang_loop_after))
-    service = WorkerService(
-        executor,
-        ServiceConfig(
-            bind=args.bind,
-            redis_url=args.redis,
-            model_name=args.model_name or model_name_of(path),
-            worker_id=args.worker_id,
-            advertise=args.advertise,
-            redis_prefix=args.redis_prefix,
-            heartbeat_interval_s=args.heartbeat_interval,
-            missed_heartbeats=args.missed_heartbeats,
-            cancel_poll_interval_s=args.cancel_poll_interval,
-            stats_stream_maxlen=args.stats_stream_maxlen,
-            request_stats_ttl_s=args.request_stats_ttl,
-            device=args.device or args.backend,
-            drain_timeout_s=args.drain_timeout,
-        ),
-        notifier,
+    engine_config = EngineConfig(
+        model=args.model,
+        max_batch_size=args.max_batch_size,
+        max_num_tokens=args.max_num_tokens,
+        max_beam_width=args.max_beam_width,
+        kv_tokens=args.kv_tokens,
+        logits_post_processors=tuple(args.logits_post_processor),
+        backend=args.backend,
+        device=args.device,
+        log_level=args.log_level,
+        log_format=args.log_format,
+        test_hang_loop_after_s=args.test_hang_loop_after,
     )
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: service.request_drain())
-    settle_gc()
-    if args.metrics_port:
-        service.metrics.serve(args.metrics_host, args.metrics_port)
     try:
+        engine = EngineProcess(engine_config)
+    except EngineFailed as e:
+        logging.getLogger(__name__).critical("%s", e)
+        return 1
+    try:
+        service = WorkerService(
+            engine,
+            ServiceConfig(
+                bind=args.bind,
+                redis_url=args.redis,
+                model_name=args.model_name or model_name_of(engine.info.model_path),
+                worker_id=args.worker_id,
+                advertise=args.advertise,
+                redis_prefix=args.redis_prefix,
+                heartbeat_interval_s=args.heartbeat_interval,
+                missed_heartbeats=args.missed_heartbeats,
+                cancel_poll_interval_s=args.cancel_poll_interval,
+                stats_stream_maxlen=args.stats_stream_maxlen,
+                request_stats_ttl_s=args.request_stats_ttl,
+                device=args.device or args.backend,
+                drain_timeout_s=args.drain_timeout,
+            ),
+            notifier,
+        )
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: service.request_drain())
+        settle_gc()
+        if args.metrics_port:
+            service.metrics.serve(args.metrics_host, args.metrics_port)
         service.serve()
     finally:
-        executor.shutdown()
-    return 0
+        engine.shutdown()
+    return 1 if service.engine_failure else 0
 
 
 def main(argv: list[str] | None = None) -> int:

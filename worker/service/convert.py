@@ -122,9 +122,13 @@ class WireBatch:
         if tokens is None:
             self.responses.append(to_wire_payload(request_id, response))
         else:
-            self.request_ids.append(request_id)
-            self.counts.append(len(tokens))
-            self.token_ids += tokens
+            self.add_streamed(request_id, tokens)
+
+    def add_streamed(self, request_id: str, tokens: list[int]) -> None:
+        """A plain streamed step's new tokens (see streamed_step)."""
+        self.request_ids.append(request_id)
+        self.counts.append(len(tokens))
+        self.token_ids += tokens
 
     def payloads(self, load: dict[str, Any], max_array_len: int) -> Iterator[dict[str, Any]]:
         """ResultBatch payloads (what protocol.encode makes of the model), as many as

@@ -3,7 +3,7 @@ key, cancel-flag polling, iteration and request stats.
 
 Redis is not on the token path. When it is down this thread backs off and
 retries; request stats wait in a bounded queue (dropped beyond it) and the
-executor's own bounded iteration-stats buffer holds the newest records.
+engine's bounded iteration-stats buffer holds the newest records.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 import redis
 
 import protocol
-from worker.executor import Executor
 from worker.service.active import ActiveTable
+from worker.service.engine import EngineProcess
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class WorkerRedis(threading.Thread):
         url: str,
         keys: protocol.Keys,
         info: protocol.WorkerInfo,
-        executor: Executor,
+        engine: EngineProcess,
         table: ActiveTable,
         load: Callable[[], protocol.WorkerLoad],
         *,
@@ -48,7 +48,7 @@ class WorkerRedis(threading.Thread):
         self.redis = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.keys = keys
         self.info = info
-        self.executor = executor
+        self.engine = engine
         self.table = table
         self.load = load
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -117,10 +117,10 @@ class WorkerRedis(threading.Thread):
                 if flag is not None:
                     log.info("request %s: cancel flag set in redis", entry.request_id)
                     entry.cancelled = True
-                    self.executor.cancel_request(entry.exec_id)
+                    self.engine.cancel_request(entry.exec_id)
 
     def _write_stats(self) -> None:
-        iterations = self.executor.get_latest_iteration_stats()
+        iterations = self.engine.get_latest_iteration_stats()
         pending: list[tuple[str, dict[str, str]]] = []
         while len(pending) < 1000:
             try:

@@ -1,11 +1,11 @@
-"""The worker service: one Executor behind a ZeroMQ ROUTER that gateways connect to.
+"""The worker service: one executor (in its engine process) behind a ZeroMQ
+ROUTER that gateways connect to.
 
-Threads, so that no ZeroMQ or Redis call ever runs on the executor's thread:
+Threads of the worker process, none of which shares a GIL with the executor:
 - the I/O thread (`serve`) owns the ROUTER: submits, cancels, hello and
   heartbeats in; result batches and heartbeats out;
-- the result pump waits on the executor, coalesces each wake-up's responses
-  into one result batch per gateway and hands them to the I/O thread over an
-  inproc socket;
+- the result pump waits on the engine, coalesces each of its messages into one
+  result batch per gateway and hands them to the I/O thread over an inproc socket;
 - the Redis thread (redis_link.WorkerRedis).
 """
 
@@ -27,10 +27,10 @@ from ops.metrics import WorkerMetrics, outcome
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
 from protocol.limits import socket_turn
-from worker.executor import Executor
 from worker.executor import types as ex
 from worker.service.active import Active, ActiveTable
 from worker.service.convert import WireBatch, to_request, to_wire_response
+from worker.service.engine import EngineFailed, EngineProcess, Step
 from worker.service.redis_link import WorkerRedis
 
 log = logging.getLogger(__name__)
@@ -65,8 +65,8 @@ class _Gateway:
 
 
 class WorkerService:
-    def __init__(self, executor: Executor, config: ServiceConfig, notifier: Notifier | None = None) -> None:
-        self.executor = executor
+    def __init__(self, engine: EngineProcess, config: ServiceConfig, notifier: Notifier | None = None) -> None:
+        self.engine = engine
         self.config = config
         self.notifier = notifier or Notifier(address="")
         # SIGTERMs received (request_drain); the first drains, a second ends the rest now.
@@ -87,12 +87,11 @@ class WorkerService:
         self.worker_id = config.worker_id or f"{socket.gethostname()}:{port}"
         self.sender_id = self.worker_id
         self.table = ActiveTable()
-        tokenizer = executor.tokenizer
-        self._tokenizer_json = None if tokenizer is None else tokenizer.to_str().encode()
         self.gateways: dict[bytes, _Gateway] = {}
         # Submits of the current socket turn by (gateway, request id), enqueued together at its end.
         self._taken: dict[tuple[bytes, str], ex.Request] = {}
         self.stop = threading.Event()
+        self.engine_failure = ""  # why the engine process ended under us, if it did
         info = protocol.WorkerInfo(
             worker_id=self.worker_id,
             address=self.address,
@@ -101,13 +100,13 @@ class WorkerService:
             pid=os.getpid(),
             device=config.device,
             started_at=time.time(),
-            max_batch_size=executor.config.max_batch_size,
+            max_batch_size=engine.info.max_batch_size,
         )
         self.redis = WorkerRedis(
             config.redis_url,
             self.keys,
             info,
-            executor,
+            engine,
             self.table,
             self.load,
             heartbeat_interval_s=config.heartbeat_interval_s,
@@ -123,12 +122,12 @@ class WorkerService:
         self.metrics.watch(self.load, lambda: self.redis.connected, lambda: len(self.gateways), lambda: self.draining)
 
     def load(self) -> protocol.WorkerLoad:
-        queued, active, free = self.executor.load()
+        queued, active, free = self.engine.load()
         return protocol.WorkerLoad(
             num_queued_requests=queued,
             num_active_requests=active,
             free_num_blocks=free,
-            max_num_blocks=self.executor.blocks.num_blocks,
+            max_num_blocks=self.engine.info.num_blocks,
         )
 
     # -- the I/O thread -------------------------------------------------------------
@@ -138,9 +137,10 @@ class WorkerService:
         self.redis.start()
         self._pump.start()
         log.info("worker %s serving %s at %s", self.worker_id, self.config.model_name, self.address)
+        info = self.engine.info
         self.notifier.ready(
-            f"serving {self.config.model_name} at {self.address}: {self.executor.backend.name} backend, "
-            f"{self.executor.blocks.num_blocks} KV blocks, max batch {self.executor.config.max_batch_size}"
+            f"serving {self.config.model_name} at {self.address}: {info.backend} backend, "
+            f"{info.num_blocks} KV blocks, max batch {info.max_batch_size}"
         )
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
@@ -158,6 +158,11 @@ class WorkerService:
                 if time.monotonic() >= next_tick:
                     self._tick()
                     next_tick = time.monotonic() + interval
+                if self.engine.looping():  # the watchdog vouches for the executor loop, not this one
+                    self.notifier.watchdog()
+                if self.engine_failure:
+                    self._end_all(ErrorCode.INTERNAL, f"worker failed: {self.engine_failure}")
+                    break
                 if self._drain_requests and self._drain_deadline is None:
                     self._start_drain()
                 if self._drain_deadline is not None and self._drained():
@@ -202,23 +207,25 @@ class WorkerService:
         if self._drain_requests < 2 and time.monotonic() < self._drain_deadline:
             return False
         why = "a second SIGTERM" if self._drain_requests >= 2 else f"its {self.config.drain_timeout_s:g} s bound passed"
+        ended = self._end_all(ErrorCode.DRAINING, f"worker draining: {self.worker_id} is shutting down ({why})")
+        log.warning("drain ended by %s: %d requests ended with the draining error", why, ended)
+        return True
+
+    def _end_all(self, code: ErrorCode, why: str) -> int:
+        """End every request in flight with an error saying `why`; how many there were."""
         ended = 0
         for entry in self.table.snapshot():
             with self.table.lock:
                 if self.table.get(entry.exec_id) is not entry:
                     continue  # it finished meanwhile
                 self.table.remove(entry)
-            self.executor.cancel_request(entry.exec_id)
-            text = (
-                f"worker draining: {self.worker_id} is shutting down ({why}); "
-                f"the request ended after {entry.output_tokens} tokens"
-            )
-            error = protocol.ErrorReply(code=ErrorCode.DRAINING, message=text, request_id=entry.request_id)
-            self._send(entry.gateway, error)
-            self.metrics.finished(entry.exec_id, "draining")
+            if not self.engine_failure:
+                self.engine.cancel_request(entry.exec_id)
+            text = f"{why}; the request ended after {entry.output_tokens} tokens"
+            self._send(entry.gateway, protocol.ErrorReply(code=code, message=text, request_id=entry.request_id))
+            self.metrics.finished(entry.exec_id, "draining" if code is ErrorCode.DRAINING else "error")
             ended += 1
-        log.warning("drain ended by %s: %d requests ended with the draining error", why, ended)
-        return True
+        return ended
 
     def _forward_results(self, turn: Iterable[int] | None = None) -> None:
         """The pump's batches to their gateways: one socket turn's worth, or (given
@@ -274,10 +281,10 @@ class WorkerService:
             self._enqueue_taken()  # it may cancel a submit of this same turn
             entry = self.table.find(gateway, msg.request_id)
             if entry is not None:
-                self.executor.cancel_request(entry.exec_id)
+                self.engine.cancel_request(entry.exec_id)
         elif isinstance(msg, protocol.Hello):
             peer.heartbeat_interval_s = msg.heartbeat_interval_s
-            mc = self.executor.model_config
+            info = self.engine.info
             self._send(
                 gateway,
                 protocol.Ready(
@@ -285,10 +292,10 @@ class WorkerService:
                     role="worker",
                     heartbeat_interval_s=self.config.heartbeat_interval_s,
                     models=[self.config.model_name],
-                    vocab_size=mc.vocab_size,
-                    max_seq_len=self.executor.max_seq_len,
+                    vocab_size=info.vocab_size,
+                    max_seq_len=info.max_seq_len,
                     load=self.load(),
-                    tokenizer_json=self._tokenizer_json,
+                    tokenizer_json=info.tokenizer_json,
                 ),
             )
         elif isinstance(msg, protocol.Heartbeat | protocol.Drain):
@@ -324,7 +331,7 @@ class WorkerService:
         taken, self._taken = self._taken, {}
         with self.table.lock:
             try:
-                exec_ids = self.executor.enqueue_requests(list(taken.values()))
+                exec_ids = self.engine.enqueue_requests(list(taken.values()))
             except Exception as e:  # a bug here must not stop the worker
                 log.exception("could not enqueue %d requests", len(taken))
                 text = f"worker failed to start the request: {e}"
@@ -352,7 +359,7 @@ class WorkerService:
                     len(orphans),
                 )
                 for entry in orphans:
-                    self.executor.cancel_request(entry.exec_id)
+                    self.engine.cancel_request(entry.exec_id)
                 del self.gateways[gateway]
         load = self.load()
         # The line `systemctl status` shows, kept current.
@@ -371,31 +378,44 @@ class WorkerService:
         out = self.ctx.socket(zmq.PAIR)
         out.setsockopt(zmq.SNDHWM, 0)
         out.connect(_PUMP_ENDPOINT)
-        exec_stats: dict[int, object] = {}
+        exec_stats: dict[int, ex.RequestStats] = {}
         try:
             while not self.stop.is_set():
-                responses = self.executor.await_responses(None, timeout=0.1)
-                if responses:
+                try:
+                    step = self.engine.await_step(timeout=0.1)
+                except EngineFailed as e:
+                    log.critical("%s: the worker stops", e)
+                    self.engine_failure = str(e)
+                    return
+                if step is not None:
                     try:
-                        self._deliver(responses, out, exec_stats)
+                        self._deliver(step, out, exec_stats)
                     except Exception:  # keep pumping: one bad response must not hang every stream
-                        log.exception("result pump: could not deliver %d responses", len(responses))
+                        log.exception("result pump: could not deliver a step of %d streams", len(step.ids))
         finally:
             out.close(0)
 
-    def _deliver(self, responses: list[ex.Response], out: zmq.Socket, exec_stats: dict[int, object]) -> None:
-        """One result batch per gateway for what the executor produced since the last call."""
+    def _deliver(self, step: Step, out: zmq.Socket, exec_stats: dict[int, ex.RequestStats]) -> None:
+        """One result batch per gateway for one message of the engine."""
         batches: dict[bytes, WireBatch] = {}
         finished: list[tuple[Active, protocol.Response]] = []
         chunks: list[tuple[object, int]] = []
         with self.table.lock:
-            for r in responses:
+            end = 0
+            for exec_id, n in zip(step.ids, step.counts, strict=True):
+                start, end = end, end + n
+                entry = self.table.get(exec_id)
+                if entry is None:
+                    continue
+                batch = batches.get(entry.gateway) or batches.setdefault(entry.gateway, WireBatch())
+                batch.add_streamed(entry.request_id, step.token_ids[start:end])
+                entry.output_tokens += n
+                chunks.append((exec_id, n))
+            for r in step.responses:
                 entry = self.table.get(r.request_id)
                 if entry is None:
                     continue
-                batch = batches.get(entry.gateway)
-                if batch is None:
-                    batch = batches[entry.gateway] = WireBatch()
+                batch = batches.get(entry.gateway) or batches.setdefault(entry.gateway, WireBatch())
                 batch.add(entry.request_id, r)
                 result = r.result
                 if result is not None:
@@ -413,15 +433,15 @@ class WorkerService:
         for gateway, batch in batches.items():
             for payload in batch.payloads(load, self.limits.max_array_len):
                 out.send_multipart([gateway, protocol.encode_payload(protocol.ResultBatch.kind, payload, self.limits)])
+        for s in step.request_stats:
+            exec_stats[s.request_id] = s
         if finished:
-            for s in self.executor.get_latest_request_stats():
-                exec_stats[s.request_id] = s
             for entry, wire in finished:
                 self._record_finished(entry, wire, exec_stats.pop(entry.exec_id, None))
             if len(exec_stats) > 10_000:  # stats of requests never seen final: forget
                 exec_stats.clear()
 
-    def _record_finished(self, entry: Active, wire: protocol.Response, stats: object) -> None:
+    def _record_finished(self, entry: Active, wire: protocol.Response, stats: ex.RequestStats | None) -> None:
         fields = {
             "request_id": entry.request_id,
             "gateway": entry.gateway.decode(errors="replace"),

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from pathlib import Path
 
 import pytest
 import zmq
@@ -119,7 +122,11 @@ def test_results_coalesced_per_iteration_with_load(worker, gw):
     assert 0 < s.redis.ttl(s.keys.request_stats(ids[0])) <= 120
     # The iteration stream exists and is capped (Redis trims approximately, in nodes of 100).
     stream = s.keys.iteration_stats(w.worker_id)
-    assert 0 < s.redis.xlen(stream) <= 10 + 100
+    deadline = time.monotonic() + 5  # they reach Redis in batches, a fraction of a second behind
+    while not s.redis.xlen(stream):
+        assert time.monotonic() < deadline, "no iteration stats in Redis"
+        time.sleep(0.05)
+    assert s.redis.xlen(stream) <= 10 + 100
     s.wait_idle(w)
 
 
@@ -219,6 +226,30 @@ def test_logits_post_processors_are_configured_by_import_path(service_model, red
         assert free.result is not None and free.result.output_token_ids[0] != [FORCED_TOKEN] * 6
         (unknown,) = g.responses("unknown")
         assert unknown.error_msg is not None and "nope" in unknown.error_msg
+        g.close()
+    finally:
+        s.close()
+
+
+def test_a_dead_engine_ends_its_requests_and_the_worker(long_model, redis_server, tmp_path):
+    """The engine process killed under a stream: the gateway gets an error naming it
+    for each request in flight, and the worker exits non-zero (systemd restarts it)."""
+    s = Stack(long_model, redis_server.url, tmp_path)
+    try:
+        w = s.worker()
+        g = FakeGateway(w.endpoint)
+        g.send(protocol.Submit(request_id="doomed", input_token_ids=[5, 6], max_tokens=6000, streaming=True,
+                               sampling_config=protocol.SamplingConfig(min_tokens=6000)))  # fmt: skip
+        g.recv_until(lambda: bool(g.responses("doomed")))
+        pid = w.process.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        (engine_pid,) = (int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
+        os.kill(engine_pid, signal.SIGKILL)
+        g.recv_until(lambda: bool(g.errors()))
+        (error,) = g.errors()
+        assert error.request_id == "doomed" and error.code == protocol.ErrorCode.INTERNAL
+        assert "engine process ended" in error.message
+        assert w.process.wait(timeout=10) == 1
         g.close()
     finally:
         s.close()
