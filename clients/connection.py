@@ -78,6 +78,8 @@ class Connection(threading.Thread):
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        # A wake byte is on its way: a burst of submits from asyncio costs one write, not one each.
+        self._waking = False
         self._ctx = zmq.Context()
         self._calls: dict[str, _Call] = {}
         self._index = -1
@@ -108,7 +110,9 @@ class Connection(threading.Thread):
         if self._closed.is_set():
             raise RuntimeError("the client is closed")
         self._commands.put((name, arg))
-        os.write(self._wake_w, b"\0")
+        if not self._waking:
+            self._waking = True
+            os.write(self._wake_w, b"\0")
 
     # -- the I/O thread ---------------------------------------------------------------------
 
@@ -143,6 +147,7 @@ class Connection(threading.Thread):
                 os.read(self._wake_r, 4096)
             except BlockingIOError:
                 break
+        self._waking = False  # before taking them: a command put after this writes a new byte
         while True:
             try:
                 name, arg = self._commands.get_nowait()

@@ -4,9 +4,9 @@ Why a process: on a GPU, a small model's decode step is mostly Python, so the
 executor's thread is CPU-bound and every other thread of its process takes GIL
 time from it. With the worker's socket, result-pump and Redis threads beside it,
 the executor held 79% of the GIL and an H200's 64-stream decode step took
-1.9-3.1 ms against 1.5-2.5 ms in process. The engine process holds the executor
-and two light threads (requests in, results out, over pipes); everything else
-stays in the worker process.
+1.9-3.1 ms against 1.5-2.5 ms in process. The engine process holds the executor,
+whose own thread sends results over a pipe, and a main thread that takes requests
+from another; everything else stays in the worker process.
 
 Requests cross as pickled executor dataclasses with ids the worker assigns; a
 plain streamed step (protocol.StreamedTokens's kind) crosses in columns, as on the
@@ -16,7 +16,9 @@ wire, since pickling 64 Responses a step would cost the engine more than it save
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
+import fcntl
 import logging
 import multiprocessing
 import os
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 LOOP_STUCK_AFTER_S = 2.0
 _IDLE_LOAD_S = 0.5  # an idle engine still reports its load this often
 _ITERATION_STATS_S = 0.1  # iteration stats cross in batches, not every step
+_PIPE_BYTES = 1 << 20  # Linux's pipe-max-size for unprivileged processes
 
 
 class EngineFailed(RuntimeError):
@@ -108,6 +111,8 @@ class EngineProcess:
         ctx = multiprocessing.get_context("spawn")  # CUDA does not survive fork
         to_engine, self._to = ctx.Pipe(duplex=False)
         self._from, from_engine = ctx.Pipe(duplex=False)
+        for end in (self._to, self._from):
+            _widen(end)
         self._turned = ctx.Value("d", time.monotonic(), lock=False)
         self.process = ctx.Process(
             target=_engine_main, args=(config, to_engine, from_engine, self._turned), name="tokenwire-engine"
@@ -196,6 +201,13 @@ class EngineProcess:
             raise EngineFailed(f"the engine process ended (exit code {self.process.exitcode})") from e
 
 
+def _widen(pipe: Connection) -> None:
+    """A burst of 64 submits of 128 tokens pickles to ~80 kB: with Linux's default
+    64 kB pipe the I/O thread would wait for the engine to read."""
+    with contextlib.suppress(OSError, AttributeError):
+        fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+
+
 # -- the engine's side ----------------------------------------------------------------
 
 
@@ -224,20 +236,6 @@ def build_executor(config: EngineConfig, on_iteration: Callable[[], None] | None
     return Executor(path, executor_config, backend=backend, tokenizer=meta.tokenizer, on_iteration=on_iteration), path
 
 
-def _loop_turned(turned: ctypes.c_double, hang_after_s: float | None) -> Callable[[], None]:
-    """The executor's on_iteration hook: stamps each turn of its loop for the
-    worker's watchdog (and, for tests, hangs the loop)."""
-    hang_at = None if hang_after_s is None else time.monotonic() + hang_after_s
-
-    def hook() -> None:
-        if hang_at is not None and time.monotonic() >= hang_at:
-            log.warning("--test-hang-loop-after: the executor loop hangs now")
-            threading.Event().wait()
-        turned.value = time.monotonic()
-
-    return hook
-
-
 def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, turned: ctypes.c_double) -> None:
     from ops.logs import setup_logging
     from ops.process import exit_on_thread_crash, settle_gc
@@ -248,21 +246,15 @@ def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, tu
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     setup_logging("worker", config.log_level, config.log_format)
     exit_on_thread_crash()
-    send_lock = threading.Lock()
-
-    def send(message: object) -> None:
-        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
-        with send_lock:
-            outbox.send_bytes(data)
-
+    engine = _Engine(outbox, turned, config.test_hang_loop_after_s)
     try:
-        executor, path = build_executor(config, _loop_turned(turned, config.test_hang_loop_after_s))
+        executor, path = build_executor(config, engine.on_turn)
     except Exception as e:
         log.exception("the engine could not load %s", config.model)
-        send(("failed", f"could not load {config.model}: {type(e).__name__}: {e}"))
+        engine.send(("failed", f"could not load {config.model}: {type(e).__name__}: {e}"))
         return
     tokenizer = executor.tokenizer
-    send(("ready", EngineInfo(
+    engine.send(("ready", EngineInfo(
         model_path=path,
         backend=executor.backend.name,
         num_blocks=executor.blocks.num_blocks,
@@ -273,9 +265,8 @@ def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, tu
         iteration_stats_max=executor.config.iteration_stats_max,
     )))  # fmt: skip
     settle_gc()
-    engine = _Engine(executor, send)
-    threading.Thread(target=engine.take_requests, args=(inbox,), name="engine-intake", daemon=True).start()
-    engine.send_results()
+    engine.executor = executor  # from here on its loop sends results
+    engine.take_requests(inbox)
     executor.shutdown()
 
 
@@ -291,19 +282,57 @@ def _receive(inbox: Connection) -> tuple[str, Any]:
 
 
 class _Engine:
-    """The two threads beside the executor's: requests in (`take_requests`) and
-    results out (`send_results`). The id maps are theirs, under one lock held
+    """Requests in on the main thread (`take_requests`); results out from the
+    executor's own thread, at the start of each turn of its loop (`on_turn`), so
+    that no other thread waits for the GIL to pass a step on: a sender thread
+    delivered some steps two at a time. The id maps are under one lock, held
     across each enqueue, so that no response is seen before its id is mapped."""
 
-    def __init__(self, executor: Executor, send: Callable[[object], None]) -> None:
-        self.executor = executor
-        self.send = send
+    def __init__(self, outbox: Connection, turned: ctypes.c_double, hang_after_s: float | None) -> None:
+        self.outbox = outbox
+        self.turned = turned  # the worker's watchdog reads it
+        self.hang_at = None if hang_after_s is None else time.monotonic() + hang_after_s
+        self.executor: Executor | None = None
         self.lock = threading.Lock()
         self.worker_id: dict[int, int] = {}  # executor id -> the worker's id
         self.executor_id: dict[int, int] = {}
-        self.stopping = threading.Event()
+        # Held from taking responses to sending them: two threads' steps keep their order.
+        self.send_lock = threading.Lock()
+        self.last_sent = self.last_stats = time.monotonic()
+
+    def send(self, message: object) -> None:
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        with self.send_lock:
+            self.outbox.send_bytes(data)
+
+    def on_turn(self) -> None:
+        """The executor's on_iteration hook."""
+        if self.hang_at is not None and time.monotonic() >= self.hang_at:
+            log.warning("--test-hang-loop-after: the executor loop hangs now")
+            threading.Event().wait()
+        self.turned.value = time.monotonic()
+        if self.executor is not None:
+            self.send_results(self.executor)
+
+    def send_results(self, executor: Executor) -> None:
+        """What the executor has produced, if anything (an idle engine still reports
+        its load every _IDLE_LOAD_S)."""
+        with self.send_lock:
+            responses = executor.await_responses(None, timeout=0)
+            now = time.monotonic()
+            if not responses and now - self.last_sent < _IDLE_LOAD_S:
+                return
+            step = self._step(executor, responses)
+            if now - self.last_stats >= _ITERATION_STATS_S:
+                step.iteration_stats = executor.get_latest_iteration_stats()
+                self.last_stats = now
+            step.load = executor.load()
+            self.outbox.send_bytes(pickle.dumps(step, pickle.HIGHEST_PROTOCOL))
+            self.last_sent = now
 
     def take_requests(self, inbox: Connection) -> None:
+        """Until the worker says stop."""
+        assert self.executor is not None
         while True:
             kind, body = _receive(inbox)
             submits: list[tuple[int, ex.Request]] = []
@@ -313,49 +342,35 @@ class _Engine:
                     kind = ""
                     break
                 kind, body = _receive(inbox)
-            self._enqueue(submits)
+            if submits:
+                self._enqueue(self.executor, submits)
+                # Requests the executor refused have their errors ready now, and
+                # with nothing else to do its loop would not turn to send them.
+                self.send_results(self.executor)
             if kind == "cancel":
                 with self.lock:
                     executor_id = self.executor_id.get(body)
                 if executor_id is not None:
                     self.executor.cancel_request(executor_id)
             elif kind == "stop":
-                self.stopping.set()
-                self.executor.shutdown()
                 return
 
-    def _enqueue(self, submits: list[tuple[int, ex.Request]]) -> None:
-        if not submits:
-            return
+    def _enqueue(self, executor: Executor, submits: list[tuple[int, ex.Request]]) -> None:
+        errors: list[ex.Response] = []
         with self.lock:
             try:
-                ids = self.executor.enqueue_requests([request for _, request in submits])
+                ids = executor.enqueue_requests([request for _, request in submits])
             except Exception as e:  # a bug here must not stop the engine
                 log.exception("could not enqueue %d requests", len(submits))
-                text = f"worker failed to start the request: {e}"
-                errors = [ex.Response(i, error_msg=text) for i, _ in submits]
-                self.send(Step(responses=errors, load=self.executor.load()))
-                return
-            for executor_id, (worker_id, _) in zip(ids, submits, strict=True):
-                self.worker_id[executor_id] = worker_id
-                self.executor_id[worker_id] = executor_id
+                errors = [ex.Response(i, error_msg=f"worker failed to start the request: {e}") for i, _ in submits]
+            else:
+                for executor_id, (worker_id, _) in zip(ids, submits, strict=True):
+                    self.worker_id[executor_id] = worker_id
+                    self.executor_id[worker_id] = executor_id
+        if errors:
+            self.send(Step(responses=errors, load=executor.load()))
 
-    def send_results(self) -> None:
-        last_stats = last_sent = time.monotonic()
-        while not self.stopping.is_set():
-            responses = self.executor.await_responses(None, timeout=_IDLE_LOAD_S)
-            now = time.monotonic()
-            if not responses and now - last_sent < _IDLE_LOAD_S:
-                continue
-            step = self._step(responses)
-            if now - last_stats >= _ITERATION_STATS_S:
-                step.iteration_stats = self.executor.get_latest_iteration_stats()
-                last_stats = now
-            step.load = self.executor.load()
-            self.send(step)
-            last_sent = now
-
-    def _step(self, responses: list[ex.Response]) -> Step:
+    def _step(self, executor: Executor, responses: list[ex.Response]) -> Step:
         step = Step()
         ended: list[int] = []
         with self.lock:
@@ -371,7 +386,7 @@ class _Engine:
                 r.request_id = self.worker_id[r.request_id]
                 step.responses.append(r)
             if ended:
-                for s in self.executor.get_latest_request_stats():
+                for s in executor.get_latest_request_stats():
                     s.request_id = self.worker_id.get(s.request_id, -1)
                     step.request_stats.append(s)
                 for executor_id in ended:
