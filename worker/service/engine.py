@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 # The executor loop turns at least once a second when idle (with an on_iteration
 # hook); a loop that has not turned for twice that is stuck.
 LOOP_STUCK_AFTER_S = 2.0
-_IDLE_LOAD_S = 0.5  # an idle engine still reports its load this often
+_IDLE_LOAD_S = 0.5  # an idle engine reports its load at each idle turn of its loop, this far apart at least
 _ITERATION_STATS_S = 0.1  # iteration stats cross in batches, not every step
 _PIPE_BYTES = 1 << 20  # Linux's pipe-max-size for unprivileged processes
 
@@ -240,8 +240,8 @@ def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, tu
     from ops.logs import setup_logging
     from ops.process import exit_on_thread_crash, settle_gc
 
-    # The worker process decides when this one stops: a terminal's Ctrl-C and
-    # systemd's SIGTERM reach the whole group, and the worker drains first.
+    # The worker process decides when this one stops: a terminal's Ctrl-C reaches
+    # the whole process group (so may a supervisor's SIGTERM), and the worker drains first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     setup_logging("worker", config.log_level, config.log_format)
