@@ -244,7 +244,7 @@ class Executor:
                     break
                 self._lock.wait(remaining)
             if ready and wanted is None:
-                self._responses = []  # all taken (the worker's pump, every step)
+                self._responses = []  # all taken (the worker's engine, every step)
             elif ready:
                 taken = {id(r) for r in ready}
                 self._responses = [r for r in self._responses if id(r) not in taken]
