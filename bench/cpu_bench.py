@@ -45,7 +45,7 @@ def run_tokenwire(model_dir: Path, batch: list[list[int]]) -> Measurement:
 
     config = ExecutorConfig(backend="numpy", max_batch_size=64, max_num_tokens=2048,
                             kv_cache_config=KvCacheConfig(max_tokens=len(batch) * (PROMPT_LEN + OUTPUT_LEN) + 1024))
-    with Executor(model_dir, config) as ex:
+    with Executor.from_model(model_dir, config) as ex:
         # warm-up: first-call costs (allocation, BLAS thread start) stay out of the figures
         ex.enqueue_request(Request(input_token_ids=batch[0][:8], max_tokens=2, end_id=-1))
         while not any(r.result and r.result.is_final for r in ex.await_responses(timeout=60)):

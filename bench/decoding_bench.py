@@ -87,7 +87,7 @@ def measure() -> list[Run]:
     except DefaultModelUnavailable as e:
         raise SkipSection(f"default model unavailable: {e}") from None
     config = ExecutorConfig(max_beam_width=BEAM_WIDTH, kv_cache_config=KvCacheConfig(max_tokens=16384))
-    with Executor(model, config) as ex:
+    with Executor.from_model(model, config) as ex:
         prompt = _prompt(ex)
         guide = GuidedDecodingParams("json_schema", json.dumps(SCHEMA))
 

@@ -327,7 +327,7 @@ def mean_decode_batch(stats: list[Any]) -> float:
 def bench_tokenwire(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.Tensor], device: torch.device,
                     workloads: list[tuple[int, int, int, int]], roof: Roofline) -> list[Row]:  # fmt: skip
     from worker.backends.torch_backend import TorchBackend
-    from worker.executor import Executor, ExecutorConfig, KvCacheConfig
+    from worker.executor import EngineCore, Executor, ExecutorConfig, KvCacheConfig
 
     backend = TorchBackend(cfg, device, args.dtype, weights=weights, max_num_tokens=args.max_num_tokens,
                            max_model_len=args.max_model_len, max_graph_batch=args.max_batch)  # fmt: skip
@@ -339,12 +339,12 @@ def bench_tokenwire(args: argparse.Namespace, cfg: Any, weights: dict[str, torch
         iteration_stats_max=1_000_000,
     )  # fmt: skip
     t0 = time.perf_counter()
-    executor = Executor("bench", config, backend=backend)
+    executor = Executor(EngineCore(backend, config))
     graphs = backend._graphs
     if graphs is not None:
         graphs.capture_all()
-    kv_tokens = executor.blocks.num_blocks * args.block_size
-    log(f"executor up in {time.perf_counter() - t0:.1f} s: {executor.blocks.num_blocks} KV blocks of "
+    kv_tokens = executor.core.blocks.num_blocks * args.block_size
+    log(f"executor up in {time.perf_counter() - t0:.1f} s: {executor.core.blocks.num_blocks} KV blocks of "
         f"{args.block_size}, {len(graphs.graphs) if graphs else 0} CUDA graphs")  # fmt: skip
     # Warm-up: compiles the Triton kernels for prefill shapes, touches every path once.
     run_executor_offline(executor, prompts_for(4, 64, cfg.vocab_size, 99), 8)
@@ -374,12 +374,12 @@ def bench_tokenwire(args: argparse.Namespace, cfg: Any, weights: dict[str, torch
         for row, (prompt, output, n, _) in zip(rows, workloads, strict=True):
             prompts = np.asarray(prompts_for(n, prompt, cfg.vocab_size, 1))
             seconds, tokens = run_direct(backend, prompts, output, args.max_batch, args.max_num_tokens,
-                                         args.block_size, executor.blocks.num_blocks)  # fmt: skip
+                                         args.block_size, executor.core.blocks.num_blocks)  # fmt: skip
             row.extra["direct_tok_s"] = round(tokens / seconds)
             log(f"backend alone {row.workload}: {tokens / seconds:,.0f} tok/s")
     if args.profile:
         try:
-            profile_steps(backend, cfg, executor.blocks.num_blocks, args.block_size)
+            profile_steps(backend, cfg, executor.core.blocks.num_blocks, args.block_size)
         except Exception as e:  # a diagnostic; never lose the table for it
             log(f"profile failed: {type(e).__name__}: {e}")
     executor.shutdown()

@@ -195,7 +195,7 @@ def compare(model: Path, prompt_sets: list[list[list[int]]]) -> tuple[Run, Run]:
     stack = _Stack(model, "--max-batch-size", str(max(64, REQUESTS)))
     local, remote = [], []
     try:
-        with Executor(model, config) as ex:
+        with Executor.from_model(model, config) as ex:
             _ = ex.enqueue_request(Request(input_token_ids=[100, 101, 102], max_tokens=2))
             while not any(r.result and r.result.is_final for r in ex.await_responses(timeout=120)):
                 pass

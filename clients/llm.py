@@ -211,9 +211,9 @@ class LLM:
     def __init__(self, model: str | Path | None = None, config: ExecutorConfig | None = None) -> None:
         """`model`: a checkpoint directory, a .gguf file, or the default model's name (None)."""
         from worker.executor import Executor
-        from worker.models.default_model import DEFAULT_MODEL_NAME
+        from worker.models.default_model import DEFAULT_MODEL_NAME, resolve_model
 
-        self.executor: Executor = Executor(model or DEFAULT_MODEL_NAME, config)
+        self.executor: Executor = Executor.from_model(resolve_model(model or DEFAULT_MODEL_NAME), config)
         self.tokenizer: Any = self.executor.tokenizer
         self._handles: dict[int, RequestHandle] = {}
         self._lock = threading.Lock()

@@ -124,7 +124,7 @@ def test_beam_search_matches_the_executor_in_process(service, client):
 
     prompt = [5, 6, 7, 8]
     config = ExecutorConfig(max_beam_width=2, kv_cache_config=KvCacheConfig(max_tokens=4096))
-    with Executor(service.model, config) as ex:
+    with Executor.from_model(service.model, config) as ex:
         rid = ex.enqueue_request(Request(input_token_ids=prompt, max_tokens=8, num_return_sequences=2,
                                          sampling_config=SamplingConfig(beam_width=2)))  # fmt: skip
         responses = ex.await_responses(rid, timeout=60)

@@ -33,7 +33,7 @@ def test_beam_search_returns_the_executors_best_beams(llm: LLM, ckpt: Path) -> N
     params = SamplingParams(max_tokens=8, ignore_eos=True, beam_width=4, num_return_sequences=2, length_penalty=1.0,
                             return_log_probs=True)
     (out,) = llm.generate([prompt], params)
-    with Executor(ckpt, CONFIG) as ex:
+    with Executor.from_model(ckpt, CONFIG) as ex:
         rid = ex.enqueue_request(Request(input_token_ids=prompt, max_tokens=8, end_id=-1, num_return_sequences=2,
                                          sampling_config=SamplingConfig(beam_width=4, length_penalty=1.0)))
         (direct,) = ex.await_responses(rid, timeout=60)

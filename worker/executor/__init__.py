@@ -1,5 +1,6 @@
 """The continuous-batching executor (TensorRT-LLM Executor API, in process)."""
 
+from worker.executor.engine_core import EngineCore, StepOutput
 from worker.executor.executor import Executor
 from worker.executor.types import (
     CapacitySchedulerPolicy,
@@ -20,6 +21,7 @@ from worker.executor.types import (
 
 __all__ = [
     "CapacitySchedulerPolicy",
+    "EngineCore",
     "Executor",
     "ExecutorConfig",
     "FinishReason",
@@ -34,4 +36,5 @@ __all__ = [
     "Result",
     "SamplingConfig",
     "SchedulerConfig",
+    "StepOutput",
 ]

@@ -16,11 +16,17 @@ candidate by rate * k before the beams compete, favouring distinct parents.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from worker.executor.types import FinishReason
+from worker.executor.block_manager import BlockManager, BlockTable
+from worker.executor.scheduler import Scheduler
+from worker.executor.sequence import Sequence
+from worker.executor.types import FinishReason, RequestState, Result
+
+# A beam as reported: its generated tokens, their log probs, why it ended.
+Beam = tuple[list[int], list[float], FinishReason]
 
 _DEAD = -1.0e9  # transformers' score for beams that cannot continue
 
@@ -118,3 +124,84 @@ class BeamSearch:
             or bool(hits.all())
         )
         return continuations
+
+
+def _ends(seq: Sequence, token: int) -> FinishReason:
+    """Why appending `token` would end beam `seq`, if it would."""
+    if token == seq.end_id:
+        return FinishReason.END_ID
+    generated = [*seq.generated, token]
+    for word in seq.stop_words:
+        if len(word) <= len(generated) and generated[len(generated) - len(word) :] == word:
+            return FinishReason.STOP_WORDS
+    return FinishReason.NOT_FINISHED
+
+
+def advance(search: BeamSearch, members: list[Sequence], blocks: BlockManager, scheduler: Scheduler) -> bool:
+    """Every beam of a request has its candidates: pick the next beams and give each
+    its parent's tokens and KV blocks (shared, copied on write). `members` (the live
+    beams) is updated in place, best first. False when the search is over."""
+    k = 2 * search.width
+    tokens = np.stack([m.candidates[0][:k] for m in members])  # type: ignore[index]
+    log_probs = np.stack([m.candidates[1][:k] for m in members])  # type: ignore[index]
+    for m in members:
+        m.candidates = None
+    continuations = search.step(tokens, log_probs, [m.generated for m in members],
+                                [m.log_probs for m in members], lambda b, t: _ends(members[b], t))
+    if search.done:
+        return False
+    running = set(map(id, scheduler.running))
+    parents = [(m.token_ids, m.log_probs, m.num_computed, id(m) in running and m.num_computed == m.num_tokens)
+               for m in members]
+    tables = [blocks.fork(members[c.parent].blocks) if parents[c.parent][3] else BlockTable()
+              for c in continuations]
+    for m in members:
+        blocks.free(m.blocks)
+    family = members[0].family
+    assert family is not None
+    for j, c in enumerate(continuations):
+        tokens_so_far, lps, computed, has_kv = parents[c.parent]
+        if j < len(members):
+            slot = members[j]
+        else:
+            slot = replace(members[0], blocks=BlockTable(), candidates=None, state=RequestState.GENERATION,
+                           top_token_ids=[], top_log_probs=[], context_logits=[], generation_logits=[])
+            members.append(slot)
+            family.members.append(slot)
+        slot.blocks = tables[j]
+        slot.token_ids = [*tokens_so_far, c.token]
+        slot.log_probs = [*lps, c.log_prob]
+        slot.num_computed = computed if has_kv else 0
+        if j >= len(parents):
+            if has_kv:
+                scheduler.add_running(slot)
+            else:
+                scheduler.add(slot)
+        elif id(slot) in running and not has_kv:
+            scheduler.requeue(slot)
+        elif id(slot) not in running and slot.blocks.block_ids:
+            blocks.free(slot.blocks)  # it waits: it will recompute
+            slot.num_computed = 0
+    return True
+
+
+def best_hypotheses(search: BeamSearch, members: list[Sequence], reason: FinishReason) -> list[Beam]:
+    """What a finished search reports, best first: its hypotheses; if it was cut
+    short (`reason`), the finished ones or else the running beams, marked so."""
+    hyps: list[Beam] = [(h.tokens, h.log_probs, h.reason) for h in search.finished]
+    if reason is not FinishReason.NOT_FINISHED:
+        found = hyps or [(m.generated, m.log_probs, reason) for m in members]
+        hyps = [(tokens, lps, reason) for tokens, lps, _ in found]
+    return hyps
+
+
+def beam_result(beams: list[Beam], prompt: list[int], want_log_probs: bool, final: bool) -> Result:
+    return Result(
+        is_final=final,
+        output_token_ids=[prompt + tokens for tokens, _, _ in beams],
+        finish_reasons=[reason for _, _, reason in beams],
+        sequence_index=0,
+        is_sequence_final=final,
+        cum_log_probs=[float(np.sum(lps)) for _, lps, _ in beams] if want_log_probs else None,
+        log_probs=[list(lps) for _, lps, _ in beams] if want_log_probs else None,
+    )

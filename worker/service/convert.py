@@ -1,4 +1,4 @@
-"""Wire models (protocol) to the executor's dataclasses and back."""
+"""Wire models (protocol) to the executor's dataclasses and back; one gateway's share of a step."""
 
 from __future__ import annotations
 
@@ -63,51 +63,9 @@ def to_wire_response(request_id: str, response: ex.Response) -> protocol.Respons
     )
 
 
-def to_wire_payload(request_id: str, response: ex.Response) -> dict[str, Any]:
-    """What `protocol.encode` makes of to_wire_response(request_id, response), built
-    directly for a result of tokens and finish state alone: the pump runs this for
-    every streamed token, and the models' serializer costs several times more.
-    Anything else (errors, log probs, logits) takes that serializer."""
-    r = response.result
-    if r is None or not _tokens_only(r):
-        return to_wire_response(request_id, response).model_dump(context=WIRE_CONTEXT, exclude_defaults=True)
-    # Field order and the defaults left out follow protocol.Result and protocol.Response.
-    result: dict[str, Any] = {
-        "is_final": r.is_final,
-        "output_token_ids": [pack_ints(ids) for ids in r.output_token_ids],
-        "finish_reasons": [int(f) for f in r.finish_reasons],
-    }
-    if r.sequence_index:
-        result["sequence_index"] = r.sequence_index
-    if r.is_sequence_final:
-        result["is_sequence_final"] = True
-    payload: dict[str, Any] = {"request_id": request_id, "result": result}
-    if response.client_id is not None:
-        payload["client_id"] = response.client_id
-    return payload
-
-
-def streamed_step(response: ex.Response) -> list[int] | None:
-    """The new tokens of a response that protocol.StreamedTokens can carry (a plain
-    streamed step: not final, sequence 0, no client id, tokens alone); None otherwise."""
-    r = response.result
-    if (
-        r is None
-        or r.is_final
-        or r.is_sequence_final
-        or r.sequence_index
-        or response.client_id is not None
-        or len(r.output_token_ids) != 1
-        or not r.output_token_ids[0]
-        or not _tokens_only(r)
-    ):
-        return None
-    return r.output_token_ids[0]
-
-
 class WireBatch:
-    """One gateway's share of a delivery, built as the wire wants it: plain streamed
-    steps in columns (protocol.StreamedTokens), every other response whole."""
+    """One gateway's share of a step, built as the wire wants it: the core's plain
+    streamed steps in columns (protocol.StreamedTokens), every other response whole."""
 
     __slots__ = ("counts", "request_ids", "responses", "token_ids")
 
@@ -118,14 +76,11 @@ class WireBatch:
         self.responses: list[dict[str, Any]] = []
 
     def add(self, request_id: str, response: ex.Response) -> None:
-        tokens = streamed_step(response)
-        if tokens is None:
-            self.responses.append(to_wire_payload(request_id, response))
-        else:
-            self.add_streamed(request_id, tokens)
+        self.responses.append(to_wire_response(request_id, response).model_dump(context=WIRE_CONTEXT,
+                                                                                exclude_defaults=True))
 
     def add_streamed(self, request_id: str, tokens: list[int]) -> None:
-        """A plain streamed step's new tokens (see streamed_step)."""
+        """A plain streamed step's tokens (a column of the core's StepOutput)."""
         self.request_ids.append(request_id)
         self.counts.append(len(tokens))
         self.token_ids += tokens
@@ -160,17 +115,6 @@ def _batch_payload(
                                "token_ids": pack_ints(token_ids)}  # fmt: skip
     payload["load"] = load
     return payload
-
-
-def _tokens_only(r: ex.Result) -> bool:
-    return (
-        r.cum_log_probs is None
-        and r.log_probs is None
-        and r.top_token_ids is None
-        and r.top_log_probs is None
-        and r.context_logits is None
-        and r.generation_logits is None
-    )
 
 
 def _logits(value: Any) -> protocol.Logits | None:

@@ -1,16 +1,16 @@
-"""The executor in a process of its own (the engine), and the worker's handle on it.
+"""The engine core in a process of its own (the engine), and the worker's handle on it.
 
 Why a process: on a GPU, a small model's decode step is mostly Python, so the
-executor's thread is CPU-bound and every other thread of its process takes GIL
-time from it. With the worker's socket, result-pump and Redis threads beside it,
-the executor held 79% of the GIL and an H200's 64-stream decode step took
-1.9-3.1 ms against 1.5-2.5 ms in process. The engine process holds the executor,
-whose own thread sends results over a pipe, and a main thread that takes requests
-from another; everything else stays in the worker process.
+thread that steps the core is CPU-bound and every other thread of its process
+takes GIL time from it. With the worker's socket, result-pump and Redis threads
+beside it, the executor held 79% of the GIL and an H200's 64-stream decode step
+took 1.9-3.1 ms against 1.5-2.5 ms in process. The engine process has one
+thread: it reads what waits in its pipe without blocking, runs `core.step()` and
+sends the step's output, so nothing waits for the GIL to pass a step on.
 
-Requests cross as pickled executor dataclasses with ids the worker assigns; a
-plain streamed step (protocol.StreamedTokens's kind) crosses in columns, as on the
-wire, since pickling 64 Responses a step would cost the engine more than it saves.
+Requests cross as pickled executor dataclasses under ids the worker assigns (the
+core answers under the caller's ids: no id maps); a step crosses as the core's
+`StepOutput`, plain streamed steps in columns as on the wire.
 """
 
 from __future__ import annotations
@@ -26,24 +26,24 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from worker.executor import types as ex
-from worker.service.convert import streamed_step
+from worker.executor.engine_core import StepOutput
 
 if TYPE_CHECKING:
-    from worker.executor import Executor
+    from worker.executor import EngineCore
 
 log = logging.getLogger(__name__)
 
-# The executor loop turns at least once a second when idle (with an on_iteration
-# hook); a loop that has not turned for twice that is stuck.
+# An idle engine turns its loop (and reports its load) this often at least.
+_IDLE_LOAD_S = 0.5
+# A loop that has not turned for this long is stuck (the systemd watchdog's question).
 LOOP_STUCK_AFTER_S = 2.0
-_IDLE_LOAD_S = 0.5  # an idle engine reports its load at each idle turn of its loop, this far apart at least
 _ITERATION_STATS_S = 0.1  # iteration stats cross in batches, not every step
 _PIPE_BYTES = 1 << 20  # Linux's pipe-max-size for unprivileged processes
 
@@ -81,29 +81,11 @@ class EngineInfo:
     iteration_stats_max: int
 
 
-@dataclass(slots=True)
-class Step:
-    """What the engine produced since its last message.
-
-    Plain streamed steps in columns: `ids[i]` got `counts[i]` tokens, in order in
-    `token_ids`; every other response whole in `responses`, each after the columns
-    of its request (a request's streamed steps came first). `request_stats` holds the
-    stats of requests that ended here."""
-
-    ids: list[int] = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    responses: list[ex.Response] = field(default_factory=list)
-    request_stats: list[ex.RequestStats] = field(default_factory=list)
-    iteration_stats: list[ex.IterationStats] = field(default_factory=list)
-    load: tuple[int, int, int] = (0, 0, 0)
-
-
 # -- the worker's side ----------------------------------------------------------------
 
 
 class EngineProcess:
-    """Starts the engine and waits for its model; then the worker's executor API:
+    """Starts the engine and waits for its model; then the worker's API on it:
     `enqueue_requests`, `cancel_request` (any thread), `await_step` (one thread),
     `load`, `get_latest_iteration_stats`."""
 
@@ -150,12 +132,12 @@ class EngineProcess:
         with self._send_lock:
             self._send(("cancel", request_id))
 
-    def await_step(self, timeout: float) -> Step | None:
-        """The engine's next message, or None after `timeout` seconds."""
+    def await_step(self, timeout: float) -> StepOutput | None:
+        """The engine's next step output, or None after `timeout` seconds."""
         if not self._from.poll(timeout):
             return None
-        step: Step = pickle.loads(self._recv())
-        self._load = step.load
+        step: StepOutput
+        step, self._load = pickle.loads(self._recv())
         if step.iteration_stats:
             with self._stats_lock:
                 self._iterations.extend(step.iteration_stats)
@@ -172,7 +154,7 @@ class EngineProcess:
         return stats
 
     def looping(self) -> bool:
-        """Whether the executor loop turned lately (the systemd watchdog's question)."""
+        """Whether the engine's loop turned lately (the systemd watchdog's question)."""
         return time.monotonic() - self._turned.value < LOOP_STUCK_AFTER_S
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
@@ -211,8 +193,8 @@ def _widen(pipe: Connection) -> None:
 # -- the engine's side ----------------------------------------------------------------
 
 
-def build_executor(config: EngineConfig, on_iteration: Callable[[], None] | None = None) -> tuple[Executor, Path]:
-    from worker.executor import Executor, ExecutorConfig, KvCacheConfig
+def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
+    from worker.executor import EngineCore, ExecutorConfig, KvCacheConfig
     from worker.models.default_model import resolve_model
 
     path = Path(config.model) if Path(config.model).exists() else resolve_model(config.model)
@@ -226,14 +208,13 @@ def build_executor(config: EngineConfig, on_iteration: Callable[[], None] | None
         device=config.device,
     )
     if config.backend != "echo":
-        return Executor(path, executor_config, on_iteration=on_iteration), path
+        return EngineCore.from_model(path, executor_config), path
     from worker.models.loader import load_model
     from worker.service.echo_backend import EchoBackend
 
     log.warning("echo backend: TRANSPORT TEST ONLY, no model runs")
     meta = load_model(path, load_weights=False)  # config and tokenizer: gateways detokenize as usual
-    backend = EchoBackend(meta.config)
-    return Executor(path, executor_config, backend=backend, tokenizer=meta.tokenizer, on_iteration=on_iteration), path
+    return EngineCore(EchoBackend(meta.config), executor_config, tokenizer=meta.tokenizer), path
 
 
 def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, turned: ctypes.c_double) -> None:
@@ -246,28 +227,63 @@ def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, tu
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     setup_logging("worker", config.log_level, config.log_format)
     exit_on_thread_crash()
-    engine = _Engine(outbox, turned, config.test_hang_loop_after_s)
     try:
-        executor, path = build_executor(config, engine.on_turn)
+        core, path = build_core(config)
     except Exception as e:
         log.exception("the engine could not load %s", config.model)
-        engine.send(("failed", f"could not load {config.model}: {type(e).__name__}: {e}"))
+        _send(outbox, ("failed", f"could not load {config.model}: {type(e).__name__}: {e}"))
         return
-    tokenizer = executor.tokenizer
-    engine.send(("ready", EngineInfo(
+    tokenizer = core.tokenizer
+    _send(outbox, ("ready", EngineInfo(
         model_path=path,
-        backend=executor.backend.name,
-        num_blocks=executor.blocks.num_blocks,
-        max_batch_size=executor.config.max_batch_size,
-        vocab_size=executor.model_config.vocab_size,
-        max_seq_len=executor.max_seq_len,
+        backend=core.backend.name,
+        num_blocks=core.blocks.num_blocks,
+        max_batch_size=core.config.max_batch_size,
+        vocab_size=core.model_config.vocab_size,
+        max_seq_len=core.max_seq_len,
         tokenizer_json=None if tokenizer is None else tokenizer.to_str().encode(),
-        iteration_stats_max=executor.config.iteration_stats_max,
+        iteration_stats_max=core.config.iteration_stats_max,
     )))  # fmt: skip
     settle_gc()
-    engine.executor = executor  # from here on its loop sends results
-    engine.take_requests(inbox)
-    executor.shutdown()
+    hang_at = None if config.test_hang_loop_after_s is None else time.monotonic() + config.test_hang_loop_after_s
+    _serve(core, inbox, outbox, turned, hang_at)
+
+
+def _serve(core: EngineCore, inbox: Connection, outbox: Connection, turned: ctypes.c_double,
+           hang_at: float | None) -> None:
+    """The engine's loop, until the worker says stop: take what waits in the pipe
+    (block only while the core is idle), step, send the step's output. Iteration
+    stats cross in batches; an idle engine still reports its load now and then."""
+    stats: list[ex.IterationStats] = []
+    last_sent = last_stats = time.monotonic()
+    while True:
+        timeout = 0.0 if core.has_work else _IDLE_LOAD_S
+        while inbox.poll(timeout):
+            kind, body = _receive(inbox)
+            if kind == "submit":
+                core.add_requests(body)
+            elif kind == "cancel":
+                core.abort(body)
+            else:  # stop
+                return
+            timeout = 0.0
+        now = time.monotonic()
+        if hang_at is not None and now >= hang_at:
+            log.warning("--test-hang-loop-after: the engine loop hangs now")
+            threading.Event().wait()
+        turned.value = now
+        out = core.step() if core.has_work else StepOutput()
+        stats += out.iteration_stats
+        out.iteration_stats = []
+        if now - last_stats >= _ITERATION_STATS_S:
+            out.iteration_stats, stats, last_stats = stats, [], now
+        if out or now - last_sent >= _IDLE_LOAD_S:
+            _send(outbox, (out, core.load()))
+            last_sent = now
+
+
+def _send(outbox: Connection, message: object) -> None:
+    outbox.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
 
 
 def _receive(inbox: Connection) -> tuple[str, Any]:
@@ -279,116 +295,3 @@ def _receive(inbox: Connection) -> tuple[str, Any]:
         log.warning("the worker process is gone: the engine exits")
         os._exit(1)
     return message
-
-
-class _Engine:
-    """Requests in on the main thread (`take_requests`); results out from the
-    executor's own thread, at the start of each turn of its loop (`on_turn`), so
-    that no other thread waits for the GIL to pass a step on: a sender thread
-    delivered some steps two at a time. The id maps are under one lock, held
-    across each enqueue, so that no response is seen before its id is mapped."""
-
-    def __init__(self, outbox: Connection, turned: ctypes.c_double, hang_after_s: float | None) -> None:
-        self.outbox = outbox
-        self.turned = turned  # the worker's watchdog reads it
-        self.hang_at = None if hang_after_s is None else time.monotonic() + hang_after_s
-        self.executor: Executor | None = None
-        self.lock = threading.Lock()
-        self.worker_id: dict[int, int] = {}  # executor id -> the worker's id
-        self.executor_id: dict[int, int] = {}
-        # Held from taking responses to sending them: two threads' steps keep their order.
-        self.send_lock = threading.Lock()
-        self.last_sent = self.last_stats = time.monotonic()
-
-    def send(self, message: object) -> None:
-        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
-        with self.send_lock:
-            self.outbox.send_bytes(data)
-
-    def on_turn(self) -> None:
-        """The executor's on_iteration hook."""
-        if self.hang_at is not None and time.monotonic() >= self.hang_at:
-            log.warning("--test-hang-loop-after: the executor loop hangs now")
-            threading.Event().wait()
-        self.turned.value = time.monotonic()
-        if self.executor is not None:
-            self.send_results(self.executor)
-
-    def send_results(self, executor: Executor) -> None:
-        """What the executor has produced, if anything (an idle engine still reports
-        its load every _IDLE_LOAD_S)."""
-        with self.send_lock:
-            responses = executor.await_responses(None, timeout=0)
-            now = time.monotonic()
-            if not responses and now - self.last_sent < _IDLE_LOAD_S:
-                return
-            step = self._step(executor, responses)
-            if now - self.last_stats >= _ITERATION_STATS_S:
-                step.iteration_stats = executor.get_latest_iteration_stats()
-                self.last_stats = now
-            step.load = executor.load()
-            self.outbox.send_bytes(pickle.dumps(step, pickle.HIGHEST_PROTOCOL))
-            self.last_sent = now
-
-    def take_requests(self, inbox: Connection) -> None:
-        """Until the worker says stop."""
-        assert self.executor is not None
-        while True:
-            kind, body = _receive(inbox)
-            submits: list[tuple[int, ex.Request]] = []
-            while kind == "submit":  # the submits waiting behind it go into the same enqueue
-                submits += body
-                if not inbox.poll(0):
-                    kind = ""
-                    break
-                kind, body = _receive(inbox)
-            if submits:
-                self._enqueue(self.executor, submits)
-                # Requests the executor refused have their errors ready now, and
-                # with nothing else to do its loop would not turn to send them.
-                self.send_results(self.executor)
-            if kind == "cancel":
-                with self.lock:
-                    executor_id = self.executor_id.get(body)
-                if executor_id is not None:
-                    self.executor.cancel_request(executor_id)
-            elif kind == "stop":
-                return
-
-    def _enqueue(self, executor: Executor, submits: list[tuple[int, ex.Request]]) -> None:
-        errors: list[ex.Response] = []
-        with self.lock:
-            try:
-                ids = executor.enqueue_requests([request for _, request in submits])
-            except Exception as e:  # a bug here must not stop the engine
-                log.exception("could not enqueue %d requests", len(submits))
-                errors = [ex.Response(i, error_msg=f"worker failed to start the request: {e}") for i, _ in submits]
-            else:
-                for executor_id, (worker_id, _) in zip(ids, submits, strict=True):
-                    self.worker_id[executor_id] = worker_id
-                    self.executor_id[worker_id] = executor_id
-        if errors:
-            self.send(Step(responses=errors, load=executor.load()))
-
-    def _step(self, executor: Executor, responses: list[ex.Response]) -> Step:
-        step = Step()
-        ended: list[int] = []
-        with self.lock:
-            for r in responses:
-                tokens = streamed_step(r)
-                if tokens is not None:
-                    step.ids.append(self.worker_id[r.request_id])
-                    step.counts.append(len(tokens))
-                    step.token_ids += tokens
-                    continue
-                if r.result is None or r.result.is_final:
-                    ended.append(r.request_id)
-                r.request_id = self.worker_id[r.request_id]
-                step.responses.append(r)
-            if ended:
-                for s in executor.get_latest_request_stats():
-                    s.request_id = self.worker_id.get(s.request_id, -1)
-                    step.request_stats.append(s)
-                for executor_id in ended:
-                    del self.executor_id[self.worker_id.pop(executor_id)]
-        return step

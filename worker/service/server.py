@@ -28,9 +28,10 @@ from ops.sd_notify import Notifier
 from protocol import ErrorCode
 from protocol.limits import socket_turn
 from worker.executor import types as ex
+from worker.executor.engine_core import StepOutput
 from worker.service.active import Active, ActiveTable
 from worker.service.convert import WireBatch, to_request, to_wire_response
-from worker.service.engine import EngineFailed, EngineProcess, Step
+from worker.service.engine import EngineFailed, EngineProcess
 from worker.service.redis_link import WorkerRedis
 
 log = logging.getLogger(__name__)
@@ -395,7 +396,7 @@ class WorkerService:
         finally:
             out.close(0)
 
-    def _deliver(self, step: Step, out: zmq.Socket, exec_stats: dict[int, ex.RequestStats]) -> None:
+    def _deliver(self, step: StepOutput, out: zmq.Socket, exec_stats: dict[int, ex.RequestStats]) -> None:
         """One result batch per gateway for one message of the engine."""
         batches: dict[bytes, WireBatch] = {}
         finished: list[tuple[Active, protocol.Response]] = []

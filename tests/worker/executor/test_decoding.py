@@ -89,12 +89,12 @@ def test_beam_search_matches_transformers_alone_and_batched(tiny_llama: Path, be
     cases = beams
     rng = random.Random(6)
     others = [Request(input_token_ids=prompt(rng, rng.randrange(2, 30)), max_tokens=10, end_id=-1) for _ in range(5)]
-    with Executor(tiny_llama, config(overlap_scheduling=overlap, max_num_tokens=32)) as ex:
+    with Executor.from_model(tiny_llama, config(overlap_scheduling=overlap, max_num_tokens=32)) as ex:
         alone = run_all(ex, [cases[0][0]])
         # Widths 2 and 4 together, with plain requests, prompts chunked: all served at once.
         batched = run_all(ex, [others[0], *(c[0] for c in cases), *others[1:]])
-        ex.blocks.check_invariants([])
-        assert ex.blocks.num_free == ex.blocks.num_blocks
+        ex.core.blocks.check_invariants([])
+        assert ex.core.blocks.num_free == ex.core.blocks.num_blocks
     got = list(batched.values())[1 : 1 + len(cases)]
     assert next(iter(alone.values()))[-1].result.output_token_ids == cases[0][1]  # type: ignore[union-attr]
     for (request, want, scores), responses in zip(cases, got, strict=True):
@@ -121,12 +121,12 @@ def test_beam_search_under_preemption_keeps_its_result_and_the_kv_invariants(
     others = [Request(input_token_ids=prompt(rng, rng.randrange(8, 30)), max_tokens=16, end_id=-1) for _ in range(12)]
     tight = config(kv=KvCacheConfig(tokens_per_block=4, max_tokens=400),
                    scheduler_config=SchedulerConfig(capacity_scheduler_policy=CapacitySchedulerPolicy.MAX_UTILIZATION))
-    with Executor(tiny_llama, tight) as ex:
+    with Executor.from_model(tiny_llama, tight) as ex:
         got = run_all(ex, [*(c[0] for c in cases), *others])
         time.sleep(0.05)
-        ex.blocks.check_invariants([])
-        assert ex.blocks.num_free == ex.blocks.num_blocks
-        preemptions = ex.scheduler.num_preemptions
+        ex.core.blocks.check_invariants([])
+        assert ex.core.blocks.num_free == ex.core.blocks.num_blocks
+        preemptions = ex.core.scheduler.num_preemptions
     results = list(got.values())
     for (_, want, _), responses in zip(cases, results[: len(cases)], strict=True):
         assert responses[-1].result.output_token_ids == want  # type: ignore[union-attr]
@@ -138,7 +138,7 @@ def test_beam_search_under_preemption_keeps_its_result_and_the_kv_invariants(
 def test_streaming_beam_search_sends_running_beams_then_the_best(tiny_llama: Path, beams: list[BeamCase]) -> None:
     base, want_beams, _ = beams[1]
     request = replace(base, streaming=True)
-    with Executor(tiny_llama, config()) as ex:
+    with Executor.from_model(tiny_llama, config()) as ex:
         (responses,) = run_all(ex, [request]).values()
     assert [r.result.is_final for r in responses] == [False] * (len(responses) - 1) + [True]  # type: ignore[union-attr]
     assert len(responses) > 2
@@ -162,7 +162,7 @@ def test_log_probs_top_n_and_logits_match_transformers(tiny_llama: Path) -> None
         hf_context = _hf_model(tiny_llama)(torch.tensor([p])).logits[0].float().numpy()
     request = Request(input_token_ids=p, max_tokens=6, end_id=-1, output_config=OutputConfig(
         return_log_probs=True, top_n_log_probs=3, return_context_logits=True, return_generation_logits=True))
-    with Executor(tiny_llama, config()) as ex:
+    with Executor.from_model(tiny_llama, config()) as ex:
         (rs,) = run_all(ex, [request]).values()
     result = rs[-1].result
     assert result is not None and result.output_token_ids == [want_tokens]
@@ -212,7 +212,7 @@ def test_penalties_match_transformers_logits_processors(tiny_llama: Path, overla
         row = out.sequences[0, len(p):].tolist()
         eos = theirs.get("eos_token_id")
         expected.append(row[: row.index(eos) + 1] if eos in row else row)
-    with Executor(tiny_llama, config(overlap_scheduling=overlap)) as ex:
+    with Executor.from_model(tiny_llama, config(overlap_scheduling=overlap)) as ex:
         got = run_all(ex, requests)
     for (ours, _), want, responses in zip(cases, expected, got.values(), strict=True):
         assert final_tokens(responses) == want, ours
@@ -220,7 +220,7 @@ def test_penalties_match_transformers_logits_processors(tiny_llama: Path, overla
 
 def test_presence_and_frequency_penalties_stop_repeats(tiny_llama: Path) -> None:
     p = [20, 21, 22]
-    with Executor(tiny_llama, config()) as ex:
+    with Executor.from_model(tiny_llama, config()) as ex:
         free, presence, frequency = (final_tokens(r) for r in run_all(ex, [
             Request(input_token_ids=p, max_tokens=24, end_id=-1),
             Request(input_token_ids=p, max_tokens=24, end_id=-1,
@@ -242,12 +242,12 @@ def test_num_return_sequences_stream_flags_shared_prompt_blocks_and_kv_invariant
     request = Request(input_token_ids=p, max_tokens=6, end_id=-1, num_return_sequences=3, streaming=True,
                       sampling_config=SamplingConfig(temperature=1.0, seed=11),
                       output_config=OutputConfig(return_log_probs=True))
-    with Executor(tiny_llama, config(overlap_scheduling=overlap)) as ex:
+    with Executor.from_model(tiny_llama, config(overlap_scheduling=overlap)) as ex:
         (responses,) = run_all(ex, [request]).values()
         used = max(s.used_num_blocks for s in ex.get_latest_iteration_stats())
         time.sleep(0.05)
-        ex.blocks.check_invariants([])
-        assert ex.blocks.num_free == ex.blocks.num_blocks
+        ex.core.blocks.check_invariants([])
+        assert ex.core.blocks.num_free == ex.core.blocks.num_blocks
     results = [r.result for r in responses]
     assert all(r is not None for r in results)
     # One response per sequence per token, each carrying its sequence index; the
@@ -269,10 +269,10 @@ def test_returned_sequences_equal_the_same_seeded_sequences_run_without_sharing(
     gives each sequence exactly what computing its own prompt would."""
     p = list(range(100, 118))  # 4.5 blocks: the last is partial, so copied on write
     sampling = SamplingConfig(temperature=0.8, seed=21)
-    with Executor(tiny_llama, config()) as ex:
+    with Executor.from_model(tiny_llama, config()) as ex:
         (shared,) = run_all(ex, [Request(input_token_ids=p, max_tokens=10, end_id=-1, num_return_sequences=4,
                                          sampling_config=sampling)]).values()
-    with Executor(tiny_llama, config(kv=KvCacheConfig(tokens_per_block=4, max_tokens=4096,
+    with Executor.from_model(tiny_llama, config(kv=KvCacheConfig(tokens_per_block=4, max_tokens=4096,
                                                       enable_block_reuse=False))) as ex:
         # Ensure the reference really runs each sequence alone: no fork, one request per sequence.
         alone = []
@@ -312,7 +312,7 @@ def test_logits_post_processors_named_batched_failing_and_unknown(tiny_llama: Pa
     processors = load_processors([f"force={__name__}:force_token"])
     by_path = (f"batched={__name__}:ban_previous_batched", f"broken={__name__}:broken")
     p = [40, 41, 42]
-    with Executor(tiny_llama, config(overlap_scheduling=overlap, logits_post_processor_map=processors,
+    with Executor.from_model(tiny_llama, config(overlap_scheduling=overlap, logits_post_processor_map=processors,
                                      logits_post_processors=by_path)) as ex:
         got = list(run_all(ex, [
             Request(input_token_ids=p, max_tokens=5, end_id=-1, logits_post_processor_name="force"),
@@ -357,7 +357,7 @@ def test_bad_decoding_input_gets_an_error_for_that_request_alone(
     tiny_llama: Path, request_kw: dict, message: str
 ) -> None:
     kw = dict(input_token_ids=[5, 6, 7], max_tokens=4, end_id=-1) | request_kw
-    with Executor(tiny_llama, config()) as ex:
+    with Executor.from_model(tiny_llama, config()) as ex:
         good1, bad, good2 = run_all(ex, [Request(input_token_ids=[9, 10], max_tokens=3, end_id=-1), Request(**kw),
                                          Request(input_token_ids=[11, 12], max_tokens=3, end_id=-1)]).values()
     assert bad[0].has_error and message in (bad[0].error_msg or ""), bad[0].error_msg
@@ -384,12 +384,12 @@ def test_kv_invariants_with_beams_and_returned_sequences_under_load_and_cancels(
                                     sampling_config=SamplingConfig(temperature=0.9, seed=k)))
         else:
             requests.append(Request(input_token_ids=p, max_tokens=rng.randrange(1, 12), end_id=-1))
-    with Executor(tiny_llama, config(kv=KvCacheConfig(tokens_per_block=4, max_tokens=20000,
+    with Executor.from_model(tiny_llama, config(kv=KvCacheConfig(tokens_per_block=4, max_tokens=20000,
                                                       enable_block_reuse=False))) as ex:
         reference = [outputs(r) for r in run_all(ex, requests).values()]
     tight = config(kv=KvCacheConfig(tokens_per_block=4, max_tokens=240),
                    scheduler_config=SchedulerConfig(capacity_scheduler_policy=policy))
-    with Executor(tiny_llama, tight) as ex:
+    with Executor.from_model(tiny_llama, tight) as ex:
         ids = ex.enqueue_requests(requests)
         cancel = set(rng.sample(range(len(requests)), 8))
         for i in cancel:
@@ -403,9 +403,9 @@ def test_kv_invariants_with_beams_and_returned_sequences_under_load_and_cancels(
                 if r.has_error or r.result.is_final:  # type: ignore[union-attr]
                     pending.discard(r.request_id)
         time.sleep(0.05)
-        ex.blocks.check_invariants([])
-        assert ex.blocks.num_free == ex.blocks.num_blocks
-        preemptions = ex.scheduler.num_preemptions
+        ex.core.blocks.check_invariants([])
+        assert ex.core.blocks.num_free == ex.core.blocks.num_blocks
+        preemptions = ex.core.scheduler.num_preemptions
     cancelled = 0
     for k, responses in enumerate(got.values()):
         assert all(not r.has_error for r in responses), responses[-1].error_msg
@@ -435,7 +435,7 @@ def outputs(responses: list[Response]) -> dict[int, list[list[int]]]:
 def test_cancelled_beam_search_ends_once_with_cancelled_and_frees_its_blocks(tiny_llama: Path) -> None:
     request = Request(input_token_ids=list(range(50, 70)), max_tokens=300, end_id=-1, streaming=True,
                       num_return_sequences=2, sampling_config=SamplingConfig(beam_width=4))
-    with Executor(tiny_llama, config()) as ex:
+    with Executor.from_model(tiny_llama, config()) as ex:
         rid = ex.enqueue_request(request)
         responses = ex.await_responses(rid, timeout=30)
         ex.cancel_request(rid)
@@ -443,8 +443,8 @@ def test_cancelled_beam_search_ends_once_with_cancelled_and_frees_its_blocks(tin
             responses += ex.await_responses(rid, timeout=30)
         time.sleep(0.05)
         assert ex.load()[1] == 0
-        ex.blocks.check_invariants([])
-        assert ex.blocks.num_free == ex.blocks.num_blocks
+        ex.core.blocks.check_invariants([])
+        assert ex.core.blocks.num_free == ex.core.blocks.num_blocks
     last = responses[-1].result
     assert last is not None and last.finish_reasons == [FinishReason.CANCELLED] * 2
     assert len(last.output_token_ids) == 2 and 0 < len(last.output_token_ids[0]) < 300
@@ -460,9 +460,9 @@ def test_overlap_drops_scheduled_sequences_that_ended_in_flight(tiny_llama: Path
     ends = [hf_greedy(tiny_llama, p, 4)[2] for p in prompts]
     requests = [Request(input_token_ids=p, max_tokens=10, end_id=e) for p, e in zip(prompts, ends, strict=True)]
     requests.append(Request(input_token_ids=[5, 6, 7], max_tokens=10, end_id=-1, bad_words=[[8, 9]]))
-    with Executor(tiny_llama, config(overlap_scheduling=True)) as ex:
+    with Executor.from_model(tiny_llama, config(overlap_scheduling=True)) as ex:
         got = list(run_all(ex, requests).values())
-        ex.blocks.check_invariants([])
+        ex.core.blocks.check_invariants([])
     for responses, p, e in zip(got[:-1], prompts, ends, strict=True):
         tokens = final_tokens(responses)
         assert tokens[-1] == e and tokens == hf_greedy(tiny_llama, p, len(tokens))

@@ -61,7 +61,7 @@ def test_torch_backend_matches_numpy_on_every_decoding_feature(tiny_llama: Path,
     def run(backend: str) -> list[list[Response]]:
         config = ExecutorConfig(backend=backend, device=device if backend == "torch" else None, dtype="float32",
                                 max_beam_width=4, kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=4096))
-        with Executor(tiny_llama, config) as ex:
+        with Executor.from_model(tiny_llama, config) as ex:
             return list(run_all(ex, requests()).values())
 
     reference, torch_run = run("numpy"), run("torch")

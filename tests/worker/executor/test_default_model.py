@@ -36,7 +36,7 @@ def test_greedy_from_the_gguf_matches_transformers_loading_the_same_gguf(gguf: P
     with torch.no_grad():
         want = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
                               pad_token_id=0)[0, len(prompt):].tolist()
-    with Executor(gguf, CONFIG) as ex:
+    with Executor.from_model(gguf, CONFIG) as ex:
         (got,) = run_all(ex, [Request(input_token_ids=prompt, max_tokens=24, end_id=-1)]).values()
     assert final_tokens(got) == want
 

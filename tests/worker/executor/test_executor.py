@@ -48,7 +48,7 @@ def test_greedy_matches_transformers_alone_and_batched_with_chunked_context(
     expected = [hf_greedy(ckpt, p, 12) for p in prompts]
     # max_num_tokens 24 splits the long prompts into chunks that share
     # iterations with other requests' generation steps.
-    with Executor(ckpt, config(max_num_tokens=24, overlap_scheduling=overlap)) as ex:
+    with Executor.from_model(ckpt, config(max_num_tokens=24, overlap_scheduling=overlap)) as ex:
         alone = run_all(ex, [Request(input_token_ids=prompts[0], max_tokens=12, end_id=-1)])
         assert final_tokens(next(iter(alone.values()))) == expected[0]
         batched = run_all(ex, [Request(input_token_ids=p, max_tokens=12, end_id=-1) for p in prompts])
@@ -62,7 +62,7 @@ def test_greedy_matches_transformers_alone_and_batched_with_chunked_context(
 @OVERLAP
 def test_streaming_sends_every_token_once_in_order_and_is_final_once(tiny_llama: Path, overlap: bool) -> None:
     p = list(range(10, 30))
-    with Executor(tiny_llama, config(overlap_scheduling=overlap)) as ex:
+    with Executor.from_model(tiny_llama, config(overlap_scheduling=overlap)) as ex:
         full = run_all(ex, [Request(input_token_ids=p, max_tokens=20, end_id=-1)])
         streamed = run_all(ex, [Request(input_token_ids=p, max_tokens=20, end_id=-1, streaming=True)])
         cumulative = run_all(ex, [Request(input_token_ids=p, max_tokens=20, end_id=-1, streaming=True,
@@ -84,7 +84,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama: Path, overlap:
     target = Request(input_token_ids=prompt(rng, 9), max_tokens=16, end_id=-1, sampling_config=sampling)
     others = [Request(input_token_ids=prompt(rng, rng.randrange(2, 30)), max_tokens=16, end_id=-1,
                       sampling_config=SamplingConfig(temperature=0.7, seed=i)) for i in range(7)]
-    with Executor(tiny_llama, config(overlap_scheduling=overlap)) as ex:
+    with Executor.from_model(tiny_llama, config(overlap_scheduling=overlap)) as ex:
         alone = final_tokens(next(iter(run_all(ex, [target]).values())))
         mixed = run_all(ex, [*others[:3], target, *others[3:]])
         again = final_tokens(list(mixed.values())[3])
@@ -96,8 +96,8 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama: Path, overlap:
 
 @OVERLAP
 def test_cancel_mid_stream_ends_with_cancelled_and_frees_blocks(tiny_llama: Path, overlap: bool) -> None:
-    with Executor(tiny_llama, config(overlap_scheduling=overlap)) as ex:
-        total = ex.blocks.num_blocks
+    with Executor.from_model(tiny_llama, config(overlap_scheduling=overlap)) as ex:
+        total = ex.core.blocks.num_blocks
         rid = ex.enqueue_request(Request(input_token_ids=list(range(5, 50)), max_tokens=400, end_id=-1,
                                          streaming=True))
         first = ex.await_responses(rid, timeout=30)
@@ -131,7 +131,7 @@ def test_cancel_mid_stream_ends_with_cancelled_and_frees_blocks(tiny_llama: Path
 )
 def test_bad_input_gets_an_error_for_that_request_alone(tiny_llama: Path, request_kw: dict, message: str) -> None:
     kw = dict(input_token_ids=[5, 6, 7], max_tokens=4, end_id=-1) | request_kw
-    with Executor(tiny_llama, config()) as ex:
+    with Executor.from_model(tiny_llama, config()) as ex:
         got = run_all(ex, [Request(input_token_ids=[9, 10], max_tokens=3, end_id=-1), Request(**kw),
                            Request(input_token_ids=[11, 12], max_tokens=3, end_id=-1)])
     good1, bad, good2 = got.values()
@@ -142,7 +142,7 @@ def test_bad_input_gets_an_error_for_that_request_alone(tiny_llama: Path, reques
 @OVERLAP
 def test_end_id_stop_words_min_tokens_and_word_list_format(tiny_llama: Path, overlap: bool) -> None:
     p = list(range(20, 40))
-    with Executor(tiny_llama, config(overlap_scheduling=overlap)) as ex:
+    with Executor.from_model(tiny_llama, config(overlap_scheduling=overlap)) as ex:
         (free,) = run_all(ex, [Request(input_token_ids=p, max_tokens=12, end_id=-1)]).values()
         tokens = final_tokens(free)
         # end at the 5th generated token, unless min_tokens forbids it
@@ -163,7 +163,7 @@ def test_end_id_stop_words_min_tokens_and_word_list_format(tiny_llama: Path, ove
 @OVERLAP
 def test_bad_words_and_min_tokens_change_the_output(tiny_llama: Path, overlap: bool) -> None:
     p = list(range(40, 60))
-    with Executor(tiny_llama, config(overlap_scheduling=overlap)) as ex:
+    with Executor.from_model(tiny_llama, config(overlap_scheduling=overlap)) as ex:
         (free,) = run_all(ex, [Request(input_token_ids=p, max_tokens=8, end_id=-1)]).values()
         tokens = final_tokens(free)
         (banned,) = run_all(ex, [Request(input_token_ids=p, max_tokens=8, end_id=-1,
@@ -176,7 +176,7 @@ def test_bad_words_and_min_tokens_change_the_output(tiny_llama: Path, overlap: b
 
 def test_log_probs_and_prompt_echo(tiny_llama: Path) -> None:
     p = [7, 8, 9, 10]
-    with Executor(tiny_llama, config()) as ex:
+    with Executor.from_model(tiny_llama, config()) as ex:
         (r,) = run_all(ex, [Request(input_token_ids=p, max_tokens=5, end_id=-1, output_config=OutputConfig(
             return_log_probs=True, exclude_input_from_output=False))]).values()
     result = r[0].result
@@ -189,7 +189,7 @@ def test_log_probs_and_prompt_echo(tiny_llama: Path) -> None:
 
 @OVERLAP
 def test_num_return_sequences_each_sequence_gets_its_own_final_response(tiny_llama: Path, overlap: bool) -> None:
-    with Executor(tiny_llama, config(overlap_scheduling=overlap)) as ex:
+    with Executor.from_model(tiny_llama, config(overlap_scheduling=overlap)) as ex:
         (rs,) = run_all(ex, [Request(input_token_ids=[5, 6, 7], max_tokens=6, end_id=-1, num_return_sequences=3,
                                      sampling_config=SamplingConfig(temperature=1.0, seed=3))]).values()
     results = [r.result for r in rs]
@@ -212,14 +212,14 @@ def test_kv_invariants_under_random_load_with_cancels_preemption_and_reuse(
         requests.append(Request(input_token_ids=p, max_tokens=rng.randrange(1, 20), end_id=-1,
                                 streaming=rng.random() < 0.5))
     # The reference: a roomy cache, no reuse, so no preemption and no sharing.
-    with Executor(tiny_llama, config(kv=KvCacheConfig(tokens_per_block=4, max_tokens=20000,
+    with Executor.from_model(tiny_llama, config(kv=KvCacheConfig(tokens_per_block=4, max_tokens=20000,
                                                       enable_block_reuse=False))) as ex:
         reference = [final_tokens(r) for r in run_all(ex, requests).values()]
 
     # A cache of 40 blocks (160 tokens) for up to 64 concurrent requests.
     tight = config(kv=KvCacheConfig(tokens_per_block=4, max_tokens=160), overlap_scheduling=overlap,
                    scheduler_config=SchedulerConfig(capacity_scheduler_policy=policy))
-    with Executor(tiny_llama, tight) as ex:
+    with Executor.from_model(tiny_llama, tight) as ex:
         cancel = set(rng.sample(range(len(requests)), 30))
         ids = ex.enqueue_requests(requests)
         for i in cancel:
@@ -233,9 +233,9 @@ def test_kv_invariants_under_random_load_with_cancels_preemption_and_reuse(
                     pending.discard(r.request_id)
         stats = ex.get_latest_iteration_stats()
         time.sleep(0.05)
-        ex.blocks.check_invariants([])
-        assert ex.blocks.num_free == ex.blocks.num_blocks
-        preemptions = ex.scheduler.num_preemptions
+        ex.core.blocks.check_invariants([])
+        assert ex.core.blocks.num_free == ex.core.blocks.num_blocks
+        preemptions = ex.core.scheduler.num_preemptions
     for k, (_rid, responses) in enumerate(got.items()):
         reason = responses[-1].result.finish_reasons[0]
         tokens = final_tokens(responses)

@@ -41,7 +41,7 @@ REGEX = r"[A-Z][a-z]{2,8}-[0-9]{2}"
 @pytest.fixture(scope="module")
 def executor(default_gguf: Path) -> Iterator[Executor]:
     config = ExecutorConfig(backend="numpy", max_batch_size=64, kv_cache_config=KvCacheConfig(max_tokens=16384))
-    with Executor(default_gguf, config) as ex:
+    with Executor.from_model(default_gguf, config) as ex:
         yield ex
 
 
@@ -104,7 +104,7 @@ def test_regex_and_grammar_outputs_match(executor: Executor) -> None:
 def test_a_bad_guide_is_an_error_for_that_request_alone(tiny_llama: Path, guide: GuidedDecodingParams,
                                                         message: str) -> None:
     config = ExecutorConfig(backend="numpy", kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=1024))
-    with Executor(tiny_llama, config) as ex:
+    with Executor.from_model(tiny_llama, config) as ex:
         good, bad = run_all(ex, [Request(input_token_ids=[5, 6], max_tokens=3, end_id=-1),
                                  Request(input_token_ids=[5, 6], max_tokens=3, guided_decoding_params=guide)]).values()
     assert bad[0].has_error and message in (bad[0].error_msg or ""), bad[0].error_msg
@@ -115,7 +115,7 @@ def test_a_bad_guide_is_an_error_for_that_request_alone(tiny_llama: Path, guide:
 def test_guided_on_a_tiny_model_in_both_loops(tiny_llama: Path, overlap: bool) -> None:
     config = ExecutorConfig(backend="numpy", overlap_scheduling=overlap,
                             kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=4096))
-    with Executor(tiny_llama, config) as ex:
+    with Executor.from_model(tiny_llama, config) as ex:
         got = run_all(ex, [
             Request(input_token_ids=[5 + i, 6, 7], max_tokens=40, end_id=2, guided_decoding_params=GuidedDecodingParams(
                 "regex", "(ab|cd)+!"), sampling_config=SamplingConfig(temperature=1.0, seed=i)) for i in range(6)
@@ -132,7 +132,7 @@ def test_guided_on_a_tiny_model_in_both_loops(tiny_llama: Path, overlap: bool) -
 def test_without_xgrammar_guided_requests_name_the_extra(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # what `import xgrammar` meets where it is not installed
     config = ExecutorConfig(backend="numpy", kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=1024))
-    with Executor(tiny_llama, config) as ex:
+    with Executor.from_model(tiny_llama, config) as ex:
         (bad,) = run_all(ex, [Request(input_token_ids=[5, 6], max_tokens=3,
                                       guided_decoding_params=GuidedDecodingParams("json"))]).values()
     assert bad[0].has_error and "the `guided` extra" in (bad[0].error_msg or ""), bad[0].error_msg

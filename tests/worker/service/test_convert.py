@@ -1,5 +1,5 @@
-"""The pump's direct wire form of a result is byte for byte what the protocol models
-would encode, so gateways validate it like any other message; plain streamed steps
+"""A worker's result batch is byte for byte what the protocol models would encode,
+so gateways validate it like any other message; the core's plain streamed steps
 travel in columns and stand for the same responses."""
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 import protocol
-from protocol.packed import WIRE_CONTEXT
 from worker.executor import types as ex
-from worker.service.convert import WireBatch, streamed_step, to_wire_payload, to_wire_response
+from worker.service.convert import WireBatch, to_wire_response
 
 F = ex.FinishReason
 RESPONSES = {
@@ -32,30 +31,20 @@ RESPONSES = {
 }
 
 
-@pytest.mark.parametrize("name", RESPONSES)
-def test_payload_is_what_the_model_encodes_to(name: str) -> None:
-    response = RESPONSES[name]
-    model = to_wire_response(f"req-{name}", response)
-    assert to_wire_payload(f"req-{name}", response) == model.model_dump(context=WIRE_CONTEXT, exclude_defaults=True)
-
-
 def test_a_batch_encodes_to_the_same_bytes_and_validates() -> None:
     names = list(RESPONSES)
     load = protocol.WorkerLoad(num_active_requests=3, free_num_blocks=10, max_num_blocks=64)
-    payloads = [to_wire_payload(n, RESPONSES[n]) for n in names]
-    fast = protocol.encode_payload(
-        protocol.ResultBatch.kind, {"responses": payloads, "load": load.model_dump(exclude_defaults=True)}
-    )
+    batch = WireBatch()
+    for n in names:
+        batch.add(n, RESPONSES[n])
+    [payload] = batch.payloads(load.model_dump(exclude_defaults=True), 4096)
+    fast = protocol.encode_payload(protocol.ResultBatch.kind, payload)
     models = protocol.ResultBatch(responses=[to_wire_response(n, RESPONSES[n]) for n in names], load=load)
     assert fast == protocol.encode(models)
     assert protocol.decode(fast) == models
 
 
 COLUMNS = {"streamed token", "several tokens"}  # the plain streamed steps among RESPONSES
-
-
-def test_only_plain_streamed_steps_go_in_columns() -> None:
-    assert {name for name, r in RESPONSES.items() if streamed_step(r) is not None} == COLUMNS
 
 
 @pytest.mark.parametrize("max_array_len", [4096, 2])
@@ -66,7 +55,12 @@ def test_a_wire_batch_stands_for_the_same_responses(max_array_len: int) -> None:
              *[(n, n) for n in names[3:]]]  # fmt: skip
     batch = WireBatch()
     for request_id, name in order:
-        batch.add(request_id, RESPONSES[name])
+        if name in COLUMNS:
+            response = RESPONSES[name]
+            assert response.result is not None
+            batch.add_streamed(request_id, response.result.output_token_ids[0])
+        else:
+            batch.add(request_id, RESPONSES[name])
     load = protocol.WorkerLoad(num_active_requests=3, max_num_blocks=64)
     payloads = list(batch.payloads(load.model_dump(exclude_defaults=True), max_array_len))
     assert len(payloads) == (1 if max_array_len > 8 else 2 + 5)  # 3 streamed steps, 9 whole responses

@@ -87,7 +87,7 @@ def test_streamed_tokens_equal_the_executor_in_process(engine: EngineProcess, lo
     got = _collect(engine, ids)
     assert got.columns > 0  # plain streamed steps crossed as columns
     config = ExecutorConfig(max_batch_size=8, kv_cache_config=KvCacheConfig(max_tokens=4096), backend="numpy")
-    with Executor(long_model, config) as local:
+    with Executor.from_model(long_model, config) as local:
         local_ids = local.enqueue_requests([_greedy(p, 12, streaming=False) for p in prompts])
         for i, local_id in zip(ids, local_ids, strict=True):
             (final,) = local.await_responses(local_id, timeout=60)
