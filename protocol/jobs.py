@@ -36,9 +36,6 @@ class JobStatus(enum.StrEnum):
         return self not in (JobStatus.QUEUED, JobStatus.RUNNING)
 
 
-TERMINAL_STATUSES: tuple[JobStatus, ...] = tuple(s for s in JobStatus if s.terminal)
-
-
 class Job(WireModel):
     """A queued job: one generation request; its request_id is the job id."""
 

@@ -57,7 +57,6 @@ class WorkerRedis(threading.Thread):
         self.request_stats_ttl_ms = int(request_stats_ttl_s * 1000)
         self.stop = stop
         self.request_stats: queue.Queue[tuple[str, dict[str, str]]] = queue.Queue(maxsize=10_000)
-        self.dropped_request_stats = 0
         self.connected = False
         # Set when the worker drains: leave the registry at once and stop heartbeating there.
         self.leave = threading.Event()
@@ -69,8 +68,8 @@ class WorkerRedis(threading.Thread):
         """Called from the result pump; never blocks."""
         try:
             self.request_stats.put_nowait((request_id, fields))
-        except queue.Full:
-            self.dropped_request_stats += 1
+        except queue.Full:  # Redis has been away for 10,000 requests
+            log.warning("request %s: its stats are dropped (Redis unreachable, the stats queue is full)", request_id)
 
     def run(self) -> None:
         backoff = 0.2

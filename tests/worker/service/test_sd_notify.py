@@ -39,8 +39,8 @@ def test_ready_then_watchdog_then_stopping(notify, service_model, redis_url, tmp
     try:
         ready = notify.wait_for("READY", timeout=60)
         # READY comes after the model is loaded and the socket bound: the log already
-        # says the executor is up, and the socket answers at once.
-        assert "executor: backend=" in worker.log()
+        # says the engine core is up, and the socket answers at once.
+        assert "engine core: backend=" in worker.log()
         assert ready["MAINPID"] == str(worker.process.pid)
         assert "serving" in ready["STATUS"] and "KV blocks" in ready["STATUS"]
         assert _answers_hello(worker)
@@ -67,7 +67,7 @@ def test_a_hung_executor_loop_stops_the_watchdog(notify, service_model, redis_ur
     try:
         notify.wait_for("READY", timeout=60)
         notify.wait_for("WATCHDOG", timeout=5)
-        worker.wait_log("the executor loop hangs now", timeout=30)
+        worker.wait_log("the engine loop hangs now", timeout=30)
         hung_at = last_ping = time.monotonic()
         while time.monotonic() - last_ping < 0.5:  # pings sent before the hang, still queued
             fields = notify.receive(timeout=0.1)
