@@ -9,7 +9,7 @@ bind these arrays to the engine's packed-input / paged-KV tensors and run it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -136,6 +136,7 @@ class Backend(Protocol):
         ...
 
 
+@runtime_checkable
 class AsyncBackend(Backend, Protocol):
     """A backend that queues a step on its device and returns at once, so the
     executor can prepare the next step meanwhile. In `batch.token_ids`, an id

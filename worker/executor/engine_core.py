@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from worker.backends.base import Backend, ForwardBatch, SampleOutput, SamplingBatch, StepHandle
+from worker.backends.base import AsyncBackend, Backend, ForwardBatch, SampleOutput, SamplingBatch, StepHandle
 from worker.backends.numpy_sampler import sample as sample_on_host
 from worker.executor import beam_search
 from worker.executor.beam_search import BeamSearch
@@ -179,10 +179,10 @@ class EngineCore:
         self.backend.allocate_kv_cache(num_blocks, kv.tokens_per_block)
         self.blocks = BlockManager(num_blocks, kv.tokens_per_block, kv.enable_block_reuse)
         self.scheduler = Scheduler(self.config, self.blocks)
-        launch = getattr(backend, "launch", None)
-        self._launch_step = launch or self._launch_sync
+        asynchronous = isinstance(backend, AsyncBackend)
+        self._launch_step = backend.launch if isinstance(backend, AsyncBackend) else self._launch_sync
         overlap = self.config.overlap_scheduling
-        self._overlap = launch is not None if overlap is None else overlap
+        self._overlap = asynchronous if overlap is None else overlap
         self._last_sampled: np.ndarray | None = None
         self.processors: dict[str, Any] = dict(self.config.logits_post_processor_map or {})
         for name, fn in load_processors(self.config.logits_post_processors).items():

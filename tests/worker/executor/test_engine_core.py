@@ -30,7 +30,7 @@ def config(**kw: object) -> ExecutorConfig:
 
 def drive(core: EngineCore) -> list[StepOutput]:
     """Step until the core has nothing left to do."""
-    outputs = []
+    outputs: list[StepOutput] = []
     for _ in range(10_000):
         if not core.has_work:
             return outputs
