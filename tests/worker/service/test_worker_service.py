@@ -253,3 +253,25 @@ def test_a_dead_engine_ends_its_requests_and_the_worker(long_model, redis_server
         g.close()
     finally:
         s.close()
+
+
+def test_an_invalid_guide_on_a_fresh_worker_fails_alone(service_model, redis_server, tmp_path):
+    """The first guided request of a fresh worker, with a regex that does not compile, gets its error, and the
+    engine keeps serving (it used to die looking up the refused request's id)."""
+    pytest.importorskip("xgrammar")
+    s = Stack(service_model, redis_server.url, tmp_path)
+    try:
+        w = s.worker()
+        g = FakeGateway(w.endpoint)
+        g.send(protocol.Submit(request_id="bad", input_token_ids=[5, 6], max_tokens=4,
+                               guided_decoding_params=protocol.GuidedDecodingParams(guide_type="regex", guide="(")))
+        g.send(protocol.Submit(request_id="good", input_token_ids=[5, 6], max_tokens=4, end_id=-1))
+        g.recv_until(lambda: g.final("good") and any(r.error_msg for r in g.responses("bad")))
+        (bad,) = g.responses("bad")
+        assert bad.error_msg is not None and "regex" in bad.error_msg.lower()
+        g.send(protocol.Submit(request_id="after", input_token_ids=[7, 8], max_tokens=3, end_id=-1))
+        g.recv_until(lambda: g.final("after"))
+        assert w.process.poll() is None
+        g.close()
+    finally:
+        s.close()
