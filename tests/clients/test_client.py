@@ -9,7 +9,8 @@ import threading
 import pytest
 
 from clients.async_client import AsyncClient
-from clients.client import Client, FinishReason, RequestError, build_submit
+from clients.client import Client, FinishReason, RequestError, SamplingParams
+from clients.wire import to_submit
 from tests.procs import HEARTBEAT_S, free_port, stack
 
 SEEDED = {"max_tokens": 12, "temperature": 0.8, "top_k": 20, "seed": 11}
@@ -66,7 +67,7 @@ def test_errors_raise_request_error(client):
 
 def test_bad_arguments_fail_before_sending():
     with pytest.raises(ValueError, match="max_tokens"):
-        build_submit("hi", max_tokens=0)
+        to_submit("hi", SamplingParams(max_tokens=0))
     with pytest.raises(ValueError, match="gateways"):
         Client("tcp://127.0.0.1:1")
 
