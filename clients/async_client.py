@@ -17,8 +17,8 @@ from typing import Any
 
 import protocol
 from clients.connection import Connection, RequestError
-from clients.params import RequestOutput, SamplingParams, StreamChunk, sampling_params
-from clients.wire import Accumulator, Prompt, to_submit
+from clients.params import RequestOutput, SamplingParams, StreamChunk
+from clients.wire import Accumulator, Prompt, submit_from_call
 
 _END = object()
 
@@ -102,20 +102,9 @@ class AsyncClient:
         )
         self._hop: _Hop | None = None  # for the loop of the latest submit; requests keep their own
 
-    def submit(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        model: str | None = None,
-        streaming: bool = False,
-        **options: Any,
-    ) -> AsyncRequest:
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, /, **options: Any) -> AsyncRequest:
         """Start a request from a coroutine; arguments as in Client.submit."""
-        msg = to_submit(
-            prompt, sampling_params(params, options), request_id=request_id, model=model, streaming=streaming
-        )
+        msg = submit_from_call(prompt, params, options)
         loop = asyncio.get_running_loop()
         if self._hop is None or self._hop.loop is not loop:
             self._hop = _Hop(loop)
@@ -124,11 +113,11 @@ class AsyncClient:
         return request
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, timeout: float | None = None, **kwargs: Any
+        self, prompt: Prompt, params: SamplingParams | None = None, /, *, timeout: float | None = None, **kwargs: Any
     ) -> RequestOutput:
         return await self.submit(prompt, params, **kwargs).result(timeout)
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> AsyncRequest:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, /, **kwargs: Any) -> AsyncRequest:
         return self.submit(prompt, params, streaming=True, **kwargs)
 
     async def close(self) -> None:

@@ -21,8 +21,8 @@ from typing import Any
 
 import protocol
 from clients.connection import Connection, GatewayLostError, RequestError
-from clients.params import CompletionOutput, RequestOutput, SamplingParams, StreamChunk, sampling_params
-from clients.wire import Accumulator, Prompt, to_submit
+from clients.params import CompletionOutput, RequestOutput, SamplingParams, StreamChunk
+from clients.wire import Accumulator, Prompt, submit_from_call
 from protocol import FinishReason
 
 __all__ = [
@@ -113,33 +113,23 @@ class Client:
         """The gateway in use now."""
         return self._connection.gateway
 
-    def submit(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        model: str | None = None,
-        streaming: bool = False,
-        **options: Any,
-    ) -> RequestFuture:
-        """Start a request (text or token ids). `options`: SamplingParams fields, over
-        `params`. `model` None: the service's default; `request_id` None: a random one.
-        Bad options raise ValueError (naming the field) before anything is sent."""
-        msg = to_submit(
-            prompt, sampling_params(params, options), request_id=request_id, model=model, streaming=streaming
-        )
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, /, **options: Any) -> RequestFuture:
+        """Start a request (text or token ids). `options`: `request_id` (default: a
+        random one), `model` (default: the service's), `streaming`, and SamplingParams
+        fields, over `params`. Bad options raise (ValueError naming the field, or
+        TypeError for an unknown one) before anything is sent."""
+        msg = submit_from_call(prompt, params, options)
         future = RequestFuture(self._connection, msg)
         self._connection.submit(msg.request_id, protocol.encode(msg), future)
         return future
 
     def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, timeout: float | None = None, **kwargs: Any
+        self, prompt: Prompt, params: SamplingParams | None = None, /, *, timeout: float | None = None, **kwargs: Any
     ) -> RequestOutput:
         """The whole result; keyword arguments as in submit."""
         return self.submit(prompt, params, **kwargs).result(timeout)
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> RequestFuture:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, /, **kwargs: Any) -> RequestFuture:
         """A streaming request: iterate it for StreamChunks, or call .result()."""
         return self.submit(prompt, params, streaming=True, **kwargs)
 

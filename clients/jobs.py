@@ -84,6 +84,7 @@ class JobQueue:
         self,
         prompt: Prompt,
         params: SamplingParams | None = None,
+        /,
         *,
         job_id: str | None = None,
         model: str | None = None,

@@ -25,12 +25,21 @@ from typing import TYPE_CHECKING, Any
 import protocol
 from clients.params import CompletionOutput, RequestOutput, SamplingParams, sampling_params
 from clients.wire import Accumulator, Prompt
+from protocol import FinishReason
 from protocol.text import OutputStream
 
 if TYPE_CHECKING:
     from worker.executor import Executor, ExecutorConfig, Request, Response, Result
 
-__all__ = ["LLM", "CompletionOutput", "GenerationError", "RequestHandle", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "FinishReason",
+    "GenerationError",
+    "RequestHandle",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 
 class GenerationError(RuntimeError):
@@ -115,7 +124,7 @@ def _to_wire(request_id: str, r: Result) -> protocol.Result:
     return protocol.Result.model_construct(
         is_final=r.is_final,
         output_token_ids=r.output_token_ids,
-        finish_reasons=[protocol.FinishReason(int(f)) for f in r.finish_reasons],
+        finish_reasons=[FinishReason(int(f)) for f in r.finish_reasons],
         sequence_index=r.sequence_index,
         is_sequence_final=r.is_sequence_final,
         cum_log_probs=r.cum_log_probs,
@@ -165,7 +174,7 @@ class LLM:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt)
 
-    def generate_async(self, prompt: Prompt, params: SamplingParams | None = None, streaming: bool = False,
+    def generate_async(self, prompt: Prompt, params: SamplingParams | None = None, /, streaming: bool = False,
                        **options: Any) -> RequestHandle:  # fmt: skip
         """Start one request; `options`: SamplingParams fields, over `params`."""
         p = sampling_params(params, options)
@@ -177,7 +186,7 @@ class LLM:
             self._handles[request_id] = handle
         return handle
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, /,
                  timeout: float | None = None, **options: Any) -> list[RequestOutput]:  # fmt: skip
         """Generate for one prompt or many (all enqueued at once, batched by the executor)."""
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import protocol
-from clients.params import CompletionOutput, RequestOutput, SamplingParams, StreamChunk
+from clients.params import CompletionOutput, RequestOutput, SamplingParams, StreamChunk, sampling_params
 from protocol import FinishReason
 
 if TYPE_CHECKING:
@@ -47,6 +47,16 @@ def to_submit(
             **params.request_fields(),
         }
     )
+
+
+def submit_from_call(prompt: Prompt, params: SamplingParams | None, options: dict[str, Any]) -> protocol.Submit:
+    """The Submit for a call of `Client.submit` and its kin: `options` holds
+    `request_id`, `model` and `streaming`, and SamplingParams fields, which go over
+    `params` (a misspelt one raises TypeError)."""
+    request_id = options.pop("request_id", None)
+    model = options.pop("model", None)
+    streaming = options.pop("streaming", False)
+    return to_submit(prompt, sampling_params(params, options), request_id=request_id, model=model, streaming=streaming)
 
 
 class Accumulator:

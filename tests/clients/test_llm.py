@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clients.llm import LLM, GenerationError, SamplingParams
+from clients.llm import LLM, FinishReason, GenerationError, SamplingParams
 from tests.checkpoints import make_checkpoint
-from worker.executor import ExecutorConfig, FinishReason, KvCacheConfig
+from worker.executor import ExecutorConfig, KvCacheConfig
 
 CONFIG = ExecutorConfig(backend="numpy", kv_cache_config=KvCacheConfig(max_tokens=4096))
 
@@ -114,7 +114,7 @@ def test_logits_outputs(llm: LLM) -> None:
         assert out.context_logits.shape == (len(out.prompt_token_ids or []), logits.shape[1])
         assert logits.shape[0] == 4
         assert list(np.argmax(logits, axis=1)) == out.outputs[0].token_ids  # greedy picks each row's best
-    assert np.array_equal(whole.outputs[0].generation_logits, streamed.outputs[0].generation_logits)
+    assert np.array_equal(whole.outputs[0].generation_logits, streamed.outputs[0].generation_logits)  # type: ignore[arg-type]
 
 
 def test_shutdown_ends_the_requests_in_flight(ckpt: Path) -> None:

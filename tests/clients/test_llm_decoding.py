@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from clients.llm import LLM, SamplingParams
+from clients.llm import LLM, FinishReason, SamplingParams
 from tests.checkpoints import make_checkpoint
 from worker.executor import Executor, ExecutorConfig, KvCacheConfig, Request, SamplingConfig
-from worker.executor.types import FinishReason
 
 CONFIG = ExecutorConfig(backend="numpy", max_beam_width=4, kv_cache_config=KvCacheConfig(max_tokens=4096))
 
