@@ -70,7 +70,7 @@ class RequestHandle:
             self._error = "the LLM was shut down" if response is None else response.error_msg
             return True
         assert response.result is not None
-        wire = _to_wire(self.output.request_id, response.result)
+        wire = _to_wire(response.result)
         result = self._stream.apply(wire)
         if result is None:
             return False
@@ -118,7 +118,7 @@ class RequestHandle:
             yield out
 
 
-def _to_wire(request_id: str, r: Result) -> protocol.Result:
+def _to_wire(r: Result) -> protocol.Result:
     """The executor's result in the wire's shape, unvalidated (it is the executor's
     own output, as in the worker's worker/service/convert.py)."""
     return protocol.Result.model_construct(
@@ -144,6 +144,23 @@ def _logits(value: Any) -> protocol.Logits | None:
 
     a = np.ascontiguousarray(np.asarray(value, dtype="<f4"))
     return protocol.Logits.model_construct(shape=list(a.shape), data=a.tobytes())
+
+
+def executor_request(prompt_ids: list[int], p: SamplingParams, streaming: bool) -> Request:
+    """The executor's Request for a prompt and its options (SamplingParams.request_fields)."""
+    from worker.executor import GuidedDecodingParams, OutputConfig, Request, SamplingConfig
+
+    fields = p.request_fields()
+    guide = fields.pop("guided_decoding_params")
+    return Request(
+        input_token_ids=prompt_ids,
+        # Stop strings are matched on text as it streams, so such requests stream internally.
+        streaming=streaming or bool(p.stop),
+        sampling_config=SamplingConfig(**fields.pop("sampling_config")),
+        output_config=OutputConfig(**fields.pop("output_config")),
+        guided_decoding_params=None if guide is None else GuidedDecodingParams(**guide),
+        **fields,
+    )
 
 
 class LLM:
@@ -179,7 +196,7 @@ class LLM:
         """Start one request; `options`: SamplingParams fields, over `params`."""
         p = sampling_params(params, options)
         prompt_ids = self.encode(prompt)
-        request = self._request(prompt_ids, p, streaming)
+        request = executor_request(prompt_ids, p, streaming)
         with self._lock:  # the dispatcher looks the handle up under this lock
             request_id = self.executor.enqueue_request(request)
             handle = RequestHandle(self, request_id, p, prompt if isinstance(prompt, str) else None, prompt_ids)
@@ -193,22 +210,6 @@ class LLM:
         batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
         handles = [self.generate_async(p, params, **options) for p in batch]
         return [h.result(timeout) for h in handles]
-
-    @staticmethod
-    def _request(prompt_ids: list[int], p: SamplingParams, streaming: bool) -> Request:
-        from worker.executor import GuidedDecodingParams, OutputConfig, Request, SamplingConfig
-
-        fields = p.request_fields()
-        guide = fields.pop("guided_decoding_params")
-        return Request(
-            input_token_ids=prompt_ids,
-            # Stop strings are matched on text as it streams, so such requests stream internally.
-            streaming=streaming or bool(p.stop),
-            sampling_config=SamplingConfig(**fields.pop("sampling_config")),
-            output_config=OutputConfig(**fields.pop("output_config")),
-            guided_decoding_params=None if guide is None else GuidedDecodingParams(**guide),
-            **fields,
-        )
 
     def _dispatch(self) -> None:
         """Hands each response to its request. Waits with no timeout: the executor's

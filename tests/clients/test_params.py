@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from clients.llm import LLM
+from clients.llm import executor_request
 from clients.params import SamplingParams, sampling_params
 from clients.wire import to_submit
 from worker.service.convert import to_request
@@ -93,7 +93,7 @@ def _wire(p: SamplingParams) -> Any:
 
 
 def _executor(p: SamplingParams) -> Any:
-    return LLM._request(PROMPT, p, streaming=False)
+    return executor_request(PROMPT, p, streaming=False)
 
 
 def test_every_field_has_a_sample():
