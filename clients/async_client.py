@@ -2,8 +2,10 @@
 
 async with AsyncClient(["tcp://127.0.0.1:5550"]) as client:
     result = await client.generate("Hello", max_tokens=8)
-    async for chunk in client.stream("Hello", max_tokens=8):
+    async for chunk in client.stream("Hello", SamplingParams(max_tokens=8)):
         print(chunk.text, end="")
+
+Requests take what `Client`'s do: a SamplingParams, its fields as keywords, or both.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import protocol
-from clients.client import Accumulator, GenerationResult, Prompt, StreamChunk, build_submit
 from clients.connection import Connection, RequestError
+from clients.params import RequestOutput, SamplingParams, StreamChunk
+from clients.wire import Accumulator, Prompt, submit_from_call
 
 _END = object()
 
@@ -50,9 +53,9 @@ class AsyncRequest:
         self.request_id = msg.request_id
         self._connection = connection
         self._hop = hop
-        self._acc = Accumulator(msg.request_id, msg.num_return_sequences, msg.sampling_config.beam_width > 1)
+        self._acc = Accumulator.for_submit(msg)
         self._chunks: asyncio.Queue[StreamChunk | object] = asyncio.Queue()
-        self._future: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
+        self._future: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
 
     # Sink, called on the I/O thread: hop to the event loop.
     def on_response(self, response: protocol.Response) -> None:
@@ -73,7 +76,7 @@ class AsyncRequest:
         if not self._future.done():
             self._future.set_exception(error)
 
-    async def result(self, timeout: float | None = None) -> GenerationResult:
+    async def result(self, timeout: float | None = None) -> RequestOutput:
         return await asyncio.wait_for(asyncio.shield(self._future), timeout)
 
     def cancel(self) -> None:
@@ -99,9 +102,9 @@ class AsyncClient:
         )
         self._hop: _Hop | None = None  # for the loop of the latest submit; requests keep their own
 
-    def submit(self, prompt: Prompt, **kwargs: Any) -> AsyncRequest:
-        """Start a request from a coroutine; keyword arguments as in build_submit."""
-        msg = build_submit(prompt, **kwargs)
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, /, **options: Any) -> AsyncRequest:
+        """Start a request from a coroutine; arguments as in Client.submit."""
+        msg = submit_from_call(prompt, params, options)
         loop = asyncio.get_running_loop()
         if self._hop is None or self._hop.loop is not loop:
             self._hop = _Hop(loop)
@@ -109,11 +112,13 @@ class AsyncClient:
         self._connection.submit(msg.request_id, protocol.encode(msg), request)
         return request
 
-    async def generate(self, prompt: Prompt, timeout: float | None = None, **kwargs: Any) -> GenerationResult:
-        return await self.submit(prompt, **kwargs).result(timeout)
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, /, *, timeout: float | None = None, **kwargs: Any
+    ) -> RequestOutput:
+        return await self.submit(prompt, params, **kwargs).result(timeout)
 
-    def stream(self, prompt: Prompt, **kwargs: Any) -> AsyncRequest:
-        return self.submit(prompt, streaming=True, **kwargs)
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, /, **kwargs: Any) -> AsyncRequest:
+        return self.submit(prompt, params, streaming=True, **kwargs)
 
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self._connection.close)

@@ -6,19 +6,18 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import IO, Any
 
 from clients.cli import Subparsers
-from clients.cli_requests import DEFAULT_GATEWAY, DEFAULT_REDIS, format_table
+from clients.cli_requests import DEFAULT_GATEWAY, DEFAULT_REDIS
+from clients.cli_table import format_table
+from clients.params import SamplingParams
 from ops.config import add_config_options
 
-# Keys a line of a `jobs run` file may hold besides "prompt" (submit's keyword arguments).
-_JOB_FIELDS = frozenset(
-    ["job_id", "deadline_s", "result_ttl_s", "max_tokens", "model", "temperature", "top_k", "top_p", "min_p",
-     "seed", "min_tokens", "repetition_penalty", "stop", "stop_token_ids", "bad_token_ids", "end_id",
-     "num_return_sequences", "return_log_probs", "priority"]
-)  # fmt: skip
+# Keys a line of a `jobs run` file may hold besides "prompt": submit's keyword arguments.
+_JOB_FIELDS = frozenset(["job_id", "deadline_s", "result_ttl_s", "model", *(f.name for f in fields(SamplingParams))])
 
 
 def register(subparsers: Subparsers) -> None:

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from clients.cli import Subparsers
+from clients.cli_table import format_table
 
 DEFAULT_GATEWAY = "tcp://127.0.0.1:5550"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -53,29 +54,31 @@ def register(subparsers: Subparsers) -> None:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from clients.client import Client, RequestError, build_submit
-
-    kwargs = {
-        "request_id": args.request_id,
-        "max_tokens": args.max_tokens,
-        "model": args.model,
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "min_p": args.min_p,
-        "seed": args.seed,
-        "stop": args.stop,
-    }
     from pydantic import ValidationError
 
+    from clients.client import Client, RequestError, SamplingParams
+    from clients.wire import to_submit
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop or [],
+    )
     try:
-        build_submit(args.prompt, **kwargs)  # bad flags fail here, before any connection
+        # Bad flags fail here, before any connection.
+        to_submit(args.prompt, params, request_id=args.request_id, model=args.model)
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
         print(f"error: {problems}", file=sys.stderr)
         return 2
     with Client(args.gateway or [DEFAULT_GATEWAY]) as client:
-        future = client.submit(args.prompt, streaming=args.stream, **kwargs)
+        future = client.submit(
+            args.prompt, params, request_id=args.request_id, model=args.model, streaming=args.stream
+        )
         print(f"request {future.request_id}", file=sys.stderr)
         try:
             if args.stream:
@@ -196,10 +199,3 @@ def show_stats(args: argparse.Namespace) -> int:
         )
     return 0
 
-
-def format_table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
-    lines = [header, ["-" * w for w in widths], *rows]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
-    )

@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from clients.cli_table import format_table
+
 WINDOW_S = 10.0
 
 
@@ -36,8 +38,6 @@ def throughput(r: Any, prefix: str) -> list[list[str]]:
 
 def watch(args: argparse.Namespace, show: Callable[[argparse.Namespace], int]) -> int:
     import redis
-
-    from clients.cli_requests import format_table
 
     once = argparse.Namespace(**{**vars(args), "watch": None})
     r: Any = redis.Redis.from_url(args.redis, socket_timeout=5)

@@ -7,8 +7,8 @@
     for result in queue.results(ids):
         ...
 
-A job is one generation request (the arguments of clients.client.build_submit)
-plus a job id, a priority and an optional deadline. `submit` appends it to a
+A job is one generation request (a prompt, a model and SamplingParams, as for
+`Client`) plus a job id and an optional deadline. `submit` appends it to a
 Redis Stream; consumers (`tokenwire jobs consume`, clients/jobs_consumer.py) run
 it on the service and store its JobResult with a TTL. Submitting an id that
 exists already does nothing and returns that id, so retrying a submit is safe;
@@ -26,8 +26,9 @@ from typing import Any
 
 import redis
 
-from clients.client import build_submit
 from clients.job_scripts import Scripts, ensure_group
+from clients.params import SamplingParams, sampling_params
+from clients.wire import Prompt, to_submit
 from protocol import CANCEL_TTL_S, DEFAULT_PREFIX, Keys
 from protocol.jobs import DEFAULT_RESULT_TTL_S, Job, JobResult, JobStatus, pack, unpack_job, unpack_result
 
@@ -81,23 +82,27 @@ class JobQueue:
 
     def submit(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        /,
         *,
         job_id: str | None = None,
+        model: str | None = None,
         deadline_s: float | None = None,
         result_ttl_s: int = DEFAULT_RESULT_TTL_S,
-        **kwargs: Any,
+        **options: Any,
     ) -> str:
         """Queue one job and return its id. `deadline_s`: seconds from now after
-        which the job ends EXPIRED instead of running (or is stopped); other
-        keyword arguments (max_tokens, temperature, priority, stop, ...) as in
-        clients.client.build_submit. Bad arguments raise before anything is queued."""
-        return self.submit_many([{"prompt": prompt, "job_id": job_id, "deadline_s": deadline_s,
-                                  "result_ttl_s": result_ttl_s, **kwargs}])[0]  # fmt: skip
+        which the job ends EXPIRED instead of running (or is stopped); `options`:
+        SamplingParams fields (max_tokens, temperature, priority, stop, ...), over
+        `params`. Bad arguments raise before anything is queued."""
+        return self.submit_many([{"prompt": prompt, "params": params, "job_id": job_id, "model": model,
+                                  "deadline_s": deadline_s, "result_ttl_s": result_ttl_s, **options}])[0]  # fmt: skip
 
     def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
-        """Queue many jobs, pipelined; each mapping holds submit's arguments
-        (`prompt` required). Returns the ids in order. All are validated first."""
+        """Queue many jobs, pipelined; each mapping holds submit's arguments by name
+        (`prompt` required, `params` a SamplingParams). Returns the ids in order.
+        All are validated first."""
         records = [self._job(dict(spec)) for spec in jobs]
         self._ensure_group()
         now = str(time.time())
@@ -119,12 +124,14 @@ class JobQueue:
         job_id = spec.pop("job_id", None) or uuid.uuid4().hex
         deadline_s = spec.pop("deadline_s", None)
         ttl = spec.pop("result_ttl_s", DEFAULT_RESULT_TTL_S)
+        model = spec.pop("model", None)
+        params = spec.pop("params", None)
         if deadline_s is not None and deadline_s <= 0:
             raise ValueError(f"deadline_s must be > 0 seconds from now, got {deadline_s}")
         spec.pop("streaming", None)  # a job's result is stored whole
         now = time.time()
         return Job(
-            submit=build_submit(prompt, request_id=job_id, **spec),
+            submit=to_submit(prompt, sampling_params(params, spec), request_id=job_id, model=model),
             deadline=None if deadline_s is None else now + deadline_s,
             submitted_at=now,
             result_ttl_s=ttl,

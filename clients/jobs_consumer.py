@@ -36,9 +36,9 @@ from typing import Any
 import redis
 
 import protocol
-from clients.client import Accumulator
 from clients.connection import Connection, RequestError
 from clients.job_scripts import Scripts, ensure_group
+from clients.wire import Accumulator
 from ops.sd_notify import Notifier
 from protocol import FinishReason, Keys
 from protocol.jobs import Job, JobOutput, JobResult, JobStatus, pack, unpack_job

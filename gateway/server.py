@@ -20,13 +20,13 @@ from tokenizers import Tokenizer
 
 import protocol
 from gateway.discovery import Discovery
-from gateway.stream import OutputStream
 from gateway.tokenizer_store import Tokenizers
 from gateway.workers import WorkerLink, least_loaded
 from ops.metrics import GatewayMetrics
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
 from protocol.limits import socket_turn
+from protocol.text import OutputStream
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,8 @@ import threading
 import pytest
 
 from clients.async_client import AsyncClient
-from clients.client import Client, FinishReason, RequestError, build_submit
+from clients.client import Client, FinishReason, RequestError, SamplingParams
+from clients.wire import to_submit
 from tests.procs import HEARTBEAT_S, free_port, stack
 
 SEEDED = {"max_tokens": 12, "temperature": 0.8, "top_k": 20, "seed": 11}
@@ -66,7 +67,7 @@ def test_errors_raise_request_error(client):
 
 def test_bad_arguments_fail_before_sending():
     with pytest.raises(ValueError, match="max_tokens"):
-        build_submit("hi", max_tokens=0)
+        to_submit("hi", SamplingParams(max_tokens=0))
     with pytest.raises(ValueError, match="gateways"):
         Client("tcp://127.0.0.1:1")
 
@@ -152,3 +153,13 @@ def test_log_probs_and_top_n_travel_to_the_client(client):
     # Greedy: the chosen token is the likeliest, with the log prob reported for it.
     assert [t[0] for t in out.top_token_ids] == out.token_ids
     assert [p[0] for p in out.top_log_probs] == pytest.approx(out.log_probs, abs=1e-4)
+
+
+def test_logits_travel_to_the_client(client):
+    params = SamplingParams(max_tokens=4, temperature=0.0, return_context_logits=True, return_generation_logits=True)
+    for out in (client.generate([5, 6, 7], params, timeout=30), client.stream([5, 6, 7], params).result(timeout=30)):
+        logits = out.outputs[0].generation_logits
+        assert out.context_logits is not None and logits is not None
+        assert out.context_logits.shape == (3, logits.shape[1])
+        assert logits.shape[0] == 4  # streamed: one row per response, joined
+        assert list(logits.argmax(axis=1)) == out.token_ids  # greedy picks each row's best

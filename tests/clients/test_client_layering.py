@@ -26,3 +26,9 @@ def test_gateway_never_imports_the_executor():
     loaded = _loaded_after("import gateway.server, gateway.__main__")
     assert not any(name.startswith("worker.executor") for name in loaded)
     assert "torch" not in loaded
+
+
+def test_the_user_facing_types_need_nothing():
+    loaded = _loaded_after("import clients.params")
+    for heavy in ("zmq", "redis", "pydantic", "msgpack", "numpy", "tokenizers", "protocol", "worker", "gateway"):
+        assert heavy not in loaded, f"importing clients.params loads {heavy}"

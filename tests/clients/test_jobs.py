@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from pydantic import ValidationError
 from clients.cli import main as cli
 from clients.job_scripts import Scripts, ensure_group
 from clients.jobs import JobQueue, JobStatus
+from clients.params import SamplingParams
+from clients.wire import to_submit
 from protocol.jobs import JobOutput, JobResult, pack, unpack_job
 
 
@@ -43,6 +46,14 @@ def test_submit_queues_the_request_under_the_job_id(queue: JobQueue):
     assert (job.submit.prompt, job.submit.max_tokens, job.submit.priority) == ("Hello", 7, 0.9)
     assert job.deadline is not None and before + 60 <= job.deadline <= time.time() + 60
     assert queue.info(job_id)["deliveries"] == "0"
+
+
+def test_a_job_takes_sampling_params_and_options_over_them(queue: JobQueue):
+    params = SamplingParams(max_tokens=7, presence_penalty=0.5, guided_regex="[ab]+", stop=["!"])
+    job_id = queue.submit([5, 6], params, model="m", temperature=0.0)
+    submit = unpack_job(queue.redis.hget(queue.keys.job(job_id), "job")).submit
+    expected = to_submit([5, 6], replace(params, temperature=0.0), request_id=job_id, model="m")
+    assert submit == expected
 
 
 def test_same_job_id_is_queued_once(queue: JobQueue):

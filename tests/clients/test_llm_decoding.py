@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from clients.llm import LLM, SamplingParams
+from clients.llm import LLM, FinishReason, SamplingParams
 from tests.checkpoints import make_checkpoint
 from worker.executor import Executor, ExecutorConfig, KvCacheConfig, Request, SamplingConfig
-from worker.executor.types import FinishReason
 
 CONFIG = ExecutorConfig(backend="numpy", max_beam_width=4, kv_cache_config=KvCacheConfig(max_tokens=4096))
 
@@ -51,10 +50,11 @@ def test_penalties_log_probs_and_guided_regex(llm: LLM) -> None:
         prompt, SamplingParams(max_tokens=16, ignore_eos=True, presence_penalty=100.0, top_n_log_probs=2))[0]
     tokens = penalised.outputs[0].token_ids
     assert len(set(tokens)) == len(tokens) and tokens != free.outputs[0].token_ids
-    top = penalised.outputs[0].top_log_probs
-    assert top is not None and len(top) == 16 and all(len(t) == 2 and t[0][1] >= t[1][1] for t in top)
+    top_ids, top = penalised.outputs[0].top_token_ids, penalised.outputs[0].top_log_probs
+    assert top is not None and len(top) == 16 and all(len(t) == 2 and t[0] >= t[1] for t in top)
+    assert top_ids is not None and [len(t) for t in top_ids] == [2] * 16
     (guided,) = llm.generate(prompt, SamplingParams(max_tokens=30, guided_regex="(ab|cd)+!", temperature=1.0, seed=3))
     text, reason = guided.outputs[0].text, guided.outputs[0].finish_reason
-    assert re.fullmatch(r"(ab|cd)+!", text) or (reason is FinishReason.LENGTH and re.fullmatch(r"(ab|cd)+", text))
+    assert re.fullmatch(r"(ab|cd)+!", text) or (reason == FinishReason.LENGTH and re.fullmatch(r"(ab|cd)+", text))
     with pytest.raises(ValueError, match="at most one of"):
         llm.generate(prompt, SamplingParams(guided_json=True, guided_regex="a"))

@@ -1,18 +1,48 @@
-"""The gateway's per-request output stream: incremental text and stop strings."""
+"""Token ids to text: exact across multi-byte characters, nothing lost at the end,
+and stop strings cut the text without ever showing what they cut."""
 
 from __future__ import annotations
 
 import pytest
 
 import protocol
-from gateway.stream import OutputStream
 from protocol import FinishReason
+from protocol.text import IncrementalDetokenizer, OutputStream
 from tests.checkpoints import build_tokenizer
+
+TEXT = "héllo wörld — ünïcode 🙂 and 漢字 text 🙂🙂"
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_tokenizer()
+
+
+def test_streamed_pieces_add_up_to_the_text(tokenizer) -> None:
+    ids = tokenizer.encode(TEXT).ids
+    assert len(ids) > len(TEXT) // 3  # byte-level pieces split the multi-byte characters
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.add([t]) for t in ids]
+    assert detok.flush() == ""
+    assert "".join(deltas) == TEXT == detok.text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_several_tokens_at_once_give_the_same_text(tokenizer) -> None:
+    ids = tokenizer.encode(TEXT).ids
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.add(ids[i : i + 3]) for i in range(0, len(ids), 3)]
+    assert "".join(deltas) == TEXT
+
+
+def test_a_character_cut_off_by_the_end_is_flushed_as_a_replacement(tokenizer) -> None:
+    ids = tokenizer.encode("ok 🙂").ids
+    detok = IncrementalDetokenizer(tokenizer)
+    detok.add(ids[:-1])  # the emoji's last byte never comes
+    assert detok.text == "ok "
+    rest = detok.flush()
+    assert rest and set(rest) == {"\ufffd"}
+    assert detok.text == "ok " + rest
 
 
 def _results(ids: list[int], final_reason: FinishReason = FinishReason.LENGTH) -> list[protocol.Result]:
@@ -31,11 +61,11 @@ def _run(stream: OutputStream, results: list[protocol.Result]) -> list[protocol.
     return [out for r in results if (out := stream.apply(r)) is not None]
 
 
-TEXT = "Paris is the capital of France; Berlin is the capital of Germany."
+SENTENCE = "Paris is the capital of France; Berlin is the capital of Germany."
 
 
 def test_streamed_text_adds_up_to_the_whole_decode(tokenizer):
-    ids = tokenizer.encode(TEXT + " héllo wörld 🙂").ids
+    ids = tokenizer.encode(SENTENCE + " héllo wörld 🙂").ids
     outs = _run(OutputStream(tokenizer, [], 1), _results(ids))
     assert "".join(o.text[0] for o in outs) == tokenizer.decode(ids)  # type: ignore[index]
     assert [t for o in outs for t in o.output_token_ids[0]] == ids
@@ -44,20 +74,20 @@ def test_streamed_text_adds_up_to_the_whole_decode(tokenizer):
 
 @pytest.mark.parametrize("stop", ["capital of G", ";", "Germany."])
 def test_stop_string_cuts_the_text_and_ends_the_request(tokenizer, stop):
-    ids = tokenizer.encode(TEXT).ids
+    ids = tokenizer.encode(SENTENCE).ids
     stream = OutputStream(tokenizer, [stop, "never there"], 1)
     outs = _run(stream, _results(ids))
     # Text only ever grows, so equality also says no text past the stop was ever sent
     # (the part that might begin a stop string is held back until settled).
     text = "".join(o.text[0] for o in outs)  # type: ignore[index]
-    assert text == TEXT[: TEXT.index(stop)]
+    assert text == SENTENCE[: SENTENCE.index(stop)]
     assert outs[-1].is_final
     assert outs[-1].finish_reasons == [FinishReason.STOP_WORDS]
     assert stream.finished
 
 
 def test_results_after_the_end_are_dropped(tokenizer):
-    ids = tokenizer.encode(TEXT).ids
+    ids = tokenizer.encode(SENTENCE).ids
     stream = OutputStream(tokenizer, [";"], 1)
     outs = _run(stream, _results(ids))
     assert sum(o.is_final for o in outs) == 1
