@@ -122,22 +122,24 @@ def build_weights(config: ModelConfig, tensors: Mapping[str, Any], ops: DecoderO
             raise CheckpointError(f"tensor {name!r} is missing")
         return tensors[name]
 
-    def parts(prefix: str, fused: str, names: str, suffix: str) -> list[Any]:
-        if prefix + fused + suffix in tensors:
-            return [tensors[prefix + fused + suffix]]
-        return [need(f"{prefix}{n}_proj{suffix}") for n in names.split()]
+    def parts(fused: str, names: list[str]) -> list[Any]:
+        return [tensors[fused]] if fused in tensors else [need(name) for name in names]
 
     layers = []
     for i in range(config.num_layers):
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        bias = parts(attn, "qkv_proj", "q k v", ".bias") if config.attention_bias else None
+        qkv = parts(attn + "qkv_proj.weight", [attn + f"{n}_proj.weight" for n in "qkv"])
+        bias = None
+        if config.attention_bias:
+            bias = parts(attn + "qkv_proj.bias", [attn + f"{n}_proj.bias" for n in "qkv"])
+        gate_up = parts(mlp + "gate_up_proj.weight", [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
         layers.append(
             LayerWeights(
                 input_norm=ops.norm_weight(need(f"model.layers.{i}.input_layernorm.weight")),
-                qkv=ops.linear_weight(parts(attn, "qkv_proj", "q k v", ".weight"), bias),
+                qkv=ops.linear_weight(qkv, bias),
                 o=ops.linear_weight([need(attn + "o_proj.weight")], None),
                 post_norm=ops.norm_weight(need(f"model.layers.{i}.post_attention_layernorm.weight")),
-                gate_up=ops.linear_weight(parts(mlp, "gate_up_proj", "gate up", ".weight"), None),
+                gate_up=ops.linear_weight(gate_up, None),
                 down=ops.linear_weight([need(mlp + "down_proj.weight")], None),
                 window=config.sliding_window if i in config.sliding_layers else None,
             )
