@@ -220,7 +220,7 @@ class TorchBackend:
     def logits_to_host(self, logits: torch.Tensor) -> np.ndarray:
         return logits.float().cpu().numpy()
 
-    # -- the model -------------------------------------------------------------------------
+    # -- one step ---------------------------------------------------------------------------
 
     def _upload(self, batch: ForwardBatch) -> StepInputs:
         """Pack the step's metadata into one pinned int32 buffer and copy it over once."""
