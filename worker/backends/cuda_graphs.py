@@ -11,15 +11,27 @@ memory pool: they never run at the same time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from worker.backends.base import ForwardBatch
+from worker.backends.torch_step import PinnedStaging, StepInputs
 
-if TYPE_CHECKING:
-    from worker.backends.torch_backend import StepInputs, TorchBackend
+
+class GraphedBackend(Protocol):
+    """What the graphs need of the torch backend (TorchBackend is one)."""
+
+    device: torch.device
+    staging: PinnedStaging
+    scratch_slot: int  # the KV slot that padded rows write to
+
+    def run_model(self, inp: StepInputs) -> torch.Tensor: ...
+
+    def resolve_pending(self, tokens: torch.Tensor, host_tokens: np.ndarray) -> None: ...
+
+    def decode_splits(self, num_seqs: int) -> int: ...
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -37,7 +49,7 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, backend: TorchBackend, max_batch: int, max_blocks: int) -> None:
+    def __init__(self, backend: GraphedBackend, max_batch: int, max_blocks: int) -> None:
         self.backend = backend
         self.buckets = batch_buckets(max_batch)
         self.max_batch = max_batch
@@ -92,8 +104,6 @@ class DecodeGraphs:
         return g.logits[:n]
 
     def _inputs(self, meta: torch.Tensor, block_tables: torch.Tensor, b: int) -> StepInputs:
-        from worker.backends.torch_backend import StepInputs
-
         return StepInputs(
             tokens=meta[:b],
             positions=meta[b : 2 * b],

@@ -1,10 +1,11 @@
-"""The torch backend: a Llama-family decoder over a paged KV cache, on CUDA or the CPU.
+"""The torch backend: the Llama-family decoder (worker.models.llama) over a paged KV
+cache, on CUDA or the CPU.
 
 On CUDA: bf16 weights and KV cache, cuBLAS GEMMs over fused projections (qkv,
 gate_up), Triton kernels for attention over the paged cache (prefill chunks and
-generation alike, see paged_attention.py) and for the fused elementwise stages
-(torch_ops.py), and CUDA graphs for generation-only steps (cuda_graphs.py).
-On the CPU (CI): the same forward in float32 with plain torch ops.
+generation alike) and for the fused elementwise stages (torch_decoder_ops.py), and
+CUDA graphs for generation-only steps (cuda_graphs.py). On the CPU (CI): the same
+forward in float32 with plain torch ops.
 
 Every step's integer metadata travels in one pinned int32 buffer and one
 non-blocking host-to-device copy; only sampled token ids and log probs come back.
@@ -15,22 +16,20 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from worker.backends import paged_attention, torch_ops
+from worker.backends import paged_attention
 from worker.backends.base import ForwardBatch, SampleOutput, SamplingBatch
+from worker.backends.cuda_graphs import DecodeGraphs
+from worker.backends.torch_decoder_ops import TorchDecoderOps, TorchLinear
 from worker.backends.torch_sampler import sample_all
+from worker.backends.torch_step import PinnedStaging, StepInputs
+from worker.models import llama
 from worker.models.config import CheckpointError, ModelConfig
-from worker.models.rope import Rope
-
-if TYPE_CHECKING:
-    from worker.backends.cuda_graphs import DecodeGraphs
 
 # Working memory kept out of the KV cache: cuBLAS workspaces, the CUDA graph pool,
 # allocator slack. Activations are counted separately from max_num_tokens.
@@ -49,70 +48,6 @@ def _dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a torch floating-point dtype name such as 'bfloat16', got {name!r}")
     return dtype
-
-
-@dataclass(slots=True)
-class _Layer:
-    input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2 KVH) * D, hidden]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """One step's metadata on the device (int32), as the forward consumes it."""
-
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
-    query_start: torch.Tensor
-    seq_lens: torch.Tensor
-    block_tables: torch.Tensor
-    tile_seq: torch.Tensor
-    tile_q0: torch.Tensor
-    block_q: int
-    splits: int  # programs per sequence's keys in generation-only steps
-    logits_indices: torch.Tensor | None  # None: every row (generation-only steps)
-    # Host copies for the CPU attention path.
-    query_start_host: np.ndarray
-    seq_lens_host: np.ndarray
-
-
-class PinnedStaging:
-    """Two pinned int32 buffers used in turn, so the host can fill step N+1's metadata
-    while step N's copy may still be in flight; on the CPU, plain tensors."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.pinned = device.type == "cuda"
-        self._bufs = [torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32)]
-        self._events: list[torch.cuda.Event | None] = [None, None]
-        self._turn = 0
-
-    def host(self, n: int) -> torch.Tensor:
-        if not self.pinned:
-            return torch.empty(n, dtype=torch.int32)
-        self._turn ^= 1
-        event = self._events[self._turn]
-        if event is not None:
-            event.synchronize()
-        if self._bufs[self._turn].shape[0] < n:
-            size = max(n, 2 * self._bufs[self._turn].shape[0])
-            self._bufs[self._turn] = torch.empty(size, dtype=torch.int32, pin_memory=True)
-        return self._bufs[self._turn][:n]
-
-    def upload(self, host: torch.Tensor) -> torch.Tensor:
-        if not self.pinned:
-            return host
-        dev = host.to(self.device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._events[self._turn] = event
-        return dev
 
 
 class _Launched:
@@ -153,65 +88,19 @@ class TorchBackend:
         self.dtype = _dtype(dtype, self.device)
         self.on_cuda = self.device.type == "cuda"
         self.name = "torch-cuda" if self.on_cuda else "torch-cpu"
-        if isinstance(model, ModelConfig):
-            if weights is None:
-                raise ValueError("TorchBackend(ModelConfig, ...) needs weights=")
-            self.config = model
-        else:
-            self.config = model.config
-            if weights is None:
-                weights = _weights_of(model, self.device, self.dtype)
-        cfg = self.config
+        if isinstance(model, ModelConfig) and weights is None:
+            raise ValueError("TorchBackend(ModelConfig, ...) needs weights=")
+        self.config: ModelConfig = model if isinstance(model, ModelConfig) else model.config
         self.max_num_tokens = max_num_tokens
-        self.max_model_len = max_model_len or cfg.max_position_embeddings
-        self.windows: list[int | None] = [
-            cfg.sliding_window if i in cfg.sliding_layers else None for i in range(cfg.num_layers)
-        ]
-        self.scale = cfg.head_dim**-0.5
-
-        def get(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise CheckpointError(f"tensor {name!r} is missing")
-            t = weights[name]
-            t = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
-            return t.to(device=self.device, dtype=self.dtype)
-
-        def fused(names: list[str], fused_name: str) -> torch.Tensor:
-            if fused_name in weights:
-                return get(fused_name)
-            return torch.cat([get(n) for n in names], dim=0)
-
-        self.embed = get("model.embed_tokens.weight")
-        self.final_norm = get("model.norm.weight")
-        self.lm_head = self.embed if cfg.tie_word_embeddings else get("lm_head.weight")
-        self.layers: list[_Layer] = []
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            qkv_names = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
-            bias = None
-            if cfg.attention_bias:
-                bias = fused([n.replace(".weight", ".bias") for n in qkv_names], a + "qkv_proj.bias")
-            m = p + "mlp."
-            self.layers.append(
-                _Layer(
-                    input_norm=get(p + "input_layernorm.weight"),
-                    qkv=fused(qkv_names, a + "qkv_proj.weight"),
-                    qkv_bias=bias,
-                    o=get(a + "o_proj.weight"),
-                    post_norm=get(p + "post_attention_layernorm.weight"),
-                    gate_up=fused([m + "gate_proj.weight", m + "up_proj.weight"], m + "gate_up_proj.weight"),
-                    down=get(m + "down_proj.weight"),
-                )
-            )
-        rope = Rope(cfg)
-        cos, sin = rope.cos_sin(np.arange(self.max_model_len))
-        self.cos_sin = torch.from_numpy(np.concatenate([cos, sin], axis=1)).to(self.device)
-
-        self.use_triton = self.on_cuda and paged_attention.triton is not None
+        self.max_model_len = max_model_len or self.config.max_position_embeddings
+        # Before any weight is read: the ops refuse a model they cannot run.
+        self.ops = TorchDecoderOps(self.config, self.device, self.dtype, self.max_model_len)
+        if weights is None:
+            weights = _weights_of(model, self.device, self.dtype)
+        self.model: llama.DecoderWeights[torch.Tensor, TorchLinear] = llama.build_weights(
+            self.config, weights, self.ops
+        )
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_cuda else 1
-        self.k_cache: list[torch.Tensor] = []
-        self.v_cache: list[torch.Tensor] = []
         self.block_size = 0
         self.scratch_slot = 0
         self.staging = PinnedStaging(self.device)
@@ -269,35 +158,22 @@ class TorchBackend:
         return max(0, free - self.activation_bytes())
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        cfg = self.config
-        self.k_cache, self.v_cache = [], []
         self._graphs = None
-        if self.on_cuda:
-            torch.cuda.empty_cache()
         # One extra block takes the writes of padded rows in CUDA-graph steps.
-        shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
-        for _ in range(cfg.num_layers):
-            self.k_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
-            self.v_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.ops.allocate_kv_cache(num_blocks + 1, block_size)
         self.block_size = block_size
         self.scratch_slot = num_blocks * block_size
         if self._use_cuda_graphs:
-            from worker.backends.cuda_graphs import DecodeGraphs
-
             max_blocks = -(-self.max_model_len // block_size)
             self._graphs = DecodeGraphs(self, self._max_graph_batch, max_blocks)
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
-        s = torch.as_tensor(np.asarray(src, dtype=np.int64)).to(self.device)
-        d = torch.as_tensor(np.asarray(dst, dtype=np.int64)).to(self.device)
-        for k, v in zip(self.k_cache, self.v_cache, strict=True):
-            k[d] = k[s]
-            v[d] = v[s]
+        self.ops.copy_blocks(src, dst)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [S, vocab] float32 on the device. After a CUDA-graph step they live in
         the graph's output buffer: valid until the next forward (sample them first)."""
-        if not self.k_cache:
+        if not self.ops.k_cache:
             raise RuntimeError("allocate_kv_cache() must run before forward()")
         with torch.inference_mode():
             if self._graphs is not None and self._graphs.fits(batch):
@@ -344,7 +220,7 @@ class TorchBackend:
     def logits_to_host(self, logits: torch.Tensor) -> np.ndarray:
         return logits.float().cpu().numpy()
 
-    # -- the model -------------------------------------------------------------------------
+    # -- one step ---------------------------------------------------------------------------
 
     def _upload(self, batch: ForwardBatch) -> StepInputs:
         """Pack the step's metadata into one pinned int32 buffer and copy it over once."""
@@ -387,50 +263,7 @@ class TorchBackend:
 
     def run_model(self, inp: StepInputs) -> torch.Tensor:
         """The decoder over one packed step; returns float32 logits for the sampled rows."""
-        cfg = self.config
-        if self.use_triton:
-            add_rmsnorm, silu_mul, rope_cache = (
-                torch_ops.add_rmsnorm_triton, torch_ops.silu_mul_triton, torch_ops.rope_and_cache_triton,
-            )  # fmt: skip
-        else:
-            add_rmsnorm, silu_mul, rope_cache = (
-                torch_ops.add_rmsnorm_torch, torch_ops.silu_mul_torch, torch_ops.rope_and_cache_torch,
-            )  # fmt: skip
-        eps = cfg.rms_norm_eps
-        x = F.embedding(inp.tokens, self.embed)
-        residual: torch.Tensor | None = None
-        t = x.shape[0]
-        for i, layer in enumerate(self.layers):
-            if residual is None:
-                residual = x
-                h = add_rmsnorm(x, None, layer.input_norm, eps)
-            else:
-                h = add_rmsnorm(x, residual, layer.input_norm, eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            q = rope_cache(
-                qkv, inp.positions, self.cos_sin, self.k_cache[i], self.v_cache[i], inp.slots,
-                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            )  # fmt: skip
-            attn = self._attention(q, i, inp)
-            x = F.linear(attn.view(t, cfg.num_heads * cfg.head_dim), layer.o)
-            h = add_rmsnorm(x, residual, layer.post_norm, eps)
-            x = F.linear(silu_mul(F.linear(h, layer.gate_up)), layer.down)
-        assert residual is not None
-        if inp.logits_indices is not None:
-            x, residual = x[inp.logits_indices], residual[inp.logits_indices]
-        h = add_rmsnorm(x, residual, self.final_norm, eps)
-        return F.linear(h, self.lm_head).float()
-
-    def _attention(self, q: torch.Tensor, layer: int, inp: StepInputs) -> torch.Tensor:
-        if self.use_triton:
-            return paged_attention.paged_attention_triton(
-                q, self.k_cache[layer], self.v_cache[layer], inp.block_tables, inp.query_start, inp.seq_lens,
-                inp.tile_seq, inp.tile_q0, inp.block_q, self.scale, self.windows[layer], splits=inp.splits,
-            )  # fmt: skip
-        return paged_attention.paged_attention_torch(
-            q, self.k_cache[layer], self.v_cache[layer], inp.block_tables.long(), inp.query_start_host,
-            inp.seq_lens_host, self.scale, self.windows[layer],
-        )  # fmt: skip
+        return llama.forward(self.model, self.ops, inp)
 
 
 def _weights_of(model: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor | np.ndarray]:

@@ -1,4 +1,5 @@
-"""Llama-family decoders from Hugging Face checkpoints and GGUF files, and the default model."""
+"""Llama-family decoders: the model definition (llama.py), its loaders for Hugging Face
+checkpoints and GGUF files, and the default model."""
 
 from worker.models.config import CheckpointError, ModelConfig
 from worker.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model, resolve_model

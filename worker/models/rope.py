@@ -107,6 +107,28 @@ class Rope:
         base = cfg.rope_theta * ((factor * seq_len / cfg.max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
         return _base_inv_freq(base, dim).astype(np.float32)
 
+    def step_cos_sin(
+        self, positions: np.ndarray, query_start: np.ndarray, context_lens: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin of each token of a packed step (positions [T]; sequence i owns tokens
+        query_start[i]:query_start[i + 1] and has context_lens[i] tokens after the step)."""
+        seq_lens = None
+        if self.kind == "dynamic":
+            seq_lens = np.repeat(context_lens, np.diff(query_start))
+        return self.cos_sin(positions, seq_lens)
+
+    def position_table(self, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin of positions 0 .. length - 1, one table for every sequence, for a
+        backend that looks them up on its device. Dynamic NTK rescales a sequence by its own
+        length once it passes max_position_embeddings, which one table cannot express."""
+        limit = self.config.max_position_embeddings
+        if self.kind == "dynamic" and length > limit:
+            raise ValueError(
+                f"rope_type 'dynamic' cannot run past max_position_embeddings ({limit}) from a precomputed "
+                f"rotary table; use max_model_len <= {limit}, or the numpy backend"
+            )
+        return self.cos_sin(np.arange(length))
+
     def cos_sin(self, positions: np.ndarray, seq_lens: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin, float32 [T, head_dim // 2], already multiplied by the attention factor."""
         pos = positions.astype(np.float32)

@@ -97,10 +97,10 @@ def test_logits_only_for_requested_rows(tiny_checkpoints: dict[str, Path]) -> No
 def test_copy_blocks_copies_every_layer(tiny_checkpoints: dict[str, Path]) -> None:
     backend = NumpyBackend(load_model(tiny_checkpoints["llama_gqa"]))
     backend.allocate_kv_cache(num_blocks=8, block_size=4)
-    for cache in backend.k_cache + backend.v_cache:
+    for cache in backend.ops.k_cache + backend.ops.v_cache:
         cache[2] = np.random.default_rng(0).standard_normal(cache[2].shape)
     backend.copy_blocks(np.array([2]), np.array([5]))
-    for cache in backend.k_cache + backend.v_cache:
+    for cache in backend.ops.k_cache + backend.ops.v_cache:
         np.testing.assert_array_equal(cache[5], cache[2])
 
 
@@ -116,7 +116,7 @@ def test_grouping_and_tiling_leave_logits_unchanged(
 ) -> None:
     """Generation tokens of very different context lengths go in separate gather groups,
     and long chunks in query tiles; neither may change a logit."""
-    from worker.backends import numpy_backend
+    from worker.backends import numpy_attention
 
     model = load_model(tiny_checkpoints["mistral_bf16_sharded"])
     rng = np.random.default_rng(5)
@@ -133,15 +133,15 @@ def test_grouping_and_tiling_leave_logits_unchanged(
         paged = PagedSequences(num_blocks=64, block_size=4, seed=9)
         outputs = [backend.forward(paged.step(prefill))]
         batch = paged.step(step)
-        groups, chunks = backend._plan(batch)
+        attention = backend.step(batch).attention
         outputs.append(backend.forward(batch))
-        return outputs, len(groups), len(chunks)
+        return outputs, len(attention.groups), len(attention.chunks)
 
     plain, plain_groups, plain_chunks = run()
     assert (plain_groups, plain_chunks) == (1, 1)
-    monkeypatch.setattr(numpy_backend, "GATHER_BUDGET", 64 * 2 * 16)  # 64 keys of 2 heads x 16
-    monkeypatch.setattr(numpy_backend, "SCORE_BUDGET", 4 * 41 * 6)  # 6-query tiles
-    monkeypatch.setattr(numpy_backend, "_MIN_SPLIT_KEYS", 0)
+    monkeypatch.setattr(numpy_attention, "GATHER_BUDGET", 64 * 2 * 16)  # 64 keys of 2 heads x 16
+    monkeypatch.setattr(numpy_attention, "SCORE_BUDGET", 4 * 41 * 6)  # 6-query tiles
+    monkeypatch.setattr(numpy_attention, "_MIN_SPLIT_KEYS", 0)
     split, split_groups, split_chunks = run()
     assert split_groups == 3  # context lengths {4, 5}, {31, 32}, {61}
     assert split_chunks == 4  # 21 queries in tiles of 6

@@ -118,10 +118,10 @@ def torch_sample(logits: np.ndarray, sampling: SamplingBatch) -> tuple[np.ndarra
 
 def test_copy_blocks_and_memory_figures(tiny_checkpoints: dict[str, Path]) -> None:
     backend = cpu_backend(tiny_checkpoints["llama_gqa"], num_blocks=8, block_size=4)
-    for cache in backend.k_cache + backend.v_cache:
+    for cache in backend.ops.k_cache + backend.ops.v_cache:
         cache[2] = torch.randn(cache[2].shape)
     backend.copy_blocks(np.array([2]), np.array([5]))
-    for cache in backend.k_cache + backend.v_cache:
+    for cache in backend.ops.k_cache + backend.ops.v_cache:
         assert torch.equal(cache[5], cache[2])
     cfg = backend.config
     assert backend.kv_bytes_per_token() == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
@@ -132,10 +132,10 @@ def test_from_checkpoint_reads_safetensors_directly(tiny_checkpoints: dict[str, 
     directory = tiny_checkpoints["mistral_bf16_sharded"]  # bf16 on disk, several shards
     direct = TorchBackend.from_checkpoint(directory, device="cpu")
     loaded = TorchBackend(load_model(directory), device="cpu")
-    for a, b in zip(direct.layers, loaded.layers, strict=True):
-        assert torch.equal(a.qkv, b.qkv)
-        assert torch.equal(a.gate_up, b.gate_up)
-    assert torch.equal(direct.lm_head, loaded.lm_head)
+    for a, b in zip(direct.model.layers, loaded.model.layers, strict=True):
+        assert torch.equal(a.qkv.weight, b.qkv.weight)
+        assert torch.equal(a.gate_up.weight, b.gate_up.weight)
+    assert torch.equal(direct.model.lm_head, loaded.model.lm_head)
 
 
 def test_missing_tensor_is_named(tiny_checkpoints: dict[str, Path]) -> None:
@@ -174,3 +174,18 @@ def test_launch_reads_placeholders_from_the_previous_step(tiny_checkpoints: dict
             got[s].append(int(out.token_ids[row]))
         handle = following
     assert got == want
+
+
+def test_dynamic_rope_past_the_trained_length_is_refused(tiny_checkpoints: dict[str, Path]) -> None:
+    """Dynamic NTK rescales each sequence by its own length past max_position_embeddings,
+    which the device's one rotary table cannot express: refused, not run wrong. Up to that
+    length it is the plain rope, so the backend runs it."""
+    import dataclasses
+
+    loaded = load_model(tiny_checkpoints["llama_gqa"])
+    loaded.config = dataclasses.replace(loaded.config, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    limit = loaded.config.max_position_embeddings
+    with pytest.raises(ValueError, match="rope_type 'dynamic'"):
+        TorchBackend(loaded, device="cpu", max_model_len=limit + 1)
+    backend = TorchBackend(loaded, device="cpu")
+    assert backend.max_model_len == limit

@@ -1,0 +1,136 @@
+"""The decoder's ops (worker.models.llama.DecoderOps) in float32 numpy, and the KV pool.
+
+Linear weights are stored [in, out], contiguous, so a projection is one `x @ W` GEMM;
+the lm head stays a transposed view of its [vocab, hidden] tensor (no copy of what is
+often the largest matrix, and none at all when it is the embedding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from worker.backends.numpy_attention import AttentionPlan, paged_attention_numpy
+from worker.models.config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class NumpyLinear:
+    weight: np.ndarray  # [in, out]
+    bias: np.ndarray | None  # [out]
+
+
+@dataclass(frozen=True, slots=True)
+class NumpyStep:
+    """One packed step as the numpy ops consume it."""
+
+    token_ids: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    logits_indices: np.ndarray  # [S]
+    cos: np.ndarray  # [T, head_dim // 2]
+    sin: np.ndarray  # [T, head_dim // 2]
+    attention: AttentionPlan
+
+
+def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    variance = np.einsum("ij,ij->i", x, x)[:, None] / np.float32(x.shape[1])
+    return x * (1.0 / np.sqrt(variance + np.float32(eps))) * weight
+
+
+def _apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE on [T, heads, head_dim] with cos/sin [T, head_dim // 2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate((x1 * c - x2 * s, x2 * c + x1 * s), axis=-1)
+
+
+class NumpyDecoderOps:
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self.scale = config.head_dim**-0.5
+        self.k_cache: list[np.ndarray] = []
+        self.v_cache: list[np.ndarray] = []
+        self.block_size = 0
+
+    # -- the KV pool ------------------------------------------------------------------------
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        cfg = self.config
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k_cache = [np.zeros(shape, dtype=np.float32) for _ in range(cfg.num_layers)]
+        self.v_cache = [np.zeros(shape, dtype=np.float32) for _ in range(cfg.num_layers)]
+        self.block_size = block_size
+
+    def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        for cache in (*self.k_cache, *self.v_cache):
+            cache[dst] = cache[src]
+
+    # -- weights ----------------------------------------------------------------------------
+
+    def norm_weight(self, tensor: np.ndarray) -> np.ndarray:
+        return tensor
+
+    def embedding_weight(self, tensor: np.ndarray) -> np.ndarray:
+        return tensor
+
+    def lm_head_weight(self, tensor: np.ndarray) -> np.ndarray:
+        return tensor.T
+
+    def linear_weight(self, parts: Sequence[np.ndarray], bias: Sequence[np.ndarray] | None) -> NumpyLinear:
+        fused = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return NumpyLinear(np.ascontiguousarray(fused.T), None if bias is None else np.concatenate(bias))
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def embedding(self, table: np.ndarray, step: NumpyStep) -> np.ndarray:
+        return table[step.token_ids]
+
+    def add_rms_norm(
+        self, x: np.ndarray, residual: np.ndarray | None, weight: np.ndarray, eps: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        # The residual is always an array of the forward's own (a gather, or this sum).
+        if residual is None:
+            residual = x
+        else:
+            residual += x
+        return _rms_norm(residual, weight, eps), residual
+
+    def linear(self, x: np.ndarray, weight: NumpyLinear) -> np.ndarray:
+        y = x @ weight.weight
+        if weight.bias is not None:
+            y += weight.bias
+        return y
+
+    def rope_and_cache(self, qkv: np.ndarray, layer: int, step: NumpyStep) -> np.ndarray:
+        cfg = self.config
+        n_heads, n_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_end, k_end = n_heads * d, (n_heads + n_kv) * d
+        t = qkv.shape[0]
+        q = _apply_rope(qkv[:, :q_end].reshape(t, n_heads, d), step.cos, step.sin)
+        k = _apply_rope(qkv[:, q_end:k_end].reshape(t, n_kv, d), step.cos, step.sin)
+        v = qkv[:, k_end:].reshape(t, n_kv, d)
+        self.k_cache[layer].reshape(-1, n_kv, d)[step.slot_mapping] = k
+        self.v_cache[layer].reshape(-1, n_kv, d)[step.slot_mapping] = v
+        return q
+
+    def attention(self, q: np.ndarray, layer: int, window: int | None, step: NumpyStep) -> np.ndarray:
+        out = paged_attention_numpy(q, self.k_cache[layer], self.v_cache[layer], step.attention, window, self.scale)
+        return out.reshape(q.shape[0], -1)
+
+    def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
+        n = gate_up.shape[1] // 2
+        gate, up = gate_up[:, :n], gate_up[:, n:]
+        act = np.exp(-gate)  # silu(g) = g / (1 + exp(-g)), then * up, in one buffer
+        act += 1.0
+        np.divide(gate, act, out=act)
+        act *= up
+        return act
+
+    def logits_rows(self, x: np.ndarray, step: NumpyStep) -> np.ndarray:
+        return x[step.logits_indices]
+
+    def lm_head(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        return np.asarray(x @ weight, dtype=np.float32)

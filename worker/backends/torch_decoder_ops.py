@@ -1,0 +1,138 @@
+"""The decoder's ops (worker.models.llama.DecoderOps) in torch, and the KV pool.
+
+On CUDA: cuBLAS GEMMs (F.linear) over the fused projections, and Triton kernels for
+everything else: add + RMSNorm, SiLU * up, rotary embedding fused with the KV-cache
+write (torch_ops.py), and attention over the paged cache (paged_attention.py). On the
+CPU, or without Triton: their plain-torch twins. Rotary angles come from one table of
+cos | sin rows indexed by position on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from worker.backends import paged_attention, torch_ops
+from worker.backends.torch_step import StepInputs
+from worker.models.config import ModelConfig
+from worker.models.rope import Rope
+
+
+@dataclass(frozen=True, slots=True)
+class TorchLinear:
+    weight: torch.Tensor  # [out, in]
+    bias: torch.Tensor | None  # [out]
+
+
+class TorchDecoderOps:
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, max_model_len: int) -> None:
+        """Refuses a rope the position table cannot express (see Rope.position_table)."""
+        self.config = config
+        self.device, self.dtype = device, dtype
+        self.scale = config.head_dim**-0.5
+        cos, sin = Rope(config).position_table(max_model_len)
+        self.cos_sin = torch.from_numpy(np.concatenate([cos, sin], axis=1)).to(device)
+        self.use_triton = device.type == "cuda" and paged_attention.triton is not None
+        if self.use_triton:
+            self._add_rmsnorm, self._silu_mul, self._rope_cache = (
+                torch_ops.add_rmsnorm_triton, torch_ops.silu_mul_triton, torch_ops.rope_and_cache_triton,
+            )  # fmt: skip
+        else:
+            self._add_rmsnorm, self._silu_mul, self._rope_cache = (
+                torch_ops.add_rmsnorm_torch, torch_ops.silu_mul_torch, torch_ops.rope_and_cache_torch,
+            )  # fmt: skip
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+
+    # -- the KV pool ------------------------------------------------------------------------
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        cfg = self.config
+        self.k_cache, self.v_cache = [], []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        for _ in range(cfg.num_layers):
+            self.k_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            self.v_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        s = torch.as_tensor(np.asarray(src, dtype=np.int64)).to(self.device)
+        d = torch.as_tensor(np.asarray(dst, dtype=np.int64)).to(self.device)
+        for k, v in zip(self.k_cache, self.v_cache, strict=True):
+            k[d] = k[s]
+            v[d] = v[s]
+
+    # -- weights ----------------------------------------------------------------------------
+
+    def _tensor(self, t: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """On the device in the backend's dtype; the same tensor when it already is."""
+        t = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
+        return t.to(device=self.device, dtype=self.dtype)
+
+    def _fused(self, parts: Sequence[torch.Tensor | np.ndarray]) -> torch.Tensor:
+        if len(parts) == 1:
+            return self._tensor(parts[0])
+        return torch.cat([self._tensor(p) for p in parts], dim=0)
+
+    def norm_weight(self, tensor: torch.Tensor | np.ndarray) -> torch.Tensor:
+        return self._tensor(tensor)
+
+    def embedding_weight(self, tensor: torch.Tensor | np.ndarray) -> torch.Tensor:
+        return self._tensor(tensor)
+
+    def lm_head_weight(self, tensor: torch.Tensor | np.ndarray) -> torch.Tensor:
+        return self._tensor(tensor)
+
+    def linear_weight(
+        self, parts: Sequence[torch.Tensor | np.ndarray], bias: Sequence[torch.Tensor | np.ndarray] | None
+    ) -> TorchLinear:
+        return TorchLinear(self._fused(parts), None if bias is None else self._fused(bias))
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def embedding(self, table: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        return F.embedding(step.tokens, table)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._add_rmsnorm(x, None, weight, eps), x
+        return self._add_rmsnorm(x, residual, weight, eps), residual
+
+    def linear(self, x: torch.Tensor, weight: TorchLinear) -> torch.Tensor:
+        return F.linear(x, weight.weight, weight.bias)
+
+    def rope_and_cache(self, qkv: torch.Tensor, layer: int, step: StepInputs) -> torch.Tensor:
+        cfg = self.config
+        return self._rope_cache(
+            qkv, step.positions, self.cos_sin, self.k_cache[layer], self.v_cache[layer], step.slots,
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        )  # fmt: skip
+
+    def attention(self, q: torch.Tensor, layer: int, window: int | None, step: StepInputs) -> torch.Tensor:
+        if self.use_triton:
+            out = paged_attention.paged_attention_triton(
+                q, self.k_cache[layer], self.v_cache[layer], step.block_tables, step.query_start, step.seq_lens,
+                step.tile_seq, step.tile_q0, step.block_q, self.scale, window, splits=step.splits,
+            )  # fmt: skip
+        else:
+            out = paged_attention.paged_attention_torch(
+                q, self.k_cache[layer], self.v_cache[layer], step.block_tables.long(), step.query_start_host,
+                step.seq_lens_host, self.scale, window,
+            )  # fmt: skip
+        return out.view(q.shape[0], -1)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._silu_mul(gate_up)
+
+    def logits_rows(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        return x if step.logits_indices is None else x[step.logits_indices]
+
+    def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight).float()

@@ -1,0 +1,172 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2), defined once: its weights, built from
+a loader's Hugging Face-named tensors, and its forward over one packed step. A backend
+supplies the ops and the KV pool (`DecoderOps`); numpy_decoder_ops.py and
+torch_decoder_ops.py in worker/backends are the two implementations.
+
+    x = embedding(tokens)                                        # [T, hidden]
+    for each layer:
+        h, residual = add_rms_norm(x, residual, input_norm)      # residual += x; h = norm(residual)
+        q = rope_and_cache(linear(h, qkv), layer)                # the new K and V go to the pool
+        attn = attention(q, layer, window)                       # [T, heads * head_dim]
+        h, residual = add_rms_norm(linear(attn, o), residual, post_norm)
+        x = linear(silu_mul(linear(h, gate_up)), down)
+    h, _ = add_rms_norm(x, residual, final_norm)
+    logits = lm_head(h)                                          # [S, vocab] float32
+
+The residual stream is carried apart from each sub-layer's output so that the add and the
+next norm are one op (one pass over the activations on CUDA). After the last layer's
+attention only the S rows whose logits are wanted go on.
+
+Later work plugs in as op implementations, not as changes to this recipe:
+- Quantized linear layers (FP8, INT4 and their scales): `linear_weight` quantizes the
+  fused float tensor into its own weight object, and `linear` runs the matching GEMM.
+- Tensor parallelism: `linear_weight` keeps the rank's shard, given the projection's role:
+  column-parallel for qkv and gate_up (each fused part sharded on its own, which is why
+  the parts arrive separately), row-parallel for o and down, whose `linear` all-reduces
+  its output. The embedding and the lm head become vocab-parallel (a masked lookup and an
+  all-reduce; a gather of the logits), and the KV pool holds the rank's KV heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from worker.models.config import CheckpointError, ModelConfig
+
+T = TypeVar("T")  # the backend's tensors: activations, norm and embedding weights
+L = TypeVar("L")  # a linear layer's weight, as the backend's `linear_weight` made it
+S = TypeVar("S")  # one step's inputs, as the backend prepared them
+S_contra = TypeVar("S_contra", contravariant=True)
+
+
+class DecoderOps(Protocol[T, L, S_contra]):
+    """What a backend supplies to run the decoder. A step (S) carries the token ids,
+    positions, KV slots, attention metadata and the rows whose logits are wanted."""
+
+    # -- weights, made once from the loader's float tensors (Hugging Face layout) --------
+
+    def norm_weight(self, tensor: Any) -> T:
+        """An RMSNorm weight [hidden]."""
+
+    def embedding_weight(self, tensor: Any) -> T:
+        """The token embedding [vocab, hidden]."""
+
+    def lm_head_weight(self, tensor: Any) -> T:
+        """The output projection [vocab, hidden]. With tied embeddings `tensor` is what
+        embedding_weight made, so the largest matrix is held once."""
+
+    def linear_weight(self, parts: Sequence[Any], bias: Sequence[Any] | None) -> L:
+        """A projection from row blocks [out_i, in], fused along the output in order
+        (q, k, v; gate, up), with their biases when the model has them."""
+
+    # -- one step ----------------------------------------------------------------------
+
+    def embedding(self, table: T, step: S_contra) -> T:
+        """The rows [T, hidden] of the step's tokens."""
+
+    def add_rms_norm(self, x: T, residual: T | None, weight: T, eps: float) -> tuple[T, T]:
+        """residual += x (residual := x when None), then RMSNorm of the sum:
+        (normalised [N, hidden], the updated residual)."""
+
+    def linear(self, x: T, weight: L) -> T:
+        """x [N, in] -> [N, out]."""
+
+    def rope_and_cache(self, qkv: T, layer: int, step: S_contra) -> T:
+        """Rotary embedding of q and k [T, heads and kv_heads, head_dim] at the step's
+        positions; writes k and v into the layer's KV pool at the step's slots.
+        Returns q [T, heads, head_dim]."""
+
+    def attention(self, q: T, layer: int, window: int | None, step: S_contra) -> T:
+        """Causal attention of each token to its own sequence's cached keys (only the
+        last `window` positions when set): [T, heads * head_dim]."""
+
+    def silu_mul(self, gate_up: T) -> T:
+        """[N, 2 * intermediate] -> silu(gate) * up [N, intermediate]."""
+
+    def logits_rows(self, x: T, step: S_contra) -> T:
+        """The rows of x whose logits the step wants, in order."""
+
+    def lm_head(self, x: T, weight: T) -> T:
+        """x [S, hidden] -> float32 logits [S, vocab]."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights(Generic[T, L]):
+    input_norm: T  # [hidden]
+    qkv: L  # hidden -> (heads + 2 * kv_heads) * head_dim: q, k, v fused (+ biases, Qwen2)
+    o: L  # heads * head_dim -> hidden
+    post_norm: T  # [hidden]
+    gate_up: L  # hidden -> 2 * intermediate: gate, then up
+    down: L  # intermediate -> hidden
+    window: int | None  # sliding window (Mistral), None for full attention
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderWeights(Generic[T, L]):
+    config: ModelConfig
+    embed: T  # [vocab, hidden]
+    layers: list[LayerWeights[T, L]]
+    final_norm: T  # [hidden]
+    lm_head: T  # [vocab, hidden] as the ops hold it; made from `embed` when tied
+
+
+def build_weights(config: ModelConfig, tensors: Mapping[str, Any], ops: DecoderOps[T, L, Any]) -> DecoderWeights[T, L]:
+    """The decoder's weights in the form `ops` computes with, from Hugging Face-named float
+    tensors. A fused `...qkv_proj.*` or `...gate_up_proj.weight` is taken as is (so a caller
+    can hand over memory it already holds fused)."""
+
+    def need(name: str) -> Any:
+        if name not in tensors:
+            raise CheckpointError(f"tensor {name!r} is missing")
+        return tensors[name]
+
+    def parts(fused: str, names: list[str]) -> list[Any]:
+        return [tensors[fused]] if fused in tensors else [need(name) for name in names]
+
+    layers = []
+    for i in range(config.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        qkv = parts(attn + "qkv_proj.weight", [attn + f"{n}_proj.weight" for n in "qkv"])
+        bias = None
+        if config.attention_bias:
+            bias = parts(attn + "qkv_proj.bias", [attn + f"{n}_proj.bias" for n in "qkv"])
+        gate_up = parts(mlp + "gate_up_proj.weight", [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
+        layers.append(
+            LayerWeights(
+                input_norm=ops.norm_weight(need(f"model.layers.{i}.input_layernorm.weight")),
+                qkv=ops.linear_weight(qkv, bias),
+                o=ops.linear_weight([need(attn + "o_proj.weight")], None),
+                post_norm=ops.norm_weight(need(f"model.layers.{i}.post_attention_layernorm.weight")),
+                gate_up=ops.linear_weight(gate_up, None),
+                down=ops.linear_weight([need(mlp + "down_proj.weight")], None),
+                window=config.sliding_window if i in config.sliding_layers else None,
+            )
+        )
+    embed = ops.embedding_weight(need("model.embed_tokens.weight"))
+    return DecoderWeights(
+        config=config,
+        embed=embed,
+        layers=layers,
+        final_norm=ops.norm_weight(need("model.norm.weight")),
+        lm_head=ops.lm_head_weight(embed if config.tie_word_embeddings else need("lm_head.weight")),
+    )
+
+
+def forward(model: DecoderWeights[T, L], ops: DecoderOps[T, L, S], step: S) -> T:
+    """Float32 logits [S, vocab] of the step's wanted rows; writes its K and V to the pool."""
+    eps = model.config.rms_norm_eps
+    x = ops.embedding(model.embed, step)
+    residual: T | None = None
+    last = len(model.layers) - 1
+    for i, layer in enumerate(model.layers):
+        h, residual = ops.add_rms_norm(x, residual, layer.input_norm, eps)
+        q = ops.rope_and_cache(ops.linear(h, layer.qkv), i, step)
+        attn = ops.attention(q, i, layer.window, step)
+        if i == last:  # past the last attention, only the rows whose logits are wanted matter
+            attn, residual = ops.logits_rows(attn, step), ops.logits_rows(residual, step)
+        h, residual = ops.add_rms_norm(ops.linear(attn, layer.o), residual, layer.post_norm, eps)
+        x = ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down)
+    h, _ = ops.add_rms_norm(x, residual, model.final_norm, eps)
+    return ops.lm_head(h, model.lm_head)
