@@ -111,11 +111,14 @@ class StreamedTokens(WireModel):
     not final, is sequence 0's, carries no client id and holds tokens alone: what
     almost every message of a streaming worker is. A worker builds three arrays
     per step for its 64 streams several times faster than 64 Responses, and that
-    work shares the executor's GIL."""
+    work shares the executor's GIL; a gateway forwards each client its entries
+    the same way, with `text`, and never builds a model per token."""
 
     request_ids: list[Name] = Field(max_length=DEFAULT_LIMITS.max_array_len)
     counts: TokenIds
     token_ids: TokenIds
+    # Filled by the gateway: the text entry i's tokens add (its Result's `text`).
+    text: list[str] | None = Field(None, max_length=DEFAULT_LIMITS.max_array_len)
 
     @model_validator(mode="after")
     def _columns_agree(self) -> Self:
@@ -125,16 +128,24 @@ class StreamedTokens(WireModel):
             raise ValueError("a streamed step carries at least one token")
         if sum(self.counts) != len(self.token_ids):
             raise ValueError(f"counts add up to {sum(self.counts)} tokens; token_ids has {len(self.token_ids)}")
+        if self.text is not None and len(self.text) != len(self.request_ids):
+            raise ValueError(f"{len(self.text)} texts for {len(self.request_ids)} request ids")
         return self
 
     def responses(self) -> list[Response]:
         """The Responses these columns stand for."""
         out = []
         start = 0
-        for request_id, n in zip(self.request_ids, self.counts, strict=True):
+        texts = self.text or [None] * len(self.request_ids)
+        for request_id, n, text in zip(self.request_ids, self.counts, texts, strict=True):
             # Validating constructors: in pydantic 2 model_construct costs twice as much.
             tokens = self.token_ids[start : start + n]
-            result = Result(is_final=False, output_token_ids=[tokens], finish_reasons=[FinishReason.NOT_FINISHED])
+            result = Result(
+                is_final=False,
+                output_token_ids=[tokens],
+                finish_reasons=[FinishReason.NOT_FINISHED],
+                text=None if text is None else [text],
+            )
             out.append(Response(request_id=request_id, result=result))
             start += n
         return out
