@@ -76,6 +76,20 @@ class OutputStream:
         self.finished = result.is_final
         return result
 
+    def apply_tokens(self, token_ids: list[int]) -> str | protocol.Result | None:
+        """`apply` for a plain streamed step (sequence 0's next tokens, one beam, not
+        final: what protocol.StreamedTokens carries) without building a Result for
+        it: the text the tokens add. Where a Result is needed (the sequence's first
+        step, beam search, stop strings) it goes through `apply`: its Result or None."""
+        seq = self._seqs.get(0)
+        if seq is None or seq.finished or self.finished or self.beam_search or self.stop:
+            result = protocol.Result(
+                is_final=False, output_token_ids=[token_ids], finish_reasons=[FinishReason.NOT_FINISHED]
+            )
+            return self.apply(result)
+        self.num_tokens += len(token_ids)
+        return "" if seq.detok is None else self._text(seq, token_ids, False)[0]
+
     def _text(self, seq: _Sequence, token_ids: list[int], final: bool) -> tuple[str, bool]:
         assert seq.detok is not None
         seq.detok.add(token_ids)
