@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Self
 
 from pydantic import Field, model_validator
@@ -136,7 +137,7 @@ class StreamedTokens(WireModel):
         """The Responses these columns stand for."""
         out = []
         start = 0
-        texts = self.text or [None] * len(self.request_ids)
+        texts: Sequence[str | None] = self.text if self.text is not None else [None] * len(self.request_ids)
         for request_id, n, text in zip(self.request_ids, self.counts, texts, strict=True):
             # Validating constructors: in pydantic 2 model_construct costs twice as much.
             tokens = self.token_ids[start : start + n]
