@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 import protocol
@@ -22,7 +24,7 @@ def _plain(tokens: list[int]) -> protocol.Result:
     return protocol.Result(is_final=False, output_token_ids=[tokens], finish_reasons=[FinishReason.NOT_FINISHED])
 
 
-def _texts(outs: list[str | protocol.Result | None]) -> list[str]:
+def _texts(outs: Sequence[str | protocol.Result | None]) -> list[str]:
     return [o if isinstance(o, str) else "".join(o.text or []) for o in outs if o is not None]
 
 
