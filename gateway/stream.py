@@ -88,7 +88,11 @@ class OutputStream:
             )
             return self.apply(result)
         self.num_tokens += len(token_ids)
-        return "" if seq.detok is None else self._text(seq, token_ids, False)[0]
+        if seq.detok is None:
+            return ""
+        text = seq.detok.add(token_ids)  # with no stop strings nothing is held back (as in _text)
+        seq.sent += len(text)
+        return text
 
     def _text(self, seq: _Sequence, token_ids: list[int], final: bool) -> tuple[str, bool]:
         assert seq.detok is not None
