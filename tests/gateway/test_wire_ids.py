@@ -112,7 +112,8 @@ def test_same_request_id_from_two_clients_is_two_requests_on_the_wire(peer_and_g
         b.send(protocol.Cancel(request_id="x"))
         (cancel,) = peer.wait_for(protocol.Cancel, 1)
         assert isinstance(cancel, protocol.Cancel) and cancel.request_id == second.request_id
-        peer.send(protocol.ResultBatch(responses=[
+        peer.send(protocol.ResultBatch(responses=[  # a plain step whole, as older workers send them
+            protocol.Response(request_id="x", result=_result([12], False)),
             protocol.Response(request_id=second.request_id, result=_result([], True)),
             protocol.Response(request_id="x", result=_result([11], True)),
         ]))  # fmt: skip
@@ -121,7 +122,7 @@ def test_same_request_id_from_two_clients_is_two_requests_on_the_wire(peer_and_g
         got = {name: [(r.request_id, r.result.output_token_ids[0], r.is_final) for r in c.responses["x"] if r.result]
                for name, c in (("a", a), ("b", b))}  # fmt: skip
         assert got == {
-            "a": [("x", [8, 9], False), ("x", [11], True)],
+            "a": [("x", [8, 9], False), ("x", [12], False), ("x", [11], True)],
             "b": [("x", [7], False), ("x", [10], False), ("x", [], True)],
         }
 
