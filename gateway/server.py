@@ -462,7 +462,8 @@ class Gateway:
                 req = requests.get(wire_id)
                 if req is None or req.worker is not link:
                     continue
-                step = req.stream.apply_tokens(token_ids[start:end])
+                ids = token_ids[start:end]
+                step = req.stream.apply_tokens(ids)
                 if step is None:
                     continue
                 req.started = True
@@ -474,9 +475,9 @@ class Gateway:
                 else:
                     text = step
                 to = out.get(req.client) or out.setdefault(req.client, ClientBatch())
-                to.add_step(req.request_id, token_ids[start:end], text)
+                to.add_step(req.request_id, ids, text)
                 tokens.append((req, n))
-        for response in batch.responses:  # older workers send every step so
+        for response in batch.responses:  # finals, errors, beams, log probs (older workers: every step)
             req = requests.get(response.request_id)
             if req is None or req.worker is not link:
                 continue
