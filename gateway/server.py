@@ -104,6 +104,9 @@ class Gateway:
         self.lost_at: dict[str, float] = {}  # worker id -> unix time it was declared lost
         self.clients: dict[bytes, _Client] = {}
         self.requests: dict[str, _Request] = {}  # by wire id
+        # Wire ids of requests ended here and cancelled at their worker, whose end the
+        # worker has not confirmed yet: still taken there, so not given to a new request.
+        self.ending: dict[str, WorkerLink] = {}
         self._wire_ids = 0  # wire ids made here so far
         self.waiting: deque[_Request] = deque()  # accepted, no worker yet
         self.poller = zmq.Poller()
@@ -269,7 +272,7 @@ class Gateway:
     def _wire_id(self, request_id: str) -> str:
         """The client's request id if no request in flight has it as its wire id, else a new one."""
         wire_id = request_id
-        while wire_id in self.requests:
+        while wire_id in self.requests or wire_id in self.ending:
             self._wire_ids += 1
             wire_id = f"{request_id[:200]}~{self._wire_ids}"
         return wire_id
@@ -448,7 +451,7 @@ class Gateway:
             tokens.append((req, 0 if result is None else sum(len(t) for t in result.output_token_ids)))
             if result is None or result.is_final:
                 if not worker_final:  # a stop string ended it here: stop the worker too
-                    link.socket.send(protocol.encode(protocol.Cancel(request_id=req.wire_id)))
+                    self._cancel_at_worker(req, link)
                 self._forget(req)
                 ended.append((req, outcome(response)))
 
@@ -480,6 +483,8 @@ class Gateway:
         for response in batch.responses:  # finals, errors, beams, log probs (older workers: every step)
             req = requests.get(response.request_id)
             if req is None or req.worker is not link:
+                if response.is_final:
+                    self._ended_at_worker(response.request_id, link)
                 continue
             if response.result is None:
                 whole(req, response, True)
@@ -499,6 +504,8 @@ class Gateway:
     def _worker_error(self, link: WorkerLink, msg: protocol.ErrorReply) -> None:
         req = self.requests.get(msg.request_id) if msg.request_id else None
         if req is None or req.worker is not link:
+            if msg.request_id is not None:
+                self._ended_at_worker(msg.request_id, link)
             log.warning("worker %s: %s error: %s", link.worker_id, msg.code, msg.message)
             return
         if msg.code == ErrorCode.DRAINING and not req.started and req.dispatches < _MAX_DISPATCHES:
@@ -520,6 +527,7 @@ class Gateway:
         self.poller.unregister(link.socket)
         link.socket.close(0)
         self.lost_at[link.worker_id] = time.time()
+        self.ending = {wire_id: w for wire_id, w in self.ending.items() if w is not link}
         for wire_id in list(link.requests):
             req = self.requests.get(wire_id)
             if req is None or req.worker is not link:
@@ -563,6 +571,15 @@ class Gateway:
         self._reply(req.client, protocol.ResultBatch(responses=responses))
         self._forget(req)
 
+    def _cancel_at_worker(self, req: _Request, link: WorkerLink) -> None:
+        """Cancel a request this gateway ends itself; its wire id stays taken until the worker's final."""
+        link.socket.send(protocol.encode(protocol.Cancel(request_id=req.wire_id)))
+        self.ending[req.wire_id] = link
+
+    def _ended_at_worker(self, wire_id: str, link: WorkerLink) -> None:
+        if self.ending.get(wire_id) is link:
+            del self.ending[wire_id]
+
     def _forget(self, req: _Request) -> None:
         if self.requests.get(req.wire_id) is req:
             del self.requests[req.wire_id]
@@ -593,7 +610,7 @@ class Gateway:
             log.info("client %s silent: cancelling its %d requests", client.hex(), len(state.requests))
         for req in list(state.requests.values()):
             if req.worker is not None:
-                req.worker.socket.send(protocol.encode(protocol.Cancel(request_id=req.wire_id)))
+                self._cancel_at_worker(req, req.worker)
             self.metrics.ended(req, None)
             self._forget(req)
         del self.clients[client]

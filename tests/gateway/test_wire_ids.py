@@ -143,3 +143,35 @@ def test_same_request_id_from_two_clients_is_two_requests_on_the_wire(peer_and_g
     finally:
         a.close()
         b.close()
+
+
+def test_a_wire_id_is_taken_until_the_worker_ends_what_the_gateway_cancelled(peer_and_gateway):
+    peer, gateway = peer_and_gateway
+    a = WireClient(gateway.endpoint)
+    a.hello()
+    a.send(protocol.Submit(request_id="y", input_token_ids=[1], max_tokens=4, streaming=True))
+    (first,) = peer.wait_for(protocol.Submit, 1)
+    a.close()  # silent: the gateway ends its request and cancels it at the worker
+    (cancel,) = peer.wait_for(protocol.Cancel, 1, timeout=15)
+    assert isinstance(first, protocol.Submit) and isinstance(cancel, protocol.Cancel)
+    assert first.request_id == cancel.request_id == "y"
+    b = WireClient(gateway.endpoint)
+    try:
+        b.hello()
+        b.send(protocol.Submit(request_id="y", input_token_ids=[2], max_tokens=4, streaming=True))
+        second = peer.wait_for(protocol.Submit, 2)[1]
+        assert isinstance(second, protocol.Submit)
+        assert second.request_id != "y" and second.client_request_id == "y"  # the worker still runs "y"
+        reasons = [protocol.FinishReason.CANCELLED]
+        cancelled = protocol.Result(is_final=True, output_token_ids=[[]], finish_reasons=reasons)
+        peer.send(protocol.ResultBatch(responses=[
+            protocol.Response(request_id="y", result=cancelled),  # the worker has ended a's
+            protocol.Response(request_id=second.request_id, result=_result([3], True)),
+        ]))  # fmt: skip
+        b.wait(["y"], timeout=10)
+        assert [r.result.output_token_ids for r in b.responses["y"] if r.result] == [[[3]]]
+        b.send(protocol.Submit(request_id="y", input_token_ids=[4], max_tokens=4))
+        third = peer.wait_for(protocol.Submit, 3)[2]
+        assert isinstance(third, protocol.Submit) and (third.request_id, third.client_request_id) == ("y", None)
+    finally:
+        b.close()
