@@ -1,7 +1,8 @@
 """Encode and decode throughput of the wire format, for the messages that matter:
 a submit, a single-token streaming result, and a 64-request result batch, whole
-and as workers send it (the streamed steps in columns; its decode includes
-expanding them into Responses, as a gateway does)."""
+and as workers and gateways send it (the streamed steps in columns; a gateway
+reads the columns as they are, a client expands them into Responses with their
+text, which the last row's decode includes)."""
 
 from __future__ import annotations
 
@@ -41,10 +42,15 @@ def result_batch(n: int) -> p.Message:
     return p.ResultBatch(responses=responses, load=load)
 
 
-def streamed_batch(n: int) -> p.Message:
+def streamed_batch(n: int, text: bool = False) -> p.Message:
     columns = p.StreamedTokens(
-        request_ids=[f"client-7f3a:{i:06d}" for i in range(n)], counts=[1] * n, token_ids=[1000 + i for i in range(n)]
+        request_ids=[f"client-7f3a:{i:06d}" for i in range(n)],
+        counts=[1] * n,
+        token_ids=[1000 + i for i in range(n)],
+        text=[" word"] * n if text else None,
     )
+    if text:  # a gateway's, to one client
+        return p.ResultBatch(streamed=columns)
     load = p.WorkerLoad(num_queued_requests=3, num_active_requests=n, free_num_blocks=812, max_num_blocks=4096)
     return p.ResultBatch(streamed=columns, load=load)
 
@@ -80,7 +86,8 @@ def table() -> tuple[list[str], list[list[str]]]:
         ("submit (512 token ids)", submit(), 1, p.decode),
         ("result, 1 token", result_batch(1), 1, p.decode),
         ("result batch, 64 requests", result_batch(64), 64, p.decode),
-        ("result batch, 64 streamed steps in columns", streamed_batch(64), 64, _decode_all),
+        ("result batch, 64 streamed steps in columns (worker)", streamed_batch(64), 64, p.decode),
+        ("... with text, to Responses (client)", streamed_batch(64, text=True), 64, _decode_all),
     ]
     header = ["message", "bytes", "encode µs", "decode µs", "encode msg/s", "decode msg/s", "decode µs/resp"]
     rows = []

@@ -13,7 +13,10 @@ carries prompt chunks, and which streams wait through those depends on the
 order the requests arrived in, not on the transport.
 (b) TRANSPORT TEST: a worker started with `--backend echo` (its backend returns
 immediately, no model runs) behind one gateway, to find how many streamed
-tokens/s one gateway process routes (detokenizing as usual).
+tokens/s one gateway process routes (detokenizing as usual). Each row also says
+the CPU time per token of the gateway process and of the client (this process):
+on a machine whose cores the worker, the gateway and the client share, tokens/s
+is their sum's ceiling, and the CPU figures say whose share is what.
 
 Sizes: TOKENWIRE_BENCH_SERVICE_REQUESTS, _PROMPT, _OUTPUT (_REPEATS above); the defaults are the
 issue's workload, 64 x 128 / 128 (about three minutes for the six runs on a 2-core
@@ -224,14 +227,31 @@ def echo_transport(model: Path) -> list[Run]:
         "--kv-tokens",
         str(kv_tokens),
     )
+    gateway_pid = stack.procs[2].pid
     try:
+        # Up and warm (the gateway has loaded the worker's tokenizer) before any CPU time counts.
+        asyncio.run(_stream_all(stack.gateway, [[100, 200, 300]], 2, greedy=False))
         for streams, tokens in ECHO_WORKLOADS:
             prompts = [[100 + i, 200 + i, 300 + i] for i in range(streams)]
+            gateway_cpu, client_cpu = _cpu_seconds(gateway_pid), time.process_time()
             start, end, lines = asyncio.run(_stream_all(stack.gateway, prompts, tokens, greedy=False))
-            runs.append(_collect(f"TRANSPORT TEST echo worker, {streams} streams x {tokens}", start, end, lines))
+            gateway_us = (_cpu_seconds(gateway_pid) - gateway_cpu) * 1e6 / (streams * tokens)
+            client_us = (time.process_time() - client_cpu) * 1e6 / (streams * tokens)
+            name = (f"TRANSPORT TEST echo worker, {streams} streams x {tokens} "
+                    f"(CPU µs/token: gateway {gateway_us:.1f}, client {client_us:.1f})")  # fmt: skip
+            runs.append(_collect(name, start, end, lines))
     finally:
         stack.close()
     return runs
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process, all its threads (Linux; NaN elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def table() -> tuple[list[str], list[list[str]]]:

@@ -184,7 +184,7 @@ class Connection(threading.Thread):
                 continue
             self._last_seen = time.monotonic()
             if isinstance(msg, protocol.ResultBatch):
-                for response in msg.responses:
+                for response in msg.all_responses():  # the streamed steps come in columns
                     call = self._calls.get(response.request_id)
                     if call is None:
                         continue

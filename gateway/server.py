@@ -1,28 +1,35 @@
 """The gateway: a ROUTER for clients, a DEALER per worker, one I/O thread.
 
-It keeps only soft state (request id -> client, request id -> worker); losing
-it loses nothing durable: workers abort its requests when its heartbeats stop,
-and clients fail over to another gateway.
+It keeps only soft state (request -> client, request -> worker); losing it
+loses nothing durable: workers abort its requests when its heartbeats stop, and
+clients fail over to another gateway.
+
+A request is its client's and that client's request id: two clients may choose
+the same id. Toward workers each request has an id unique among the gateway's
+requests in flight (its wire id): the client's, unless another request in flight
+has it already.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
 import threading
 import time
-from collections import defaultdict, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 import zmq
 from tokenizers import Tokenizer
 
 import protocol
+from gateway.client_batch import ClientBatch
 from gateway.discovery import Discovery
 from gateway.tokenizer_store import Tokenizers
 from gateway.workers import WorkerLink, least_loaded
-from ops.metrics import GatewayMetrics
+from ops.metrics import GatewayMetrics, outcome
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
 from protocol.limits import socket_turn
@@ -52,7 +59,8 @@ class GatewayConfig:
 
 @dataclass(eq=False, slots=True)
 class _Request:
-    request_id: str
+    request_id: str  # the client's
+    wire_id: str  # toward workers: unique among the requests in flight here
     client: bytes
     submit: protocol.Submit  # as the client sent it (token ids filled in)
     stream: OutputStream
@@ -67,7 +75,7 @@ class _Request:
 class _Client:
     heartbeat_interval_s: float
     last_seen: float = field(default_factory=time.monotonic)
-    requests: set[str] = field(default_factory=set)
+    requests: dict[str, _Request] = field(default_factory=dict)  # by the client's request id
 
 
 class Gateway:
@@ -95,7 +103,11 @@ class Gateway:
         self.workers: dict[str, WorkerLink] = {}
         self.lost_at: dict[str, float] = {}  # worker id -> unix time it was declared lost
         self.clients: dict[bytes, _Client] = {}
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, _Request] = {}  # by wire id
+        # Wire ids of requests ended here and cancelled at their worker, whose end the
+        # worker has not confirmed yet: still taken there, so not given to a new request.
+        self.ending: dict[str, WorkerLink] = {}
+        self._wire_ids = 0  # wire ids made here so far
         self.waiting: deque[_Request] = deque()  # accepted, no worker yet
         self.poller = zmq.Poller()
         self.poller.register(self.frontend, zmq.POLLIN)
@@ -185,6 +197,8 @@ class Gateway:
         try:
             msg = protocol.decode(payload, self.limits)
         except protocol.ProtocolError as e:
+            if e.request_id is not None:
+                self.metrics.ended(None, f"error_{ErrorCode.PROTOCOL}")
             self._reply(client, protocol.ErrorReply(code=ErrorCode.PROTOCOL, message=str(e), request_id=e.request_id))
             return
         state = self.clients.get(client)
@@ -194,7 +208,7 @@ class Gateway:
         if isinstance(msg, protocol.Submit):
             self._submit(client, state, msg)
         elif isinstance(msg, protocol.Cancel):
-            self._cancel(client, msg.request_id)
+            self._cancel(state, msg.request_id)
         elif isinstance(msg, protocol.Hello):
             state.heartbeat_interval_s = msg.heartbeat_interval_s
             models = sorted({m for w in self.workers.values() if w.ready for m in w.models})
@@ -220,9 +234,10 @@ class Gateway:
 
     def _submit(self, client: bytes, state: _Client, msg: protocol.Submit) -> None:
         def refuse(code: ErrorCode, text: str) -> None:
+            self.metrics.ended(None, f"error_{code}")
             self._reply(client, protocol.ErrorReply(code=code, message=text, request_id=msg.request_id))
 
-        if msg.request_id in self.requests:
+        if msg.request_id in state.requests:
             return refuse(ErrorCode.INVALID_REQUEST, f"request_id {msg.request_id!r} is already in flight")
         if len(state.requests) >= self.config.max_inflight_per_client:
             return refuse(
@@ -248,23 +263,30 @@ class Gateway:
             model = max(set(names), key=names.count) if names else None
         # Its tokenizer comes with the worker it is dispatched to.
         stream = OutputStream(None, msg.stop or [], msg.num_return_sequences, msg.sampling_config.beam_width > 1)
-        req = _Request(msg.request_id, client, msg, stream, model)
-        self.requests[req.request_id] = req
-        self.metrics.accepted(req.request_id)
-        state.requests.add(req.request_id)
+        req = _Request(msg.request_id, self._wire_id(msg.request_id), client, msg, stream, model)
+        self.requests[req.wire_id] = req
+        self.metrics.accepted(req)
+        state.requests[req.request_id] = req
         self._dispatch(req)
 
-    def _cancel(self, client: bytes, request_id: str) -> None:
-        req = self.requests.get(request_id)
-        if req is None or req.client != client:
-            return  # finished already, or not this client's: nothing to do
+    def _wire_id(self, request_id: str) -> str:
+        """The client's request id if no request in flight has it as its wire id, else a new one."""
+        wire_id = request_id
+        while wire_id in self.requests or wire_id in self.ending:
+            self._wire_ids += 1
+            wire_id = f"{request_id[:200]}~{self._wire_ids}"
+        return wire_id
+
+    def _cancel(self, state: _Client, request_id: str) -> None:
+        req = state.requests.get(request_id)
+        if req is None:
+            return  # finished already: nothing to do
         if req.worker is not None:
-            req.worker.socket.send(protocol.encode(protocol.Cancel(request_id=request_id)))
+            req.worker.socket.send(protocol.encode(protocol.Cancel(request_id=req.wire_id)))
         else:  # still waiting for a worker: end it here
             self._finish_with_result(req, protocol.FinishReason.CANCELLED)
 
     def _reply(self, client: bytes, msg: protocol.Message) -> None:
-        self.metrics.replied(msg)
         self.frontend.send_multipart([client, protocol.encode(msg, self.limits)])
 
     # -- routing -----------------------------------------------------------------------------
@@ -285,10 +307,12 @@ class Gateway:
         req.stream.tokenizer = req.stream.tokenizer or tokenizer
         req.worker = link
         req.dispatches += 1
-        link.requests.add(req.request_id)
+        link.requests.add(req.wire_id)
         link.sent_since_load += 1
-        wire = req.submit.model_copy(update={"model": req.model, "stop": None})
-        link.socket.send(protocol.encode(wire, self.limits))
+        # A client's own client_request_id is not passed on: the worker names the request by it.
+        named = None if req.wire_id == req.request_id else req.request_id
+        update = {"request_id": req.wire_id, "client_request_id": named, "model": req.model, "stop": None}
+        link.socket.send(protocol.encode(req.submit.model_copy(update=update), self.limits))
 
     @staticmethod
     def _tokenize(req: _Request, prompt: str, tokenizer: Tokenizer | None) -> str | None:
@@ -318,7 +342,7 @@ class Gateway:
     def _dispatch_waiting(self, now: float) -> None:
         waiting, self.waiting = self.waiting, deque()
         for req in waiting:
-            if req.request_id not in self.requests:
+            if self.requests.get(req.wire_id) is not req:
                 continue  # cancelled or its client went away meanwhile
             if now - req.created > self.config.no_worker_timeout_s:
                 self._fail(
@@ -337,7 +361,7 @@ class Gateway:
     def _apply_discovery(self) -> None:
         try:
             snapshot = self.discovery.snapshots.get_nowait()
-        except Exception:
+        except queue.Empty:
             return
         for worker_id, (info, heartbeat_time) in snapshot.items():
             link = self.workers.get(worker_id)
@@ -388,8 +412,8 @@ class Gateway:
             if isinstance(msg, protocol.ResultBatch):
                 link.update_load(msg.load)
                 try:
-                    self._results(link, msg.all_responses())
-                except Exception:
+                    self._results(link, msg)
+                except Exception:  # a bug on one batch must not stop the gateway
                     log.exception("results from worker %s failed", link.worker_id)
             elif isinstance(msg, protocol.Heartbeat):
                 link.update_load(msg.load)
@@ -411,43 +435,89 @@ class Gateway:
                         self.tokenizers.add(model, msg.tokenizer_json)
                 log.info("worker %s ready: %s", link.worker_id, msg.models)
 
-    def _results(self, link: WorkerLink, responses: list[protocol.Response]) -> None:
-        out: dict[bytes, list[protocol.Response]] = defaultdict(list)
-        for response in responses:
-            req = self.requests.get(response.request_id)
+    def _results(self, link: WorkerLink, batch: protocol.ResultBatch) -> None:
+        """Each client its share of a worker's batch, in one message: the streamed
+        steps stay columns (with their text), the rest goes whole."""
+        out: dict[bytes, ClientBatch] = {}
+        tokens: list[tuple[object, int]] = []  # (request, new tokens sent), for the metrics
+        ended: list[tuple[_Request, str]] = []
+
+        def whole(req: _Request, response: protocol.Response, worker_final: bool) -> None:
+            result = response.result
+            to = out.get(req.client) or out.setdefault(req.client, ClientBatch())
+            if response.request_id != req.request_id:  # the worker's, by wire id
+                response = response.model_copy(update={"request_id": req.request_id})
+            to.add_response(response)
+            tokens.append((req, 0 if result is None else sum(len(t) for t in result.output_token_ids)))
+            if result is None or result.is_final:
+                if not worker_final:  # a stop string ended it here: stop the worker too
+                    self._cancel_at_worker(req, link)
+                self._forget(req)
+                ended.append((req, outcome(response)))
+
+        requests = self.requests
+        streamed = batch.streamed
+        if streamed is not None:
+            token_ids = streamed.token_ids
+            end = 0
+            for wire_id, n in zip(streamed.request_ids, streamed.counts, strict=True):
+                start, end = end, end + n
+                req = requests.get(wire_id)
+                if req is None or req.worker is not link:
+                    continue
+                ids = token_ids[start:end]
+                step = req.stream.apply_tokens(ids)
+                if step is None:
+                    continue
+                req.started = True
+                if isinstance(step, protocol.Result):  # it needed a Result: does it still go in a column?
+                    if step.is_sequence_final or req.stream.beam_search:
+                        whole(req, protocol.Response(request_id=req.request_id, result=step), False)
+                        continue
+                    text = step.text[0] if step.text else ""
+                else:
+                    text = step
+                to = out.get(req.client) or out.setdefault(req.client, ClientBatch())
+                to.add_step(req.request_id, ids, text)
+                tokens.append((req, n))
+        for response in batch.responses:  # finals, errors, beams, log probs (older workers: every step)
+            req = requests.get(response.request_id)
             if req is None or req.worker is not link:
+                if response.is_final:
+                    self._ended_at_worker(response.request_id, link)
                 continue
             if response.result is None:
-                out[req.client].append(response)
-                self._forget(req)
+                whole(req, response, True)
                 continue
             worker_final = response.result.is_final
-            result = req.stream.apply(response.result)
-            if result is None:
+            if req.stream.apply(response.result) is None:
                 continue
             req.started = True
-            out[req.client].append(response)
-            if result.is_final:
-                if not worker_final:  # a stop string ended it here: stop the worker too
-                    link.socket.send(protocol.encode(protocol.Cancel(request_id=req.request_id)))
-                self._forget(req)
-        for client, items in out.items():
-            self._reply(client, protocol.ResultBatch(responses=items))
+            whole(req, response, worker_final)
+        self.metrics.streams.tokens(tokens)  # before ended() forgets the streams' timings
+        for req, how in ended:
+            self.metrics.ended(req, how)
+        for client, to in out.items():
+            for message in to.messages(self.limits):
+                self.frontend.send_multipart([client, message])
 
     def _worker_error(self, link: WorkerLink, msg: protocol.ErrorReply) -> None:
         req = self.requests.get(msg.request_id) if msg.request_id else None
         if req is None or req.worker is not link:
+            if msg.request_id is not None:
+                self._ended_at_worker(msg.request_id, link)
             log.warning("worker %s: %s error: %s", link.worker_id, msg.code, msg.message)
             return
         if msg.code == ErrorCode.DRAINING and not req.started and req.dispatches < _MAX_DISPATCHES:
             # Sent before its Drain reached us: nothing was produced, so another worker can run it.
             link.draining = True
-            link.requests.discard(req.request_id)
+            link.requests.discard(req.wire_id)
             req.worker = None
             log.info("request %s re-dispatched: worker %s is draining", req.request_id, link.worker_id)
             self._dispatch(req)
             return
-        self._reply(req.client, msg)
+        self.metrics.ended(req, f"error_{msg.code}")
+        self._reply(req.client, msg.model_copy(update={"request_id": req.request_id}))
         self._forget(req)
 
     def _lose_worker(self, link: WorkerLink, why: str) -> None:
@@ -457,13 +527,14 @@ class Gateway:
         self.poller.unregister(link.socket)
         link.socket.close(0)
         self.lost_at[link.worker_id] = time.time()
-        for request_id in list(link.requests):
-            req = self.requests.get(request_id)
+        self.ending = {wire_id: w for wire_id, w in self.ending.items() if w is not link}
+        for wire_id in list(link.requests):
+            req = self.requests.get(wire_id)
             if req is None or req.worker is not link:
                 continue
             req.worker = None
             if not req.started and req.dispatches < _MAX_DISPATCHES:
-                log.info("request %s re-dispatched: it had produced no output on %s", request_id, link.worker_id)
+                log.info("request %s re-dispatched: it had produced no output on %s", req.request_id, link.worker_id)
                 self._dispatch(req)
             else:
                 self._fail(
@@ -477,6 +548,7 @@ class Gateway:
     # -- bookkeeping ----------------------------------------------------------------------------
 
     def _fail(self, req: _Request, code: ErrorCode, text: str) -> None:
+        self.metrics.ended(req, f"error_{code}")
         self._reply(req.client, protocol.ErrorReply(code=code, message=text, request_id=req.request_id))
         self._forget(req)
 
@@ -495,16 +567,27 @@ class Gateway:
             )
             for i in range(n)
         ]
+        self.metrics.ended(req, "cancelled")
         self._reply(req.client, protocol.ResultBatch(responses=responses))
         self._forget(req)
 
+    def _cancel_at_worker(self, req: _Request, link: WorkerLink) -> None:
+        """Cancel a request this gateway ends itself; its wire id stays taken until the worker's final."""
+        link.socket.send(protocol.encode(protocol.Cancel(request_id=req.wire_id)))
+        self.ending[req.wire_id] = link
+
+    def _ended_at_worker(self, wire_id: str, link: WorkerLink) -> None:
+        if self.ending.get(wire_id) is link:
+            del self.ending[wire_id]
+
     def _forget(self, req: _Request) -> None:
-        self.requests.pop(req.request_id, None)
-        if req.worker is not None:
-            req.worker.requests.discard(req.request_id)
+        if self.requests.get(req.wire_id) is req:
+            del self.requests[req.wire_id]
+            if req.worker is not None:
+                req.worker.requests.discard(req.wire_id)
         client = self.clients.get(req.client)
-        if client is not None:
-            client.requests.discard(req.request_id)
+        if client is not None and client.requests.get(req.request_id) is req:
+            del client.requests[req.request_id]
 
     def _tick(self, now: float) -> None:
         n = self.config.missed_heartbeats
@@ -525,11 +608,9 @@ class Gateway:
     def _client_gone(self, client: bytes, state: _Client) -> None:
         if state.requests:
             log.info("client %s silent: cancelling its %d requests", client.hex(), len(state.requests))
-        for request_id in list(state.requests):
-            req = self.requests.get(request_id)
-            if req is None:
-                continue
+        for req in list(state.requests.values()):
             if req.worker is not None:
-                req.worker.socket.send(protocol.encode(protocol.Cancel(request_id=request_id)))
+                self._cancel_at_worker(req, req.worker)
+            self.metrics.ended(req, None)
             self._forget(req)
         del self.clients[client]

@@ -34,10 +34,6 @@ def outcome(response: protocol.Response) -> str:
     return "completed"
 
 
-def new_tokens(response: protocol.Response) -> int:
-    return sum(len(t) for t in response.result.output_token_ids) if response.result is not None else 0
-
-
 class BatchHistogram:
     """A Prometheus histogram fed a whole delivery's values at once.
 
@@ -209,17 +205,14 @@ class GatewayMetrics(_Metrics):
         self.gauge("tokenwire_gateway_clients_connected", "Clients heard from within their heartbeat bound", clients)
         self.redis_connected.set_function(lambda: float(redis_connected()))
 
-    def accepted(self, request_id: str) -> None:
-        self.streams.start(request_id)
+    def accepted(self, key: object) -> None:
+        self.streams.start(key)
 
-    def replied(self, msg: protocol.Message) -> None:
-        """Every message to a client passes here: tokens, first tokens, final outcomes."""
-        if isinstance(msg, protocol.ResultBatch):
-            self.streams.tokens([(r.request_id, new_tokens(r)) for r in msg.responses])
-            for r in msg.responses:
-                if r.is_final:
-                    self.requests.labels(outcome(r)).inc()
-                    self.streams.end(r.request_id)
-        elif isinstance(msg, protocol.ErrorReply) and msg.request_id is not None:
-            self.requests.labels(f"error_{msg.code}").inc()
-            self.streams.end(msg.request_id)
+    def ended(self, key: object, how: str | None) -> None:
+        """A request's last message went out: `how` it ended (completed, cancelled,
+        error, error_<code>); None: it ended unseen (its client went away). key None:
+        refused before it was accepted."""
+        if how is not None:
+            self.requests.labels(how).inc()
+        if key is not None:
+            self.streams.end(key)

@@ -79,6 +79,11 @@ class Submit(Message):
     return_all_generated_tokens: bool = False
     logits_post_processor_name: str | None = Field(None, min_length=1)
     guided_decoding_params: GuidedDecodingParams | None = None
+    # Set by a gateway toward a worker (a client's value is not passed on) when the
+    # client's request id is taken by another client's request there, so `request_id`
+    # is the gateway's own: the client's id, which names the request in Redis (its
+    # cancel flag, its stats) and in logs.
+    client_request_id: Name | None = None
 
     @model_validator(mode="after")
     def _check(self) -> Self:

@@ -151,3 +151,19 @@ class OutputStream:
             seq.finished = True
         self.finished = result.is_final
         return result
+
+    def apply_tokens(self, token_ids: list[int]) -> str | Result | None:
+        """`apply` for a plain streamed step (sequence 0's next tokens, one beam, not
+        final: what protocol.StreamedTokens carries) without building a Result for
+        it: the text the tokens add. Where a Result is needed (the sequence's first
+        step, beam search, stop strings) it goes through `apply`: its Result or None."""
+        seq = self._seqs.get(0)
+        if seq is None or seq.finished or self.finished or self.beam_search or self.stop:
+            result = Result(is_final=False, output_token_ids=[token_ids], finish_reasons=[FinishReason.NOT_FINISHED])
+            return self.apply(result)
+        self.num_tokens += len(token_ids)
+        if seq.text is None:
+            return ""
+        text = seq.text.detok.add(token_ids)  # with no stop strings nothing is held back
+        seq.text.sent += len(text)
+        return text

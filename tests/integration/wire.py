@@ -45,7 +45,7 @@ class WireClient:
                 except zmq.Again:
                     break
                 if isinstance(msg, protocol.ResultBatch):
-                    for r in msg.responses:
+                    for r in msg.all_responses():
                         self.responses[r.request_id].append(r)
                 elif isinstance(msg, protocol.ErrorReply) and msg.request_id:
                     self.errors[msg.request_id].append(msg)

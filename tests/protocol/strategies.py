@@ -88,6 +88,7 @@ def submits(draw: st.DrawFn) -> p.Submit:
         return_all_generated_tokens=draw(st.booleans()),
         logits_post_processor_name=draw(_maybe(names)),
         guided_decoding_params=draw(_maybe(guided_params)),
+        client_request_id=draw(_maybe(names)),
     )
 
 
@@ -138,10 +139,12 @@ responses = st.one_of(
 @st.composite
 def streamed_tokens(draw: st.DrawFn) -> p.StreamedTokens:
     steps = draw(st.lists(st.tuples(names, st.lists(st.integers(0, INT32_MAX), min_size=1, max_size=4)), max_size=8))
+    texts = draw(_maybe(st.lists(st.text(max_size=8), min_size=len(steps), max_size=len(steps))))
     return p.StreamedTokens(
         request_ids=[rid for rid, _ in steps],
         counts=[len(tokens) for _, tokens in steps],
         token_ids=[t for _, tokens in steps for t in tokens],
+        text=texts,
     )
 
 

@@ -125,6 +125,8 @@ def _ints(*values: int) -> bytes:
         ({"request_ids": ["a"], "counts": _ints(0), "token_ids": b""}, "a streamed step carries at least one token"),
         ({"request_ids": ["a"], "counts": _ints(2), "token_ids": _ints(7)}, "add up to 2 tokens; token_ids has 1"),
         ({"request_ids": [""], "counts": _ints(1), "token_ids": _ints(7)}, "streamed.request_ids.0"),
+        ({"request_ids": ["a", "b"], "counts": _ints(1, 1), "token_ids": _ints(7, 8), "text": ["x"]},
+         "1 texts for 2 request ids"),
     ],
 )
 def test_streamed_columns_must_agree(streamed: dict[str, Any], rule: str):
@@ -142,6 +144,14 @@ def test_streamed_columns_stand_for_responses_before_the_others():
     got = [(r.request_id, r.result.output_token_ids, r.result.is_final) for r in batch.all_responses() if r.result]
     assert got == [("a", [[5, 6]], False), ("b", [[7]], False), ("a", [[8]], False), ("a", [[9]], True)]
     assert all(r.result.finish_reasons == [p.FinishReason.NOT_FINISHED] for r in batch.all_responses()[:3] if r.result)
+
+
+def test_streamed_text_is_each_response_s_text():
+    batch = decode_payload("results", {
+        "streamed": {"request_ids": ["a", "b"], "counts": _ints(2, 1), "token_ids": _ints(5, 6, 7), "text": ["hi", ""]},
+    })  # fmt: skip
+    assert isinstance(batch, p.ResultBatch)
+    assert [(r.request_id, r.result.text) for r in batch.all_responses() if r.result] == [("a", ["hi"]), ("b", [""])]
 
 
 def test_unknown_finish_reason_is_refused():

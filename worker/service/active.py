@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 class Active:
     exec_id: int
     gateway: bytes  # ZeroMQ routing id of the gateway that sent it
-    request_id: str  # the client's id, as on the wire and in Redis keys
+    request_id: str  # the gateway's id for it (the wire id): what results and cancels carry
+    name: str  # the client's id: its Redis cancel flag and stats key, and the logs
     prompt_tokens: int
     received: float = field(default_factory=time.monotonic)
     output_tokens: int = 0

@@ -111,10 +111,10 @@ class WorkerRedis(threading.Thread):
         active = [a for a in self.table.snapshot() if not a.cancelled]
         for start in range(0, len(active), _MGET_CHUNK):
             chunk = active[start : start + _MGET_CHUNK]
-            flags = self.redis.mget([self.keys.cancel(a.request_id) for a in chunk])
+            flags = self.redis.mget([self.keys.cancel(a.name) for a in chunk])
             for entry, flag in zip(chunk, flags, strict=True):
                 if flag is not None:
-                    log.info("request %s: cancel flag set in redis", entry.request_id)
+                    log.info("request %s: cancel flag set in redis", entry.name)
                     entry.cancelled = True
                     self.engine.cancel_request(entry.exec_id)
 

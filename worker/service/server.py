@@ -89,8 +89,9 @@ class WorkerService:
         self.sender_id = self.worker_id
         self.table = ActiveTable()
         self.gateways: dict[bytes, _Gateway] = {}
-        # Submits of the current socket turn by (gateway, request id), enqueued together at its end.
-        self._taken: dict[tuple[bytes, str], ex.Request] = {}
+        # Submits of the current socket turn by (gateway, request id), with the client's id for the
+        # request (see Active.name), enqueued together at the turn's end.
+        self._taken: dict[tuple[bytes, str], tuple[ex.Request, str]] = {}
         self.stop = threading.Event()
         self.engine_failure = ""  # why the engine process ended under us, if it did
         info = protocol.WorkerInfo(
@@ -321,7 +322,7 @@ class WorkerService:
         elif self.table.has(gateway, msg.request_id) or (gateway, msg.request_id) in self._taken:
             refuse(ErrorCode.INVALID_REQUEST, f"request_id {msg.request_id!r} is already running")
         else:
-            self._taken[gateway, msg.request_id] = to_request(msg)
+            self._taken[gateway, msg.request_id] = (to_request(msg), msg.client_request_id or msg.request_id)
 
     def _enqueue_taken(self) -> None:
         """Hand a socket turn's submits to the executor together. A burst of requests
@@ -332,7 +333,7 @@ class WorkerService:
         taken, self._taken = self._taken, {}
         with self.table.lock:
             try:
-                exec_ids = self.engine.enqueue_requests(list(taken.values()))
+                exec_ids = self.engine.enqueue_requests([request for request, _ in taken.values()])
             except Exception as e:  # a bug here must not stop the worker
                 log.exception("could not enqueue %d requests", len(taken))
                 text = f"worker failed to start the request: {e}"
@@ -340,8 +341,8 @@ class WorkerService:
                     error = protocol.ErrorReply(code=ErrorCode.INTERNAL, message=text, request_id=request_id)
                     self._send(gateway, error)
                 return
-            for exec_id, ((gateway, request_id), request) in zip(exec_ids, taken.items(), strict=True):
-                entry = Active(exec_id, gateway, request_id, len(request.input_token_ids))
+            for exec_id, ((gateway, request_id), (request, name)) in zip(exec_ids, taken.items(), strict=True):
+                entry = Active(exec_id, gateway, request_id, name, len(request.input_token_ids))
                 self.table.add(entry)
                 self.metrics.started(exec_id, entry.prompt_tokens, entry.received)
 
@@ -444,7 +445,7 @@ class WorkerService:
 
     def _record_finished(self, entry: Active, wire: protocol.Response, stats: ex.RequestStats | None) -> None:
         fields = {
-            "request_id": entry.request_id,
+            "request_id": entry.name,
             "gateway": entry.gateway.decode(errors="replace"),
             "worker": self.worker_id,
             "prompt_tokens": str(entry.prompt_tokens),
@@ -460,6 +461,6 @@ class WorkerService:
             value = getattr(stats, name, None)
             if value is not None:
                 fields[key] = f"{value:.3f}"
-        self.redis.record_request(entry.request_id, fields)
+        self.redis.record_request(entry.name, fields)
         # One event per request, with what its stats hold (journald, log collectors).
-        log.info("request %s ended: %s", entry.request_id, fields["finish_reason"], extra=fields)
+        log.info("request %s ended: %s", entry.name, fields["finish_reason"], extra=fields)
