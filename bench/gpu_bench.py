@@ -348,6 +348,8 @@ def bench_tokenwire(args: argparse.Namespace, cfg: Any, weights: dict[str, torch
         f"{args.block_size}, {len(graphs.graphs) if graphs else 0} CUDA graphs")  # fmt: skip
     # Warm-up: compiles the Triton kernels for prefill shapes, touches every path once.
     run_executor_offline(executor, prompts_for(4, 64, cfg.vocab_size, 99), 8)
+    # ... and a prompt alone: its prefill keeps a single logits row, a shape of its own for the kernels.
+    run_executor_single(executor, prompts_for(1, 64, cfg.vocab_size, 98)[0], 4)
     rows = []
     for prompt, output, n, _ in workloads:
         name = f"{prompt}/{output}"

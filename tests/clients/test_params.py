@@ -63,6 +63,7 @@ NOT_OPTIONS = {
     "input_token_ids",
     "streaming",  # how the output is delivered: Client.stream, LLM.generate_async(streaming=True)
     "client_id",  # a transport tag
+    "client_request_id",  # filled by a gateway toward a worker
     "pad_id",  # unused by the executor
     "return_all_generated_tokens",  # the APIs accumulate streamed tokens themselves
     "output_config.exclude_input_from_output",  # outputs hold generated tokens; the prompt's are on RequestOutput
