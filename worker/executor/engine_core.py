@@ -16,7 +16,6 @@ Request ids are the caller's: the core answers under the id a request came with.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -306,10 +305,10 @@ class EngineCore:
         params = (
             0.0 if greedy else (1.0 if cfg.temperature is None else cfg.temperature),
             float(cfg.top_k or 0),
-            1.0 if cfg.top_p is None else cfg.top_p,
+            cfg.top_p or 1.0,  # None or 0: off
             cfg.min_p or 0.0,
         )
-        seed = cfg.seed if cfg.seed is not None else random.getrandbits(63)
+        seed = cfg.seed if cfg.seed is not None else 0  # TensorRT-LLM's default: reproducible
         stop_words = normalize_word_list(request.stop_words, "stop_words")
         bad_words = normalize_word_list(request.bad_words, "bad_words")
         bias = None if request.embedding_bias is None else np.asarray(request.embedding_bias, dtype=np.float32)
@@ -352,8 +351,13 @@ class EngineCore:
         if self._guided is None:
             from worker.executor.guided import GuidedDecoder
 
-            self._guided = GuidedDecoder(self.tokenizer, self.model_config.vocab_size,
-                                         list(self.model_config.eos_token_ids))
+            given = self.config.guided_decoding_config
+            stop_ids = list(self.model_config.eos_token_ids)
+            if given is None:
+                self._guided = GuidedDecoder.from_tokenizer(self.tokenizer, self.model_config.vocab_size, stop_ids)
+            else:
+                self._guided = GuidedDecoder(given.encoded_vocab, given.tokenizer_str, self.model_config.vocab_size,
+                                             stop_ids if given.stop_token_ids is None else given.stop_token_ids)
         return self._guided
 
     # -- launch -------------------------------------------------------------------------------
@@ -435,17 +439,24 @@ class EngineCore:
         for row, seq in enumerate(samplers):
             if seq.request.output_config.return_generation_logits:
                 seq.generation_logits.append(rows[row].copy())
-        picked = [r for r, seq in enumerate(samplers) if seq.request.logits_post_processor_name is not None]
+        # A post-processor sees one request at a time: a beam search's beams together
+        # ([beam_width, vocab] and every beam's tokens), any other sequence alone.
+        groups: dict[object, list[int]] = {}
+        for r, seq in enumerate(samplers):
+            if seq.request.logits_post_processor_name is not None:
+                beam = seq.family is not None and seq.family.is_beam
+                groups.setdefault(seq.request_id if beam else (seq.request_id, r), []).append(r)
+        picked = list(groups.values())
         if picked:
             new, failed = apply_processors(self.processors, [
-                (samplers[r].request_id, samplers[r].request.logits_post_processor_name or "", rows[r : r + 1],
-                 [samplers[r].token_ids[: samplers[r].num_known]], samplers[r].request.client_id)
-                for r in picked
+                (samplers[g[0]].request_id, samplers[g[0]].request.logits_post_processor_name or "", rows[g],
+                 [samplers[r].token_ids[: samplers[r].num_known] for r in g], samplers[g[0]].request.client_id)
+                for g in picked
             ])
-            for k, r in enumerate(picked):
-                rows[r] = new[k][0]
+            for k, g in enumerate(picked):
+                rows[g] = new[k]
             for k, message in failed.items():
-                errors[samplers[picked[k]].request_id] = message
+                errors[samplers[picked[k][0]].request_id] = message
         out = sample_on_host(rows, sampling)
         self._last_sampled = out.token_ids
         return _Ready(out)
@@ -508,9 +519,13 @@ class EngineCore:
                 self._beam_step(entry)
         for seq in step.batch.seqs:
             if not seq.is_finished:
-                known = len(seq.token_ids) - seq.num_pending
-                self.blocks.register_full_blocks(seq.blocks, seq.token_ids, min(seq.num_computed, known))
+                self._register_blocks(seq)
         self._record_iteration(step)
+
+    def _register_blocks(self, seq: Sequence) -> None:
+        """Offer seq's computed full blocks to the prefix cache."""
+        known = len(seq.token_ids) - seq.num_pending
+        self.blocks.register_full_blocks(seq.blocks, seq.token_ids, min(seq.num_computed, known))
 
     def _finish_reason(self, seq: Sequence, length: int) -> FinishReason:
         """Why the sequence ends at token_ids[:length], if it does."""
@@ -544,9 +559,10 @@ class EngineCore:
             return
         entry = self._entries[seq.request_id]
         if final:
+            self._register_blocks(seq)  # before they are freed: a request that ends in its first step has none yet
+            seq.state = RequestState.FINISHED
             self._record_request(seq)
             self.scheduler.remove(seq)
-            seq.state = RequestState.FINISHED
             entry.done += 1
         # Sliced straight from token_ids: copying all generated tokens first would make
         # every streamed step cost as much as the stream is long.
@@ -599,12 +615,14 @@ class EngineCore:
         (cut short: the finished ones, else the running beams)."""
         assert entry.beam is not None
         hyps = beam_search.best_hypotheses(entry.beam, entry.seqs, reason)
-        self._record_request(entry.seqs[0])
         for m in entry.seqs:
             m.finish_reason = reason if reason is not FinishReason.NOT_FINISHED else FinishReason.LENGTH
             m.num_pending = 0
-            self.scheduler.remove(m)
+            self._register_blocks(m)
             m.state = RequestState.FINISHED
+        self._record_request(entry.seqs[0])
+        for m in entry.seqs:
+            self.scheduler.remove(m)
         del self._entries[entry.request_id]
         self._out.responses.append(
             self._beam_response(entry, hyps[: entry.request.num_return_sequences], final=True))
@@ -652,6 +670,9 @@ class EngineCore:
             used_num_blocks=self.blocks.num_blocks - self.blocks.num_free,
             reused_blocks=self.blocks.reused_blocks,
         ))
+        if self.config.request_stats_max_iterations > 0:
+            for entry in self._entries.values():
+                self._record_request(entry.seqs[0])
 
     def _record_request(self, seq: Sequence) -> None:
         start = seq.arrival_time
