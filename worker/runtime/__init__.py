@@ -1,6 +1,6 @@
 """TensorRT-LLM's runtimes under their names: the Python runtime (ModelRunner,
 GenerationSession, ModelConfig, SamplingConfig, StoppingCriteria,
-LogitsProcessor, KVCacheManager) and the C++ runtime's GptSession
+LogitsProcessor, KVCacheManager, Session) and the C++ runtime's GptSession
 (GenerationInput, GenerationOutput, WorldConfig), all generating on the
 executor's EngineCore. Runs where only numpy, torch, safetensors and tokenizers
 are installed."""
@@ -17,6 +17,7 @@ from worker.runtime.generation import (
 from worker.runtime.gpt_session import GenerationInput, GenerationOutput, GptSession
 from worker.runtime.model_runner import ModelRunner
 from worker.runtime.sampling import SamplingConfig
+from worker.runtime.session import Session
 
 # The C++ runtime's name for the model description.
 GptModelConfig = ModelConfig
@@ -34,6 +35,7 @@ __all__ = [
     "ModelConfig",
     "ModelRunner",
     "SamplingConfig",
+    "Session",
     "StoppingCriteria",
     "StoppingCriteriaList",
     "WorldConfig",

@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -175,3 +176,19 @@ def test_runner_properties(runner: ModelRunner) -> None:
         VOCAB_SIZE, 64, 2, 4, 2)
     assert runner.max_sequence_length == 512 and runner.max_beam_width == 2 and runner.remove_input_padding
     assert runner.mapping.world_size == 1 and runner.mapping.rank == 0
+
+
+def test_session_run_gives_each_prompts_logits_as_transformers(tiny_llama: Path) -> None:
+    from worker.executor import ExecutorConfig, KvCacheConfig
+    from worker.runtime import Session
+
+    session = Session.from_serialized_engine(
+        tiny_llama, ExecutorConfig(backend="numpy", kv_cache_config=KvCacheConfig(max_tokens=1024)))
+    batch = prompts(7, 2)
+    outputs: dict[str, Any] = {}
+    assert session.run({"input_ids": batch}, outputs, stream=None)
+    with torch.no_grad():
+        for i, p in enumerate(batch):
+            want = _hf_model(tiny_llama)(torch.tensor([p])).logits[0].numpy()
+            assert np.allclose(outputs["context_logits"][i], want, atol=1e-4)
+            assert np.allclose(outputs["logits"][i], want[-1], atol=1e-4)
