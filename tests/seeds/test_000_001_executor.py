@@ -101,7 +101,7 @@ def test_num_return_sequences_results_carry_sequence_index_and_finals(executor: 
 def test_requests_with_different_beam_widths(executor: Executor) -> None:
     ids = executor.enqueue_requests([Request(input_token_ids=PROMPT, max_tokens=4, end_id=-1,
                                              sampling_config=SamplingConfig(beam_width=w)) for w in (1, 2, 4)])
-    for request_id, width in zip(ids, (1, 2, 4), strict=True):
+    for request_id in ids:
         (final,) = until_final(executor, request_id)
         assert final.result is not None and len(final.result.output_token_ids) == 1  # num_return_sequences = 1
         assert len(final.result.output_token_ids[0]) == 4

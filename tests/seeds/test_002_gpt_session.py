@@ -96,7 +96,7 @@ def test_the_seeds_word_list_layout(session: GptSession) -> None:
     first = [int(free.ids[i, 0, len(p)]) for i, p in enumerate(PROMPTS)]
     # ban every sequence's first token ([2, len]: the same list for the batch) ...
     banned = GenerationOutput()
-    bad = torch.tensor([first + [0], list(range(len(first) + 1))])
+    bad = torch.tensor([[*first, 0], list(range(len(first) + 1))])
     session.generate(banned, packed_input(end_id=-1, bad_words_list=bad), cfg)
     assert all(int(banned.ids[i, 0, len(p)]) != first[i] for i, p in enumerate(PROMPTS))
     # ... and stop sequence 0 at its second token ([batch, 2, len]: one list per sequence)

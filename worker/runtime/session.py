@@ -40,7 +40,7 @@ class Session:
                                        output_config=OutputConfig(return_context_logits=True)))
                            for i, p in zip(ids, prompts, strict=True)])  # fmt: skip
         logits: dict[int, np.ndarray] = {}
-        errors = []
+        errors: list[str] = []
         while len(logits) + len(errors) < len(prompts) and core.has_work:
             for response in core.step().all_responses():
                 if response.error_msg is not None:
