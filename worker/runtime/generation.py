@@ -31,10 +31,11 @@ from worker.runtime.sampling import SamplingConfig, _host
 class LogitsProcessor:
     """Subclass and implement `__call__`: once per generation step, with the step
     number, the batch's tokens so far (`input_ids` [batch * beam, length], prompt
-    included, padded with pad_id) and the step's logits (`scores` [batch * beam,
-    vocab], float32 torch tensors). Return the logits to sample from (changing
-    `scores` in place and returning it is fine). Rows of sequences that are not
-    sampling in this step (finished ones) are zeros and are ignored."""
+    included, left-padded with pad_id: column -1 is each row's latest token) and
+    the step's logits (`scores` [batch * beam, vocab]), as CPU torch tensors.
+    Return the logits to sample from (changing `scores` in place and returning it
+    is fine). Rows of sequences not sampling in this step (finished ones) hold
+    zeros and are ignored."""
 
     def __call__(self, step: int, input_ids: Any, scores: Any) -> Any:
         raise NotImplementedError
@@ -117,10 +118,10 @@ class GenerationState:
         return [self.prompts[i] + self.tokens[i][b] for i in range(len(self.prompts)) for b in range(self.beam_width)]
 
     def input_ids(self) -> Any:
-        """The batch's tokens as processors see them: [batch * beam, longest] int64, pad_id padded."""
+        """The batch's tokens as processors see them: [batch * beam, longest] int64, left-padded with pad_id."""
         import torch
 
-        return torch.from_numpy(_padded(self.sequences(), self.pad_id))
+        return torch.from_numpy(_left_padded(self.sequences(), self.pad_id))
 
     def outputs(self, max_length: int, max_new_tokens: int) -> dict[str, Any]:
         """output_ids [batch, beam, max_length] (pad_id padded), sequence_lengths
@@ -146,10 +147,12 @@ class GenerationState:
         }
 
 
-def _padded(rows: list[list[int]], pad_id: int) -> np.ndarray:
+def _left_padded(rows: list[list[int]], pad_id: int) -> np.ndarray:
+    """Rows padded at the front, so that column -1 is every row's latest token (as in
+    transformers' decoder-only batches)."""
     out = np.full((len(rows), max(map(len, rows), default=0)), pad_id, dtype=np.int64)
     for i, row in enumerate(rows):
-        out[i, : len(row)] = row
+        out[i, out.shape[1] - len(row) :] = row
     return out
 
 
@@ -380,7 +383,7 @@ class GenerationSession:
         for row, at in places:
             scores[row] = logits[at // w][at % w]
         if self._logits_processor is not None:
-            new = self._logits_processor(state.step, torch.from_numpy(_padded(rows, state.pad_id)),
+            new = self._logits_processor(state.step, torch.from_numpy(_left_padded(rows, state.pad_id)),
                                          torch.from_numpy(scores))
             scores = np.asarray(_host(scores if new is None else new), dtype=np.float32)
             for row, at in places:
