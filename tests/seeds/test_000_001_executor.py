@@ -213,3 +213,22 @@ def test_top_k_zero_with_top_p_zero_is_greedy_and_the_default_seed_is_zero(execu
     sampled = run(SamplingConfig(temperature=1.0))
     assert sampled != greedy  # (shows the test samples at all)
     assert run(SamplingConfig(temperature=1.0)) == sampled == run(SamplingConfig(temperature=1.0, seed=0))
+
+
+def test_normalize_log_probs_renormalizes_over_the_tokens_sampling_keeps(model_dir: Path) -> None:
+    def run(normalize: bool, sampling: SamplingConfig) -> Any:
+        with Executor.from_model(model_dir, config(normalize_log_probs=normalize)) as ex:
+            (final,) = until_final(ex, ex.enqueue_request(Request(
+                input_token_ids=PROMPT, max_tokens=6, end_id=-1, sampling_config=sampling,
+                output_config=OutputConfig(return_log_probs=True, top_n_log_probs=5))))
+        return final.result
+
+    top5 = SamplingConfig(temperature=1.0, top_k=5, seed=1)
+    full, normalized = run(False, top5), run(True, top5)
+    assert normalized.output_token_ids == full.output_token_ids  # the same draws: only the log probs differ
+    want = [lp - np.logaddexp.reduce(np.array(top, dtype=np.float64))
+            for lp, top in zip(full.log_probs[0], full.top_log_probs[0], strict=True)]
+    assert normalized.log_probs[0] == pytest.approx(want, abs=1e-5)
+    assert normalized.cum_log_probs[0] == pytest.approx(sum(want), abs=1e-4)
+    assert all(lp < 0 for lp in full.log_probs[0])
+    assert run(True, SamplingConfig()).log_probs[0] == [0.0] * 6  # greedy keeps one token

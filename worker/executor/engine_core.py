@@ -25,11 +25,13 @@ from typing import Any
 import numpy as np
 
 from worker.backends.base import AsyncBackend, Backend, ForwardBatch, SampleOutput, SamplingBatch, StepHandle
+from worker.backends.numpy_sampler import process_logits
 from worker.backends.numpy_sampler import sample as sample_on_host
 from worker.executor import beam_search
 from worker.executor.beam_search import BeamSearch
 from worker.executor.block_manager import BlockManager
 from worker.executor.inputs import build_forward_batch, build_sampling_batch
+from worker.executor.log_probs import normalized_log_probs
 from worker.executor.logits_processors import apply_processors, load_processors
 from worker.executor.penalties import needs_known_tokens
 from worker.executor.scheduler import ScheduledBatch, Scheduler
@@ -125,10 +127,16 @@ def _samples(seq: Sequence, n: int) -> bool:
     return seq.num_computed + n == seq.num_tokens
 
 
-def _wants_host_logits(seq: Sequence) -> bool:
-    """Post-processors and generation logits need the logits on the host."""
+def _wants_host_logits(seq: Sequence, normalize_log_probs: bool) -> bool:
+    """Post-processors, generation logits and normalized log probs need the logits on the host."""
     request = seq.request
-    return request.logits_post_processor_name is not None or request.output_config.return_generation_logits
+    return (request.logits_post_processor_name is not None or request.output_config.return_generation_logits
+            or (normalize_log_probs and _normalizes(seq)))
+
+
+def _normalizes(seq: Sequence) -> bool:
+    """Whether seq's log probs are renormalized (ExecutorConfig.normalize_log_probs); beams keep theirs."""
+    return seq.request.output_config.return_log_probs and not (seq.family is not None and seq.family.is_beam)
 
 
 def _context_rows(seq: Sequence, n: int) -> tuple[int, int] | None:
@@ -141,9 +149,9 @@ def _context_rows(seq: Sequence, n: int) -> tuple[int, int] | None:
     return (lo, hi - lo) if hi > lo else None
 
 
-def _on_host(batch: ScheduledBatch) -> bool:
-    """Steps whose logits come to the host: post-processors, logits outputs."""
-    return any(_context_rows(seq, n) is not None or (_samples(seq, n) and _wants_host_logits(seq))
+def _on_host(batch: ScheduledBatch, normalize_log_probs: bool) -> bool:
+    """Steps whose logits come to the host: post-processors, logits outputs, normalized log probs."""
+    return any(_context_rows(seq, n) is not None or (_samples(seq, n) and _wants_host_logits(seq, normalize_log_probs))
                for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True))
 
 
@@ -258,7 +266,8 @@ class EngineCore:
         failure ends the requests that were running, not the core."""
         try:
             batch = self.scheduler.schedule()
-            if batch and self._inflight is not None and (_on_host(batch) or _needs_known_tokens(batch)):
+            if batch and self._inflight is not None and (_on_host(batch, self.config.normalize_log_probs)
+                                                       or _needs_known_tokens(batch)):
                 self._complete_inflight()  # this batch samples from the tokens in flight
                 batch.drop_finished()  # a token just read back may have ended one
             launched = self._launch(batch) if batch else None
@@ -366,7 +375,7 @@ class EngineCore:
         """Launch one step. Steps that need the logits on the host (post-processors,
         logits outputs) sample there."""
         t0 = time.perf_counter()
-        host = _on_host(batch)
+        host = _on_host(batch, self.config.normalize_log_probs)
         num_context = sum(1 for seq in batch.seqs if seq.in_prefill)
         samplers: list[Sequence] = []
         rows: list[int] = []
@@ -458,6 +467,12 @@ class EngineCore:
             for k, message in failed.items():
                 errors[samplers[picked[k][0]].request_id] = message
         out = sample_on_host(rows, sampling)
+        if self.config.normalize_log_probs:
+            renormalized = [r for r, seq in enumerate(samplers) if _normalizes(seq)]
+            if renormalized:
+                params = np.array([samplers[r].sampling_params for r in renormalized], dtype=np.float64)
+                processed = process_logits(rows, sampling)[renormalized]  # what the sampler picked from
+                out.log_probs[renormalized] = normalized_log_probs(processed, out.token_ids[renormalized], params)
         self._last_sampled = out.token_ids
         return _Ready(out)
 

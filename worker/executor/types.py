@@ -219,6 +219,10 @@ class ExecutorConfig:
     # > 0: a RequestStats record for every live request after each iteration (TensorRT-LLM's
     # request_stats_max_iterations); 0: one record per request, when it ends.
     request_stats_max_iterations: int = 0
+    # True: a sampled token's log prob is over the tokens its sampling could pick
+    # (after top-k / top-p / min-p, at its temperature; 0 for greedy), TensorRT-LLM's
+    # default; False: over the whole vocabulary. Beam search keeps its own.
+    normalize_log_probs: bool = False
     guided_decoding_config: GuidedDecodingConfig | None = None  # None: the model's own tokenizer
 
 
