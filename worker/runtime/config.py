@@ -100,10 +100,9 @@ class ModelConfig:
         return cls.from_checkpoint_config(cfg, **limits)
 
     def executor_config(self, world: WorldConfig | None = None) -> ExecutorConfig:
-        """The executor a session runs on: sized for these limits, on this rank's device."""
+        """The executor a session runs on, sized for these limits (one rank: the backend picks the device)."""
         world = world or WorldConfig()
         world.check_single_rank()
         kv = KvCacheConfig(tokens_per_block=self.tokens_per_block, max_tokens=self.kv_cache_max_tokens)
-        device = None if self.backend == "numpy" or world.world_size == 1 else f"cuda:{world.device}"
         return ExecutorConfig(max_batch_size=self.max_batch_size, max_beam_width=self.max_beam_width,
-                              kv_cache_config=kv, backend=self.backend, device=device, dtype=self.dtype)
+                              kv_cache_config=kv, backend=self.backend, dtype=self.dtype)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -255,8 +255,6 @@ class GenerationSession:
         cfg = sampling_config
         return_dict = return_dict or cfg.return_dict
         if stop_words_list is not None or bad_words_list is not None:
-            from dataclasses import replace
-
             cfg = replace(cfg, stop_words_list=cfg.stop_words_list if stop_words_list is None else stop_words_list,
                           bad_words_list=cfg.bad_words_list if bad_words_list is None else bad_words_list)
         prompts = split_batch(input_ids, context_lengths)
