@@ -4,6 +4,11 @@
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
     async for partial in llm.generate_async(prompt, streaming=True): ...
 
+TensorRT-LLM's high-level API (seed 004) runs under its own names too:
+`LLM(ModelConfig(model_dir=..., max_beam_width=4), kv_cache_config=KvCacheConfig(...),
+capacity_scheduling_policy=..., tokenizer=...)`, `llm.get_default_sampling_config()`,
+`llm.generate(prompts, sampling_config=...)`, `llm.save(dir)` (clients/llm_config.py).
+
 It takes the SamplingParams and gives the RequestOutputs of every other API
 (clients/params.py). Each executor result takes the wire's shape so that its
 text (protocol/text.py: stop strings included) and its fold into the output
@@ -19,27 +24,48 @@ import asyncio
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tokenizers import Tokenizer
+
 import protocol
+from clients.llm_config import KvCacheConfig, ModelConfig, ParallelConfig, QuantAlgo, QuantConfig, SamplingConfig
+from clients.model_source import resolve_source
 from clients.params import CompletionOutput, RequestOutput, SamplingParams, sampling_params
 from clients.wire import Accumulator, Prompt
 from protocol import FinishReason
 from protocol.text import OutputStream
 
 if TYPE_CHECKING:
-    from worker.executor import Executor, ExecutorConfig, Request, Response, Result
+    from worker.executor import CapacitySchedulerPolicy, Executor, ExecutorConfig, Request, Response, Result
 
 __all__ = [
     "LLM",
+    "CapacitySchedulerPolicy",
     "CompletionOutput",
     "FinishReason",
     "GenerationError",
+    "KvCacheConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "QuantAlgo",
+    "QuantConfig",
     "RequestHandle",
     "RequestOutput",
+    "SamplingConfig",
     "SamplingParams",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The executor's enum, imported only when asked for: `clients` stays light.
+    if name == "CapacitySchedulerPolicy":
+        from worker.executor import CapacitySchedulerPolicy
+
+        return CapacitySchedulerPolicy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class GenerationError(RuntimeError):
@@ -54,7 +80,8 @@ class RequestHandle:
         self._llm = llm
         self.request_id = request_id
         beam_search = params.beam_width > 1
-        self._stream = OutputStream(llm.tokenizer, list(params.stop), params.num_return_sequences, beam_search)
+        self._stream = OutputStream(llm._streaming_tokenizer, list(params.stop), params.num_return_sequences,
+                                    beam_search)
         self._acc = Accumulator(str(request_id), params.num_return_sequences, beam_search)
         self.output: RequestOutput = self._acc.result
         self.output.prompt = prompt
@@ -78,6 +105,9 @@ class RequestHandle:
                                                         error_msg=None, client_id=None))  # fmt: skip
         if result.is_final and not response.result.is_final:
             self.cancel()  # a stop string ended it here: stop the executor too
+        if self._llm._streaming_tokenizer is None and self._llm.tokenizer is not None:
+            for out in self.output.outputs:  # a tokenizer with only encode / decode: the text, decoded whole
+                out.text = self._llm.tokenizer.decode(out.token_ids)
         return True
 
     def _next(self, timeout: float | None) -> RequestOutput | None:
@@ -164,22 +194,72 @@ def executor_request(prompt_ids: list[int], p: SamplingParams, streaming: bool) 
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, config: ExecutorConfig | None = None) -> None:
-        """`model`: a checkpoint directory, a .gguf file, or the default model's name (None)."""
-        from worker.executor import Executor
-        from worker.models.default_model import DEFAULT_MODEL_NAME, resolve_model
+    def __init__(self, model: str | Path | ModelConfig | None = None, config: ExecutorConfig | None = None, *,
+                 tokenizer: Any = None, skip_tokenizer_init: bool = False,
+                 kv_cache_config: KvCacheConfig | None = None,
+                 capacity_scheduling_policy: CapacitySchedulerPolicy | None = None,
+                 tensor_parallel_size: int | None = None, quantization: QuantAlgo | None = None,
+                 async_mode: bool = False) -> None:  # fmt: skip
+        """`model`: a checkpoint directory (one `save` wrote included), a .gguf file, a
+        Hugging Face hub id, the default model's name (None), or a ModelConfig naming
+        one. `config`: the executor's settings, which the seed's keyword options
+        (kv_cache_config, capacity_scheduling_policy, the ModelConfig's max_beam_width)
+        override. `tokenizer`: a `tokenizers.Tokenizer`, or any object with `encode`
+        and `decode` (default: the model's); `skip_tokenizer_init`: none at all
+        (prompts are token ids, outputs have no text). Every LLM serves
+        `generate_async`: `async_mode` is accepted for the seed's code."""
+        from worker.executor import Executor, ExecutorConfig, SchedulerConfig
 
-        self.executor: Executor = Executor.from_model(resolve_model(model or DEFAULT_MODEL_NAME), config)
-        self.tokenizer: Any = self.executor.tokenizer
+        model_config = model if isinstance(model, ModelConfig) else ModelConfig(model_dir=model)
+        ranks = tensor_parallel_size or model_config.parallel_config.num_ranks
+        if ranks != 1:
+            raise NotImplementedError(f"{ranks}-way parallelism: tokenwire runs a model on one GPU for now")
+        quant = model_config.quant_config.requested + ([quantization] if quantization else [])
+        if any(q is not QuantAlgo.NO_QUANT for q in quant):
+            raise NotImplementedError(f"quantization {quant[0].name}: tokenwire runs float weights only "
+                                      "(float32; bfloat16 on CUDA)")
+        cfg = config or ExecutorConfig()
+        if model_config.max_beam_width > 1:
+            cfg = replace(cfg, max_beam_width=model_config.max_beam_width)
+        if kv_cache_config is not None:
+            cfg = replace(cfg, kv_cache_config=replace(cfg.kv_cache_config, **kv_cache_config.executor_fields()))
+        if capacity_scheduling_policy is not None:
+            cfg = replace(cfg, scheduler_config=SchedulerConfig(capacity_scheduling_policy))
+        self.model_path = resolve_source(model_config.model_dir or _default_model_name())
+        self.executor: Executor = Executor.from_model(self.model_path, cfg)
+        self.tokenizer: Any = None if skip_tokenizer_init else (tokenizer or self.executor.tokenizer)
+        self._streaming_tokenizer = _native_tokenizer(self.tokenizer)
+        self._default_max_tokens = (kv_cache_config.max_new_tokens if kv_cache_config is not None
+                                    and kv_cache_config.max_new_tokens is not None else SamplingParams().max_tokens)
         self._handles: dict[int, RequestHandle] = {}
         self._lock = threading.Lock()
         self._dispatcher = threading.Thread(target=self._dispatch, name="llm-dispatch", daemon=True)
         self._dispatcher.start()
 
     def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        if self.tokenizer is None:
+            raise ValueError("this LLM has no tokenizer (skip_tokenizer_init): give prompts as token ids")
+        if isinstance(self.tokenizer, Tokenizer):
             return list(self.tokenizer.encode(prompt, add_special_tokens=True).ids)
-        return [int(t) for t in prompt]
+        ids = self.tokenizer.encode(prompt)
+        return [int(t) for t in getattr(ids, "ids", ids)]
+
+    def get_default_sampling_config(self) -> SamplingConfig:
+        """A fresh SamplingConfig (SamplingParams) with this LLM's defaults, to change and pass as `sampling_config`."""
+        return SamplingConfig(max_tokens=self._default_max_tokens)
+
+    def save(self, directory: str | Path) -> Path:
+        """Write the model as a Hugging Face checkpoint directory (config, safetensors
+        weights, tokenizer) that `LLM(directory)` loads back."""
+        from worker.models.hf_checkpoint import save_hf_checkpoint
+        from worker.models.loader import load_model
+
+        target = Path(directory)
+        target.mkdir(parents=True, exist_ok=True)
+        save_hf_checkpoint(load_model(self.model_path), target)
+        return target
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render chat messages with the model's own template (Jinja, sandboxed)."""
@@ -192,9 +272,10 @@ class LLM:
         return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt)
 
     def generate_async(self, prompt: Prompt, params: SamplingParams | None = None, /, streaming: bool = False,
-                       **options: Any) -> RequestHandle:  # fmt: skip
-        """Start one request; `options`: SamplingParams fields, over `params`."""
-        p = sampling_params(params, options)
+                       sampling_config: SamplingParams | None = None, **options: Any) -> RequestHandle:  # fmt: skip
+        """Start one request; `options`: SamplingParams fields, over `params` (or
+        `sampling_config`, the seed's name for it)."""
+        p = sampling_params(_one_of(params, sampling_config), options)
         prompt_ids = self.encode(prompt)
         request = executor_request(prompt_ids, p, streaming)
         with self._lock:  # the dispatcher looks the handle up under this lock
@@ -204,10 +285,12 @@ class LLM:
         return handle
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, /,
-                 timeout: float | None = None, **options: Any) -> list[RequestOutput]:  # fmt: skip
+                 timeout: float | None = None, sampling_config: SamplingParams | None = None,
+                 **options: Any) -> list[RequestOutput]:  # fmt: skip
         """Generate for one prompt or many (all enqueued at once, batched by the executor)."""
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
         batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
+        params = _one_of(params, sampling_config)
         handles = [self.generate_async(p, params, **options) for p in batch]
         return [h.result(timeout) for h in handles]
 
@@ -237,3 +320,24 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _one_of(params: SamplingParams | None, sampling_config: SamplingParams | None) -> SamplingParams | None:
+    if params is not None and sampling_config is not None:
+        raise TypeError("give the options as params or as sampling_config, not both")
+    return params if params is not None else sampling_config
+
+
+def _native_tokenizer(tokenizer: Any) -> Tokenizer | None:
+    """The `tokenizers.Tokenizer` that streams text incrementally: the tokenizer
+    itself, or the one under a fast Hugging Face tokenizer; None for others."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend if isinstance(backend, Tokenizer) else None
+
+
+def _default_model_name() -> str:
+    from worker.models.default_model import DEFAULT_MODEL_NAME
+
+    return DEFAULT_MODEL_NAME

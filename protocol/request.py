@@ -16,7 +16,7 @@ class SamplingConfig(WireModel):
 
     beam_width: int = Field(1, ge=1)
     top_k: int | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)  # 0: off (greedy when top_k is 0 too)
     top_p_min: float | None = Field(None, gt=0.0, le=1.0)
     top_p_reset_ids: int | None = Field(None, ge=-1)
     top_p_decay: float | None = Field(None, gt=0.0, le=1.0)

@@ -26,7 +26,7 @@ sampling_configs = st.builds(
     p.SamplingConfig,
     beam_width=st.integers(1, 8),
     top_k=_maybe(st.integers(0, 1000)),
-    top_p=_maybe(st.floats(0.0, 1.0, exclude_min=True)),
+    top_p=_maybe(st.floats(0.0, 1.0)),
     top_p_min=_maybe(st.floats(0.0, 1.0, exclude_min=True)),
     top_p_reset_ids=_maybe(st.integers(-1, INT32_MAX)),
     top_p_decay=_maybe(st.floats(0.0, 1.0, exclude_min=True)),

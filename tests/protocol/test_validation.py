@@ -23,7 +23,7 @@ def submit(**fields: Any) -> dict[str, Any]:
     ("fields", "where", "rule"),
     [
         ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
-        ({"sampling_config": {"top_p": 0.0}}, "sampling_config.top_p", "greater than 0"),
+        ({"sampling_config": {"top_p": -0.1}}, "sampling_config.top_p", "greater than or equal to 0"),
         ({"sampling_config": {"top_p": 1.5}}, "sampling_config.top_p", "less than or equal to 1"),
         (
             {"sampling_config": {"temperature": -0.1}},

@@ -16,7 +16,6 @@ Request ids are the caller's: the core answers under the id a request came with.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -26,11 +25,13 @@ from typing import Any
 import numpy as np
 
 from worker.backends.base import AsyncBackend, Backend, ForwardBatch, SampleOutput, SamplingBatch, StepHandle
+from worker.backends.numpy_sampler import process_logits
 from worker.backends.numpy_sampler import sample as sample_on_host
 from worker.executor import beam_search
 from worker.executor.beam_search import BeamSearch
 from worker.executor.block_manager import BlockManager
 from worker.executor.inputs import build_forward_batch, build_sampling_batch
+from worker.executor.log_probs import normalized_log_probs
 from worker.executor.logits_processors import apply_processors, load_processors
 from worker.executor.penalties import needs_known_tokens
 from worker.executor.scheduler import ScheduledBatch, Scheduler
@@ -126,10 +127,16 @@ def _samples(seq: Sequence, n: int) -> bool:
     return seq.num_computed + n == seq.num_tokens
 
 
-def _wants_host_logits(seq: Sequence) -> bool:
-    """Post-processors and generation logits need the logits on the host."""
+def _wants_host_logits(seq: Sequence, normalize_log_probs: bool) -> bool:
+    """Post-processors, generation logits and normalized log probs need the logits on the host."""
     request = seq.request
-    return request.logits_post_processor_name is not None or request.output_config.return_generation_logits
+    return (request.logits_post_processor_name is not None or request.output_config.return_generation_logits
+            or (normalize_log_probs and _normalizes(seq)))
+
+
+def _normalizes(seq: Sequence) -> bool:
+    """Whether seq's log probs are renormalized (ExecutorConfig.normalize_log_probs); beams keep theirs."""
+    return seq.request.output_config.return_log_probs and not (seq.family is not None and seq.family.is_beam)
 
 
 def _context_rows(seq: Sequence, n: int) -> tuple[int, int] | None:
@@ -142,9 +149,9 @@ def _context_rows(seq: Sequence, n: int) -> tuple[int, int] | None:
     return (lo, hi - lo) if hi > lo else None
 
 
-def _on_host(batch: ScheduledBatch) -> bool:
-    """Steps whose logits come to the host: post-processors, logits outputs."""
-    return any(_context_rows(seq, n) is not None or (_samples(seq, n) and _wants_host_logits(seq))
+def _on_host(batch: ScheduledBatch, normalize_log_probs: bool) -> bool:
+    """Steps whose logits come to the host: post-processors, logits outputs, normalized log probs."""
+    return any(_context_rows(seq, n) is not None or (_samples(seq, n) and _wants_host_logits(seq, normalize_log_probs))
                for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True))
 
 
@@ -259,7 +266,8 @@ class EngineCore:
         failure ends the requests that were running, not the core."""
         try:
             batch = self.scheduler.schedule()
-            if batch and self._inflight is not None and (_on_host(batch) or _needs_known_tokens(batch)):
+            if batch and self._inflight is not None and (_on_host(batch, self.config.normalize_log_probs)
+                                                       or _needs_known_tokens(batch)):
                 self._complete_inflight()  # this batch samples from the tokens in flight
                 batch.drop_finished()  # a token just read back may have ended one
             launched = self._launch(batch) if batch else None
@@ -306,10 +314,10 @@ class EngineCore:
         params = (
             0.0 if greedy else (1.0 if cfg.temperature is None else cfg.temperature),
             float(cfg.top_k or 0),
-            1.0 if cfg.top_p is None else cfg.top_p,
+            cfg.top_p or 1.0,  # None or 0: off
             cfg.min_p or 0.0,
         )
-        seed = cfg.seed if cfg.seed is not None else random.getrandbits(63)
+        seed = cfg.seed if cfg.seed is not None else 0  # TensorRT-LLM's default: reproducible
         stop_words = normalize_word_list(request.stop_words, "stop_words")
         bad_words = normalize_word_list(request.bad_words, "bad_words")
         bias = None if request.embedding_bias is None else np.asarray(request.embedding_bias, dtype=np.float32)
@@ -352,8 +360,13 @@ class EngineCore:
         if self._guided is None:
             from worker.executor.guided import GuidedDecoder
 
-            self._guided = GuidedDecoder(self.tokenizer, self.model_config.vocab_size,
-                                         list(self.model_config.eos_token_ids))
+            given = self.config.guided_decoding_config
+            stop_ids = list(self.model_config.eos_token_ids)
+            if given is None:
+                self._guided = GuidedDecoder.from_tokenizer(self.tokenizer, self.model_config.vocab_size, stop_ids)
+            else:
+                self._guided = GuidedDecoder(given.encoded_vocab, given.tokenizer_str, self.model_config.vocab_size,
+                                             stop_ids if given.stop_token_ids is None else given.stop_token_ids)
         return self._guided
 
     # -- launch -------------------------------------------------------------------------------
@@ -362,7 +375,7 @@ class EngineCore:
         """Launch one step. Steps that need the logits on the host (post-processors,
         logits outputs) sample there."""
         t0 = time.perf_counter()
-        host = _on_host(batch)
+        host = _on_host(batch, self.config.normalize_log_probs)
         num_context = sum(1 for seq in batch.seqs if seq.in_prefill)
         samplers: list[Sequence] = []
         rows: list[int] = []
@@ -435,18 +448,31 @@ class EngineCore:
         for row, seq in enumerate(samplers):
             if seq.request.output_config.return_generation_logits:
                 seq.generation_logits.append(rows[row].copy())
-        picked = [r for r, seq in enumerate(samplers) if seq.request.logits_post_processor_name is not None]
+        # A post-processor sees one request at a time: a beam search's beams together
+        # ([beam_width, vocab] and every beam's tokens), any other sequence alone.
+        groups: dict[object, list[int]] = {}
+        for r, seq in enumerate(samplers):
+            if seq.request.logits_post_processor_name is not None:
+                beam = seq.family is not None and seq.family.is_beam
+                groups.setdefault(seq.request_id if beam else (seq.request_id, r), []).append(r)
+        picked = list(groups.values())
         if picked:
             new, failed = apply_processors(self.processors, [
-                (samplers[r].request_id, samplers[r].request.logits_post_processor_name or "", rows[r : r + 1],
-                 [samplers[r].token_ids[: samplers[r].num_known]], samplers[r].request.client_id)
-                for r in picked
+                (samplers[g[0]].request_id, samplers[g[0]].request.logits_post_processor_name or "", rows[g],
+                 [samplers[r].token_ids[: samplers[r].num_known] for r in g], samplers[g[0]].request.client_id)
+                for g in picked
             ])
-            for k, r in enumerate(picked):
-                rows[r] = new[k][0]
+            for k, g in enumerate(picked):
+                rows[g] = new[k]
             for k, message in failed.items():
-                errors[samplers[picked[k]].request_id] = message
+                errors[samplers[picked[k][0]].request_id] = message
         out = sample_on_host(rows, sampling)
+        if self.config.normalize_log_probs:
+            renormalized = [r for r, seq in enumerate(samplers) if _normalizes(seq)]
+            if renormalized:
+                params = np.array([samplers[r].sampling_params for r in renormalized], dtype=np.float64)
+                processed = process_logits(rows, sampling)[renormalized]  # what the sampler picked from
+                out.log_probs[renormalized] = normalized_log_probs(processed, out.token_ids[renormalized], params)
         self._last_sampled = out.token_ids
         return _Ready(out)
 
@@ -508,9 +534,13 @@ class EngineCore:
                 self._beam_step(entry)
         for seq in step.batch.seqs:
             if not seq.is_finished:
-                known = len(seq.token_ids) - seq.num_pending
-                self.blocks.register_full_blocks(seq.blocks, seq.token_ids, min(seq.num_computed, known))
+                self._register_blocks(seq)
         self._record_iteration(step)
+
+    def _register_blocks(self, seq: Sequence) -> None:
+        """Offer seq's computed full blocks to the prefix cache."""
+        known = len(seq.token_ids) - seq.num_pending
+        self.blocks.register_full_blocks(seq.blocks, seq.token_ids, min(seq.num_computed, known))
 
     def _finish_reason(self, seq: Sequence, length: int) -> FinishReason:
         """Why the sequence ends at token_ids[:length], if it does."""
@@ -544,9 +574,10 @@ class EngineCore:
             return
         entry = self._entries[seq.request_id]
         if final:
+            self._register_blocks(seq)  # before they are freed: a request that ends in its first step has none yet
+            seq.state = RequestState.FINISHED
             self._record_request(seq)
             self.scheduler.remove(seq)
-            seq.state = RequestState.FINISHED
             entry.done += 1
         # Sliced straight from token_ids: copying all generated tokens first would make
         # every streamed step cost as much as the stream is long.
@@ -599,12 +630,14 @@ class EngineCore:
         (cut short: the finished ones, else the running beams)."""
         assert entry.beam is not None
         hyps = beam_search.best_hypotheses(entry.beam, entry.seqs, reason)
-        self._record_request(entry.seqs[0])
         for m in entry.seqs:
             m.finish_reason = reason if reason is not FinishReason.NOT_FINISHED else FinishReason.LENGTH
             m.num_pending = 0
-            self.scheduler.remove(m)
+            self._register_blocks(m)
             m.state = RequestState.FINISHED
+        self._record_request(entry.seqs[0])
+        for m in entry.seqs:
+            self.scheduler.remove(m)
         del self._entries[entry.request_id]
         self._out.responses.append(
             self._beam_response(entry, hyps[: entry.request.num_return_sequences], final=True))
@@ -652,6 +685,9 @@ class EngineCore:
             used_num_blocks=self.blocks.num_blocks - self.blocks.num_free,
             reused_blocks=self.blocks.reused_blocks,
         ))
+        if self.config.request_stats_max_iterations > 0:
+            for entry in self._entries.values():
+                self._record_request(entry.seqs[0])
 
     def _record_request(self, seq: Sequence) -> None:
         start = seq.arrival_time

@@ -66,6 +66,12 @@ class Executor:
             self._lock.notify_all()
         return ids
 
+    def can_enqueue_requests(self) -> bool:
+        """Whether this process may enqueue: the executor is running (every process
+        can while there is one rank; with several, only the leader)."""
+        with self._lock:
+            return not self._shutdown
+
     @overload
     def await_responses(self, id_or_ids: int | None = None, timeout: float | None = None) -> list[Response]: ...
     @overload

@@ -30,18 +30,31 @@ def _xgrammar() -> Any:
 class GuidedDecoder:
     """Compiles guides for one tokenizer; compiled grammars are cached by XGrammar."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, encoded_vocab: list[str], tokenizer_str: str | None, vocab_size: int,
+                 stop_token_ids: list[int]) -> None:  # fmt: skip
+        """`encoded_vocab`: each token's string, by id; `tokenizer_str`: the tokenizer.json
+        text its byte-level / sentencepiece encoding is read from (None: raw strings)."""
         xgr = _xgrammar()
+        if tokenizer_str is not None:
+            meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer_str)
+            vocab_type, prefix_space = meta["vocab_type"], meta["add_prefix_space"]
+        else:
+            vocab_type, prefix_space = xgr.VocabType.RAW, False
+        info = xgr.TokenizerInfo(encoded_vocab, vocab_type, vocab_size=vocab_size,
+                                 stop_token_ids=stop_token_ids or None, add_prefix_space=prefix_space)
+        self._xgr = xgr
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self.vocab_size = vocab_size
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> GuidedDecoder:
+        """For a `tokenizers.Tokenizer` (the model's own)."""
+        _xgrammar()
         if tokenizer is None:
             raise RequestError("guided_decoding_params: this executor has no tokenizer to compile grammars against")
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         encoded = [token for token, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-        meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.to_str())
-        info = xgr.TokenizerInfo(encoded, meta["vocab_type"], vocab_size=vocab_size,
-                                 stop_token_ids=stop_token_ids or None, add_prefix_space=meta["add_prefix_space"])
-        self._xgr = xgr
-        self._compiler = xgr.GrammarCompiler(info, max_threads=2)
-        self.vocab_size = vocab_size
+        return cls(encoded, tokenizer.to_str(), vocab_size, stop_token_ids)
 
     def compile(self, params: GuidedDecodingParams) -> Any:
         """The compiled grammar; a bad guide is a RequestError naming the problem."""

@@ -61,9 +61,11 @@ class SamplingConfig:
 
     @property
     def is_greedy(self) -> bool:
-        # As in TensorRT-LLM, a config that asks for no randomness decodes greedily.
+        # As in TensorRT-LLM, a config that asks for no randomness decodes greedily,
+        # and so does top_k = 0 with top_p = 0 (TensorRT-LLM's defaults for both).
         unset = all(v is None for v in (self.temperature, self.top_k, self.top_p, self.min_p))
-        return unset or self.temperature == 0.0 or self.top_k == 1
+        both_zero = not self.top_k and self.top_p == 0.0
+        return unset or both_zero or self.temperature == 0.0 or self.top_k == 1
 
 
 @dataclass(slots=True)
@@ -83,6 +85,35 @@ class GuidedDecodingParams:
     guide: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PackedWordList:
+    """TensorRT-LLM's `[2, len]` word-list tensor, named so that it is never
+    mistaken for two words: `tokens` holds every word's tokens back to back and
+    `offsets` where the words meet, -1 padded to len(tokens). Both layouts are
+    read: the seed documents' exclusive prefix sum, which starts at 0 and ends
+    at the last word's end (`[0, 3, 5, 9, -1, ...]`, so single-token words need
+    one extra column), and TensorRT-LLM's end offsets (`[3, 5, 9, -1, ...]`).
+    Tokens after the last word's end are padding."""
+
+    tokens: list[int]
+    offsets: list[int]
+
+    def words(self) -> list[list[int]]:
+        """The words it holds; ValueError if the offsets are not a valid layout."""
+        ends = [o for o in self.offsets if o != -1]
+        if any(o != -1 for o in self.offsets[len(ends):]):
+            raise ValueError("offsets must be word boundaries followed only by -1 padding")
+        if ends and ends[0] == 0:
+            ends = ends[1:]  # the seed's layout: the leading 0 is the first word's start
+        if not ends or ends != sorted(set(ends)) or ends[-1] > len(self.tokens):
+            raise ValueError(f"offsets {self.offsets} are not increasing boundaries within {len(self.tokens)} tokens")
+        return [list(self.tokens[a:b]) for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+
+
+# Token sequences: a list of words (each a list of token ids), or the packed form.
+WordList = list[list[int]] | PackedWordList
+
+
 @dataclass(slots=True)
 class Request:
     input_token_ids: list[int]
@@ -91,10 +122,10 @@ class Request:
     sampling_config: SamplingConfig = field(default_factory=SamplingConfig)
     output_config: OutputConfig = field(default_factory=OutputConfig)
     end_id: int | None = None  # None: the model's eos token
-    pad_id: int | None = None
-    # Token sequences. The TensorRT-LLM [2, len] flattened form is accepted too.
-    bad_words: list[list[int]] | None = None
-    stop_words: list[list[int]] | None = None
+    pad_id: int | None = None  # the padding of worker/runtime's [batch, beam, len] outputs
+    # Token sequences: plain lists of words, or TensorRT-LLM's [2, len] tensor as a PackedWordList.
+    bad_words: WordList | None = None
+    stop_words: WordList | None = None
     embedding_bias: list[float] | None = None
     client_id: int | None = None
     priority: float = 0.5  # 0.0 lowest .. 1.0 highest, as in TensorRT-LLM
@@ -150,6 +181,21 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class GuidedDecodingConfig:
+    """The tokenizer guided decoding compiles grammars against (TensorRT-LLM's
+    GuidedDecodingConfig), for an executor whose model has no tokenizer of its
+    own or whose grammars should see another vocabulary. `encoded_vocab`: every
+    token's string, by id; `tokenizer_str`: the Hugging Face tokenizer.json text
+    (for its byte-level or sentencepiece metadata); `stop_token_ids`: the tokens
+    that end a grammar (default: the model's eos tokens)."""
+
+    encoded_vocab: list[str]
+    tokenizer_str: str | None = None
+    stop_token_ids: list[int] | None = None
+    backend: str = "xgrammar"  # the one backend there is, as in TensorRT-LLM
+
+
+@dataclass(frozen=True, slots=True)
 class ExecutorConfig:
     max_batch_size: int = 64
     max_num_tokens: int = 2048  # tokens per iteration (context chunks + generation)
@@ -170,6 +216,14 @@ class ExecutorConfig:
     # config file names them (worker/executor/logits_processors.py loads them).
     logits_post_processors: tuple[str, ...] = ()
     iteration_stats_max: int = 1000  # how many recent stats records to keep
+    # > 0: a RequestStats record for every live request after each iteration (TensorRT-LLM's
+    # request_stats_max_iterations); 0: one record per request, when it ends.
+    request_stats_max_iterations: int = 0
+    # True: a sampled token's log prob is over the tokens its sampling could pick
+    # (after top-k / top-p / min-p, at its temperature; 0 for greedy), TensorRT-LLM's
+    # default; False: over the whole vocabulary. Beam search keeps its own.
+    normalize_log_probs: bool = False
+    guided_decoding_config: GuidedDecodingConfig | None = None  # None: the model's own tokenizer
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from worker.executor.types import ExecutorConfig, Request
+from worker.executor.types import ExecutorConfig, PackedWordList, Request, WordList
 from worker.models.config import ModelConfig
 
 
@@ -16,30 +16,20 @@ class RequestError(ValueError):
     """A request that cannot be served; the message says which field and why."""
 
 
-def normalize_word_list(words: list[list[int]] | None, name: str) -> list[list[int]]:
-    """Token-sequence lists, also accepted in TensorRT-LLM's [2, len] form:
-    row 0 the concatenated tokens, row 1 the end offset of each word, -1 padded."""
+def normalize_word_list(words: WordList | None, name: str) -> list[list[int]]:
+    """The words of a word list: a plain list always means one word per entry;
+    TensorRT-LLM's [2, len] form comes as a PackedWordList."""
     if not words:
         return []
-    if len(words) == 2 and words[1] and words[1][-1] in (-1, len(words[0])) and _is_offsets(words):
-        tokens, offsets = words
-        ends = [o for o in offsets if o >= 0]
-        starts = [0, *ends[:-1]]
-        return [list(tokens[a:b]) for a, b in zip(starts, ends, strict=True) if b > a]
+    if isinstance(words, PackedWordList):
+        try:
+            return words.words()
+        except ValueError as e:
+            raise RequestError(f"{name}: {e}") from None
     for i, word in enumerate(words):
         if not word:
             raise RequestError(f"{name}[{i}] is empty")
     return [list(w) for w in words]
-
-
-def _is_offsets(words: list[list[int]]) -> bool:
-    tokens, offsets = words
-    if len(offsets) != len(tokens):
-        return False
-    ends = [o for o in offsets if o >= 0]
-    return bool(ends) and ends == sorted(ends) and ends[-1] <= len(tokens) and ends[0] > 0 and all(
-        o == -1 for o in offsets[len(ends) :]
-    )
 
 
 MAX_TOP_N_LOG_PROBS = 64
@@ -70,8 +60,8 @@ def validate_request(request: Request, model: ModelConfig, config: ExecutorConfi
         raise RequestError(
             f"sampling_config.beam_width {cfg.beam_width} is outside [1, max_beam_width={config.max_beam_width}]"
         )
-    if cfg.top_p is not None and not 0.0 < cfg.top_p <= 1.0:
-        raise RequestError(f"sampling_config.top_p must be in (0, 1], got {cfg.top_p}")
+    if cfg.top_p is not None and not 0.0 <= cfg.top_p <= 1.0:  # 0: off (greedy when top_k is 0 too)
+        raise RequestError(f"sampling_config.top_p must be in [0, 1], got {cfg.top_p}")
     if cfg.top_k is not None and cfg.top_k < 0:
         raise RequestError(f"sampling_config.top_k must be >= 0, got {cfg.top_k}")
     if cfg.temperature is not None and cfg.temperature < 0:

@@ -17,6 +17,7 @@ from worker.executor import (
     FinishReason,
     KvCacheConfig,
     OutputConfig,
+    PackedWordList,
     Request,
     SamplingConfig,
     SchedulerConfig,
@@ -123,8 +124,7 @@ def test_cancel_mid_stream_ends_with_cancelled_and_frees_blocks(tiny_llama: Path
         (dict(input_token_ids=[-3]), "outside the vocabulary"),
         (dict(input_token_ids=[5] * 600), "exceeds the model's context"),
         (dict(max_tokens=0), "max_tokens must be >= 1"),
-        (dict(sampling_config=SamplingConfig(top_p=1.5)), "top_p must be in (0, 1]"),
-        (dict(sampling_config=SamplingConfig(top_p=0.0)), "top_p must be in (0, 1]"),
+        (dict(sampling_config=SamplingConfig(top_p=1.5)), "top_p must be in [0, 1]"),
         (dict(sampling_config=SamplingConfig(beam_width=4)), "beam_width 4 is outside"),
         (dict(stop_words=[[]]), "stop_words[0] is empty"),
     ],
@@ -150,7 +150,7 @@ def test_end_id_stop_words_min_tokens_and_word_list_format(tiny_llama: Path, ove
         stop = [tokens[3], tokens[4]]
         (stopped,) = run_all(ex, [Request(input_token_ids=p, max_tokens=12, end_id=-1,
                                           stop_words=[[999 % VOCAB_SIZE, 7], stop])]).values()
-        flat = [[*stop, 5], [2, 3, -1]]  # TensorRT-LLM [2, len]: words [t3, t4] and [5]
+        flat = PackedWordList([*stop, 5], [2, 3, -1])  # TensorRT-LLM [2, len]: words [t3, t4] and [5]
         (stopped_flat,) = run_all(ex, [Request(input_token_ids=p, max_tokens=12, end_id=-1,
                                                stop_words=flat)]).values()
     first_end = tokens.index(tokens[4])
