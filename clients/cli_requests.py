@@ -124,6 +124,7 @@ def show_stats(args: argparse.Namespace) -> int:
     import redis
 
     import protocol
+    from clients.cli_watch import acceptance
 
     keys = protocol.Keys(args.redis_prefix)
     # redis-py's return types are unions over its decode modes; this client returns bytes.
@@ -164,6 +165,7 @@ def show_stats(args: argparse.Namespace) -> int:
                         f["num_queued_requests"],
                         f["num_scheduled_tokens"],
                         f"{f['free_num_blocks']}/{f['max_num_blocks']}",
+                        acceptance(int(f.get("num_draft_tokens", 0)), int(f.get("num_accepted_draft_tokens", 0))),
                     ]
                 )
     except redis.RedisError as e:
@@ -191,7 +193,8 @@ def show_stats(args: argparse.Namespace) -> int:
         print()
         print(
             format_table(
-                ["worker", "iter", "latency ms", "active", "queued", "tokens", "free blocks"], recent
+                ["worker", "iter", "latency ms", "active", "queued", "tokens", "free blocks", "drafts accepted"],
+                recent,
             )
         )
     return 0

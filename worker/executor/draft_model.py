@@ -11,8 +11,10 @@ left the draft's guesses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -61,10 +63,16 @@ class DraftModel:
     def load(cls, path: str | Path, backend: str, device: str | None, dtype: str | None,
              max_num_tokens: int, max_batch_size: int) -> DraftModel:
         """Load a checkpoint the way EngineCore.from_model loads the target."""
-        from worker.backends.device import create_backend
         from worker.models.loader import load_model
 
-        loaded = load_model(path)
+        return cls.from_loaded(load_model(path), backend, device, dtype, max_num_tokens, max_batch_size)
+
+    @classmethod
+    def from_loaded(cls, loaded: Any, backend: str, device: str | None, dtype: str | None,
+                    max_num_tokens: int, max_batch_size: int) -> DraftModel:
+        """Over a LoadedModel (worker.models.loaded_model) already in memory."""
+        from worker.backends.device import create_backend
+
         return cls(create_backend(loaded, backend, device, dtype, max_num_tokens=max_num_tokens,
                                   max_batch_size=max_batch_size), max_num_tokens)
 
@@ -165,3 +173,29 @@ class DraftModel:
             return []
         out = self.backend.sample(logits, _greedy(int(wants.sum())))
         return [int(t) for t in out.token_ids.tolist()]
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def first_layers(loaded: Any, num_layers: int) -> Any:
+    """The model's first `num_layers` decoder layers with its own embedding, final
+    norm and head: a draft sharing the target's weights and tokenizer (early-exit
+    self-speculation). Its acceptance is lower than a distilled draft's; the bench
+    and tests use it where no smaller model of the same family is at hand."""
+    config = loaded.config
+    if not 1 <= num_layers <= config.num_layers:
+        raise ValueError(f"num_layers must be in [1, {config.num_layers}], got {num_layers}")
+
+    def kept(name: str) -> bool:
+        m = _LAYER.match(name)
+        return m is None or int(m.group(1)) < num_layers
+
+    return replace(
+        loaded,
+        config=replace(config, num_layers=num_layers,
+                       sliding_layers=tuple(i for i in config.sliding_layers if i < num_layers)),
+        weights={k: v for k, v in loaded.weights.items() if kept(k)},
+        tensor_refs={k: v for k, v in loaded.tensor_refs.items() if kept(k)},
+        hf_config={**loaded.hf_config, "num_hidden_layers": num_layers},
+    )

@@ -83,7 +83,7 @@ class GuidedDecodingParams:
     guide: str | None = None
 
 
-class DraftSource(enum.Enum):
+class DraftSource(enum.StrEnum):
     # Tokens the caller expects the output to continue with (an edit's original
     # text, a cached answer): verified as far as they match.
     DRAFT_TOKENS = "draft_tokens"

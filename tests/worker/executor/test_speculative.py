@@ -226,7 +226,6 @@ def test_the_worker_default_applies_to_requests_without_their_own(tiny_llama: Pa
     assert off.tokens == want and off.drafted == 0
 
 
-@pytest.mark.slow
 def test_greedy_identical_on_the_torch_cpu_backend(tiny_checkpoints: dict[str, Path]) -> None:
     pytest.importorskip("torch")
     model = tiny_checkpoints["llama_gqa"]
@@ -402,20 +401,30 @@ def test_kv_invariants_hold_through_rejections_cancels_and_preemption(
 
 @pytest.mark.slow
 def test_default_model_greedy_identical_with_prompt_lookup_and_a_draft_model(default_gguf: Path) -> None:
-    """Code-editing prompts (the output repeats the input) on the real model; the
-    draft model is the same GGUF (mechanics, not speed)."""
+    """The real model, each prompt with and without speculation in one batch: a
+    code-repeating prompt with prompt lookup, another with a draft model made of the
+    model's first 8 of 30 layers (mechanics, not speed); then the caller's draft tokens."""
+    from worker.backends.device import create_backend
+    from worker.executor.draft_model import DraftModel, first_layers
     from worker.models.loader import load_model
 
-    tokenizer = load_model(default_gguf).tokenizer
+    loaded = load_model(default_gguf)
+    cfg = config(max_num_tokens=256, kv_cache_config=KvCacheConfig(tokens_per_block=16, max_tokens=2048))
+    draft = DraftModel.from_loaded(first_layers(loaded, 8), "numpy", None, None, 256, 8)
+    core = EngineCore(create_backend(loaded, "numpy"), cfg, draft=draft)
     code = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n"
-    texts = [f"Repeat this code exactly:\n{code}\nAnswer:\n", f"Rename add to plus in:\n{code}\nResult:\n"]
-    ps = [tokenizer.encode(t).ids for t in texts] + [[1, 2, 3, 4]]
-    kv = KvCacheConfig(tokens_per_block=16, max_tokens=4096)
-    cfg = {"max_num_tokens": 256, "kv_cache_config": kv}
-    want = Run(EngineCore.from_model(default_gguf, config(**cfg)), requests(ps, lambda i: None, 24)).tokens
-    lookup = Run(EngineCore.from_model(default_gguf, config(**cfg)),
-                 requests(ps, lambda i: SpeculativeConfig(num_draft_tokens=6) if i < 2 else None, 24))
-    assert lookup.tokens == want and lookup.accepted > 0
-    drafted = Run(EngineCore.from_model(default_gguf, config(draft_model=str(default_gguf), **cfg)),
-                  requests(ps, lambda i: SpeculativeConfig(DraftSource.DRAFT_MODEL, 3) if i != 1 else None, 24))
-    assert drafted.tokens == want and drafted.accepted > 0
+    texts = [f"Repeat this code exactly:\n{code}\nAnswer:\n", "The capital of France is"]
+    ps = [loaded.tokenizer.encode(t).ids for t in texts]
+    specs = [SpeculativeConfig(num_draft_tokens=6), SpeculativeConfig(DraftSource.DRAFT_MODEL, 3)]
+    reqs = [Request(input_token_ids=p, max_tokens=16, end_id=-1, speculative_config=spec)
+            for p, s in zip(ps, specs, strict=True) for spec in (s, None)]
+    got = Run(core, reqs)
+    assert got.tokens[0] == got.tokens[1] and got.tokens[2] == got.tokens[3]
+    lookup, model = got.request_stats[0], got.request_stats[2]
+    assert lookup.num_accepted_draft_tokens > 0 and model.num_draft_tokens > 0
+    # The caller's draft tokens: the output itself, wrong at one token.
+    want = got.tokens[1]
+    wrong = [*want[:7], (want[7] + 1) % loaded.config.vocab_size, *want[8:]]
+    external = Run(core, [Request(input_token_ids=ps[0], max_tokens=16, end_id=-1, speculative_config=SpeculativeConfig(
+        DraftSource.DRAFT_TOKENS, 8, draft_tokens=wrong))])
+    assert external.tokens[0] == want and 0 < external.accepted < external.drafted
