@@ -10,6 +10,11 @@ it is called) complete in the same call. Whoever drives the core does the I/O
 around `step()`: the in-process `Executor` (a thread and queues) or the worker's
 engine process (pipes to the worker).
 
+Speculative decoding (speculative.py) adds one stage before scheduling: the
+sequences that speculate get draft tokens (seq.draft) from their source, their
+generation step verifies them, and that step completes in the call that
+launched it, since how many tokens it keeps decides the next step.
+
 Request ids are the caller's: the core answers under the id a request came with.
 """
 

@@ -1,8 +1,9 @@
 """Which sequences run in the next iteration, and with how many tokens each.
 
-Generation steps go first (one token each), then unfinished context chunks,
-then new requests by priority, all under a per-iteration token budget. The
-capacity policy decides what happens when KV blocks are short.
+Generation steps go first (one token each, plus the draft tokens of sequences
+that speculate), then unfinished context chunks, then new requests by priority,
+all under a per-iteration token budget. The capacity policy decides what
+happens when KV blocks are short.
 """
 
 from __future__ import annotations
