@@ -32,7 +32,7 @@ see `off_reason`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -54,6 +54,21 @@ class SpecState:
     # whether the output stopped following them.
     checked: int = 0
     diverged: bool = False
+    # PROMPT_LOOKUP: the tokens so far as an array, extended as they grow (converting
+    # a long list on every step would cost more than the search).
+    array: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    filled: int = 0
+
+    def tokens_array(self, tokens: list[int]) -> np.ndarray:
+        """`tokens` (which only ever grow) as an array."""
+        n = len(tokens)
+        if n > len(self.array):
+            grown = np.zeros(2 * n, dtype=np.int64)
+            grown[: self.filled] = self.array[: self.filled]
+            self.array = grown
+        self.array[self.filled : n] = tokens[self.filled : n]
+        self.filled = n
+        return self.array[:n]
 
 
 def off_reason(request: Request, config: SpeculativeConfig, has_draft_model: bool) -> str | None:
@@ -111,21 +126,27 @@ def max_drafts(seq: Sequence, max_seq_len: int) -> int:
     return max(0, min(seq.spec.config.num_draft_tokens, room))
 
 
-def prompt_lookup(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+def prompt_lookup(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the longest
     suffix n-gram (max_ngram down to min_ngram) of `tokens`."""
-    if k <= 0 or len(tokens) < min_ngram + 1:
+    length = len(tokens)
+    if k <= 0 or length < min_ngram + 1:
         return []
-    arr = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
-        suffix = arr[-n:]
-        # windows starting at 0 .. len - n - 1: every occurrence but the suffix itself
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start : start + k]
-    return []
+    # Where an earlier token equals the last one, then, one token further back at a
+    # time, where the match goes on: the positions ending the longest match.
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    best = ends if min_ngram <= 1 else ends[:0]
+    for j in range(1, max_ngram):
+        ends = ends[ends >= j]
+        ends = ends[tokens[ends - j] == tokens[length - 1 - j]]
+        if not ends.size:
+            break
+        if j + 1 >= min_ngram:
+            best = ends
+    if not best.size:
+        return []
+    start = int(best[-1]) + 1
+    return [int(t) for t in tokens[start : start + k]]
 
 
 def external_drafts(state: SpecState, generated: list[int], k: int) -> list[int]:

@@ -142,12 +142,26 @@ def run(model: Path, reqs: list[Request], draft: Path | None = None, check: bool
 
 
 def test_prompt_lookup_continues_the_latest_occurrence_of_the_longest_suffix() -> None:
+    def lookup(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+        return prompt_lookup(np.asarray(tokens), k, max_ngram, min_ngram)
+
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
-    assert prompt_lookup(tokens, 2, 3, 1) == [7, 8]  # the latest earlier [1, 2, 3]
-    assert prompt_lookup([4, 5, 6, 1, 2, 6], 3, 3, 1) == [1, 2, 6]  # only the 1-gram [6] matches
-    assert prompt_lookup([4, 5, 6, 1, 2, 6], 3, 3, 2) == []  # ... which is below min_ngram
-    assert prompt_lookup([4, 5, 4], 5, 2, 1) == [5, 4]  # runs into the end of the tokens
-    assert prompt_lookup([4], 5, 3, 1) == []
+    assert lookup(tokens, 2, 3, 1) == [7, 8]  # the latest earlier [1, 2, 3]
+    assert lookup([5, 2, 3, 8, 1, 2, 3, 7, 0, 1, 2, 3], 1, 3, 1) == [7]  # [1, 2, 3] beats the later [2, 3]
+    assert lookup([1, 2, 3, 8, 5, 2, 3, 7, 0, 1, 2, 3], 1, 3, 1) == [8]  # [1, 2, 3] beats the later [2, 3]
+    assert lookup([4, 5, 6, 1, 2, 6], 3, 3, 1) == [1, 2, 6]  # only the 1-gram [6] matches
+    assert lookup([4, 5, 6, 1, 2, 6], 3, 3, 2) == []  # ... which is below min_ngram
+    assert lookup([4, 5, 4], 5, 2, 1) == [5, 4]  # runs into the end of the tokens
+    assert lookup([4], 5, 3, 1) == []
+
+
+def test_the_lookup_array_follows_the_growing_tokens() -> None:
+    state = SpecState(SpeculativeConfig())
+    tokens = list(range(5))
+    assert state.tokens_array(tokens).tolist() == tokens
+    for t in range(5, 40):
+        tokens.append(t % 7)
+        assert state.tokens_array(tokens).tolist() == tokens
 
 
 def test_acceptance_is_the_longest_prefix_the_target_sampled_itself() -> None:
