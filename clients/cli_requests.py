@@ -124,7 +124,7 @@ def show_stats(args: argparse.Namespace) -> int:
     import redis
 
     import protocol
-    from clients.cli_watch import acceptance
+    from clients.cli_watch import acceptance, with_acceptance
 
     keys = protocol.Keys(args.redis_prefix)
     # redis-py's return types are unions over its decode modes; this client returns bytes.
@@ -193,8 +193,8 @@ def show_stats(args: argparse.Namespace) -> int:
         print()
         print(
             format_table(
-                ["worker", "iter", "latency ms", "active", "queued", "tokens", "free blocks", "drafts accepted"],
-                recent,
+                *with_acceptance(["worker", "iter", "latency ms", "active", "queued", "tokens", "free blocks"],
+                                 recent)
             )
         )
     return 0

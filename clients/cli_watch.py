@@ -20,6 +20,13 @@ def acceptance(drafted: int, accepted: int) -> str:
     return f"{accepted}/{drafted} ({accepted / drafted:.0%})" if drafted else "-"
 
 
+def with_acceptance(header: list[str], rows: list[list[str]]) -> tuple[list[str], list[list[str]]]:
+    """The table with its last column, acceptance, only when some worker speculated."""
+    if any(row[-1] != "-" for row in rows):
+        return [*header, "drafts accepted"], rows
+    return header, [row[:-1] for row in rows]
+
+
 def throughput(r: Any, prefix: str) -> list[list[str]]:
     """Per live worker: iterations/s, scheduled tokens/s and draft tokens accepted
     over the last WINDOW_S."""
@@ -62,8 +69,8 @@ def watch(args: argparse.Namespace, show: Callable[[argparse.Namespace], int]) -
                     rows = []
                 if rows:
                     print()
-                    print(format_table(["worker", f"iterations/s ({WINDOW_S:g} s)", "tokens/s scheduled",
-                                        "drafts accepted"], rows))
+                    print(format_table(*with_acceptance(
+                        ["worker", f"iterations/s ({WINDOW_S:g} s)", "tokens/s scheduled"], rows)))
             stamp = time.strftime("%H:%M:%S")
             sys.stdout.write(f"{clear}tokenwire stats at {stamp}, every {args.watch:g} s; Ctrl-C quits\n\n")
             sys.stdout.write(out.getvalue() + "\n")

@@ -4,11 +4,14 @@ acceptance shows in the Redis request record and on /metrics."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import protocol
 from tests.integration.test_metrics import scrape, value
-from tests.procs import HEARTBEAT_S, Stack, free_port
+from tests.procs import HEARTBEAT_S, REPO, Stack, free_port
 from tests.worker.service.test_worker_service import FakeGateway
 from worker.executor import EngineCore, ExecutorConfig, Request
 
@@ -59,5 +62,15 @@ def test_worker_speculates_by_default_and_per_submit(long_model: Path, redis_ser
         assert value(metrics, "tokenwire_worker_draft_tokens_total") == drafted
         assert value(metrics, "tokenwire_worker_accepted_draft_tokens_total") == accepted
         gw.close()
+        # `tokenwire stats` shows the acceptance of the recent iterations.
+        deadline = time.monotonic() + 10
+        while "drafts accepted" not in (out := _stats(redis_server.url)):
+            assert time.monotonic() < deadline, out
+            time.sleep(0.2)
     finally:
         s.close()
+
+
+def _stats(redis_url: str) -> str:
+    return subprocess.run([sys.executable, "-m", "clients.cli", "stats", "--redis", redis_url, "--iterations", "50"],
+                          cwd=REPO, capture_output=True, text=True, timeout=30, check=True).stdout
