@@ -21,6 +21,7 @@ SECTIONS: dict[str, str] = {
     "protocol": "bench.protocol_bench",
     "cpu": "bench.cpu_bench",
     "decoding": "bench.decoding_bench",
+    "spec": "bench.spec_bench",
     "jobs": "bench.jobs_bench",
     "service": "bench.service_bench",
     "gpu": "bench.gpu_bench",

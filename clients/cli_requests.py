@@ -127,6 +127,7 @@ def show_stats(args: argparse.Namespace) -> int:
     import redis
 
     import protocol
+    from clients.cli_watch import acceptance, with_acceptance
 
     keys = protocol.Keys(args.redis_prefix)
     # redis-py's return types are unions over its decode modes; this client returns bytes.
@@ -167,6 +168,7 @@ def show_stats(args: argparse.Namespace) -> int:
                         f["num_queued_requests"],
                         f["num_scheduled_tokens"],
                         f"{f['free_num_blocks']}/{f['max_num_blocks']}",
+                        acceptance(int(f.get("num_draft_tokens", 0)), int(f.get("num_accepted_draft_tokens", 0))),
                     ]
                 )
     except redis.RedisError as e:
@@ -194,7 +196,8 @@ def show_stats(args: argparse.Namespace) -> int:
         print()
         print(
             format_table(
-                ["worker", "iter", "latency ms", "active", "queued", "tokens", "free blocks"], recent
+                *with_acceptance(["worker", "iter", "latency ms", "active", "queued", "tokens", "free blocks"],
+                                 recent)
             )
         )
     return 0

@@ -156,6 +156,12 @@ class WorkerMetrics(_Metrics):
         super().__init__("worker")
         self.prompt_tokens = Counter("tokenwire_worker_prompt_tokens", "Prompt tokens of requests taken",
                                      registry=self.registry)
+        # Speculative decoding, counted when a request ends: the acceptance rate is
+        # rate(accepted) / rate(draft).
+        self.draft_tokens = Counter("tokenwire_worker_draft_tokens", "Draft tokens verified (speculative decoding)",
+                                    registry=self.registry)
+        self.accepted_draft_tokens = Counter("tokenwire_worker_accepted_draft_tokens",
+                                             "Draft tokens accepted (speculative decoding)", registry=self.registry)
 
     def watch(
         self,
@@ -183,6 +189,11 @@ class WorkerMetrics(_Metrics):
     def finished(self, key: object, how: str) -> None:
         self.requests.labels(how).inc()
         self.streams.end(key)
+
+    def speculated(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.draft_tokens.inc(drafted)
+            self.accepted_draft_tokens.inc(accepted)
 
 
 class GatewayMetrics(_Metrics):

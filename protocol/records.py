@@ -54,6 +54,8 @@ class IterationStats(Message):
     free_num_blocks: Count
     used_num_blocks: Count
     reused_blocks: Count
+    num_draft_tokens: Count = 0
+    num_accepted_draft_tokens: Count = 0
 
 
 class RequestStats(Message):
@@ -70,4 +72,7 @@ class RequestStats(Message):
     time_to_first_token_ms: Millis | None
     allocated_blocks: Count
     reused_blocks: Count
+    num_draft_tokens: Count = 0
+    num_accepted_draft_tokens: Count = 0
+    speculation_off_reason: str | None = None
     timestamp: float = Field(default_factory=time.time)

@@ -52,6 +52,16 @@ class GuidedDecodingParams(WireModel):
         return self
 
 
+class SpeculativeConfig(WireModel):
+    """Speculative decoding for this request (worker/executor/types.py SpeculativeConfig)."""
+
+    source: Literal["draft_tokens", "prompt_lookup", "draft_model"] = "prompt_lookup"
+    num_draft_tokens: int = Field(4, ge=0, le=16)  # 0 turns speculation off
+    draft_tokens: TokenIds | None = None  # the expected continuation of the output
+    max_ngram: int = Field(3, ge=1)
+    min_ngram: int = Field(1, ge=1)
+
+
 class Submit(Message):
     """Start one request. Exactly one of `prompt` (the gateway tokenizes it) and
     `input_token_ids` is given."""
@@ -84,6 +94,7 @@ class Submit(Message):
     # is the gateway's own: the client's id, which names the request in Redis (its
     # cancel flag, its stats) and in logs.
     client_request_id: Name | None = None
+    speculative_config: SpeculativeConfig | None = None  # None: the worker's default
 
     @model_validator(mode="after")
     def _check(self) -> Self:

@@ -44,6 +44,7 @@ def as_plain(value: Any) -> Any:
         (p.SamplingConfig, ex.SamplingConfig, set()),
         (p.OutputConfig, ex.OutputConfig, set()),
         (p.GuidedDecodingParams, ex.GuidedDecodingParams, set()),
+        (p.SpeculativeConfig, ex.SpeculativeConfig, set()),
         (p.Submit, ex.Request, {"request_id", "model", "prompt", "stop", "client_request_id"}),
         (p.Result, ex.Result, {"text"}),
         (p.Response, ex.Response, set()),

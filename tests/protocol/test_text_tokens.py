@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import pytest
 
 import protocol
-from protocol.text import OutputStream
 from protocol import FinishReason
+from protocol.text import OutputStream
 from tests.checkpoints import build_tokenizer
 
 TEXT = "Paris is the capital of France; Berlin is the capital of Germany. héllo wörld 🙂"

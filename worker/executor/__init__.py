@@ -4,6 +4,7 @@ from worker.executor.engine_core import EngineCore, StepOutput
 from worker.executor.executor import Executor
 from worker.executor.types import (
     CapacitySchedulerPolicy,
+    DraftSource,
     ExecutorConfig,
     FinishReason,
     GuidedDecodingConfig,
@@ -19,10 +20,12 @@ from worker.executor.types import (
     Result,
     SamplingConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 
 __all__ = [
     "CapacitySchedulerPolicy",
+    "DraftSource",
     "EngineCore",
     "Executor",
     "ExecutorConfig",
@@ -40,5 +43,6 @@ __all__ = [
     "Result",
     "SamplingConfig",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "StepOutput",
 ]

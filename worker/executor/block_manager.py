@@ -108,6 +108,20 @@ class BlockManager:
         for _ in range(need):
             table.block_ids.append(self._take_free())
 
+    def can_grow(self, table: BlockTable, num_tokens: int) -> bool:
+        """Whether ensure_capacity(table, num_tokens) and one copy-on-write fit now."""
+        return self.blocks_for(num_tokens) - len(table.block_ids) + 1 <= self.num_free
+
+    def truncate(self, table: BlockTable, num_tokens: int) -> None:
+        """Release the blocks wholly past the first num_tokens tokens (the KV of
+        rejected draft tokens). They were never hashed: only computed tokens are."""
+        keep = self.blocks_for(num_tokens)
+        assert keep >= table.num_hashed, "truncating a hashed block"
+        if len(table.block_ids) > keep:
+            tail = BlockTable(table.block_ids[keep:])
+            del table.block_ids[keep:]
+            self.free(tail)
+
     def make_writable(self, table: BlockTable, position: int) -> tuple[int, int] | None:
         """Copy-on-write: if the block that `position` falls in is shared with
         another table, give this table its own copy. Returns (source, copy) for

@@ -10,6 +10,11 @@ it is called) complete in the same call. Whoever drives the core does the I/O
 around `step()`: the in-process `Executor` (a thread and queues) or the worker's
 engine process (pipes to the worker).
 
+Speculative decoding (speculative.py) adds one stage before scheduling: the
+sequences that speculate get draft tokens (seq.draft) from their source, their
+generation step verifies them, and that step completes in the call that
+launched it, since how many tokens it keeps decides the next step.
+
 Request ids are the caller's: the core answers under the id a request came with.
 """
 
@@ -30,13 +35,25 @@ from worker.backends.numpy_sampler import sample as sample_on_host
 from worker.executor import beam_search
 from worker.executor.beam_search import BeamSearch
 from worker.executor.block_manager import BlockManager
+from worker.executor.draft_model import DraftModel
 from worker.executor.inputs import build_forward_batch, build_sampling_batch
 from worker.executor.log_probs import normalized_log_probs
 from worker.executor.logits_processors import apply_processors, load_processors
 from worker.executor.penalties import needs_known_tokens
 from worker.executor.scheduler import ScheduledBatch, Scheduler
 from worker.executor.sequence import Family, Sequence
+from worker.executor.speculative import (
+    SpecState,
+    external_drafts,
+    max_drafts,
+    num_accepted,
+    off_reason,
+    off_reason_for_tokens,
+    prompt_lookup,
+)
+from worker.executor.speculative import validate as validate_speculative
 from worker.executor.types import (
+    DraftSource,
     ExecutorConfig,
     FinishReason,
     IterationStats,
@@ -49,6 +66,8 @@ from worker.executor.types import (
 from worker.executor.validation import RequestError, normalize_word_list, validate_request
 
 log = logging.getLogger(__name__)
+
+_VERIFIED = -2  # _InFlight.positions entry of a verification row (see _InFlight.verify)
 
 
 @dataclass(slots=True)
@@ -113,6 +132,9 @@ class _InFlight:
     # The next schedule needs this step's tokens: it completes in the call that launched it.
     blocking: bool
     errors: dict[int, str] = field(default_factory=dict)  # request id -> its logits post-processor's failure
+    # Speculative decoding: (sequence, its first sampler row, its drafts); rows
+    # first .. first + len(drafts) are its verification rows.
+    verify: list[tuple[Sequence, int, list[int]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -171,11 +193,17 @@ def _has_beam_step(batch: ScheduledBatch) -> bool:
 
 class EngineCore:
     def __init__(self, backend: Backend, config: ExecutorConfig | None = None, *, tokenizer: Any = None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, draft: DraftModel | None = None) -> None:
         """A core over a ready backend (`from_model` loads one). `tokenizer` is needed
-        only by guided decoding; `chat_template` is carried for the APIs above."""
+        only by guided decoding; `chat_template` is carried for the APIs above;
+        `draft`: the draft model of speculative decoding, if any (it gets as many KV
+        blocks as the target)."""
         self.config = config or ExecutorConfig()
         self.backend = backend
+        self.draft = draft
+        if draft is not None and draft.backend.config.vocab_size != backend.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft.backend.config.vocab_size} tokens) is not "
+                             f"the target's ({backend.config.vocab_size}): they must share the tokenizer")
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.model_config = backend.config
@@ -184,6 +212,8 @@ class EngineCore:
         kv = self.config.kv_cache_config
         num_blocks = self._num_kv_blocks()
         self.backend.allocate_kv_cache(num_blocks, kv.tokens_per_block)
+        if draft is not None:
+            draft.allocate(num_blocks, kv.tokens_per_block)
         self.blocks = BlockManager(num_blocks, kv.tokens_per_block, kv.enable_block_reuse)
         self.scheduler = Scheduler(self.config, self.blocks)
         asynchronous = isinstance(backend, AsyncBackend)
@@ -203,6 +233,8 @@ class EngineCore:
         self._inflight: _InFlight | None = None
         self._out = StepOutput()
         self._iter = 0
+        self._num_drafted = 0  # draft tokens verified since the last iteration record
+        self._num_accepted = 0
 
     @classmethod
     def from_model(cls, path: str | Path, config: ExecutorConfig | None = None) -> EngineCore:
@@ -214,7 +246,11 @@ class EngineCore:
         loaded = load_model(path)
         backend = create_backend(loaded, cfg.backend, cfg.device, cfg.dtype,
                                  max_num_tokens=cfg.max_num_tokens, max_batch_size=cfg.max_batch_size)
-        return cls(backend, cfg, tokenizer=loaded.tokenizer, chat_template=loaded.chat_template)
+        draft = None
+        if cfg.draft_model is not None:
+            draft = DraftModel.load(cfg.draft_model, cfg.backend, cfg.device, cfg.dtype,
+                                    cfg.max_num_tokens, cfg.max_batch_size)
+        return cls(backend, cfg, tokenizer=loaded.tokenizer, chat_template=loaded.chat_template, draft=draft)
 
     # -- what the driver calls ----------------------------------------------------------
 
@@ -265,6 +301,7 @@ class EngineCore:
         """One iteration: schedule, launch, complete the previous launch. A backend
         failure ends the requests that were running, not the core."""
         try:
+            self._propose()
             batch = self.scheduler.schedule()
             if batch and self._inflight is not None and (_on_host(batch, self.config.normalize_log_probs)
                                                        or _needs_known_tokens(batch)):
@@ -292,6 +329,8 @@ class EngineCore:
             tokens = kv.max_tokens
         else:
             per_token = self.backend.kv_bytes_per_token()
+            if self.draft is not None:  # the draft model holds as many blocks as the target
+                per_token += self.draft.backend.kv_bytes_per_token()
             tokens = int(kv.free_memory_fraction * self.backend.free_memory_bytes()) // per_token
             # More KV than every batch slot at full context is never used.
             tokens = min(tokens, self.config.max_batch_size * self.max_seq_len)
@@ -324,6 +363,9 @@ class EngineCore:
         grammar = None
         if request.guided_decoding_params is not None:
             grammar = self._guided_decoder().compile(request.guided_decoding_params)
+        spec_config = request.speculative_config or self.config.speculative_config
+        if spec_config is not None and (problem := validate_speculative(spec_config, self.model_config.vocab_size)):
+            raise RequestError(problem)
         family = Family(width, is_beam=beam)
         seqs = []
         for i in range(1 if beam else request.num_return_sequences):
@@ -343,6 +385,12 @@ class EngineCore:
             )
             if grammar is not None:
                 seq.matcher = self._guided.matcher(grammar, end_id)
+            if spec_config is not None and spec_config.num_draft_tokens > 0:
+                reason = (off_reason(request, spec_config, self.draft is not None)
+                          or off_reason_for_tokens(seq))
+                if reason is None:
+                    seq.spec = SpecState(spec_config)
+                seq.speculation_off_reason = reason
             seqs.append(seq)
         family.members.append(seqs[0])
         search = None
@@ -369,6 +417,75 @@ class EngineCore:
                                              stop_ids if given.stop_token_ids is None else given.stop_token_ids)
         return self._guided
 
+    # -- speculative decoding -------------------------------------------------------------------
+
+    def _propose(self) -> None:
+        """Draft tokens (seq.draft) for the running sequences that speculate. Drafts
+        follow the latest token, so a step in flight that samples it completes first;
+        steps without speculating sequences keep overlapping."""
+        if self.draft is not None:
+            self.draft.retain(self.scheduler.running)
+        candidates = []
+        for seq in self.scheduler.running:
+            if seq.spec is not None:
+                seq.draft = []
+                if not seq.in_prefill and not seq.is_finished:
+                    candidates.append(seq)
+        if not candidates:
+            return
+        if self._inflight is not None and any(seq.num_pending for seq in candidates):
+            self._complete_inflight()
+        wanted = []
+        for seq in candidates:
+            k = 0 if seq.is_finished else max_drafts(seq, self.max_seq_len)
+            if k > 0:
+                wanted.append((seq, k))
+        by_model = []
+        for seq, k in wanted:
+            assert seq.spec is not None
+            cfg = seq.spec.config
+            if cfg.source is DraftSource.PROMPT_LOOKUP:
+                seq.draft = prompt_lookup(seq.spec.tokens_array(seq.token_ids), k, cfg.max_ngram, cfg.min_ngram)
+            elif cfg.source is DraftSource.DRAFT_TOKENS:
+                seq.draft = external_drafts(seq.spec, seq.generated, k)
+            else:
+                by_model.append((seq, k))
+        if by_model:
+            assert self.draft is not None
+            for (seq, _), drafts in zip(by_model, self.draft.propose(by_model), strict=True):
+                seq.draft = drafts
+
+    def _accept(self, seq: Sequence, drafts: list[int], tokens: list[int], log_probs: list[float],
+                top: tuple[np.ndarray, np.ndarray] | None) -> None:
+        """Keep the verified tokens of one speculating sequence (speculative.py): the
+        drafts the target sampled itself, then its own next token; roll the KV of
+        the rejected drafts back; end the sequence where a token ends it."""
+        assert seq.spec is not None
+        accepted = num_accepted(drafts, tokens)
+        seq.spec.num_drafted += len(drafts)
+        seq.spec.num_accepted += accepted
+        self._num_drafted += len(drafts)
+        self._num_accepted += accepted
+        # The KV holds the last token and every draft; only the accepted drafts' stays.
+        seq.num_computed -= len(drafts) - accepted
+        seq.state = RequestState.GENERATION
+        top_n = seq.request.output_config.top_n_log_probs
+        for j in range(accepted + 1):
+            seq.token_ids.append(tokens[j])
+            seq.log_probs.append(log_probs[j])
+            if top_n:
+                assert top is not None
+                seq.top_token_ids.append(top[0][j, :top_n].tolist())
+                seq.top_log_probs.append(top[1][j, :top_n].tolist())
+            reason = self._finish_reason(seq, seq.num_tokens)
+            if reason is not FinishReason.NOT_FINISHED:
+                self._finish(seq, reason)  # tokens after this one are dropped
+                break
+        if not seq.is_finished:
+            # Blocks wholly past the sequence held only rejected drafts' KV.
+            self.blocks.truncate(seq.blocks, seq.num_tokens)
+        self._respond(seq)
+
     # -- launch -------------------------------------------------------------------------------
 
     def _launch(self, batch: ScheduledBatch) -> _InFlight:
@@ -380,26 +497,39 @@ class EngineCore:
         samplers: list[Sequence] = []
         rows: list[int] = []
         extra: list[tuple[Sequence, int, int]] = []  # (seq, first position, count) of context logits
+        verify: list[tuple[Sequence, int, list[int]]] = []
+        offsets: list[int] = []  # per sampler row: output positions past the sequence's next one
         offset = 0
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        for seq, n, drafts in zip(batch.seqs, batch.num_new_tokens, batch.drafts, strict=True):
             if host and (ctx := _context_rows(seq, n)) is not None:
                 extra.append((seq, offset + ctx[0] - seq.num_computed, ctx[1]))
             offset += n
+            if drafts:  # a verification row for the last token and each draft
+                verify.append((seq, len(samplers), drafts))
+                samplers += [seq] * (len(drafts) + 1)
+                offsets += range(len(drafts) + 1)
+                rows.append(len(drafts) + 1)
+                continue
             if not _samples(seq, n):
                 rows.append(0)
                 continue
             group = [seq, *self._fork_siblings(seq, n)]
             samplers += group
+            offsets += [0] * len(group)
             rows.append(len(group))
         forward = build_forward_batch(batch, self.blocks.block_size, rows,
                                       [(a, c) for _, a, c in extra])
-        sampling = build_sampling_batch(samplers) if samplers else None
+        sampling = build_sampling_batch(samplers, offsets if verify else None) if samplers else None
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed += n
         # Each sampler gets a placeholder for the token this step will sample;
         # beams get theirs from the beam step, once every beam has its candidates.
         positions = []
+        verified = {seq for seq, _, _ in verify}
         for row, seq in enumerate(samplers):
+            if seq in verified:  # its tokens are kept at completion, once the acceptance is known
+                positions.append(_VERIFIED)
+                continue
             if seq.family is not None and seq.family.is_beam:
                 positions.append(-1)
                 continue
@@ -414,8 +544,10 @@ class EngineCore:
             handle: StepHandle = self._host_step(forward, sampling, samplers, extra, errors)
         else:
             handle = self._launch_step(forward, sampling)
-        blocking = host or _has_beam_step(batch) or not self._overlap
-        return _InFlight(batch, samplers, positions, handle, num_context, t0, blocking, errors)
+        # How many tokens a verification keeps is known only once it is read back:
+        # the next schedule waits for it.
+        blocking = host or _has_beam_step(batch) or not self._overlap or bool(verify)
+        return _InFlight(batch, samplers, positions, handle, num_context, t0, blocking, errors, verify)
 
     def _fork_siblings(self, leader: Sequence, n: int) -> list[Sequence]:
         """When a sampling request's prompt is computed, its other returned
@@ -511,6 +643,8 @@ class EngineCore:
                     continue  # cancelled, or finished a step earlier: a token nobody wants
                 if seq.first_token_time is None:
                     seq.first_token_time = now
+                if pos == _VERIFIED:
+                    continue
                 if pos < 0:
                     assert out.top_tokens is not None and out.top_log_probs is not None
                     seq.candidates = (out.top_tokens[row], out.top_log_probs[row])
@@ -529,6 +663,12 @@ class EngineCore:
                 if reason is not FinishReason.NOT_FINISHED:
                     self._finish(seq, reason)
                 self._respond(seq)
+            for seq, first, drafts in step.verify:
+                if not seq.is_finished:
+                    end = first + len(drafts) + 1
+                    top = None if out.top_tokens is None or out.top_log_probs is None else (
+                        out.top_tokens[first:end], out.top_log_probs[first:end])
+                    self._accept(seq, drafts, tokens[first:end], log_probs[first:end], top)
         for entry in beams.values():
             if all(m.candidates is not None for m in entry.seqs):
                 self._beam_step(entry)
@@ -684,10 +824,13 @@ class EngineCore:
             free_num_blocks=self.blocks.num_free,
             used_num_blocks=self.blocks.num_blocks - self.blocks.num_free,
             reused_blocks=self.blocks.reused_blocks,
+            num_draft_tokens=self._num_drafted,
+            num_accepted_draft_tokens=self._num_accepted,
         ))
         if self.config.request_stats_max_iterations > 0:
             for entry in self._entries.values():
                 self._record_request(entry.seqs[0])
+        self._num_drafted = self._num_accepted = 0
 
     def _record_request(self, seq: Sequence) -> None:
         start = seq.arrival_time
@@ -701,4 +844,7 @@ class EngineCore:
             time_to_first_token_ms=None if seq.first_token_time is None else (seq.first_token_time - start) * 1e3,
             allocated_blocks=len(seq.blocks.block_ids),
             reused_blocks=seq.num_cached_prompt // self.blocks.block_size,
+            num_draft_tokens=0 if seq.spec is None else seq.spec.num_drafted,
+            num_accepted_draft_tokens=0 if seq.spec is None else seq.spec.num_accepted,
+            speculation_off_reason=seq.speculation_off_reason,
         ))

@@ -36,7 +36,8 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, rows: list[int] 
     """`rows[i]`: how many sampling rows sequence i's last token feeds (more than
     one when a leader's prompt ends and its siblings sample from the same logits).
     `extra_logits`: (first token, count) ranges of the packed batch whose logits
-    are wanted too (context logits), after the sampling rows."""
+    are wanted too (context logits), after the sampling rows. A sequence with
+    drafts (batch.drafts) gets a logits row for its last token and each draft."""
     seqs = batch.seqs
     counts = np.asarray(batch.num_new_tokens, dtype=np.int64)
     starts = np.fromiter((s.num_computed for s in seqs), dtype=np.int64, count=len(seqs))
@@ -49,8 +50,12 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, rows: list[int] 
     else:
         token_ids = np.empty(total, dtype=np.int64)
         # Python ints for the slicing: numpy scalars make this loop several times slower.
-        for seq, a, n, lo in zip(seqs, query_start.tolist(), batch.num_new_tokens, starts.tolist(), strict=False):
-            token_ids[a : a + n] = seq.token_ids[lo : lo + n]
+        for seq, a, n, lo, drafts in zip(seqs, query_start.tolist(), batch.num_new_tokens, starts.tolist(),
+                                         batch.drafts, strict=False):
+            if drafts:
+                token_ids[a : a + n] = seq.token_ids[lo : lo + n - len(drafts)] + drafts
+            else:
+                token_ids[a : a + n] = seq.token_ids[lo : lo + n]
     # positions[t] = start of its sequence + offset within this step's chunk
     seq_of_token = np.repeat(np.arange(len(seqs)), counts)
     positions = starts[seq_of_token] + (np.arange(total) - query_start[:-1][seq_of_token])
@@ -66,9 +71,19 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, rows: list[int] 
     slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
 
     context_lens = starts + counts
-    samples = context_lens == np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+    num_drafts = np.fromiter((len(d) for d in batch.drafts), dtype=np.int64, count=len(seqs))
+    num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+    samples = context_lens == num_tokens + num_drafts
     logits_indices = query_start[1:][samples] - 1
-    if rows is not None:
+    if num_drafts.any():
+        # Verification rows (the last token's and each draft's, in order) for sequences
+        # with drafts; the last token's row `rows[i]` times for the others.
+        nd = num_drafts[samples]
+        reps = np.ones_like(nd) if rows is None else np.asarray(rows, dtype=np.int64)[samples]
+        width = np.where(nd > 0, nd + 1, reps)
+        offsets = np.arange(int(width.sum())) - np.repeat(np.cumsum(width) - width, width)
+        logits_indices = np.repeat(logits_indices - nd, width) + offsets * np.repeat(nd > 0, width)
+    elif rows is not None:
         logits_indices = np.repeat(logits_indices, np.asarray(rows, dtype=np.int64)[samples])
     if extra_logits:
         extra = [np.arange(a, a + n, dtype=np.int64) for a, n in extra_logits]
@@ -84,13 +99,18 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, rows: list[int] 
     )
 
 
-def build_sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
-    """Sampling arrays for the sequences that sample this step, in batch order."""
+def build_sampling_batch(seqs: list[Sequence], offsets: list[int] | None = None) -> SamplingBatch:
+    """Sampling arrays for the sequences that sample this step, in batch order.
+    `offsets[row]`: how many output positions past the sequence's next one the row
+    decides (verification rows of speculative decoding: 0 .. k), so each row draws
+    the uniform number of its own output position."""
     n = len(seqs)
     params = np.array([s.sampling_params for s in seqs], dtype=np.float64).reshape(n, 4)
     seeds = np.fromiter((s.seed for s in seqs), dtype=np.uint64, count=n)
     index = np.fromiter((s.sequence_index for s in seqs), dtype=np.uint64, count=n)
     steps = np.fromiter((s.num_generated for s in seqs), dtype=np.uint64, count=n)
+    if offsets is not None:
+        steps += np.asarray(offsets, dtype=np.uint64)
     ban_rows: list[int] = []
     ban_tokens: list[int] = []
     bias_rows: list[int] = []

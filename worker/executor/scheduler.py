@@ -1,8 +1,9 @@
 """Which sequences run in the next iteration, and with how many tokens each.
 
-Generation steps go first (one token each), then unfinished context chunks,
-then new requests by priority, all under a per-iteration token budget. The
-capacity policy decides what happens when KV blocks are short.
+Generation steps go first (one token each, plus the draft tokens of sequences
+that speculate), then unfinished context chunks, then new requests by priority,
+all under a per-iteration token budget. The capacity policy decides what
+happens when KV blocks are short.
 """
 
 from __future__ import annotations
@@ -20,14 +21,23 @@ from worker.executor.types import CapacitySchedulerPolicy, ExecutorConfig, Reque
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    # Draft tokens each sequence's generation step verifies after its last token
+    # (speculative decoding; empty for the others): they are the step's last
+    # len(drafts[i]) tokens of num_new_tokens[i], and not in seq.token_ids.
+    drafts: list[list[int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     # (source, destination) KV blocks the backend copies before the step runs:
     # copy-on-write of blocks that forked sequences shared.
     copies: list[tuple[int, int]] = field(default_factory=list)
 
-    def add(self, seq: Sequence, n: int) -> None:
+    def add(self, seq: Sequence, n: int, drafts: list[int] | None = None) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(n)
+        self.drafts.append(drafts or [])
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(self.drafts)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -39,6 +49,7 @@ class ScheduledBatch:
         if len(keep) < len(self.seqs):
             self.seqs = [self.seqs[i] for i in keep]
             self.num_new_tokens = [self.num_new_tokens[i] for i in keep]
+            self.drafts = [self.drafts[i] for i in keep]
 
 
 def _order(seq: Sequence) -> tuple[float, float]:
@@ -92,18 +103,23 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_tokens
 
-        # 1. Generation steps. A sequence may be preempted by one scheduled later
-        # in this loop only under MAX_UTILIZATION, so iterate over a snapshot.
+        # 1. Generation steps: the last token, and the drafts proposed for it
+        # (seq.draft) as far as the budget goes. A sequence may be preempted by one
+        # scheduled later in this loop only under MAX_UTILIZATION, so iterate over a snapshot.
         for seq in list(self.running):
             # A sequence at max_tokens only waits for its last token to come back.
             # A beam waiting for its siblings' candidates has no new token yet.
             if (seq.in_prefill or seq.reached_max_tokens or seq.num_uncomputed == 0 or seq not in self.running
                     or budget == 0):
                 continue
-            if not self._grow(seq, seq.num_computed + 1, batch):
+            drafts = seq.draft[: budget - 1]
+            if drafts and not self.blocks.can_grow(seq.blocks, seq.num_computed + 1 + len(drafts)):
+                drafts = []  # drafts are optional: they never preempt anyone
+            n = 1 + len(drafts)
+            if not self._grow(seq, seq.num_computed + n, batch):
                 continue
-            batch.add(seq, 1)
-            budget -= 1
+            batch.add(seq, n, drafts)
+            budget -= n
 
         # 2. Context chunks of admitted sequences.
         for seq in self.running:
@@ -218,7 +234,7 @@ class Scheduler:
         self.running.remove(seq)
         if seq in batch.seqs:
             i = batch.seqs.index(seq)
-            del batch.seqs[i], batch.num_new_tokens[i]
+            del batch.seqs[i], batch.num_new_tokens[i], batch.drafts[i]
         self.blocks.free(seq.blocks)
         seq.num_computed = 0
         seq.state = RequestState.PREEMPTED

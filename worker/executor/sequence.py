@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from worker.executor.block_manager import BlockTable
 from worker.executor.types import FinishReason, Request, RequestState
+
+if TYPE_CHECKING:
+    from worker.executor.speculative import SpecState
 
 
 @dataclass(eq=False, slots=True)
@@ -54,6 +57,11 @@ class Sequence:
     # Beam search: this beam's next-token candidates from its last step (tokens,
     # log probs), held until every beam of the family has its own.
     candidates: tuple[np.ndarray, np.ndarray] | None = None
+    # Speculative decoding: its state (None: the request does not speculate), and the
+    # tokens proposed for the next step (set before each schedule).
+    spec: SpecState | None = None
+    draft: list[int] = field(default_factory=list)
+    speculation_off_reason: str | None = None  # why a request that asked to speculate does not
     context_logits: list[np.ndarray] = field(default_factory=list)  # one row per prompt token, when asked
     generation_logits: list[np.ndarray] = field(default_factory=list)  # one row per generated token
     finish_reason: FinishReason = FinishReason.NOT_FINISHED

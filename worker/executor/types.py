@@ -114,6 +114,32 @@ class PackedWordList:
 WordList = list[list[int]] | PackedWordList
 
 
+class DraftSource(enum.StrEnum):
+    # Tokens the caller expects the output to continue with (an edit's original
+    # text, a cached answer): verified as far as they match.
+    DRAFT_TOKENS = "draft_tokens"
+    # n-gram matching against the prompt and the output so far: no second model.
+    PROMPT_LOOKUP = "prompt_lookup"
+    # The worker's draft model (ExecutorConfig.draft_model), proposing greedily.
+    DRAFT_MODEL = "draft_model"
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding for one request (Request.speculative_config) or, as the
+    default of every request, for a worker (ExecutorConfig.speculative_config).
+    Each step verifies up to `num_draft_tokens` proposed tokens in one forward; the
+    output is what ordinary decoding gives (see worker/executor/speculative.py)."""
+
+    source: DraftSource = DraftSource.PROMPT_LOOKUP
+    num_draft_tokens: int = 4  # most tokens proposed per step; 0 turns speculation off
+    # DRAFT_TOKENS: the expected continuation of the output, from its first token.
+    draft_tokens: list[int] | None = None
+    # PROMPT_LOOKUP: the longest suffix n-gram tried first, down to the shortest.
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+
 @dataclass(slots=True)
 class Request:
     input_token_ids: list[int]
@@ -133,6 +159,7 @@ class Request:
     return_all_generated_tokens: bool = False
     logits_post_processor_name: str | None = None
     guided_decoding_params: GuidedDecodingParams | None = None
+    speculative_config: SpeculativeConfig | None = None  # None: the executor's default
 
 
 @dataclass(slots=True)
@@ -226,6 +253,13 @@ class ExecutorConfig:
     guided_decoding_config: GuidedDecodingConfig | None = None  # None: the model's own tokenizer
 
 
+    # Speculative decoding for requests that do not set their own; None: off.
+    speculative_config: SpeculativeConfig | None = None
+    # Checkpoint directory or .gguf of the draft model (DraftSource.DRAFT_MODEL):
+    # a smaller model sharing the target's tokenizer, loaded on the same backend.
+    draft_model: str | None = None
+
+
 @dataclass(slots=True)
 class IterationStats:
     timestamp: float
@@ -240,6 +274,9 @@ class IterationStats:
     free_num_blocks: int
     used_num_blocks: int
     reused_blocks: int  # cumulative prefix-cache hits, in blocks
+    # Speculative decoding in this step: tokens proposed, and how many were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -253,4 +290,9 @@ class RequestStats:
     time_to_first_token_ms: float | None
     allocated_blocks: int
     reused_blocks: int
+    # Speculative decoding: draft tokens verified, and how many were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    # Why a request that asked for speculation did not speculate (None: it did, or never asked).
+    speculation_off_reason: str | None = None
     timestamp: float = field(default_factory=time.time)

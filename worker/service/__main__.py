@@ -7,8 +7,12 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ops.config import add_config_options
+
+if TYPE_CHECKING:
+    from worker.executor.types import SpeculativeConfig
 
 DEFAULT_BIND = "tcp://127.0.0.1:5600"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -44,6 +48,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME=MODULE:FUNCTION",
         help="a logits post-processor requests may name (clients cannot send code); repeatable",
     )
+    p.add_argument(
+        "--speculative",
+        choices=["prompt_lookup", "draft_model"],
+        default=None,
+        help="speculative decoding for requests that do not choose (default: off; draft_model with --draft-model)",
+    )
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="tokens proposed per speculative step")
+    p.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="draft model (checkpoint directory or .gguf) sharing the model's tokenizer")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
     p.add_argument(
         "--missed-heartbeats",
@@ -78,6 +91,18 @@ def model_name_of(path: Path) -> str:
 GIL_SWITCH_INTERVAL_S = 0.0002
 
 
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """The worker's default speculative decoding, from --speculative / --draft-model."""
+    from worker.executor.types import DraftSource, SpeculativeConfig
+
+    source = args.speculative or ("draft_model" if args.draft_model else None)
+    if source is None:
+        return None
+    if source == "draft_model" and not args.draft_model:
+        raise SystemExit("--speculative draft_model needs --draft-model DIR")
+    return SpeculativeConfig(DraftSource(source), args.num_draft_tokens)
+
+
 def run(args: argparse.Namespace) -> int:
     from ops.config import apply_config
     from ops.logs import setup_logging
@@ -104,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         log_format=args.log_format,
         test_hang_loop_after_s=args.test_hang_loop_after,
+        speculative_config=speculative_config(args),
+        draft_model=args.draft_model,
     )
     try:
         engine = EngineProcess(engine_config)

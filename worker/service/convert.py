@@ -34,7 +34,14 @@ def to_request(msg: protocol.Submit) -> ex.Request:
         return_all_generated_tokens=msg.return_all_generated_tokens,
         logits_post_processor_name=msg.logits_post_processor_name,
         guided_decoding_params=None if guided is None else ex.GuidedDecodingParams(guided.guide_type, guided.guide),
+        speculative_config=None if msg.speculative_config is None else _speculative(msg.speculative_config),
     )
+
+
+def _speculative(cfg: protocol.SpeculativeConfig) -> ex.SpeculativeConfig:
+    fields = cfg.model_dump()
+    fields["draft_tokens"] = None if cfg.draft_tokens is None else list(cfg.draft_tokens)
+    return ex.SpeculativeConfig(**{**fields, "source": ex.DraftSource(cfg.source)})
 
 
 def to_wire_response(request_id: str, response: ex.Response) -> protocol.Response:

@@ -67,6 +67,9 @@ class EngineConfig:
     log_level: str
     log_format: str
     test_hang_loop_after_s: float | None = None
+    # Speculative decoding for requests that do not choose (None: off), and the draft model's checkpoint.
+    speculative_config: ex.SpeculativeConfig | None = None
+    draft_model: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +209,8 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
         logits_post_processors=config.logits_post_processors,
         backend="auto" if config.backend == "echo" else config.backend,
         device=config.device,
+        speculative_config=config.speculative_config,
+        draft_model=None if config.backend == "echo" else config.draft_model,
     )
     if config.backend != "echo":
         return EngineCore.from_model(path, executor_config), path

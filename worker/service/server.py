@@ -437,6 +437,7 @@ class WorkerService:
                 out.send_multipart([gateway, protocol.encode_payload(protocol.ResultBatch.kind, payload, self.limits)])
         for s in step.request_stats:
             exec_stats[s.request_id] = s
+            self.metrics.speculated(s.num_draft_tokens, s.num_accepted_draft_tokens)
         if finished:
             for entry, wire in finished:
                 self._record_finished(entry, wire, exec_stats.pop(entry.exec_id, None))
@@ -461,6 +462,11 @@ class WorkerService:
             value = getattr(stats, name, None)
             if value is not None:
                 fields[key] = f"{value:.3f}"
+        if stats is not None and stats.num_draft_tokens:
+            fields["draft_tokens"] = str(stats.num_draft_tokens)
+            fields["accepted_draft_tokens"] = str(stats.num_accepted_draft_tokens)
+        if stats is not None and stats.speculation_off_reason:
+            fields["speculation_off"] = stats.speculation_off_reason
         self.redis.record_request(entry.name, fields)
         # One event per request, with what its stats hold (journald, log collectors).
         log.info("request %s ended: %s", entry.name, fields["finish_reason"], extra=fields)
