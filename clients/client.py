@@ -21,7 +21,7 @@ from typing import Any
 
 import protocol
 from clients.connection import Connection, GatewayLostError, RequestError
-from clients.params import CompletionOutput, RequestOutput, SamplingParams, StreamChunk
+from clients.params import CompletionOutput, RequestOutput, SamplingParams, Speculation, StreamChunk
 from clients.wire import Accumulator, Prompt, submit_from_call
 from protocol import FinishReason
 
@@ -34,6 +34,7 @@ __all__ = [
     "RequestFuture",
     "RequestOutput",
     "SamplingParams",
+    "Speculation",
     "StreamChunk",
 ]
 

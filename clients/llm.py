@@ -179,9 +179,11 @@ def _logits(value: Any) -> protocol.Logits | None:
 def executor_request(prompt_ids: list[int], p: SamplingParams, streaming: bool) -> Request:
     """The executor's Request for a prompt and its options (SamplingParams.request_fields)."""
     from worker.executor import GuidedDecodingParams, OutputConfig, Request, SamplingConfig
+    from worker.executor.types import DraftSource, SpeculativeConfig
 
     fields = p.request_fields()
     guide = fields.pop("guided_decoding_params")
+    spec = fields.pop("speculative_config")
     return Request(
         input_token_ids=prompt_ids,
         # Stop strings are matched on text as it streams, so such requests stream internally.
@@ -189,6 +191,8 @@ def executor_request(prompt_ids: list[int], p: SamplingParams, streaming: bool) 
         sampling_config=SamplingConfig(**fields.pop("sampling_config")),
         output_config=OutputConfig(**fields.pop("output_config")),
         guided_decoding_params=None if guide is None else GuidedDecodingParams(**guide),
+        speculative_config=(None if spec is None
+                            else SpeculativeConfig(**{**spec, "source": DraftSource(spec["source"])})),
         **fields,
     )
 

@@ -13,7 +13,7 @@ the client library, the jobs client and the LLM all import this.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -30,6 +30,21 @@ SAMPLING_CONFIG_FIELDS = (
 )  # fmt: skip
 # And those of its OutputConfig.
 OUTPUT_CONFIG_FIELDS = ("return_log_probs", "top_n_log_probs", "return_context_logits", "return_generation_logits")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Speculation:
+    """Speculative decoding for a request: each step verifies up to `num_draft_tokens`
+    proposed tokens, and the output is what ordinary decoding gives
+    (worker/executor/speculative.py says why). `source`: "prompt_lookup" (n-grams of
+    the prompt and the output so far), "draft_model" (the worker's draft model) or
+    "draft_tokens" (`draft_tokens`: the continuation the caller expects)."""
+
+    source: str = "prompt_lookup"
+    num_draft_tokens: int = 4  # 0 turns speculation off for this request
+    draft_tokens: list[int] | None = None
+    max_ngram: int = 3  # prompt lookup: the longest suffix n-gram tried first, down to min_ngram
+    min_ngram: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,6 +96,7 @@ class SamplingParams:
     guided_grammar: str | None = None  # EBNF
     # -- scheduling
     priority: float = 0.5  # 0.0 lowest .. 1.0 highest
+    speculative: Speculation | None = None  # None: the worker's default (speculation changes no output)
 
     def request_fields(self) -> dict[str, Any]:
         """These options as the executor's Request and the wire's Submit name them
@@ -98,6 +114,7 @@ class SamplingParams:
             "num_return_sequences": self.num_return_sequences,
             "logits_post_processor_name": self.logits_post_processor,
             "guided_decoding_params": self._guide(),
+            "speculative_config": None if self.speculative is None else asdict(self.speculative),
         }
 
     def _guide(self) -> dict[str, str | None] | None:

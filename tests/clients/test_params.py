@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from clients.llm import executor_request
-from clients.params import SamplingParams, sampling_params
+from clients.params import SamplingParams, Speculation, sampling_params
 from clients.wire import to_submit
 from worker.service.convert import to_request
 
@@ -54,6 +54,8 @@ SAMPLES: dict[str, Any] = {
     "guided_regex": "[ab]+",
     "guided_grammar": 'root ::= "yes" | "no"',
     "priority": 0.75,
+    "speculative": Speculation(source="draft_tokens", num_draft_tokens=5, draft_tokens=[3, 4], max_ngram=4,
+                               min_ngram=2),
 }
 # Options of the Submit and the Request that are not request options, and why.
 NOT_OPTIONS = {
