@@ -150,6 +150,19 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How many devices run the model (TensorRT-LLM's WorldConfig): the projections of
+    every layer split over `tensor_parallel_size` ranks (worker/parallel)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True, slots=True)
 class ExecutorConfig:
     max_batch_size: int = 64
     max_num_tokens: int = 2048  # tokens per iteration (context chunks + generation)
@@ -170,6 +183,7 @@ class ExecutorConfig:
     # config file names them (worker/executor/logits_processors.py loads them).
     logits_post_processors: tuple[str, ...] = ()
     iteration_stats_max: int = 1000  # how many recent stats records to keep
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass(slots=True)
