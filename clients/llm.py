@@ -164,10 +164,17 @@ def executor_request(prompt_ids: list[int], p: SamplingParams, streaming: bool) 
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, config: ExecutorConfig | None = None) -> None:
-        """`model`: a checkpoint directory, a .gguf file, or the default model's name (None)."""
-        from worker.executor import Executor
+    def __init__(self, model: str | Path | None = None, config: ExecutorConfig | None = None, *,
+                 tensor_parallel_size: int = 1) -> None:  # fmt: skip
+        """`model`: a checkpoint directory, a .gguf file, or the default model's name (None).
+        `tensor_parallel_size`: split the model over that many GPUs (one process each)."""
+        from dataclasses import replace
+
+        from worker.executor import Executor, ExecutorConfig, ParallelConfig
         from worker.models.default_model import DEFAULT_MODEL_NAME, resolve_model
+
+        if tensor_parallel_size != 1:
+            config = replace(config or ExecutorConfig(), parallel_config=ParallelConfig(tensor_parallel_size))
 
         self.executor: Executor = Executor.from_model(resolve_model(model or DEFAULT_MODEL_NAME), config)
         self.tokenizer: Any = self.executor.tokenizer

@@ -67,6 +67,10 @@ class EngineConfig:
     log_level: str
     log_format: str
     test_hang_loop_after_s: float | None = None
+    # More than one rank: this process starts the others (worker/parallel/ranks.py) and
+    # ends when any of them does, so the worker sees one engine fail as a whole.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +198,7 @@ def _widen(pipe: Connection) -> None:
 
 
 def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
-    from worker.executor import EngineCore, ExecutorConfig, KvCacheConfig
+    from worker.executor import EngineCore, ExecutorConfig, KvCacheConfig, ParallelConfig
     from worker.models.default_model import resolve_model
 
     path = Path(config.model) if Path(config.model).exists() else resolve_model(config.model)
@@ -206,6 +210,7 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
         logits_post_processors=config.logits_post_processors,
         backend="auto" if config.backend == "echo" else config.backend,
         device=config.device,
+        parallel_config=ParallelConfig(config.tensor_parallel_size, config.pipeline_parallel_size),
     )
     if config.backend != "echo":
         return EngineCore.from_model(path, executor_config), path
