@@ -36,7 +36,7 @@ class TensorGroup:
             gathered = [torch.empty_like(x) for _ in range(self.size)]
             dist.all_gather(gathered, x.contiguous())
             parts = torch.stack(gathered)
-        return parts.permute(1, 0, 2).reshape(x.shape[0], -1)
+        return parts.permute(1, 0, 2).reshape(x.shape[0], self.size * x.shape[1])
 
     def min_over_ranks(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
