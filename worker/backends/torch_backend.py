@@ -108,9 +108,7 @@ class TorchBackend:
         )
         if weights is None:
             weights = _weights_of(model, self.device, self.dtype)
-        self.model: llama.DecoderWeights[torch.Tensor, Any] = llama.build_weights(
-            self.config, weights, self.ops
-        )
+        self.model: llama.DecoderWeights[torch.Tensor, Any] = llama.build_weights(self.config, weights, self.ops)
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_cuda else 1
         self.block_size = 0
         self.scratch_slot = 0

@@ -14,6 +14,7 @@ weights, so any linear-weight format (quantized included) shards the same way.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -110,7 +111,7 @@ def _split(tensors: Sequence[Any], sizes: list[int]) -> list[Any]:
         return list(tensors)
     (fused,) = tensors
     bounds = np.cumsum([0, *sizes])
-    return [fused[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+    return [fused[lo:hi] for lo, hi in itertools.pairwise(bounds)]
 
 
 def _contiguous(t: Any) -> Any:

@@ -19,6 +19,7 @@ otherwise wait forever.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import logging
 import multiprocessing
@@ -27,6 +28,7 @@ import pickle
 import signal
 import socket
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -65,7 +67,7 @@ class DistributedBackend:
     other ranks first, then to this rank's shard."""
 
     def __init__(self, inner: TorchBackend, group: TensorGroup, links: list[Connection],
-                 processes: list[BaseProcess]) -> None:  # fmt: skip
+                 processes: Sequence[BaseProcess]) -> None:  # fmt: skip
         self.inner, self.group = inner, group
         self.name, self.config = inner.name, inner.config
         self.device, self.dtype = inner.device, inner.dtype
@@ -122,10 +124,8 @@ class DistributedBackend:
             return
         self._closing.set()
         for link in self._links:
-            try:
+            with contextlib.suppress(OSError):
                 link.send_bytes(pickle.dumps(("stop", None)))
-            except OSError:
-                pass
         for p in self._processes:
             p.join(10)
             if p.is_alive():

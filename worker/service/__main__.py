@@ -33,8 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="'echo' is for TRANSPORT TESTS ONLY: it returns the last prompt token, computing nothing",
     )
     p.add_argument("--device", default=None, help="torch device, e.g. cuda:0")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="GPUs (processes) the model is split over: the first N visible ones")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="GPUs (processes) the model is split over: the first N visible ones",
+    )
     p.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (only 1 for now)")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--max-num-tokens", type=int, default=2048)
