@@ -180,6 +180,12 @@ class TorchBackend:
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.ops.copy_blocks(src, dst)
 
+    def capture_graphs(self) -> None:
+        """Capture every generation-step CUDA graph now rather than on first use
+        (benchmarks: no capture inside a timed run)."""
+        if self._graphs is not None:
+            self._graphs.capture_all()
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [S, vocab] float32 on the device. After a CUDA-graph step they live in
         the graph's output buffer: valid until the next forward (sample them first)."""

@@ -28,7 +28,7 @@ import pickle
 import signal
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -113,6 +113,10 @@ class DistributedBackend:
     def logits_to_host(self, logits: torch.Tensor) -> np.ndarray:
         return self.inner.logits_to_host(logits)
 
+    def capture_graphs(self) -> None:
+        self._send(("capture_graphs", None))
+        self.inner.capture_graphs()
+
     def _share_sampled(self, rows: int) -> None:
         self._send(("sampled", rows))
         assert self.inner.last_ids is not None
@@ -164,19 +168,29 @@ def start_ranks(model: Any, device: str | None, dtype: str | None, max_num_token
         tensor_parallel_size=tp,
         port=_free_port(),
     )
+    links, processes = spawn_ranks(tp, _follower_main, (spec,))
+    group = join(0, tp, spec.port, spec.device_type)
+    backend = _rank_backend(model, spec, group)
+    return DistributedBackend(backend, group, links, processes)
+
+
+def spawn_ranks(
+    tp: int, target: Callable[..., None], args: tuple[Any, ...]
+) -> tuple[list[Connection], list[BaseProcess]]:
+    """Start ranks 1..tp-1, each running target(rank, inbox, parent pid, *args) in a
+    spawned process; returns rank 0's pipe to each, and the processes."""
     ctx = multiprocessing.get_context("spawn")  # CUDA does not survive fork
-    links, processes = [], []
+    links: list[Connection] = []
+    processes: list[BaseProcess] = []
     for rank in range(1, tp):
         inbox, outbox = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_follower_main, args=(spec, rank, inbox, os.getpid()), name=f"tokenwire-rank{rank}",
+        p = ctx.Process(target=target, args=(rank, inbox, os.getpid(), *args), name=f"tokenwire-rank{rank}",
                         daemon=True)  # fmt: skip
         p.start()
         inbox.close()  # the rank's end: its exit must read as end-of-file here
         links.append(outbox)
         processes.append(p)
-    group = join(0, tp, spec.port, spec.device_type)
-    backend = _rank_backend(model, spec, group)
-    return DistributedBackend(backend, group, links, processes)
+    return links, processes
 
 
 def _rank_backend(model: Any, spec: RankSpec, group: TensorGroup) -> TorchBackend:
@@ -212,11 +226,8 @@ def _free_port() -> int:
 # -- ranks 1..N-1 ---------------------------------------------------------------------
 
 
-def _follower_main(spec: RankSpec, rank: int, inbox: Connection, parent: int) -> None:
-    _die_with_parent(parent)
-    # Rank 0 decides when the ranks stop (a terminal's Ctrl-C reaches the whole group).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def _follower_main(rank: int, inbox: Connection, parent: int, spec: RankSpec) -> None:
+    follow(parent)
     from worker.models.loader import load_model
 
     group = join(rank, spec.tensor_parallel_size, spec.port, spec.device_type)
@@ -246,6 +257,8 @@ def serve(backend: TorchBackend, group: TensorGroup, inbox: Connection) -> None:
             backend.allocate_kv_cache(*body)
         elif kind == "copy_blocks":
             backend.copy_blocks(*body)
+        elif kind == "capture_graphs":
+            backend.capture_graphs()
         else:  # stop
             return
 
@@ -257,8 +270,12 @@ def _receive_sampled(backend: TorchBackend, group: TensorGroup, rows: int) -> No
     backend.last_ids = group.broadcast(torch.empty(rows, dtype=torch.int64, device=backend.device))
 
 
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL when rank 0 ends, however it ends (Linux)."""
+def follow(parent: int) -> None:
+    """What every rank but 0 does first: die with rank 0 (SIGKILL when it ends, however
+    it ends; Linux), and leave stopping to it (a terminal's Ctrl-C reaches the whole
+    process group)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
