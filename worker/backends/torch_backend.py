@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -282,20 +282,31 @@ class TorchBackend:
         return llama.forward(self.model, self.ops, inp)
 
 
-def _weights_of(model: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor | np.ndarray]:
+def _weights_of(model: Any, device: torch.device, dtype: torch.dtype) -> Mapping[str, torch.Tensor | np.ndarray]:
     """A LoadedModel's tensors: read from disk onto the device when their files are known
     (no float32 detour for big checkpoints), else its float32 arrays."""
     refs = getattr(model, "tensor_refs", None) or {}
     if not refs or (model.weights and device.type != "cuda"):
         return dict(model.weights)
-    from safetensors import safe_open
+    return _DeviceTensors({name: Path(ref.file) for name, ref in refs.items()}, device, dtype)
 
-    weights: dict[str, torch.Tensor | np.ndarray] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name, ref in refs.items():
-        by_file.setdefault(Path(ref.file), []).append(name)
-    for file, names in by_file.items():
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
-            for name in names:
-                weights[name] = f.get_tensor(name).to(dtype)
-    return weights
+
+class _DeviceTensors(Mapping[str, torch.Tensor]):
+    """Safetensors read onto the device one tensor at a time, as the model's weights are
+    built: a tensor-parallel rank keeps only its shard of each, so the whole checkpoint
+    is never on its GPU at once."""
+
+    def __init__(self, files: dict[str, Path], device: torch.device, dtype: torch.dtype) -> None:
+        self.files, self.device, self.dtype = files, device, dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt", device=str(self.device)) as f:
+            return f.get_tensor(name).to(self.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)

@@ -65,8 +65,8 @@ def shard_vocab(table: Any, rank: int, tp: int) -> Any:
     vocab = table.shape[0]
     start, rows = vocab_shard(vocab, rank, tp)
     part = table[start : min(start + rows, vocab)]
-    if part.shape[0] == rows:
-        return part
+    if part.shape[0] == rows:  # a copy: a view would keep the whole table alive
+        return part.copy() if isinstance(part, np.ndarray) else part.clone()
     pad = (rows - part.shape[0], *part.shape[1:])
     if isinstance(part, np.ndarray):
         return np.concatenate([part, np.zeros(pad, dtype=part.dtype)])
