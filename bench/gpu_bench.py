@@ -676,7 +676,9 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
         }
         out = os.environ.get("OUT")
         if out:
-            with open(os.path.join(out, "gpu_bench.json"), "w") as f:
+            single = args.tensor_parallel_size == 1 and args.model_shape == "8b"
+            name = "gpu_bench.json" if single else f"gpu_bench_{args.model_shape}_tp{args.tensor_parallel_size}.json"
+            with open(os.path.join(out, name), "w") as f:
                 json.dump(summary, f, indent=1, default=str)
 
     save()
