@@ -71,7 +71,7 @@ class DistributedBackend:
         self.inner, self.group = inner, group
         self.name, self.config = inner.name, inner.config
         self.device, self.dtype = inner.device, inner.dtype
-        self._links, self._processes = links, processes
+        self._links, self.processes = links, processes
         self._closing = threading.Event()
         threading.Thread(target=self._watch, name="tp-rank-monitor", daemon=True).start()
         atexit.register(self.close)
@@ -130,7 +130,7 @@ class DistributedBackend:
         for link in self._links:
             with contextlib.suppress(OSError):
                 link.send_bytes(pickle.dumps(("stop", None)))
-        for p in self._processes:
+        for p in self.processes:
             p.join(10)
             if p.is_alive():
                 p.kill()
@@ -143,12 +143,12 @@ class DistributedBackend:
 
     def _watch(self) -> None:
         """Ends this process when another rank exits: the model is gone with it."""
-        ended = wait([p.sentinel for p in self._processes])
+        ended = wait([p.sentinel for p in self.processes])
         if self._closing.is_set():
             return
-        dead = [p for p in self._processes if p.sentinel in ended]
+        dead = [p for p in self.processes if p.sentinel in ended]
         log.critical("tensor-parallel rank %s exited with code %s: the engine ends", dead[0].name, dead[0].exitcode)
-        for p in self._processes:
+        for p in self.processes:
             if p.is_alive():
                 p.kill()
         os._exit(1)

@@ -41,9 +41,7 @@ def executor(model: Path, tp: int, **options: object) -> Iterator[Executor]:
         assert isinstance(ex.core.backend, DistributedBackend) == (tp > 1)
         yield ex
     finally:
-        ex.shutdown()
-        if isinstance(ex.core.backend, DistributedBackend):
-            ex.core.backend.close()  # the next test's ranks form a group of their own
+        ex.shutdown()  # and the ranks with it: the next test's ranks form a group of their own
 
 
 def _prompts() -> list[list[int]]:
