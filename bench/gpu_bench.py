@@ -327,10 +327,22 @@ def mean_decode_batch(stats: list[Any]) -> float:
 def bench_tokenwire(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.Tensor], device: torch.device,
                     workloads: list[tuple[int, int, int, int]], roof: Roofline) -> list[Row]:  # fmt: skip
     from worker.backends.torch_backend import TorchBackend
-    from worker.executor import EngineCore, Executor, ExecutorConfig, KvCacheConfig
 
     backend = TorchBackend(cfg, device, args.dtype, weights=weights, max_num_tokens=args.max_num_tokens,
                            max_model_len=args.max_model_len, max_graph_batch=args.max_batch)  # fmt: skip
+    rows = bench_executor(args, cfg, backend, workloads, roof)
+    del backend
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: list[tuple[int, int, int, int]],
+                   roof: Roofline) -> list[Row]:  # fmt: skip
+    """The executor over `backend` (a TorchBackend, or tensor-parallel rank 0's backend)."""
+    from worker.executor import EngineCore, Executor, ExecutorConfig, KvCacheConfig
+
     config = ExecutorConfig(
         max_batch_size=args.max_batch,
         max_num_tokens=args.max_num_tokens,
@@ -340,12 +352,10 @@ def bench_tokenwire(args: argparse.Namespace, cfg: Any, weights: dict[str, torch
     )  # fmt: skip
     t0 = time.perf_counter()
     executor = Executor(EngineCore(backend, config))
-    graphs = backend._graphs
-    if graphs is not None:
-        graphs.capture_all()
+    backend.capture_graphs()
     kv_tokens = executor.core.blocks.num_blocks * args.block_size
     log(f"executor up in {time.perf_counter() - t0:.1f} s: {executor.core.blocks.num_blocks} KV blocks of "
-        f"{args.block_size}, {len(graphs.graphs) if graphs else 0} CUDA graphs")  # fmt: skip
+        f"{args.block_size}, CUDA graphs captured")  # fmt: skip
     # Warm-up: compiles the Triton kernels for prefill shapes, touches every path once.
     run_executor_offline(executor, prompts_for(4, 64, cfg.vocab_size, 99), 8)
     # ... and a prompt alone: its prefill keeps a single logits row, a shape of its own for the kernels.
@@ -372,23 +382,20 @@ def bench_tokenwire(args: argparse.Namespace, cfg: Any, weights: dict[str, torch
         log(f"tokenwire {name}: {row.tok_s:,.0f} tok/s (mean decode batch {batch:.0f}), "
             f"TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms; iterations {row.extra}")  # fmt: skip
         rows.append(row)
-    if args.direct:
+    single_device = not getattr(args, "tensor_parallel_size", 1) > 1  # --direct and --profile drive one backend
+    if args.direct and single_device:
         for row, (prompt, output, n, _) in zip(rows, workloads, strict=True):
             prompts = np.asarray(prompts_for(n, prompt, cfg.vocab_size, 1))
             seconds, tokens = run_direct(backend, prompts, output, args.max_batch, args.max_num_tokens,
                                          args.block_size, executor.core.blocks.num_blocks)  # fmt: skip
             row.extra["direct_tok_s"] = round(tokens / seconds)
             log(f"backend alone {row.workload}: {tokens / seconds:,.0f} tok/s")
-    if args.profile:
+    if args.profile and single_device:
         try:
             profile_steps(backend, cfg, executor.core.blocks.num_blocks, args.block_size)
         except Exception as e:  # a diagnostic; never lose the table for it
             log(f"profile failed: {type(e).__name__}: {e}")
     executor.shutdown()
-    del executor, backend, graphs
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return rows
 
 
@@ -628,6 +635,10 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
         raise SkipSection("no CUDA device")
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     hf_cfg = TINY if args.tiny else LLAMA_8B
+    if args.model_shape != "8b" and not args.tiny:
+        from bench.tp_bench import SHAPES
+
+        hf_cfg = SHAPES[args.model_shape]
     workloads = TINY_WORKLOADS if args.tiny else WORKLOADS
     if args.workloads:
         keep = set(args.workloads.split(","))
@@ -637,15 +648,23 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
     cfg = ModelConfig.from_hf(hf_cfg)
     env = environment(device)
     log("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
-    bandwidth, flops = measure_bandwidth(device), measure_gemm(device)
-    roof = roofline_for(cfg, bandwidth, flops, dtype.itemsize)
-    log(f"roofline: {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s; weights {roof.weight_bytes / 1e9:.2f} GB "
-        f"-> batch-1 TPOT floor {roof.weight_bytes / bandwidth * 1e3:.2f} ms")  # fmt: skip
-    t0 = time.perf_counter()
-    weights = random_weights(cfg, device, dtype)
-    sync(device)
-    log(f"random weights made in {time.perf_counter() - t0:.1f} s")
-    rows = bench_tokenwire(args, cfg, weights, device, workloads, roof)
+    weights: dict[str, torch.Tensor] = {}
+    if args.tensor_parallel_size > 1 or args.model_shape != "8b":  # rank processes, each with its shard
+        from bench import tp_bench
+
+        rows, roof, bandwidth, flops = tp_bench.run(args, workloads, env)
+        args.skip_hf = True
+    else:
+        bandwidth, flops = measure_bandwidth(device), measure_gemm(device)
+        roof = roofline_for(cfg, bandwidth, flops, dtype.itemsize)
+        floor_ms = roof.weight_bytes / bandwidth * 1e3
+        log(f"roofline: {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s; weights "
+            f"{roof.weight_bytes / 1e9:.2f} GB -> batch-1 TPOT floor {floor_ms:.2f} ms")  # fmt: skip
+        t0 = time.perf_counter()
+        weights = random_weights(cfg, device, dtype)
+        sync(device)
+        log(f"random weights made in {time.perf_counter() - t0:.1f} s")
+        rows = bench_tokenwire(args, cfg, weights, device, workloads, roof)
 
     def save() -> None:  # after each engine, so a run cut short still leaves its figures
         summary = {
@@ -653,11 +672,15 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
             "bandwidth_TBps": bandwidth / 1e12,
             "gemm_TFLOPps": flops / 1e12,
             "weight_GB": roof.weight_bytes / 1e9,
+            "model_shape": "tiny" if args.tiny else args.model_shape,
+            "tensor_parallel_size": args.tensor_parallel_size,
             "rows": [asdict(r) | {"tok_s": r.tok_s, "hf_tok_s": r.hf_tok_s} for r in rows],
         }
         out = os.environ.get("OUT")
         if out:
-            with open(os.path.join(out, "gpu_bench.json"), "w") as f:
+            single = args.tensor_parallel_size == 1 and args.model_shape == "8b"
+            name = "gpu_bench.json" if single else f"gpu_bench_{args.model_shape}_tp{args.tensor_parallel_size}.json"
+            with open(os.path.join(out, name), "w") as f:
                 json.dump(summary, f, indent=1, default=str)
 
     save()
@@ -668,7 +691,8 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
     print(f"\n{env.get('gpu', 'cpu')} | torch {env['torch']} | triton {env['triton']} | transformers "
           f"{env['transformers']} | {env['date']}")  # fmt: skip
     print(f"roofline inputs: HBM {bandwidth / 1e12:.2f} TB/s (D2D copy, read+write), bf16 GEMM {flops / 1e12:.0f} "
-          f"TFLOP/s (8192^3); weights {roof.weight_bytes / 1e9:.2f} GB read per step")  # fmt: skip
+          f"TFLOP/s (8192^3), summed over {args.tensor_parallel_size} GPU(s); weights "
+          f"{roof.weight_bytes / 1e9:.2f} GB read per step")  # fmt: skip
     return header, table
 
 
@@ -710,6 +734,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--table-from", default="", help="print the table of a saved gpu_bench.json and exit")
     p.add_argument("--profile", action="store_true", help="time single steps of the backend, kernel breakdown")
     p.add_argument("--hf-budget", type=float, default=240.0, help="seconds for transformers before skipping")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs the model is split over, one process each (bench/tp_bench.py); no transformers run")
+    p.add_argument("--model-shape", default="8b", choices=["8b", "70b"],
+                   help="Llama-3.1-8B or -70B shape (70b needs enough GPUs for its shards)")
     return p
 
 

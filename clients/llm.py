@@ -212,12 +212,10 @@ class LLM:
         and `decode` (default: the model's); `skip_tokenizer_init`: none at all
         (prompts are token ids, outputs have no text). Every LLM serves
         `generate_async`: `async_mode` is accepted for the seed's code."""
-        from worker.executor import Executor, ExecutorConfig, SchedulerConfig
+        from worker.executor import Executor, ExecutorConfig, ParallelConfig, SchedulerConfig
 
         model_config = model if isinstance(model, ModelConfig) else ModelConfig(model_dir=model)
         ranks = tensor_parallel_size or model_config.parallel_config.num_ranks
-        if ranks != 1:
-            raise NotImplementedError(f"{ranks}-way parallelism: tokenwire runs a model on one GPU for now")
         quant = model_config.quant_config.requested + ([quantization] if quantization else [])
         if any(q is not QuantAlgo.NO_QUANT for q in quant):
             raise NotImplementedError(f"quantization {quant[0].name}: tokenwire runs float weights only "
@@ -227,6 +225,8 @@ class LLM:
             cfg = replace(cfg, max_beam_width=model_config.max_beam_width)
         if kv_cache_config is not None:
             cfg = replace(cfg, kv_cache_config=replace(cfg.kv_cache_config, **kv_cache_config.executor_fields()))
+        if ranks != 1:
+            cfg = replace(cfg, parallel_config=ParallelConfig(tensor_parallel_size=ranks))
         if capacity_scheduling_policy is not None:
             cfg = replace(cfg, scheduler_config=SchedulerConfig(capacity_scheduling_policy))
         self.model_path = resolve_source(model_config.model_dir or _default_model_name())

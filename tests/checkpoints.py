@@ -70,6 +70,8 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         {},
     ),
     "qwen2_bias": ("Qwen2Config", {"tie_word_embeddings": False, "rope_theta": 1000000.0}, {}),
+    # One KV head: fewer than tensor-parallel ranks, so every rank holds a copy of it.
+    "qwen2_mqa": ("Qwen2Config", {"num_key_value_heads": 1, "tie_word_embeddings": True}, {}),
     # bf16 on disk and sharded: exercises the bf16 widening and the safetensors index.
     "mistral_bf16_sharded": (
         "MistralConfig",

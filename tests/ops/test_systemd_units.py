@@ -17,7 +17,12 @@ import pytest
 
 UNITS = Path(__file__).resolve().parents[2] / "ops" / "systemd"
 INSTALLED = "/opt/tokenwire/venv/bin/tokenwire"
-SERVICES = ["tokenwire-worker@.service", "tokenwire-gateway.service", "tokenwire-jobs-consumer.service"]
+SERVICES = [
+    "tokenwire-worker@.service",
+    "tokenwire-worker-tp@.service",
+    "tokenwire-gateway.service",
+    "tokenwire-jobs-consumer.service",
+]
 
 
 def _unit(name: str) -> configparser.ConfigParser:
@@ -96,6 +101,35 @@ def test_worker_reaches_the_gpu_and_outlasts_its_drain() -> None:
     assert {"char-nvidiactl", "char-nvidia-frontend", "char-nvidia-uvm"} <= allowed
     assert "CUDA_VISIBLE_DEVICES=%i" in text
     assert int(service["TimeoutStopSec"]) > worker.get_default("drain_timeout") + 10
+
+
+def _run_exec_start(tmp_path: Path, unit: str, instance: str) -> list[str]:
+    """The unit's ExecStart run as systemd would for `instance` (specifiers and $$ and %% expanded)."""
+    stub = _stub(tmp_path)
+    stub.write_text('#!/bin/sh\necho "CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"\nfor a in "$@"; do echo "$a"; done\n')
+    exec_start = _unit(unit)["Service"]["ExecStart"]
+    command = exec_start.replace(INSTALLED, str(stub)).replace("%%", "%").replace("%i", instance)
+    command = command.replace("%H", "host").replace("$$", "$")
+    argv = ["/bin/sh", "-c", command.split("'", 2)[1]]
+    env = {
+        **os.environ,
+        "TOKENWIRE_BIND_HOST": "0.0.0.0",
+        "TOKENWIRE_PORT_BASE": "5600",
+        "TOKENWIRE_METRICS_PORT_BASE": "9600",
+    }
+    return subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout.splitlines()
+
+
+def test_tensor_parallel_worker_takes_its_gpus_from_the_instance(tmp_path: Path) -> None:
+    """Instance 2-3: GPUs 2 and 3 visible, TP=2, the port and metrics port of GPU 2."""
+    text = (UNITS / "tokenwire-worker-tp@.service").read_text()
+    assert "CUDA_VISIBLE_DEVICES=$$gpus exec" in text
+    out = _run_exec_start(tmp_path, "tokenwire-worker-tp@.service", "2-3")
+    assert out[0] == "CUDA_VISIBLE_DEVICES=2,3"
+    assert out[out.index("--tensor-parallel-size") + 1] == "2"
+    assert out[out.index("--bind") + 1] == "tcp://0.0.0.0:5602"
+    assert out[out.index("--metrics-port") + 1] == "9602"
+    assert out[out.index("--worker-id") + 1] == "host-gpus2-3"
 
 
 def test_worker_instance_sets_its_port_from_the_gpu_index(tmp_path: Path) -> None:

@@ -69,22 +69,12 @@ def test_quantization_is_refused_by_name(model_dir: Path) -> None:
         LLM(model_dir, quantization=QuantAlgo.FP8)
 
 
-def test_parallel_configs_are_one_gpu_for_now(model_dir: Path) -> None:
-    config = ModelConfig(model_dir=model_dir)
-    config.parallel_config.tp_size = 2
-    with pytest.raises(NotImplementedError, match="2-way"):
-        LLM(config)
+def test_pipeline_stages_are_refused_by_name(model_dir: Path) -> None:
+    # Tensor parallelism runs (tests/clients/test_llm_tensor_parallel.py); pipeline stages do not yet.
     config = ModelConfig(model_dir=model_dir)
     config.parallel_config.pp_size = 4
-    with pytest.raises(NotImplementedError, match="4-way"):
+    with pytest.raises(ValueError, match="pipeline parallelism is not implemented"):
         LLM(config)
-    config = ModelConfig(model_dir=model_dir)
-    config.parallel_config.auto_parallel = True
-    config.parallel_config.world_size = 2
-    with pytest.raises(NotImplementedError, match="2-way"):
-        LLM(config)
-    with pytest.raises(NotImplementedError, match="2-way"):
-        LLM(model_dir, tensor_parallel_size=2)
 
 
 def test_token_id_prompts(model_dir: Path) -> None:

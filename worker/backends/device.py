@@ -7,9 +7,12 @@ installed, and so the worker can say in its logs and stats what it picked.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker.backends.base import Backend
+
+if TYPE_CHECKING:
+    from worker.executor.types import ParallelConfig
 
 BACKEND_CHOICES = ("auto", "numpy", "torch")
 
@@ -38,11 +41,19 @@ def create_backend(
     dtype: str | None = None,
     max_num_tokens: int | None = None,
     max_batch_size: int | None = None,
+    parallel: ParallelConfig | None = None,
 ) -> Backend:
     """Build the backend for a LoadedModel. `device` / `dtype` apply to torch only
     (default: cuda and bfloat16 when there is a GPU, else cpu and float32); so do the
-    executor's limits, which size the activation reserve and the CUDA-graph buckets."""
+    executor's limits, which size the activation reserve and the CUDA-graph buckets.
+    A `parallel` config over several ranks starts them (torch only: worker/parallel)."""
     kind = resolve_backend(choice)
+    if parallel is not None and parallel.world_size > 1:
+        if choice == "numpy":
+            raise ValueError("tensor parallelism needs the torch backend")
+        from worker.parallel.ranks import start_ranks
+
+        return start_ranks(model, device, dtype, max_num_tokens or 8192, min(max_batch_size or 512, 512), parallel)
     if kind == "numpy":
         if device not in (None, "cpu"):
             raise ValueError(f"the numpy backend runs on the CPU only, got device {device!r}")

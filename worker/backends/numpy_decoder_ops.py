@@ -14,6 +14,7 @@ import numpy as np
 
 from worker.backends.numpy_attention import AttentionPlan, paged_attention_numpy
 from worker.models.config import ModelConfig
+from worker.models.llama import LinearRole
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +80,9 @@ class NumpyDecoderOps:
     def lm_head_weight(self, tensor: np.ndarray) -> np.ndarray:
         return tensor.T
 
-    def linear_weight(self, parts: Sequence[np.ndarray], bias: Sequence[np.ndarray] | None) -> NumpyLinear:
+    def linear_weight(
+        self, parts: Sequence[np.ndarray], bias: Sequence[np.ndarray] | None, role: LinearRole
+    ) -> NumpyLinear:
         fused = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return NumpyLinear(np.ascontiguousarray(fused.T), None if bias is None else np.concatenate(bias))
 

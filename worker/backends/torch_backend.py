@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +25,13 @@ import torch
 from worker.backends import paged_attention
 from worker.backends.base import ForwardBatch, SampleOutput, SamplingBatch
 from worker.backends.cuda_graphs import DecodeGraphs
-from worker.backends.torch_decoder_ops import TorchDecoderOps, TorchLinear
+from worker.backends.torch_decoder_ops import TorchDecoderOps
 from worker.backends.torch_sampler import sample_all
 from worker.backends.torch_step import PinnedStaging, StepInputs
 from worker.models import llama
 from worker.models.config import CheckpointError, ModelConfig
+from worker.parallel.group import TensorGroup
+from worker.parallel.sharded_ops import ShardedTorchDecoderOps
 
 # Working memory kept out of the KV cache: cuBLAS workspaces, the CUDA graph pool,
 # allocator slack. Activations are counted separately from max_num_tokens.
@@ -80,10 +82,15 @@ class TorchBackend:
         max_model_len: int | None = None,
         use_cuda_graphs: bool = True,
         max_graph_batch: int = 512,
+        tensor_group: TensorGroup | None = None,
     ) -> None:
         """`model` is a LoadedModel (worker.models) or a ModelConfig with `weights`
         given separately (Hugging Face names; a fused `...qkv_proj.weight` /
-        `...gate_up_proj.weight` is used as is, so callers can share memory)."""
+        `...gate_up_proj.weight` is used as is, so callers can share memory).
+        With `tensor_group`, this rank holds and runs its shard of the model
+        (worker/parallel), on the group's device."""
+        if tensor_group is not None:
+            device = tensor_group.device
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = _dtype(dtype, self.device)
         self.on_cuda = self.device.type == "cuda"
@@ -94,12 +101,14 @@ class TorchBackend:
         self.max_num_tokens = max_num_tokens
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         # Before any weight is read: the ops refuse a model they cannot run.
-        self.ops = TorchDecoderOps(self.config, self.device, self.dtype, self.max_model_len)
+        self.ops = (
+            TorchDecoderOps(self.config, self.device, self.dtype, self.max_model_len)
+            if tensor_group is None
+            else ShardedTorchDecoderOps(self.config, tensor_group, self.device, self.dtype, self.max_model_len)
+        )
         if weights is None:
             weights = _weights_of(model, self.device, self.dtype)
-        self.model: llama.DecoderWeights[torch.Tensor, TorchLinear] = llama.build_weights(
-            self.config, weights, self.ops
-        )
+        self.model: llama.DecoderWeights[torch.Tensor, Any] = llama.build_weights(self.config, weights, self.ops)
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_cuda else 1
         self.block_size = 0
         self.scratch_slot = 0
@@ -108,8 +117,9 @@ class TorchBackend:
         self._use_cuda_graphs = use_cuda_graphs and self.on_cuda
         self._max_graph_batch = max_graph_batch
         # The previous launch's sampled ids, still on the device: the next step's
-        # placeholder tokens (-(k + 1) for row k) are read from here.
-        self._last_ids: torch.Tensor | None = None
+        # placeholder tokens (-(k + 1) for row k) are read from here. Tensor-parallel
+        # ranks other than 0 receive them from rank 0 (worker/parallel/ranks.py).
+        self.last_ids: torch.Tensor | None = None
 
     # -- construction from disk -------------------------------------------------------
 
@@ -138,16 +148,16 @@ class TorchBackend:
     # -- Backend protocol ----------------------------------------------------------------
 
     def kv_bytes_per_token(self) -> int:
-        cfg = self.config
+        cfg = self.ops.config  # this rank's KV heads
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
 
     def activation_bytes(self) -> int:
         """Peak working memory of one forward of max_num_tokens (plus logits and sampling)."""
-        cfg = self.config
+        cfg = self.ops.config
         width = cfg.hidden_size * 4 + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * 2
         width += cfg.intermediate_size * 3
         per_token = width * self.dtype.itemsize
-        logits = self._max_graph_batch * cfg.vocab_size * 4 * 4  # logits, probs, sort keys, indices
+        logits = self._max_graph_batch * self.config.vocab_size * 4 * 4  # logits, probs, sort keys, indices
         return self.max_num_tokens * per_token + logits + _FIXED_RESERVE_BYTES
 
     def free_memory_bytes(self) -> int:
@@ -170,6 +180,12 @@ class TorchBackend:
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.ops.copy_blocks(src, dst)
 
+    def capture_graphs(self) -> None:
+        """Capture every generation-step CUDA graph now rather than on first use
+        (benchmarks: no capture inside a timed run)."""
+        if self._graphs is not None:
+            self._graphs.capture_all()
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [S, vocab] float32 on the device. After a CUDA-graph step they live in
         the graph's output buffer: valid until the next forward (sample them first)."""
@@ -188,14 +204,14 @@ class TorchBackend:
         prepares the next step while this one runs."""
         logits = self.forward(batch)
         if sampling is None:
-            self._last_ids = None
+            self.last_ids = None
             return _NothingSampled()
         return self._sample_async(logits, sampling)
 
     def _sample_async(self, logits: torch.Tensor, sampling: SamplingBatch) -> _Launched:
         with torch.inference_mode():
             ids, log_probs, top = sample_all(logits, sampling)
-            self._last_ids = ids
+            self.last_ids = ids
             tensors = [ids, log_probs, *(top or ())]
             if not self.on_cuda:
                 return _Launched(tensors, None)
@@ -212,10 +228,10 @@ class TorchBackend:
         launch's sampled row k, without a round trip to the host."""
         if not (host_tokens < 0).any():
             return
-        if self._last_ids is None:
+        if self.last_ids is None:
             raise RuntimeError("a placeholder token id, but the previous step sampled nothing")
         rows = (-tokens.long() - 1).clamp_(min=0)
-        tokens.copy_(torch.where(tokens < 0, self._last_ids[rows].to(tokens.dtype), tokens))
+        tokens.copy_(torch.where(tokens < 0, self.last_ids[rows].to(tokens.dtype), tokens))
 
     def logits_to_host(self, logits: torch.Tensor) -> np.ndarray:
         return logits.float().cpu().numpy()
@@ -259,27 +275,38 @@ class TorchBackend:
         )
 
     def decode_splits(self, num_seqs: int) -> int:
-        return paged_attention.decode_splits(num_seqs, self.config.num_kv_heads, self._num_sms)
+        return paged_attention.decode_splits(num_seqs, self.ops.config.num_kv_heads, self._num_sms)
 
     def run_model(self, inp: StepInputs) -> torch.Tensor:
         """The decoder over one packed step; returns float32 logits for the sampled rows."""
         return llama.forward(self.model, self.ops, inp)
 
 
-def _weights_of(model: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor | np.ndarray]:
+def _weights_of(model: Any, device: torch.device, dtype: torch.dtype) -> Mapping[str, torch.Tensor | np.ndarray]:
     """A LoadedModel's tensors: read from disk onto the device when their files are known
     (no float32 detour for big checkpoints), else its float32 arrays."""
     refs = getattr(model, "tensor_refs", None) or {}
     if not refs or (model.weights and device.type != "cuda"):
         return dict(model.weights)
-    from safetensors import safe_open
+    return _DeviceTensors({name: Path(ref.file) for name, ref in refs.items()}, device, dtype)
 
-    weights: dict[str, torch.Tensor | np.ndarray] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name, ref in refs.items():
-        by_file.setdefault(Path(ref.file), []).append(name)
-    for file, names in by_file.items():
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
-            for name in names:
-                weights[name] = f.get_tensor(name).to(dtype)
-    return weights
+
+class _DeviceTensors(Mapping[str, torch.Tensor]):
+    """Safetensors read onto the device one tensor at a time, as the model's weights are
+    built: a tensor-parallel rank keeps only its shard of each, so the whole checkpoint
+    is never on its GPU at once."""
+
+    def __init__(self, files: dict[str, Path], device: torch.device, dtype: torch.dtype) -> None:
+        self.files, self.device, self.dtype = files, device, dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt", device=str(self.device)) as f:
+            return f.get_tensor(name).to(self.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)

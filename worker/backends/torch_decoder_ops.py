@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from worker.backends import paged_attention, torch_ops
 from worker.backends.torch_step import StepInputs
 from worker.models.config import ModelConfig
+from worker.models.llama import LinearRole
 from worker.models.rope import Rope
 
 
@@ -89,7 +90,10 @@ class TorchDecoderOps:
         return self._tensor(tensor)
 
     def linear_weight(
-        self, parts: Sequence[torch.Tensor | np.ndarray], bias: Sequence[torch.Tensor | np.ndarray] | None
+        self,
+        parts: Sequence[torch.Tensor | np.ndarray],
+        bias: Sequence[torch.Tensor | np.ndarray] | None,
+        role: LinearRole,
     ) -> TorchLinear:
         return TorchLinear(self._fused(parts), None if bias is None else self._fused(bias))
 

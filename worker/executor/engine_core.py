@@ -245,7 +245,8 @@ class EngineCore:
         cfg = config or ExecutorConfig()
         loaded = load_model(path)
         backend = create_backend(loaded, cfg.backend, cfg.device, cfg.dtype,
-                                 max_num_tokens=cfg.max_num_tokens, max_batch_size=cfg.max_batch_size)
+                                 max_num_tokens=cfg.max_num_tokens, max_batch_size=cfg.max_batch_size,
+                                 parallel=cfg.parallel_config)
         draft = None
         if cfg.draft_model is not None:
             draft = DraftModel.load(cfg.draft_model, cfg.backend, cfg.device, cfg.dtype,

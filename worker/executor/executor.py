@@ -136,6 +136,9 @@ class Executor:
             self._shutdown = True
             self._lock.notify_all()
         self._thread.join()
+        close = getattr(self.core.backend, "close", None)  # a backend with rank processes stops them
+        if close is not None:
+            close()
 
     def __enter__(self) -> Executor:
         return self

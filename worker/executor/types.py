@@ -223,6 +223,19 @@ class GuidedDecodingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How many devices run the model (TensorRT-LLM's WorldConfig): the projections of
+    every layer split over `tensor_parallel_size` ranks (worker/parallel)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True, slots=True)
 class ExecutorConfig:
     max_batch_size: int = 64
     max_num_tokens: int = 2048  # tokens per iteration (context chunks + generation)
@@ -251,13 +264,12 @@ class ExecutorConfig:
     # default; False: over the whole vocabulary. Beam search keeps its own.
     normalize_log_probs: bool = False
     guided_decoding_config: GuidedDecodingConfig | None = None  # None: the model's own tokenizer
-
-
     # Speculative decoding for requests that do not set their own; None: off.
     speculative_config: SpeculativeConfig | None = None
     # Checkpoint directory or .gguf of the draft model (DraftSource.DRAFT_MODEL):
     # a smaller model sharing the target's tokenizer, loaded on the same backend.
     draft_model: str | None = None
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass(slots=True)

@@ -20,7 +20,8 @@ attention only the S rows whose logits are wanted go on.
 Later work plugs in as op implementations, not as changes to this recipe:
 - Quantized linear layers (FP8, INT4 and their scales): `linear_weight` quantizes the
   fused float tensor into its own weight object, and `linear` runs the matching GEMM.
-- Tensor parallelism: `linear_weight` keeps the rank's shard, given the projection's role:
+- Tensor parallelism (worker/parallel/sharded_ops.py): `linear_weight` keeps the rank's
+  shard, given the projection's role:
   column-parallel for qkv and gate_up (each fused part sharded on its own, which is why
   the parts arrive separately), row-parallel for o and down, whose `linear` all-reduces
   its output. The embedding and the lm head become vocab-parallel (a masked lookup and an
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from worker.models.config import CheckpointError, ModelConfig
 
@@ -39,6 +40,10 @@ T = TypeVar("T")  # the backend's tensors: activations, norm and embedding weigh
 L = TypeVar("L")  # a linear layer's weight, as the backend's `linear_weight` made it
 S = TypeVar("S")  # one step's inputs, as the backend prepared them
 S_contra = TypeVar("S_contra", contravariant=True)
+
+# Which projection a linear weight is: tensor parallelism splits qkv and gate_up by their
+# outputs (column-parallel) and o and down by their inputs (row-parallel, all-reduced).
+LinearRole = Literal["qkv", "o", "gate_up", "down"]
 
 
 class DecoderOps(Protocol[T, L, S_contra]):
@@ -57,9 +62,10 @@ class DecoderOps(Protocol[T, L, S_contra]):
         """The output projection [vocab, hidden]. With tied embeddings `tensor` is what
         embedding_weight made, so the largest matrix is held once."""
 
-    def linear_weight(self, parts: Sequence[Any], bias: Sequence[Any] | None) -> L:
+    def linear_weight(self, parts: Sequence[Any], bias: Sequence[Any] | None, role: LinearRole) -> L:
         """A projection from row blocks [out_i, in], fused along the output in order
-        (q, k, v; gate, up), with their biases when the model has them."""
+        (q, k, v; gate, up), with their biases when the model has them. A single part
+        of qkv or gate_up may be the fused tensor itself."""
 
     # -- one step ----------------------------------------------------------------------
 
@@ -136,11 +142,11 @@ def build_weights(config: ModelConfig, tensors: Mapping[str, Any], ops: DecoderO
         layers.append(
             LayerWeights(
                 input_norm=ops.norm_weight(need(f"model.layers.{i}.input_layernorm.weight")),
-                qkv=ops.linear_weight(qkv, bias),
-                o=ops.linear_weight([need(attn + "o_proj.weight")], None),
+                qkv=ops.linear_weight(qkv, bias, "qkv"),
+                o=ops.linear_weight([need(attn + "o_proj.weight")], None, "o"),
                 post_norm=ops.norm_weight(need(f"model.layers.{i}.post_attention_layernorm.weight")),
-                gate_up=ops.linear_weight(gate_up, None),
-                down=ops.linear_weight([need(mlp + "down_proj.weight")], None),
+                gate_up=ops.linear_weight(gate_up, None, "gate_up"),
+                down=ops.linear_weight([need(mlp + "down_proj.weight")], None, "down"),
                 window=config.sliding_window if i in config.sliding_layers else None,
             )
         )

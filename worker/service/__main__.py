@@ -37,6 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="'echo' is for TRANSPORT TESTS ONLY: it returns the last prompt token, computing nothing",
     )
     p.add_argument("--device", default=None, help="torch device, e.g. cuda:0")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="GPUs (processes) the model is split over: the first N visible ones",
+    )
+    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (only 1 for now)")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--max-num-tokens", type=int, default=2048)
     p.add_argument("--max-beam-width", type=int, default=4, help="widest beam search accepted")
@@ -131,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
         test_hang_loop_after_s=args.test_hang_loop_after,
         speculative_config=speculative_config(args),
         draft_model=args.draft_model,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
     )
     try:
         engine = EngineProcess(engine_config)

@@ -70,6 +70,10 @@ class EngineConfig:
     # Speculative decoding for requests that do not choose (None: off), and the draft model's checkpoint.
     speculative_config: ex.SpeculativeConfig | None = None
     draft_model: str | None = None
+    # More than one rank: this process starts the others (worker/parallel/ranks.py) and
+    # ends when any of them does, so the worker sees one engine fail as a whole.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +201,7 @@ def _widen(pipe: Connection) -> None:
 
 
 def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
-    from worker.executor import EngineCore, ExecutorConfig, KvCacheConfig
+    from worker.executor import EngineCore, ExecutorConfig, KvCacheConfig, ParallelConfig
     from worker.models.default_model import resolve_model
 
     path = Path(config.model) if Path(config.model).exists() else resolve_model(config.model)
@@ -211,6 +215,7 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
         device=config.device,
         speculative_config=config.speculative_config,
         draft_model=None if config.backend == "echo" else config.draft_model,
+        parallel_config=ParallelConfig(config.tensor_parallel_size, config.pipeline_parallel_size),
     )
     if config.backend != "echo":
         return EngineCore.from_model(path, executor_config), path

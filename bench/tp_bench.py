@@ -1,0 +1,133 @@
+"""gpu_bench over N GPUs (`python -m bench.gpu_bench --tensor-parallel-size N`): the
+executor on a tensor-parallel torch backend (worker/parallel), one process per GPU,
+random bf16 weights made on each rank's GPU one tensor at a time and cut to the rank's
+shard at once (the whole model is never on one device nor on the host).
+
+Shapes: the Llama-3.1-8B shape of gpu_bench, or `--model-shape 70b` (Llama-3.1-70B:
+hidden 8192, 80 layers, 64 query / 8 KV heads, intermediate 28672, vocab 128256).
+The roofline is N GPUs': each rank measures its HBM bandwidth and bf16 GEMM rate at
+start, and the floors use their sums (all-reduce traffic is not counted in them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import zlib
+from collections.abc import Iterator, Mapping
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from bench import gpu_bench
+from bench.gpu_bench import LLAMA_8B, TINY, Roofline, Row, log, roofline_for
+from worker.models.config import ModelConfig
+
+LLAMA_70B: dict[str, Any] = {
+    **LLAMA_8B,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+}
+SHAPES = {"8b": LLAMA_8B, "70b": LLAMA_70B}
+
+
+class RandomTensors(Mapping[str, torch.Tensor]):
+    """Every tensor of the model under its Hugging Face name, made on access (N(0, 0.02),
+    seeded by its name, so every rank makes the same one and keeps its own slice)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        from worker.models.loaded_model import expected_shapes
+
+        self.shapes = expected_shapes(cfg)
+        self.device, self.dtype = device, dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        gen = torch.Generator(device=self.device).manual_seed(zlib.crc32(name.encode()))
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, device=self.device, dtype=self.dtype)
+        return torch.randn(shape, device=self.device, dtype=self.dtype, generator=gen) * 0.02
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def _shape(args: argparse.Namespace) -> dict[str, Any]:
+    return TINY if args.tiny else SHAPES[args.model_shape]
+
+
+def _rank_setup(rank: int, args: argparse.Namespace) -> tuple[Any, Any, float, float]:
+    """Join the group, measure this GPU and sum over the GPUs, build the rank's shard."""
+    from worker.backends.torch_backend import TorchBackend
+    from worker.parallel.group import join
+
+    device_type = torch.device(args.device).type
+    group = join(rank, args.tensor_parallel_size, args.port, device_type)
+    bandwidth, flops = gpu_bench.measure_bandwidth(group.device), gpu_bench.measure_gemm(group.device)
+    sums = torch.tensor([bandwidth, flops], dtype=torch.float64, device=group.device)
+    torch.distributed.all_reduce(sums)
+    cfg = ModelConfig.from_hf(_shape(args))
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    t0 = time.perf_counter()
+    backend = TorchBackend(cfg, dtype=dtype, weights=RandomTensors(cfg, group.device, dtype),
+                           max_num_tokens=args.max_num_tokens, max_model_len=args.max_model_len,
+                           max_graph_batch=args.max_batch, tensor_group=group)  # fmt: skip
+    gpu_bench.sync(group.device)
+    if rank == 0:
+        held = torch.cuda.memory_allocated(group.device) if device_type == "cuda" else 0
+        log(f"rank shards made in {time.perf_counter() - t0:.1f} s; {held / 1e9:.1f} GB on rank 0's GPU")
+    return group, backend, float(sums[0]), float(sums[1])
+
+
+def _follower(rank: int, inbox: Connection, parent: int, args: argparse.Namespace) -> None:
+    from worker.parallel.group import leave
+    from worker.parallel.ranks import follow, serve
+
+    follow(parent)
+    group, backend, _, _ = _rank_setup(rank, args)
+    serve(backend, group, inbox)
+    leave()
+
+
+def run(args: argparse.Namespace, workloads: list[tuple[int, int, int, int]],
+        env: dict[str, str]) -> tuple[list[Row], Roofline, float, float]:  # fmt: skip
+    """The tokenwire rows of every workload at --tensor-parallel-size ranks."""
+    from worker.executor.types import ParallelConfig
+    from worker.parallel import layout
+    from worker.parallel.ranks import DistributedBackend, spawn_ranks
+
+    tp = args.tensor_parallel_size
+    cfg = ModelConfig.from_hf(_shape(args))
+    layout.validate(ParallelConfig(tp), cfg)
+    if torch.device(args.device).type == "cuda" and torch.cuda.device_count() < tp:
+        raise gpu_bench.SkipSection(f"--tensor-parallel-size {tp}: {torch.cuda.device_count()} GPUs visible")
+    args.port = _free_port()
+    t0 = time.perf_counter()
+    links, processes = spawn_ranks(tp, _follower, (args,))
+    group, backend, bandwidth, flops = _rank_setup(0, args)
+    distributed = DistributedBackend(backend, group, links, processes)
+    dtype_bytes = 2 if args.dtype == "bfloat16" else 4
+    roof = roofline_for(cfg, bandwidth, flops, dtype_bytes)
+    log(f"{tp} ranks up in {time.perf_counter() - t0:.1f} s; roofline of {tp} GPUs: {bandwidth / 1e12:.2f} TB/s, "
+        f"{flops / 1e12:.0f} TFLOP/s; weights {roof.weight_bytes / 1e9:.1f} GB -> batch-1 TPOT floor "
+        f"{roof.weight_bytes / bandwidth * 1e3:.2f} ms")  # fmt: skip
+    try:
+        rows = gpu_bench.bench_executor(args, cfg, distributed, workloads, roof)
+    finally:
+        distributed.close()
+    return rows, roof, bandwidth, flops
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,29 @@
+"""LLM(model, tensor_parallel_size=2): the model split over two rank processes (gloo on
+the CPU) decodes what one process decodes, and shutting the LLM down stops its ranks,
+so another tensor-parallel LLM can start in the same process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from clients.llm import LLM, SamplingParams
+from tests.checkpoints import make_checkpoint
+from worker.executor import ExecutorConfig, KvCacheConfig
+from worker.parallel.ranks import DistributedBackend
+
+CONFIG = ExecutorConfig(backend="torch", device="cpu", kv_cache_config=KvCacheConfig(max_tokens=2048))
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+PROMPTS = ["The quick brown fox", "Paris is the capital of"]
+
+
+def test_tensor_parallel_llm_decodes_as_one_process_and_stops_its_ranks(tmp_path: Path) -> None:
+    ckpt = make_checkpoint("llama_gqa", tmp_path / "llama")
+    with LLM(ckpt, CONFIG) as one:
+        want = [out.outputs[0].token_ids for out in one.generate(PROMPTS, GREEDY)]
+    for _ in range(2):  # the second starts after the first's ranks are gone
+        with LLM(ckpt, CONFIG, tensor_parallel_size=2) as llm:
+            backend = llm.executor.core.backend
+            assert isinstance(backend, DistributedBackend)
+            got = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY)]
+        assert got == want
+        assert not any(p.is_alive() for p in backend.processes)

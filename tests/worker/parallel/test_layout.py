@@ -1,0 +1,64 @@
+"""Which slice of each weight a rank holds: the model's limits, the padded vocabulary
+ranges, and a fused projection sharded like its parts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from worker.executor import ParallelConfig
+from worker.models.config import ModelConfig
+from worker.parallel import layout
+
+CONFIG = ModelConfig(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=12, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=2, rms_norm_eps=1e-5, rope_theta=1e4,
+                     max_position_embeddings=64, tie_word_embeddings=False, attention_bias=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("parallel", "config", "message"),
+    [
+        (ParallelConfig(3), CONFIG, "4 attention heads"),
+        (ParallelConfig(4), replace(CONFIG, num_kv_heads=3, num_heads=12), "3 KV heads"),
+        (ParallelConfig(4), replace(CONFIG, intermediate_size=10), "intermediate size 10"),
+        (ParallelConfig(1, 2), CONFIG, "pipeline parallelism is not implemented"),
+    ],
+)
+def test_a_model_that_does_not_split_is_refused(parallel: ParallelConfig, config: ModelConfig, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        layout.validate(parallel, config)
+
+
+def test_vocabulary_ranges_are_equal_and_the_last_is_zero_padded() -> None:
+    table = np.arange(10 * 2, dtype=np.float32).reshape(10, 2)
+    shards = [layout.shard_vocab(table, rank, 4) for rank in range(4)]
+    assert [s.shape for s in shards] == [(3, 2)] * 4
+    np.testing.assert_array_equal(np.concatenate(shards)[:10], table)
+    assert not np.concatenate(shards)[10:].any()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_fused_qkv_shards_like_its_parts_and_kv_heads_are_copied_past_their_count(tp: int) -> None:
+    rng = np.random.default_rng(0)
+    d, heads, kv = CONFIG.head_dim, CONFIG.num_heads, CONFIG.num_kv_heads
+    q, k, v = (rng.standard_normal((n * d, 8)).astype(np.float32) for n in (heads, kv, kv))
+    bias = [rng.standard_normal((t.shape[0],)).astype(np.float32) for t in (q, k, v)]
+    for rank in range(tp):
+        parts, parts_bias = layout.shard_linear([q, k, v], bias, "qkv", CONFIG, rank, tp)
+        fused, fused_bias = layout.shard_linear([np.concatenate([q, k, v])], [np.concatenate(bias)], "qkv",
+                                                CONFIG, rank, tp)  # fmt: skip
+        for a, b in zip([*parts, *(parts_bias or [])], [*fused, *(fused_bias or [])], strict=True):
+            np.testing.assert_array_equal(a, b)
+        head = rank * kv // tp  # the KV head this rank's query heads read
+        np.testing.assert_array_equal(parts[0], q[rank * heads // tp * d : (rank + 1) * heads // tp * d])
+        np.testing.assert_array_equal(parts[1][:d], k[head * d : (head + 1) * d])
+        assert parts[1].shape[0] == max(1, kv // tp) * d
+
+
+def test_row_parallel_projections_keep_their_input_columns() -> None:
+    down = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+    shards = [layout.shard_linear([down], None, "down", CONFIG, rank, 2)[0][0] for rank in range(2)]
+    np.testing.assert_array_equal(np.concatenate(shards, axis=1), down)
+    assert all(s.flags.c_contiguous for s in shards)

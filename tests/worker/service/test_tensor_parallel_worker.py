@@ -1,0 +1,52 @@
+"""A tensor-parallel worker (2 ranks, gloo) whose second rank is killed with kill -9
+under a stream: the request ends with an error, the worker exits 1, and no rank
+process is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import protocol
+from tests.procs import Stack
+from tests.worker.service.test_worker_service import FakeGateway
+
+
+def _spawned(pid: int) -> list[int]:
+    """The processes `pid` started with multiprocessing's spawn (not its resource tracker)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_killed_rank_ends_the_requests_and_the_worker(long_model: Path, redis_server, tmp_path: Path) -> None:
+    s = Stack(long_model, redis_server.url, tmp_path)
+    try:
+        w = s.worker("--backend", "torch", "--device", "cpu", "--tensor-parallel-size", "2")
+        g = FakeGateway(w.endpoint)
+        g.send(protocol.Submit(request_id="doomed", input_token_ids=[5, 6], max_tokens=6000, streaming=True,
+                               sampling_config=protocol.SamplingConfig(min_tokens=6000)))  # fmt: skip
+        g.recv_until(lambda: bool(g.responses("doomed")), timeout=60)
+        (engine,) = _spawned(w.process.pid)  # rank 0: the engine process, which started rank 1
+        (rank1,) = _spawned(engine)
+        os.kill(rank1, signal.SIGKILL)
+        g.recv_until(lambda: bool(g.errors()), timeout=30)
+        (error,) = g.errors()
+        assert error.request_id == "doomed" and error.code == protocol.ErrorCode.INTERNAL
+        assert w.process.wait(timeout=30) == 1
+        deadline = time.monotonic() + 10
+        while _alive(engine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(engine) and not _alive(rank1)
+        assert "tensor-parallel rank tokenwire-rank1 exited" in w.log()
+        g.close()
+    finally:
+        s.close()

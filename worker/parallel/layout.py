@@ -1,0 +1,118 @@
+"""Which slice of each weight a tensor-parallel rank holds (Megatron-LM's layout).
+
+Column-parallel qkv and gate_up: each rank holds its heads' rows of q, k and v (and
+its share of gate's and up's rows), so attention and SiLU * up run on local data.
+Row-parallel o and down: the matching input columns, and the partial outputs are
+summed across ranks. Vocabulary-parallel embedding and lm head: a contiguous range of
+token rows, padded so every rank's range has the same length (the gather of the
+logits needs equal parts). With fewer KV heads than ranks, each KV head is held by
+the tp / kv_heads ranks whose query heads use it.
+
+The slices are taken from the float tensors before the backend turns them into its
+weights, so any linear-weight format (quantized included) shards the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from worker.models.config import ModelConfig
+from worker.models.llama import LinearRole
+
+if TYPE_CHECKING:
+    from worker.executor.types import ParallelConfig
+
+
+def validate(parallel: ParallelConfig, config: ModelConfig) -> None:
+    """Raise ValueError when the model cannot be split this way."""
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if tp < 1 or pp < 1:
+        raise ValueError(f"parallel sizes must be >= 1, got tensor {tp}, pipeline {pp}")
+    if pp != 1:
+        raise ValueError("pipeline parallelism is not implemented: use tensor_parallel_size only")
+    if config.num_heads % tp:
+        raise ValueError(f"{config.num_heads} attention heads do not split over {tp} tensor-parallel ranks")
+    kv = config.num_kv_heads
+    if kv % tp and tp % kv:
+        raise ValueError(f"{kv} KV heads neither split over nor replicate onto {tp} tensor-parallel ranks")
+    if config.intermediate_size % tp:
+        raise ValueError(f"intermediate size {config.intermediate_size} does not split over {tp} ranks")
+
+
+def local_config(config: ModelConfig, tp: int) -> ModelConfig:
+    """The model as one rank's ops see it: its heads, KV heads and MLP width."""
+    return replace(
+        config,
+        num_heads=config.num_heads // tp,
+        num_kv_heads=max(1, config.num_kv_heads // tp),
+        intermediate_size=config.intermediate_size // tp,
+    )
+
+
+def vocab_shard(vocab_size: int, rank: int, tp: int) -> tuple[int, int]:
+    """(first token, rows) of the rank's vocabulary range; the last range is padded."""
+    rows = -(-vocab_size // tp)
+    return rank * rows, rows
+
+
+def shard_vocab(table: Any, rank: int, tp: int) -> Any:
+    """The rank's rows of an embedding or lm head [vocab, hidden], zero-padded."""
+    vocab = table.shape[0]
+    start, rows = vocab_shard(vocab, rank, tp)
+    part = table[start : min(start + rows, vocab)]
+    if part.shape[0] == rows:  # a copy: a view would keep the whole table alive
+        return part.copy() if isinstance(part, np.ndarray) else part.clone()
+    pad = (rows - part.shape[0], *part.shape[1:])
+    if isinstance(part, np.ndarray):
+        return np.concatenate([part, np.zeros(pad, dtype=part.dtype)])
+    import torch
+
+    return torch.cat([part, part.new_zeros(pad)])
+
+
+def shard_linear(
+    parts: Sequence[Any], bias: Sequence[Any] | None, role: LinearRole, config: ModelConfig, rank: int, tp: int
+) -> tuple[list[Any], list[Any] | None]:
+    """The rank's slices of a projection's parts (and biases), in the same order."""
+    if role in ("o", "down"):
+        if bias is not None:
+            raise ValueError(f"a bias on the row-parallel {role} projection is not supported")
+        (weight,) = parts
+        cols = weight.shape[1] // tp
+        return [_contiguous(weight[:, rank * cols : (rank + 1) * cols])], None
+    if role == "qkv":
+        d = config.head_dim
+        heads, kv = config.num_heads, config.num_kv_heads
+        sizes = [heads * d, kv * d, kv * d]
+        local_heads = heads // tp
+        kv_first = rank * kv // tp  # the first KV head this rank's query heads use
+        local_kv = max(1, kv // tp)
+        ranges = [(rank * local_heads * d, local_heads * d), (kv_first * d, local_kv * d), (kv_first * d, local_kv * d)]
+    else:  # gate_up
+        inter = config.intermediate_size
+        sizes = [inter, inter]
+        ranges = [(rank * inter // tp, inter // tp)] * 2
+
+    def cut(tensors: Sequence[Any]) -> list[Any]:
+        split = _split(tensors, sizes)
+        return [t[start : start + n] for t, (start, n) in zip(split, ranges, strict=True)]
+
+    return cut(parts), None if bias is None else cut(bias)
+
+
+def _split(tensors: Sequence[Any], sizes: list[int]) -> list[Any]:
+    """The parts of a projection, from its parts or its one fused tensor."""
+    if len(tensors) == len(sizes):
+        return list(tensors)
+    (fused,) = tensors
+    bounds = np.cumsum([0, *sizes])
+    return [fused[lo:hi] for lo, hi in itertools.pairwise(bounds)]
+
+
+def _contiguous(t: Any) -> Any:
+    return np.ascontiguousarray(t) if isinstance(t, np.ndarray) else t.contiguous()

@@ -1,0 +1,284 @@
+"""The ranks of a tensor-parallel model: one process per device, each holding its
+shard of the weights and of the KV cache.
+
+Rank 0 is the process that runs the engine core (the worker's engine process, or an
+in-process Executor); it starts ranks 1..N-1 itself. Its backend (DistributedBackend)
+sends every call that runs the model to the other ranks over a pipe each, then runs
+its own shard: every rank runs the same packed batch, and the collectives inside the
+forward (all-reduce, logits gather) meet. Only rank 0 samples; the ids it sampled are
+broadcast on the devices, since the next step's placeholder tokens (overlap
+scheduling) stand for them on every rank. The other ranks hold no scheduler, no block
+manager and no sockets.
+
+The ranks live and die together: rank 0 exits when any other rank exits (a monitor
+thread watching their sentinels), and the others get SIGKILL from the kernel when
+rank 0 is gone (PR_SET_PDEATHSIG), since a rank blocked in an NCCL collective would
+otherwise wait forever.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker.backends.base import ForwardBatch, SampleOutput, SamplingBatch, StepHandle
+from worker.backends.torch_backend import TorchBackend
+from worker.executor.types import ParallelConfig
+from worker.parallel import layout
+from worker.parallel.group import TensorGroup, join, leave
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """What every rank builds its backend from."""
+
+    source: Path  # the checkpoint: each rank reads it and keeps its shard
+    device_type: str  # "cuda" (rank r on the r-th visible GPU) or "cpu" (gloo)
+    dtype: str | None
+    max_num_tokens: int
+    max_graph_batch: int
+    tensor_parallel_size: int
+    port: int  # where the ranks rendezvous, on 127.0.0.1
+
+
+class DistributedBackend:
+    """Rank 0's backend (an AsyncBackend): each call that runs the model goes to the
+    other ranks first, then to this rank's shard."""
+
+    def __init__(self, inner: TorchBackend, group: TensorGroup, links: list[Connection],
+                 processes: Sequence[BaseProcess]) -> None:  # fmt: skip
+        self.inner, self.group = inner, group
+        self.name, self.config = inner.name, inner.config
+        self.device, self.dtype = inner.device, inner.dtype
+        self._links, self.processes = links, processes
+        self._closing = threading.Event()
+        threading.Thread(target=self._watch, name="tp-rank-monitor", daemon=True).start()
+        atexit.register(self.close)
+
+    def kv_bytes_per_token(self) -> int:
+        return self.inner.kv_bytes_per_token()
+
+    def free_memory_bytes(self) -> int:
+        """The least any rank has: every rank holds the same number of KV blocks."""
+        self._send(("free_memory", None))
+        return self.group.min_over_ranks(self.inner.free_memory_bytes())
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self._send(("allocate", (num_blocks, block_size)))
+        self.inner.allocate_kv_cache(num_blocks, block_size)
+
+    def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self._send(("copy_blocks", (src, dst)))
+        self.inner.copy_blocks(src, dst)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self._send(("forward", (batch, 0)))
+        return self.inner.forward(batch)
+
+    def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> SampleOutput:
+        out = self.inner.sample(logits, sampling)
+        self._share_sampled(sampling.temperature.shape[0])
+        return out
+
+    def launch(self, batch: ForwardBatch, sampling: SamplingBatch | None) -> StepHandle:
+        rows = 0 if sampling is None else int(sampling.temperature.shape[0])
+        self._send(("forward", (batch, rows)))
+        handle = self.inner.launch(batch, sampling)
+        if rows:
+            assert self.inner.last_ids is not None
+            self.group.broadcast(self.inner.last_ids)
+        return handle
+
+    def logits_to_host(self, logits: torch.Tensor) -> np.ndarray:
+        return self.inner.logits_to_host(logits)
+
+    def capture_graphs(self) -> None:
+        self._send(("capture_graphs", None))
+        self.inner.capture_graphs()
+
+    def _share_sampled(self, rows: int) -> None:
+        self._send(("sampled", rows))
+        assert self.inner.last_ids is not None
+        self.group.broadcast(self.inner.last_ids)
+
+    def close(self) -> None:
+        """Stop the other ranks (at exit: a normal end is not a rank dying)."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        for link in self._links:
+            with contextlib.suppress(OSError):
+                link.send_bytes(pickle.dumps(("stop", None)))
+        for p in self.processes:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        leave()
+
+    def _send(self, message: tuple[str, Any]) -> None:
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        for link in self._links:
+            link.send_bytes(data)
+
+    def _watch(self) -> None:
+        """Ends this process when another rank exits: the model is gone with it."""
+        ended = wait([p.sentinel for p in self.processes])
+        if self._closing.is_set():
+            return
+        dead = [p for p in self.processes if p.sentinel in ended]
+        log.critical("tensor-parallel rank %s exited with code %s: the engine ends", dead[0].name, dead[0].exitcode)
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+        os._exit(1)
+
+
+def start_ranks(model: Any, device: str | None, dtype: str | None, max_num_tokens: int, max_graph_batch: int,
+                parallel: ParallelConfig) -> DistributedBackend:  # fmt: skip
+    """Start ranks 1..N-1 for a LoadedModel and build rank 0's backend in this process."""
+    layout.validate(parallel, model.config)
+    tp = parallel.tensor_parallel_size
+    spec = RankSpec(
+        source=Path(model.source),
+        device_type=_device_type(device, tp),
+        dtype=dtype,
+        max_num_tokens=max_num_tokens,
+        max_graph_batch=max_graph_batch,
+        tensor_parallel_size=tp,
+        port=_free_port(),
+    )
+    links, processes = spawn_ranks(tp, _follower_main, (spec,))
+    group = join(0, tp, spec.port, spec.device_type)
+    backend = _rank_backend(model, spec, group)
+    return DistributedBackend(backend, group, links, processes)
+
+
+def spawn_ranks(
+    tp: int, target: Callable[..., None], args: tuple[Any, ...]
+) -> tuple[list[Connection], list[BaseProcess]]:
+    """Start ranks 1..tp-1, each running target(rank, inbox, parent pid, *args) in a
+    spawned process; returns rank 0's pipe to each, and the processes."""
+    ctx = multiprocessing.get_context("spawn")  # CUDA does not survive fork
+    links: list[Connection] = []
+    processes: list[BaseProcess] = []
+    for rank in range(1, tp):
+        inbox, outbox = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=target, args=(rank, inbox, os.getpid(), *args), name=f"tokenwire-rank{rank}",
+                        daemon=True)  # fmt: skip
+        p.start()
+        inbox.close()  # the rank's end: its exit must read as end-of-file here
+        links.append(outbox)
+        processes.append(p)
+    return links, processes
+
+
+def _rank_backend(model: Any, spec: RankSpec, group: TensorGroup) -> TorchBackend:
+    return TorchBackend(
+        model,
+        dtype=spec.dtype,
+        max_num_tokens=spec.max_num_tokens,
+        max_graph_batch=spec.max_graph_batch,
+        tensor_group=group,
+    )
+
+
+def _device_type(device: str | None, tp: int) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.index is not None:
+        raise ValueError(
+            f"device {device!r}: with tensor parallelism rank r runs on the r-th visible GPU; "
+            "choose the GPUs with CUDA_VISIBLE_DEVICES"
+        )
+    if dev.type == "cuda" and torch.cuda.device_count() < tp:
+        raise ValueError(f"tensor_parallel_size {tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
+    return dev.type
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- ranks 1..N-1 ---------------------------------------------------------------------
+
+
+def _follower_main(rank: int, inbox: Connection, parent: int, spec: RankSpec) -> None:
+    follow(parent)
+    from worker.models.loader import load_model
+
+    group = join(rank, spec.tensor_parallel_size, spec.port, spec.device_type)
+    # On CUDA the backend reads the safetensors straight to the device (tensor_refs).
+    model = load_model(spec.source, load_weights=spec.device_type != "cuda")
+    serve(_rank_backend(model, spec, group), group, inbox)
+    leave()
+
+
+def serve(backend: TorchBackend, group: TensorGroup, inbox: Connection) -> None:
+    """Run what rank 0 runs, call by call, until it says stop or is gone."""
+    while True:
+        try:
+            kind, body = pickle.loads(inbox.recv_bytes())
+        except (EOFError, OSError):
+            log.warning("tensor-parallel rank %d: rank 0 is gone", group.rank)
+            return
+        if kind == "forward":
+            batch, rows = body
+            backend.forward(batch)  # the logits are rank 0's to sample
+            _receive_sampled(backend, group, rows)
+        elif kind == "sampled":
+            _receive_sampled(backend, group, body)
+        elif kind == "free_memory":
+            group.min_over_ranks(backend.free_memory_bytes())
+        elif kind == "allocate":
+            backend.allocate_kv_cache(*body)
+        elif kind == "copy_blocks":
+            backend.copy_blocks(*body)
+        elif kind == "capture_graphs":
+            backend.capture_graphs()
+        else:  # stop
+            return
+
+
+def _receive_sampled(backend: TorchBackend, group: TensorGroup, rows: int) -> None:
+    if not rows:
+        backend.last_ids = None
+        return
+    backend.last_ids = group.broadcast(torch.empty(rows, dtype=torch.int64, device=backend.device))
+
+
+def follow(parent: int) -> None:
+    """What every rank but 0 does first: die with rank 0 (SIGKILL when it ends, however
+    it ends; Linux), and leave stopping to it (a terminal's Ctrl-C reaches the whole
+    process group)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        log.warning("PR_SET_PDEATHSIG is not available: this rank may outlive rank 0")
+    if os.getppid() != parent:
+        os._exit(1)
