@@ -14,6 +14,7 @@ import numpy as np
 
 from worker.backends.numpy_attention import AttentionPlan, paged_attention_numpy
 from worker.models.config import ModelConfig
+from worker.models.quantization import QuantizedWeight, reference_parts
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +49,10 @@ def _apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 class NumpyDecoderOps:
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quantize: str | None = None) -> None:
+        """`quantize` ("fp8" | "int4"): float linear weights carry that quantization's error."""
         self.config = config
+        self.quantize = quantize
         self.scale = config.head_dim**-0.5
         self.k_cache: list[np.ndarray] = []
         self.v_cache: list[np.ndarray] = []
@@ -79,8 +82,12 @@ class NumpyDecoderOps:
     def lm_head_weight(self, tensor: np.ndarray) -> np.ndarray:
         return tensor.T
 
-    def linear_weight(self, parts: Sequence[np.ndarray], bias: Sequence[np.ndarray] | None) -> NumpyLinear:
-        fused = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    def linear_weight(
+        self, parts: Sequence[np.ndarray | QuantizedWeight], bias: Sequence[np.ndarray] | None
+    ) -> NumpyLinear:
+        # Quantized weights compute in float32 here, dequantized (the reference).
+        floats = reference_parts(parts, self.quantize)
+        fused = floats[0] if len(floats) == 1 else np.concatenate(floats)
         return NumpyLinear(np.ascontiguousarray(fused.T), None if bias is None else np.concatenate(bias))
 
     # -- one step ---------------------------------------------------------------------------
