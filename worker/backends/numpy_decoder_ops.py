@@ -14,13 +14,14 @@ import numpy as np
 
 from worker.backends.numpy_attention import AttentionPlan, paged_attention_numpy
 from worker.models.config import ModelConfig
-from worker.models.quantization import QuantizedWeight, reference_parts
+from worker.models.quantization import Fp8Inputs, QuantizedWeight, fake_quantize_inputs, fp8_inputs, reference_parts
 
 
 @dataclass(frozen=True, slots=True)
 class NumpyLinear:
     weight: np.ndarray  # [in, out]
     bias: np.ndarray | None  # [out]
+    fp8_inputs: Fp8Inputs | None = None  # FP8 layers: inputs rounded to e4m3 as on the GPU
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +89,8 @@ class NumpyDecoderOps:
         # Quantized weights compute in float32 here, dequantized (the reference).
         floats = reference_parts(parts, self.quantize)
         fused = floats[0] if len(floats) == 1 else np.concatenate(floats)
-        return NumpyLinear(np.ascontiguousarray(fused.T), None if bias is None else np.concatenate(bias))
+        fused_bias = None if bias is None else np.concatenate(bias)
+        return NumpyLinear(np.ascontiguousarray(fused.T), fused_bias, fp8_inputs(parts, self.quantize))
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -106,6 +108,8 @@ class NumpyDecoderOps:
         return _rms_norm(residual, weight, eps), residual
 
     def linear(self, x: np.ndarray, weight: NumpyLinear) -> np.ndarray:
+        if weight.fp8_inputs is not None:
+            x = fake_quantize_inputs(x, weight.fp8_inputs)
         y = x @ weight.weight
         if weight.bias is not None:
             y += weight.bias

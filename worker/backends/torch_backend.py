@@ -25,11 +25,13 @@ import torch
 from worker.backends import paged_attention
 from worker.backends.base import ForwardBatch, SampleOutput, SamplingBatch
 from worker.backends.cuda_graphs import DecodeGraphs
+from worker.backends.quant_linear import QuantLinear
 from worker.backends.torch_decoder_ops import TorchDecoderOps, TorchLinear
 from worker.backends.torch_sampler import sample_all
 from worker.backends.torch_step import PinnedStaging, StepInputs
 from worker.models import llama
 from worker.models.config import CheckpointError, ModelConfig
+from worker.models.quantization import QuantizedWeight, check_mode
 
 # Working memory kept out of the KV cache: cuBLAS workspaces, the CUDA graph pool,
 # allocator slack. Activations are counted separately from max_num_tokens.
@@ -75,15 +77,18 @@ class TorchBackend:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         *,
-        weights: Mapping[str, torch.Tensor | np.ndarray] | None = None,
+        weights: Mapping[str, torch.Tensor | np.ndarray | QuantizedWeight] | None = None,
         max_num_tokens: int = 8192,
         max_model_len: int | None = None,
         use_cuda_graphs: bool = True,
         max_graph_batch: int = 512,
+        quantization: str | None = None,
     ) -> None:
         """`model` is a LoadedModel (worker.models) or a ModelConfig with `weights`
         given separately (Hugging Face names; a fused `...qkv_proj.weight` /
-        `...gate_up_proj.weight` is used as is, so callers can share memory)."""
+        `...gate_up_proj.weight` is used as is, so callers can share memory).
+        `quantization` ("fp8" | "int4") quantizes float linear weights as they are made
+        (a LoadedModel's own `quantize` applies when it is not given)."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = _dtype(dtype, self.device)
         self.on_cuda = self.device.type == "cuda"
@@ -94,10 +99,13 @@ class TorchBackend:
         self.max_num_tokens = max_num_tokens
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         # Before any weight is read: the ops refuse a model they cannot run.
-        self.ops = TorchDecoderOps(self.config, self.device, self.dtype, self.max_model_len)
+        check_mode(quantization)
+        quantize = quantization or getattr(model, "quantize", None)
+        self.quantization: str | None = getattr(model, "quantization", None) if quantization is None else quantization
+        self.ops = TorchDecoderOps(self.config, self.device, self.dtype, self.max_model_len, quantize=quantize)
         if weights is None:
             weights = _weights_of(model, self.device, self.dtype)
-        self.model: llama.DecoderWeights[torch.Tensor, TorchLinear] = llama.build_weights(
+        self.model: llama.DecoderWeights[torch.Tensor, TorchLinear | QuantLinear] = llama.build_weights(
             self.config, weights, self.ops
         )
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_cuda else 1
@@ -266,15 +274,19 @@ class TorchBackend:
         return llama.forward(self.model, self.ops, inp)
 
 
-def _weights_of(model: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor | np.ndarray]:
+def _weights_of(
+    model: Any, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor | np.ndarray | QuantizedWeight]:
     """A LoadedModel's tensors: read from disk onto the device when their files are known
-    (no float32 detour for big checkpoints), else its float32 arrays."""
+    (no float32 detour for big checkpoints), else its float32 arrays; and its quantized
+    linear weights, as the loader read them."""
     refs = getattr(model, "tensor_refs", None) or {}
+    quantized = getattr(model, "quantized", None) or {}
     if not refs or (model.weights and device.type != "cuda"):
-        return dict(model.weights)
+        return {**model.weights, **quantized}
     from safetensors import safe_open
 
-    weights: dict[str, torch.Tensor | np.ndarray] = {}
+    weights: dict[str, torch.Tensor | np.ndarray | QuantizedWeight] = dict(quantized)
     by_file: dict[Path, list[str]] = {}
     for name, ref in refs.items():
         by_file.setdefault(Path(ref.file), []).append(name)

@@ -149,6 +149,32 @@ def check_mode(mode: str | None) -> None:
         raise ValueError(f"quantization must be one of {', '.join(ON_LOAD)}, got {mode!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class Fp8Inputs:
+    """A linear layer whose input is rounded to e4m3 before its GEMM: scaled per token
+    (row amax / 448) or, from a checkpoint with static activations, by one scale."""
+
+    static_scale: float | None
+
+
+def fp8_inputs(parts: Sequence[object], mode: str | None) -> Fp8Inputs | None:
+    """How a projection's inputs are quantized: FP8 weights (a checkpoint's, or "fp8" on
+    load) take FP8 inputs; fused parts share one input, so the largest static scale."""
+    statics = [p.input_scale for p in parts if isinstance(p, Fp8Weight)]
+    if statics:
+        return Fp8Inputs(None if None in statics else max(s for s in statics if s is not None))
+    return Fp8Inputs(None) if mode == "fp8" and not any(isinstance(p, Int4Weight) for p in parts) else None
+
+
+def fake_quantize_inputs(x: np.ndarray, spec: Fp8Inputs) -> np.ndarray:
+    """x [N, in] rounded to e4m3 as the GPU's FP8 GEMM sees it, back in float32."""
+    if spec.static_scale is None:
+        scale = np.maximum(np.abs(x).max(axis=1, keepdims=True) / FP8_MAX, np.float32(1e-12)).astype(np.float32)
+    else:
+        scale = np.float32(spec.static_scale)
+    return E4M3_VALUES[to_e4m3(x / scale)] * scale
+
+
 def reference_parts(parts: Sequence[object], mode: str | None) -> list[np.ndarray]:
     """A projection's row blocks as float32 arrays that carry the quantization error: a
     checkpoint's quantized weight dequantized, a float one quantized by `mode` then

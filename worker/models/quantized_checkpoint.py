@@ -121,28 +121,32 @@ def _compressed_tensors(
     )  # fmt: skip
     if qc.get("sparsity_config"):
         raise CheckpointError(f"{source}: compressed-tensors sparsity (layer {layer}) is not supported")
-    if fmt == "float-quantized" and w.get("type") == "float" and w.get("num_bits") == 8:
-        static = act is not None and not act.get("dynamic")
-        act_ok = act is None or (act.get("type") == "float" and act.get("num_bits") == 8
-                                 and (act.get("dynamic") and act.get("strategy") == "token"
-                                      or static and act.get("strategy") == "tensor"))  # fmt: skip
-        if w.get("strategy") in ("tensor", "channel") and act_ok:
-            layers = {
-                name: ((expected[name][0], expected[name][1]), _ct_fp8(source, refs, name, expected[name], static))
-                for name in _linear_names(expected, refs, "weight_scale")
-            }
-            parts = ("weight", "weight_scale") + (("input_scale",) if static else ())
-            return _checkpoint(f"compressed-tensors fp8 ({desc})", layers, parts)
-    if fmt == "pack-quantized" and w.get("type") == "int" and w.get("num_bits") == 4 and act is None:
-        if w.get("strategy") == "group":
-            symmetric, size = bool(w.get("symmetric", True)), int(w.get("group_size") or 0)
-            layers = {
-                name: ((expected[name][0], expected[name][1]), _ct_int4(source, refs, name, expected[name], size,
-                                                                        symmetric))
-                for name in _linear_names(expected, refs, "weight_packed")
-            }  # fmt: skip
-            parts = ("weight_packed", "weight_scale", "weight_shape") + (() if symmetric else ("weight_zero_point",))
-            return _checkpoint(f"compressed-tensors int4 ({desc})", layers, parts)
+    static = act is not None and not act.get("dynamic")
+    fp8_act = act is None or (
+        act.get("type") == "float"
+        and act.get("num_bits") == 8
+        and act.get("strategy") == ("tensor" if static else "token")
+    )
+    if fmt == "float-quantized" and w.get("type") == "float" and w.get("num_bits") == 8 and fp8_act \
+            and w.get("strategy") in ("tensor", "channel"):  # fmt: skip
+        layers = {
+            name: ((expected[name][0], expected[name][1]), _ct_fp8(source, refs, name, expected[name], static))
+            for name in _linear_names(expected, refs, "weight_scale")
+        }
+        parts = ("weight", "weight_scale") + (("input_scale",) if static else ())
+        return _checkpoint(f"compressed-tensors fp8 ({desc})", layers, parts)
+    if fmt == "pack-quantized" and w.get("type") == "int" and w.get("num_bits") == 4 and act is None \
+            and w.get("strategy") == "group":  # fmt: skip
+        symmetric, size = bool(w.get("symmetric", True)), int(w.get("group_size") or 0)
+        layers = {
+            name: (
+                (expected[name][0], expected[name][1]),
+                _ct_int4(source, refs, name, expected[name], size, symmetric),
+            )
+            for name in _linear_names(expected, refs, "weight_packed")
+        }
+        parts = ("weight_packed", "weight_scale", "weight_shape") + (() if symmetric else ("weight_zero_point",))
+        return _checkpoint(f"compressed-tensors int4 ({desc})", layers, parts)
     raise CheckpointError(
         f"{source}: compressed-tensors scheme {desc} (layer {layer}) is not supported; tokenwire reads "
         "FP8 W8A8 (float-quantized, per-tensor or per-channel weights) and INT4 W4A16 (pack-quantized, group)"
