@@ -113,7 +113,9 @@ class TorchDecoderOps:
         host = [p if isinstance(p, Fp8Weight | Int4Weight) else torch.as_tensor(p).float().numpy() for p in parts]
         fused = self._fused(reference_parts(host, self.quantize))
         inputs = fp8_inputs(parts, self.quantize)
-        return TorchLinear(fused, bias) if inputs is None else quant_linear.Fp8Reference(fused, bias, inputs.static_scale)
+        if inputs is None:
+            return TorchLinear(fused, bias)
+        return quant_linear.Fp8Reference(fused, bias, inputs.static_scale)
 
     # -- one step ---------------------------------------------------------------------------
 
