@@ -51,7 +51,7 @@ def to_e4m3(x: np.ndarray) -> np.ndarray:
     lo = np.maximum(hi - 1, 0)
     d_lo, d_hi = mag - _POSITIVE[lo], _POSITIVE[hi] - mag
     code = np.where((d_lo < d_hi) | ((d_lo == d_hi) & (lo % 2 == 0)), lo, hi).astype(np.uint8)
-    return np.where((x < 0) & (code != 0), code | 0x80, code).astype(np.uint8)
+    return np.where(np.signbit(x), code | 0x80, code).astype(np.uint8)  # -0 keeps its sign, as in torch
 
 
 @dataclass(frozen=True, slots=True)
