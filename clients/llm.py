@@ -164,11 +164,18 @@ def executor_request(prompt_ids: list[int], p: SamplingParams, streaming: bool) 
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, config: ExecutorConfig | None = None) -> None:
-        """`model`: a checkpoint directory, a .gguf file, or the default model's name (None)."""
-        from worker.executor import Executor
+    def __init__(
+        self, model: str | Path | None = None, config: ExecutorConfig | None = None, quantization: str | None = None
+    ) -> None:
+        """`model`: a checkpoint directory, a .gguf file, or the default model's name (None).
+        `quantization`: "fp8" | "int4" quantizes a float checkpoint on load (ExecutorConfig's)."""
+        import dataclasses
+
+        from worker.executor import Executor, ExecutorConfig
         from worker.models.default_model import DEFAULT_MODEL_NAME, resolve_model
 
+        if quantization is not None:
+            config = dataclasses.replace(config or ExecutorConfig(), quantization=quantization)
         self.executor: Executor = Executor.from_model(resolve_model(model or DEFAULT_MODEL_NAME), config)
         self.tokenizer: Any = self.executor.tokenizer
         self._handles: dict[int, RequestHandle] = {}

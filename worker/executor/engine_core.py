@@ -204,7 +204,7 @@ class EngineCore:
         from worker.models.loader import load_model
 
         cfg = config or ExecutorConfig()
-        loaded = load_model(path)
+        loaded = load_model(path, quantization=cfg.quantization)
         backend = create_backend(loaded, cfg.backend, cfg.device, cfg.dtype,
                                  max_num_tokens=cfg.max_num_tokens, max_batch_size=cfg.max_batch_size)
         return cls(backend, cfg, tokenizer=loaded.tokenizer, chat_template=loaded.chat_template)

@@ -33,6 +33,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="'echo' is for TRANSPORT TESTS ONLY: it returns the last prompt token, computing nothing",
     )
     p.add_argument("--device", default=None, help="torch device, e.g. cuda:0")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8", "int4"],
+        help="quantize a float checkpoint's linear layers on load: fp8 (per-channel weights, per-token "
+        "activations) or int4 (group-wise round-to-nearest W4A16, not AWQ); quantized checkpoints "
+        "(compressed-tensors, AWQ) need no flag",
+    )
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--max-num-tokens", type=int, default=2048)
     p.add_argument("--max-beam-width", type=int, default=4, help="widest beam search accepted")
@@ -104,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         log_format=args.log_format,
         test_hang_loop_after_s=args.test_hang_loop_after,
+        quantization=args.quantization,
     )
     try:
         engine = EngineProcess(engine_config)

@@ -67,6 +67,7 @@ class EngineConfig:
     log_level: str
     log_format: str
     test_hang_loop_after_s: float | None = None
+    quantization: str | None = None  # fp8 | int4: quantize a float checkpoint on load
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,7 @@ class EngineInfo:
     max_seq_len: int
     tokenizer_json: bytes | None
     iteration_stats_max: int
+    quantization: str | None = None  # what the model runs as (Ready, logs); None: float
 
 
 # -- the worker's side ----------------------------------------------------------------
@@ -206,6 +208,7 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
         logits_post_processors=config.logits_post_processors,
         backend="auto" if config.backend == "echo" else config.backend,
         device=config.device,
+        quantization=config.quantization,
     )
     if config.backend != "echo":
         return EngineCore.from_model(path, executor_config), path
@@ -243,6 +246,7 @@ def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, tu
         max_seq_len=core.max_seq_len,
         tokenizer_json=None if tokenizer is None else tokenizer.to_str().encode(),
         iteration_stats_max=core.config.iteration_stats_max,
+        quantization=getattr(core.backend, "quantization", None),
     )))  # fmt: skip
     settle_gc()
     hang_at = None if config.test_hang_loop_after_s is None else time.monotonic() + config.test_hang_loop_after_s
