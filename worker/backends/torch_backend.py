@@ -83,12 +83,14 @@ class TorchBackend:
         use_cuda_graphs: bool = True,
         max_graph_batch: int = 512,
         quantization: str | None = None,
+        kv_cache_dtype: str | None = None,
     ) -> None:
         """`model` is a LoadedModel (worker.models) or a ModelConfig with `weights`
         given separately (Hugging Face names; a fused `...qkv_proj.weight` /
         `...gate_up_proj.weight` is used as is, so callers can share memory).
         `quantization` ("fp8" | "int4") quantizes float linear weights as they are made
-        (a LoadedModel's own `quantize` applies when it is not given)."""
+        (a LoadedModel's own `quantize` applies when it is not given). `kv_cache_dtype`
+        "fp8" keeps K and V as float8 e4m3 (unscaled): twice the tokens in the same memory."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = _dtype(dtype, self.device)
         self.on_cuda = self.device.type == "cuda"
@@ -102,7 +104,12 @@ class TorchBackend:
         check_mode(quantization)
         quantize = quantization or getattr(model, "quantize", None)
         self.quantization: str | None = getattr(model, "quantization", None) if quantization is None else quantization
-        self.ops = TorchDecoderOps(self.config, self.device, self.dtype, self.max_model_len, quantize=quantize)
+        if kv_cache_dtype not in (None, "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'fp8' or None, got {kv_cache_dtype!r}")
+        kv_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else self.dtype
+        self.ops = TorchDecoderOps(
+            self.config, self.device, self.dtype, self.max_model_len, quantize=quantize, kv_dtype=kv_dtype
+        )
         if weights is None:
             weights = _weights_of(model, self.device, self.dtype)
         self.model: llama.DecoderWeights[torch.Tensor, TorchLinear | QuantLinear] = llama.build_weights(
@@ -147,7 +154,7 @@ class TorchBackend:
 
     def kv_bytes_per_token(self) -> int:
         cfg = self.config
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.ops.kv_dtype.itemsize
 
     def activation_bytes(self) -> int:
         """Peak working memory of one forward of max_num_tokens (plus logits and sampling)."""

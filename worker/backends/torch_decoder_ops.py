@@ -32,12 +32,14 @@ class TorchLinear:
 class TorchDecoderOps:
     def __init__(
         self, config: ModelConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
-        quantize: str | None = None,
+        quantize: str | None = None, kv_dtype: torch.dtype | None = None,
     ) -> None:  # fmt: skip
         """Refuses a rope the position table cannot express (see Rope.position_table).
-        `quantize` ("fp8" | "int4"): float linear weights are quantized as they are made."""
+        `quantize` ("fp8" | "int4"): float linear weights are quantized as they are made.
+        `kv_dtype`: the KV pool's (torch.float8_e4m3fn: half the bytes); default `dtype`."""
         self.config = config
         self.quantize = quantize
+        self.kv_dtype = kv_dtype or dtype
         self.device, self.dtype = device, dtype
         self.scale = config.head_dim**-0.5
         cos, sin = Rope(config).position_table(max_model_len)
@@ -63,13 +65,15 @@ class TorchDecoderOps:
             torch.cuda.empty_cache()
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         for _ in range(cfg.num_layers):
-            self.k_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
-            self.v_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            self.k_cache.append(torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+            self.v_cache.append(torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         s = torch.as_tensor(np.asarray(src, dtype=np.int64)).to(self.device)
         d = torch.as_tensor(np.asarray(dst, dtype=np.int64)).to(self.device)
         for k, v in zip(self.k_cache, self.v_cache, strict=True):
+            if k.dtype == torch.float8_e4m3fn:  # copied as bytes: indexing may not take float8
+                k, v = k.view(torch.uint8), v.view(torch.uint8)
             k[d] = k[s]
             v[d] = v[s]
 

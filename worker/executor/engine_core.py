@@ -206,7 +206,8 @@ class EngineCore:
         cfg = config or ExecutorConfig()
         loaded = load_model(path, quantization=cfg.quantization)
         backend = create_backend(loaded, cfg.backend, cfg.device, cfg.dtype,
-                                 max_num_tokens=cfg.max_num_tokens, max_batch_size=cfg.max_batch_size)
+                                 max_num_tokens=cfg.max_num_tokens, max_batch_size=cfg.max_batch_size,
+                                 kv_cache_dtype=cfg.kv_cache_config.dtype)
         return cls(backend, cfg, tokenizer=loaded.tokenizer, chat_template=loaded.chat_template)
 
     # -- what the driver calls ----------------------------------------------------------
