@@ -708,6 +708,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--table-from", default="", help="print the table of a saved gpu_bench.json and exit")
     p.add_argument("--profile", action="store_true", help="time single steps of the backend, kernel breakdown")
     p.add_argument("--hf-budget", type=float, default=240.0, help="seconds for transformers before skipping")
+    p.add_argument("--quantization", default=None, choices=["fp8", "int4"],
+                   help="quantize the model on the GPU at start and run bench/quant_bench.py's workloads")  # fmt: skip
     return p
 
 
@@ -722,6 +724,11 @@ def main() -> None:
     from bench.run import format_table
 
     args = parser().parse_args()
+    if args.quantization:
+        from bench.quant_bench import run_quantized, table_rows
+
+        print(format_table(*table_rows(run_quantized(args))))
+        return
     header, rows = table_from_json(args.table_from) if args.table_from else run(args)
     print(format_table(header, rows))
 
