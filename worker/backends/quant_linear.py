@@ -4,7 +4,7 @@ float weights on the device, and the GEMMs `linear` runs on them.
 
 - `Fp8Linear`: e4m3 weights with per-output-channel scales; activations quantized per
   token (one Triton pass per row: amax, scale, cast) or with the checkpoint's static scale,
-  then one `torch._scaled_mm` (cuBLASLt FP8, row-wise scales, bf16 out, bias fused).
+  then one `torch._scaled_mm` (cuBLASLt FP8, row-wise scales, bf16 out).
 - `Int4Linear`: W4A16. Weights packed eight to an int32 along the input dimension,
   [in // 8, out], so that a tile of consecutive inputs for a run of outputs is one
   coalesced load; scales (and zero points) per group as float32 [groups, out]. One Triton
@@ -47,9 +47,9 @@ class Fp8Linear:
         else:
             xq = (x.float() / self.input_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
             x_scale = self.input_scale.expand(x.shape[0], 1).contiguous()
-        return torch._scaled_mm(
-            xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale, bias=self.bias, out_dtype=x.dtype
-        )
+        out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale, out_dtype=x.dtype)
+        # The bias is added apart: not every torch's row-wise _scaled_mm takes one.
+        return out if self.bias is None else out + self.bias
 
 
 @dataclass(frozen=True, slots=True)
