@@ -22,6 +22,8 @@ def test_llm_quantizes_on_load(tmp_path: Path) -> None:
     backend.allocate_kv_cache(num_blocks=96, block_size=4)
     want = greedy_run(backend, {"p": prompt}, 10, seed=1)["p"]
     with LLM(ckpt, CONFIG, quantization="int4") as llm:
-        assert llm.executor.core.backend.quantization == "int4 (quantized on load, int4 RTN)"
+        core_backend = llm.executor.core.backend
+        assert isinstance(core_backend, NumpyBackend)
+        assert core_backend.quantization == "int4 (quantized on load, int4 RTN)"
         out = llm.generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == want

@@ -4,6 +4,7 @@ on-load quantizers, and what quantizing on load does to the default model's gree
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -85,7 +86,8 @@ def test_both_cpu_backends_quantize_on_load_alike(tiny_llama: Path) -> None:
     for mode in ("fp8", "int4"):
         loaded = load_model(tiny_llama, quantization=mode)
         logits = []
-        for backend in (NumpyBackend(loaded), TorchBackend(loaded, device="cpu")):
+        backends: list[Any] = [NumpyBackend(loaded), TorchBackend(loaded, device="cpu")]
+        for backend in backends:
             backend.allocate_kv_cache(num_blocks=16, block_size=4)
             batch = PagedSequences(num_blocks=16, block_size=4, seed=1).step([("s", prompt, 0, 9)], all_logits=True)
             logits.append(np.asarray(backend.logits_to_host(backend.forward(batch))))
