@@ -147,8 +147,10 @@ if triton is not None:
             v1 = tl.load(vsrc + offs, mask=ok, other=0.0)
             v2 = tl.load(vsrc + half + offs, mask=ok, other=0.0)
             if KV_FP8:  # an e4m3 cache (scale 1): saturate at +-448 rather than overflow to NaN
-                y1, y2 = tl.clamp(y1.to(tl.float32), -448.0, 448.0), tl.clamp(y2.to(tl.float32), -448.0, 448.0)
-                v1, v2 = tl.clamp(v1.to(tl.float32), -448.0, 448.0), tl.clamp(v2.to(tl.float32), -448.0, 448.0)
+                y1 = tl.minimum(tl.maximum(y1.to(tl.float32), -448.0), 448.0)
+                y2 = tl.minimum(tl.maximum(y2.to(tl.float32), -448.0), 448.0)
+                v1 = tl.minimum(tl.maximum(v1.to(tl.float32), -448.0), 448.0)
+                v2 = tl.minimum(tl.maximum(v2.to(tl.float32), -448.0), 448.0)
             tl.store(k_cache_ptr + dst + offs, y1.to(k_cache_ptr.dtype.element_ty), mask=ok)
             tl.store(k_cache_ptr + dst + half + offs, y2.to(k_cache_ptr.dtype.element_ty), mask=ok)
             tl.store(v_cache_ptr + dst + offs, v1.to(v_cache_ptr.dtype.element_ty), mask=ok)
