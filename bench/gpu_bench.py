@@ -738,6 +738,8 @@ def parser() -> argparse.ArgumentParser:
                    help="GPUs the model is split over, one process each (bench/tp_bench.py); no transformers run")
     p.add_argument("--model-shape", default="8b", choices=["8b", "70b"],
                    help="Llama-3.1-8B or -70B shape (70b needs enough GPUs for its shards)")
+    p.add_argument("--quantization", default=None, choices=["fp8", "int4"],
+                   help="quantize the model on the GPU at start and run bench/quant_bench.py's workloads")  # fmt: skip
     return p
 
 
@@ -752,6 +754,11 @@ def main() -> None:
     from bench.run import format_table
 
     args = parser().parse_args()
+    if args.quantization:
+        from bench.quant_bench import run_quantized, table_rows
+
+        print(format_table(*table_rows(run_quantized(args))))
+        return
     header, rows = table_from_json(args.table_from) if args.table_from else run(args)
     print(format_table(header, rows))
 

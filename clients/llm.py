@@ -197,12 +197,28 @@ def executor_request(prompt_ids: list[int], p: SamplingParams, streaming: bool) 
     )
 
 
+# The seed's algorithms that tokenwire applies to a float checkpoint as it loads it.
+_ON_LOAD = {QuantAlgo.FP8: "fp8", QuantAlgo.W4A16: "int4"}
+
+
+def _on_load_quantization(algo: QuantAlgo | str) -> str:
+    """What `quantization=` (a QuantAlgo, or "fp8" / "int4") asks of the loader."""
+    if isinstance(algo, str) and algo in _ON_LOAD.values():
+        return algo
+    mode = _ON_LOAD.get(QuantAlgo(algo))
+    if mode is None:
+        raise NotImplementedError(
+            f"quantization {QuantAlgo(algo).name}: tokenwire quantizes float checkpoints on load to FP8 or "
+            "W4A16 (int4 round-to-nearest); AWQ and compressed-tensors checkpoints load as they are")
+    return mode
+
+
 class LLM:
     def __init__(self, model: str | Path | ModelConfig | None = None, config: ExecutorConfig | None = None, *,
                  tokenizer: Any = None, skip_tokenizer_init: bool = False,
                  kv_cache_config: KvCacheConfig | None = None,
                  capacity_scheduling_policy: CapacitySchedulerPolicy | None = None,
-                 tensor_parallel_size: int | None = None, quantization: QuantAlgo | None = None,
+                 tensor_parallel_size: int | None = None, quantization: QuantAlgo | str | None = None,
                  async_mode: bool = False) -> None:  # fmt: skip
         """`model`: a checkpoint directory (one `save` wrote included), a .gguf file, a
         Hugging Face hub id, the default model's name (None), or a ModelConfig naming
@@ -216,11 +232,15 @@ class LLM:
 
         model_config = model if isinstance(model, ModelConfig) else ModelConfig(model_dir=model)
         ranks = tensor_parallel_size or model_config.parallel_config.num_ranks
-        quant = model_config.quant_config.requested + ([quantization] if quantization else [])
-        if any(q is not QuantAlgo.NO_QUANT for q in quant):
-            raise NotImplementedError(f"quantization {quant[0].name}: tokenwire runs float weights only "
-                                      "(float32; bfloat16 on CUDA)")
         cfg = config or ExecutorConfig()
+        weights_algo = quantization or model_config.quant_config.quant_algo
+        if weights_algo not in (None, QuantAlgo.NO_QUANT):
+            cfg = replace(cfg, quantization=_on_load_quantization(weights_algo))
+        if model_config.quant_config.kv_cache_quant_algo not in (None, QuantAlgo.NO_QUANT):
+            if model_config.quant_config.kv_cache_quant_algo is not QuantAlgo.FP8:
+                raise NotImplementedError(f"KV cache quantization {model_config.quant_config.kv_cache_quant_algo.name}:"
+                                          " tokenwire's quantized KV cache is FP8")
+            cfg = replace(cfg, kv_cache_config=replace(cfg.kv_cache_config, dtype="fp8"))
         if model_config.max_beam_width > 1:
             cfg = replace(cfg, max_beam_width=model_config.max_beam_width)
         if kv_cache_config is not None:

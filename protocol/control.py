@@ -74,6 +74,9 @@ class Ready(Message):
     # A worker's model's tokenizer, as the `tokenizers` library's JSON (UTF-8): a
     # gateway tokenizes and detokenizes with it and needs no copy of the checkpoint.
     tokenizer_json: bytes | None = None
+    # How the worker's model is quantized ("compressed-tensors fp8 (...)", "int4 (quantized
+    # on load, int4 RTN)", ...); None: float weights.
+    quantization: str | None = None
 
 
 class Drain(Message):

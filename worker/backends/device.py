@@ -42,6 +42,7 @@ def create_backend(
     max_num_tokens: int | None = None,
     max_batch_size: int | None = None,
     parallel: ParallelConfig | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> Backend:
     """Build the backend for a LoadedModel. `device` / `dtype` apply to torch only
     (default: cuda and bfloat16 when there is a GPU, else cpu and float32); so do the
@@ -57,6 +58,8 @@ def create_backend(
     if kind == "numpy":
         if device not in (None, "cpu"):
             raise ValueError(f"the numpy backend runs on the CPU only, got device {device!r}")
+        if kv_cache_dtype is not None:
+            raise ValueError(f"a {kv_cache_dtype} KV cache needs the torch backend")
         from worker.backends.numpy_backend import NumpyBackend
 
         return NumpyBackend(model)
@@ -70,6 +73,7 @@ def create_backend(
         dtype=dtype,
         max_num_tokens=max_num_tokens or 8192,
         max_graph_batch=min(max_batch_size or 512, 512),
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 

@@ -30,9 +30,10 @@ class NumpyBackend:
     def __init__(self, model: LoadedModel) -> None:
         self.config: ModelConfig = model.config
         self.rope = Rope(model.config)
-        self.ops = NumpyDecoderOps(model.config)
+        self.quantization = model.quantization  # what the model runs as, for Ready and logs
+        self.ops = NumpyDecoderOps(model.config, model.quantize)
         self.model: llama.DecoderWeights[np.ndarray, NumpyLinear] = llama.build_weights(
-            model.config, model.weights, self.ops
+            model.config, {**model.weights, **model.quantized}, self.ops
         )
 
     # --- memory -----------------------------------------------------------------------

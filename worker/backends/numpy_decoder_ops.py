@@ -15,12 +15,14 @@ import numpy as np
 from worker.backends.numpy_attention import AttentionPlan, paged_attention_numpy
 from worker.models.config import ModelConfig
 from worker.models.llama import LinearRole
+from worker.models.quantization import Fp8Inputs, QuantizedWeight, fake_quantize_inputs, fp8_inputs, reference_parts
 
 
 @dataclass(frozen=True, slots=True)
 class NumpyLinear:
     weight: np.ndarray  # [in, out]
     bias: np.ndarray | None  # [out]
+    fp8_inputs: Fp8Inputs | None = None  # FP8 layers: inputs rounded to e4m3 as on the GPU
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +51,10 @@ def _apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 class NumpyDecoderOps:
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quantize: str | None = None) -> None:
+        """`quantize` ("fp8" | "int4"): float linear weights carry that quantization's error."""
         self.config = config
+        self.quantize = quantize
         self.scale = config.head_dim**-0.5
         self.k_cache: list[np.ndarray] = []
         self.v_cache: list[np.ndarray] = []
@@ -81,10 +85,13 @@ class NumpyDecoderOps:
         return tensor.T
 
     def linear_weight(
-        self, parts: Sequence[np.ndarray], bias: Sequence[np.ndarray] | None, role: LinearRole
+        self, parts: Sequence[np.ndarray | QuantizedWeight], bias: Sequence[np.ndarray] | None, role: LinearRole
     ) -> NumpyLinear:
-        fused = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        return NumpyLinear(np.ascontiguousarray(fused.T), None if bias is None else np.concatenate(bias))
+        # Quantized weights compute in float32 here, dequantized (the reference).
+        floats = reference_parts(parts, self.quantize)
+        fused = floats[0] if len(floats) == 1 else np.concatenate(floats)
+        fused_bias = None if bias is None else np.concatenate(bias)
+        return NumpyLinear(np.ascontiguousarray(fused.T), fused_bias, fp8_inputs(parts, self.quantize))
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -102,6 +109,8 @@ class NumpyDecoderOps:
         return _rms_norm(residual, weight, eps), residual
 
     def linear(self, x: np.ndarray, weight: NumpyLinear) -> np.ndarray:
+        if weight.fp8_inputs is not None:
+            x = fake_quantize_inputs(x, weight.fp8_inputs)
         y = x @ weight.weight
         if weight.bias is not None:
             y += weight.bias

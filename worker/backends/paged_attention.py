@@ -108,8 +108,9 @@ if triton is not None:
             phys = tl.load(table_row + k_pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
             kv_off = (phys * stride_kb + (k_pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh)[:, None]
             kv_mask = in_seq[:, None] & d_ok[None, :]
-            k = tl.load(k_cache_ptr + kv_off + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=kv_mask, other=0.0)
+            # An e4m3 cache widens to the queries' dtype in registers (a no-op for bf16).
+            k = tl.load(k_cache_ptr + kv_off + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             ok = (k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
             if USE_WINDOW:

@@ -25,11 +25,13 @@ import torch
 from worker.backends import paged_attention
 from worker.backends.base import ForwardBatch, SampleOutput, SamplingBatch
 from worker.backends.cuda_graphs import DecodeGraphs
-from worker.backends.torch_decoder_ops import TorchDecoderOps
+from worker.backends.quant_linear import QuantLinear
+from worker.backends.torch_decoder_ops import TorchDecoderOps, TorchLinear
 from worker.backends.torch_sampler import sample_all
 from worker.backends.torch_step import PinnedStaging, StepInputs
 from worker.models import llama
 from worker.models.config import CheckpointError, ModelConfig
+from worker.models.quantization import QuantizedWeight, check_mode
 from worker.parallel.group import TensorGroup
 from worker.parallel.sharded_ops import ShardedTorchDecoderOps
 
@@ -77,16 +79,21 @@ class TorchBackend:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         *,
-        weights: Mapping[str, torch.Tensor | np.ndarray] | None = None,
+        weights: Mapping[str, torch.Tensor | np.ndarray | QuantizedWeight] | None = None,
         max_num_tokens: int = 8192,
         max_model_len: int | None = None,
         use_cuda_graphs: bool = True,
         max_graph_batch: int = 512,
         tensor_group: TensorGroup | None = None,
+        quantization: str | None = None,
+        kv_cache_dtype: str | None = None,
     ) -> None:
         """`model` is a LoadedModel (worker.models) or a ModelConfig with `weights`
         given separately (Hugging Face names; a fused `...qkv_proj.weight` /
         `...gate_up_proj.weight` is used as is, so callers can share memory).
+        `quantization` ("fp8" | "int4") quantizes float linear weights as they are made
+        (a LoadedModel's own `quantize` applies when it is not given). `kv_cache_dtype`
+        "fp8" keeps K and V as float8 e4m3 (unscaled): twice the tokens in the same memory.
         With `tensor_group`, this rank holds and runs its shard of the model
         (worker/parallel), on the group's device."""
         if tensor_group is not None:
@@ -101,14 +108,24 @@ class TorchBackend:
         self.max_num_tokens = max_num_tokens
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         # Before any weight is read: the ops refuse a model they cannot run.
+        check_mode(quantization)
+        quantize = quantization or getattr(model, "quantize", None)
+        self.quantization: str | None = getattr(model, "quantization", None) if quantization is None else quantization
+        if kv_cache_dtype not in (None, "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'fp8' or None, got {kv_cache_dtype!r}")
+        kv_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else self.dtype
         self.ops = (
-            TorchDecoderOps(self.config, self.device, self.dtype, self.max_model_len)
+            TorchDecoderOps(self.config, self.device, self.dtype, self.max_model_len, quantize=quantize,
+                            kv_dtype=kv_dtype)
             if tensor_group is None
-            else ShardedTorchDecoderOps(self.config, tensor_group, self.device, self.dtype, self.max_model_len)
-        )
+            else ShardedTorchDecoderOps(self.config, tensor_group, self.device, self.dtype, self.max_model_len,
+                                        quantize=quantize, kv_dtype=kv_dtype)
+        )  # fmt: skip
         if weights is None:
             weights = _weights_of(model, self.device, self.dtype)
-        self.model: llama.DecoderWeights[torch.Tensor, Any] = llama.build_weights(self.config, weights, self.ops)
+        self.model: llama.DecoderWeights[torch.Tensor, TorchLinear | QuantLinear] = llama.build_weights(
+            self.config, weights, self.ops
+        )
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_cuda else 1
         self.block_size = 0
         self.scratch_slot = 0
@@ -149,7 +166,7 @@ class TorchBackend:
 
     def kv_bytes_per_token(self) -> int:
         cfg = self.ops.config  # this rank's KV heads
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.ops.kv_dtype.itemsize
 
     def activation_bytes(self) -> int:
         """Peak working memory of one forward of max_num_tokens (plus logits and sampling)."""
@@ -282,31 +299,38 @@ class TorchBackend:
         return llama.forward(self.model, self.ops, inp)
 
 
-def _weights_of(model: Any, device: torch.device, dtype: torch.dtype) -> Mapping[str, torch.Tensor | np.ndarray]:
+def _weights_of(
+    model: Any, device: torch.device, dtype: torch.dtype
+) -> Mapping[str, torch.Tensor | np.ndarray | QuantizedWeight]:
     """A LoadedModel's tensors: read from disk onto the device when their files are known
-    (no float32 detour for big checkpoints), else its float32 arrays."""
+    (no float32 detour for big checkpoints), else its float32 arrays; and its quantized
+    linear weights, as the loader read them."""
     refs = getattr(model, "tensor_refs", None) or {}
+    quantized = getattr(model, "quantized", None) or {}
     if not refs or (model.weights and device.type != "cuda"):
-        return dict(model.weights)
-    return _DeviceTensors({name: Path(ref.file) for name, ref in refs.items()}, device, dtype)
+        return {**model.weights, **quantized}
+    return _DeviceTensors({name: Path(ref.file) for name, ref in refs.items()}, device, dtype, quantized)
 
 
-class _DeviceTensors(Mapping[str, torch.Tensor]):
+class _DeviceTensors(Mapping[str, torch.Tensor | QuantizedWeight]):
     """Safetensors read onto the device one tensor at a time, as the model's weights are
     built: a tensor-parallel rank keeps only its shard of each, so the whole checkpoint
-    is never on its GPU at once."""
+    is never on its GPU at once. The loader's quantized linear weights come as they are."""
 
-    def __init__(self, files: dict[str, Path], device: torch.device, dtype: torch.dtype) -> None:
-        self.files, self.device, self.dtype = files, device, dtype
+    def __init__(self, files: dict[str, Path], device: torch.device, dtype: torch.dtype,
+                 quantized: dict[str, QuantizedWeight]) -> None:  # fmt: skip
+        self.files, self.device, self.dtype, self.quantized = files, device, dtype, quantized
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def __getitem__(self, name: str) -> torch.Tensor | QuantizedWeight:
         from safetensors import safe_open
 
+        if name in self.quantized:
+            return self.quantized[name]
         with safe_open(str(self.files[name]), framework="pt", device=str(self.device)) as f:
             return f.get_tensor(name).to(self.dtype)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.files)
+        return iter({**self.files, **self.quantized})
 
     def __len__(self) -> int:
-        return len(self.files)
+        return len({**self.files, **self.quantized})

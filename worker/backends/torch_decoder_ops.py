@@ -16,10 +16,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from worker.backends import paged_attention, torch_ops
+from worker.backends import paged_attention, quant_linear, torch_ops
 from worker.backends.torch_step import StepInputs
 from worker.models.config import ModelConfig
 from worker.models.llama import LinearRole
+from worker.models.quantization import Fp8Weight, Int4Weight, QuantizedWeight, fp8_inputs, reference_parts
 from worker.models.rope import Rope
 
 
@@ -30,9 +31,16 @@ class TorchLinear:
 
 
 class TorchDecoderOps:
-    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, max_model_len: int) -> None:
-        """Refuses a rope the position table cannot express (see Rope.position_table)."""
+    def __init__(
+        self, config: ModelConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
+        quantize: str | None = None, kv_dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
+        """Refuses a rope the position table cannot express (see Rope.position_table).
+        `quantize` ("fp8" | "int4"): float linear weights are quantized as they are made.
+        `kv_dtype`: the KV pool's (torch.float8_e4m3fn: half the bytes); default `dtype`."""
         self.config = config
+        self.quantize = quantize
+        self.kv_dtype = kv_dtype or dtype
         self.device, self.dtype = device, dtype
         self.scale = config.head_dim**-0.5
         cos, sin = Rope(config).position_table(max_model_len)
@@ -58,13 +66,15 @@ class TorchDecoderOps:
             torch.cuda.empty_cache()
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         for _ in range(cfg.num_layers):
-            self.k_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
-            self.v_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            self.k_cache.append(torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+            self.v_cache.append(torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         s = torch.as_tensor(np.asarray(src, dtype=np.int64)).to(self.device)
         d = torch.as_tensor(np.asarray(dst, dtype=np.int64)).to(self.device)
         for k, v in zip(self.k_cache, self.v_cache, strict=True):
+            if k.dtype == torch.float8_e4m3fn:  # copied as bytes: indexing may not take float8
+                k, v = k.view(torch.uint8), v.view(torch.uint8)
             k[d] = k[s]
             v[d] = v[s]
 
@@ -91,11 +101,27 @@ class TorchDecoderOps:
 
     def linear_weight(
         self,
-        parts: Sequence[torch.Tensor | np.ndarray],
+        parts: Sequence[torch.Tensor | np.ndarray | QuantizedWeight],
         bias: Sequence[torch.Tensor | np.ndarray] | None,
         role: LinearRole,
-    ) -> TorchLinear:
-        return TorchLinear(self._fused(parts), None if bias is None else self._fused(bias))
+    ) -> TorchLinear | quant_linear.QuantLinear:
+        if self.quantize is not None or any(isinstance(p, Fp8Weight | Int4Weight) for p in parts):
+            return self._quantized_linear(parts, None if bias is None else self._fused(bias))
+        return TorchLinear(self._fused([p for p in parts if not isinstance(p, Fp8Weight | Int4Weight)]),
+                           None if bias is None else self._fused(bias))  # fmt: skip
+
+    def _quantized_linear(
+        self, parts: Sequence[torch.Tensor | np.ndarray | QuantizedWeight], bias: torch.Tensor | None
+    ) -> TorchLinear | quant_linear.QuantLinear:
+        """On CUDA the FP8 / W4A16 GEMMs (quant_linear.py); on the CPU the dequantized reference."""
+        if self.device.type == "cuda":
+            return quant_linear.quantized_linear(parts, bias, self.quantize, self.device)
+        host = [p if isinstance(p, Fp8Weight | Int4Weight) else torch.as_tensor(p).float().numpy() for p in parts]
+        fused = self._fused(reference_parts(host, self.quantize))
+        inputs = fp8_inputs(parts, self.quantize)
+        if inputs is None:
+            return TorchLinear(fused, bias)
+        return quant_linear.Fp8Reference(fused, bias, inputs.static_scale)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -109,8 +135,10 @@ class TorchDecoderOps:
             return self._add_rmsnorm(x, None, weight, eps), x
         return self._add_rmsnorm(x, residual, weight, eps), residual
 
-    def linear(self, x: torch.Tensor, weight: TorchLinear) -> torch.Tensor:
-        return F.linear(x, weight.weight, weight.bias)
+    def linear(self, x: torch.Tensor, weight: TorchLinear | quant_linear.QuantLinear) -> torch.Tensor:
+        if isinstance(weight, TorchLinear):
+            return F.linear(x, weight.weight, weight.bias)
+        return weight(x)
 
     def rope_and_cache(self, qkv: torch.Tensor, layer: int, step: StepInputs) -> torch.Tensor:
         cfg = self.config

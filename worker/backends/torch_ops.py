@@ -74,6 +74,11 @@ def rope_and_cache_torch(
     k = _rotate(k, cos, sin)
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    if k_cache.dtype == torch.float8_e4m3fn:  # an e4m3 cache (scale 1): saturate, as the kernel does;
+        # written as bytes (index_copy_ takes no float8 on the CPU)
+        k = k.float().clamp(-448.0, 448.0).to(k_cache.dtype).view(torch.uint8)
+        v = v.float().clamp(-448.0, 448.0).to(v_cache.dtype).view(torch.uint8)
+        flat_k, flat_v = flat_k.view(torch.uint8), flat_v.view(torch.uint8)
     flat_k.index_copy_(0, slots.long(), k)
     flat_v.index_copy_(0, slots.long(), v)
     return q
@@ -116,7 +121,7 @@ if triton is not None:
     def _rope_cache_kernel(  # type: ignore[no-untyped-def]
         qkv_ptr, pos_ptr, cs_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_qkv, stride_cs,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-        HALF_P2: tl.constexpr,
+        HALF_P2: tl.constexpr, KV_FP8: tl.constexpr,
     ):  # fmt: skip
         tok = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
@@ -138,13 +143,18 @@ if triton is not None:
             kv_head = head - NUM_HEADS
             slot = tl.load(slot_ptr + tok).to(tl.int64)
             dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-            tl.store(k_cache_ptr + dst + offs, y1, mask=ok)
-            tl.store(k_cache_ptr + dst + half + offs, y2, mask=ok)
             vsrc = qkv_ptr + tok * stride_qkv + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
             v1 = tl.load(vsrc + offs, mask=ok, other=0.0)
             v2 = tl.load(vsrc + half + offs, mask=ok, other=0.0)
-            tl.store(v_cache_ptr + dst + offs, v1, mask=ok)
-            tl.store(v_cache_ptr + dst + half + offs, v2, mask=ok)
+            if KV_FP8:  # an e4m3 cache (scale 1): saturate at +-448 rather than overflow to NaN
+                y1 = tl.minimum(tl.maximum(y1.to(tl.float32), -448.0), 448.0)
+                y2 = tl.minimum(tl.maximum(y2.to(tl.float32), -448.0), 448.0)
+                v1 = tl.minimum(tl.maximum(v1.to(tl.float32), -448.0), 448.0)
+                v2 = tl.minimum(tl.maximum(v2.to(tl.float32), -448.0), 448.0)
+            tl.store(k_cache_ptr + dst + offs, y1.to(k_cache_ptr.dtype.element_ty), mask=ok)
+            tl.store(k_cache_ptr + dst + half + offs, y2.to(k_cache_ptr.dtype.element_ty), mask=ok)
+            tl.store(v_cache_ptr + dst + offs, v1.to(v_cache_ptr.dtype.element_ty), mask=ok)
+            tl.store(v_cache_ptr + dst + half + offs, v2.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
 def add_rmsnorm_triton(
@@ -186,6 +196,6 @@ def rope_and_cache_triton(
     _rope_cache_kernel[(t, num_heads + num_kv_heads)](
         qkv, positions, cos_sin, k_cache, v_cache, slots, qkv.stride(0), cos_sin.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
-        HALF_P2=triton.next_power_of_2(head_dim // 2), num_warps=1,
+        HALF_P2=triton.next_power_of_2(head_dim // 2), KV_FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=1,
     )  # fmt: skip
     return qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)

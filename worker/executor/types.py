@@ -200,6 +200,9 @@ class KvCacheConfig:
     max_tokens: int | None = None
     free_memory_fraction: float = 0.9
     enable_block_reuse: bool = True
+    # "fp8": K and V stored as float8 e4m3 (half the bytes, twice the tokens); None: the
+    # compute dtype. Torch backend on CUDA only.
+    dtype: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +249,9 @@ class ExecutorConfig:
     backend: str = "auto"  # "numpy" | "torch" | "auto" (torch on CUDA when present, else numpy)
     device: str | None = None  # torch device string, e.g. "cuda:0" or "cpu"
     dtype: str | None = None  # compute dtype: "float32" (numpy), "bfloat16" default on CUDA
+    # Quantize a float checkpoint's linear layers as the model loads: "fp8" | "int4" (RTN).
+    # A quantized checkpoint (compressed-tensors, AWQ) is recognised without it.
+    quantization: str | None = None
     # Schedule step N+1 while step N runs. None: on when the backend launches
     # asynchronously (CUDA); the numpy backend gains nothing from it.
     overlap_scheduling: bool | None = None

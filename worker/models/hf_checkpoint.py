@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 
 from worker.models.config import CheckpointError, ModelConfig
 from worker.models.loaded_model import LoadedModel, check_shapes, expected_shapes
+from worker.models.quantized_checkpoint import recognise
 from worker.models.safetensors_io import TensorRef, read_float32, read_header
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -88,10 +89,14 @@ def load_hf_checkpoint(directory: Path, load_weights: bool = True) -> LoadedMode
     config = ModelConfig.from_hf(hf_config)
 
     refs = tensor_refs(directory)
-    check_shapes(directory, config, {name: ref.shape for name, ref in refs.items()})
     needed = expected_shapes(config)
-    refs = {name: ref for name, ref in refs.items() if name in needed}
+    quant = recognise(directory, hf_config, refs, needed)
+    quant_layers = {} if quant is None else quant.layers
+    found = {name: ref.shape for name, ref in refs.items() if quant is None or name not in quant.tensors}
+    check_shapes(directory, config, found | {name: shape for name, (shape, _) in quant_layers.items()})
+    refs = {name: ref for name, ref in refs.items() if name in needed and name not in quant_layers}
     weights = {name: read_float32(ref) for name, ref in refs.items()} if load_weights else {}
+    quantized = {name: read() for name, (_, read) in quant_layers.items()} if load_weights else {}
 
     tokenizer_path = directory / "tokenizer.json"
     if not tokenizer_path.exists():
@@ -119,6 +124,8 @@ def load_hf_checkpoint(directory: Path, load_weights: bool = True) -> LoadedMode
         source=directory,
         tensor_refs=refs,
         tokenizer_config=tok_cfg,
+        quantized=quantized,
+        quantization=None if quant is None else quant.scheme,
     )
 
 

@@ -10,6 +10,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from worker.models.config import CheckpointError, ModelConfig
+from worker.models.quantization import QuantizedWeight
 from worker.models.safetensors_io import TensorRef
 
 
@@ -30,6 +31,14 @@ class LoadedModel:
     tensor_refs: dict[str, TensorRef] = field(default_factory=dict)
     # tokenizer_config.json as a dict (special tokens, add_bos_token, ...).
     tokenizer_config: dict[str, Any] = field(default_factory=dict)
+    # A quantized checkpoint's linear weights under their float names ("...q_proj.weight"),
+    # which are then not in `weights` (nor in `tensor_refs`).
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+    # Float weights the backends quantize as they build the model: "fp8" | "int4" | None.
+    quantize: str | None = None
+    # What the model runs as, for logs and the worker's Ready: the checkpoint's scheme or
+    # the on-load mode; None for float weights.
+    quantization: str | None = None
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -64,3 +64,18 @@ def read_float32(ref: TensorRef) -> np.ndarray:
     if ref.dtype == "BF16":
         return (raw.astype(np.uint32) << 16).view(np.float32).reshape(ref.shape)
     return raw.astype(np.float32).reshape(ref.shape)
+
+
+# Raw element types of quantized checkpoints: e4m3 weights come back as their uint8 bit patterns.
+_RAW_DTYPES = {"F8_E4M3": np.uint8, "I8": np.int8, "U8": np.uint8, "I32": np.int32, "I64": np.int64}
+
+
+def read_array(ref: TensorRef) -> np.ndarray:
+    """An integer or float8 tensor as stored (a fresh array, not a view of the file)."""
+    np_dtype = _RAW_DTYPES.get(ref.dtype)
+    if np_dtype is None:
+        raise CheckpointError(f"{ref.file}: tensor dtype {ref.dtype} is not a quantized element type")
+    count = int(np.prod(ref.shape, dtype=np.int64))
+    if (ref.end - ref.start) != count * np.dtype(np_dtype).itemsize:
+        raise CheckpointError(f"{ref.file}: tensor byte range does not match its shape {ref.shape} and {ref.dtype}")
+    return np.array(np.memmap(ref.file, dtype=np_dtype, mode="r", offset=ref.start, shape=(count,))).reshape(ref.shape)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from worker.backends.quant_linear import QuantLinear
 from worker.backends.torch_decoder_ops import TorchDecoderOps, TorchLinear
 from worker.backends.torch_step import StepInputs
 from worker.models.config import ModelConfig
@@ -21,17 +23,19 @@ from worker.parallel.group import TensorGroup
 
 @dataclass(frozen=True, slots=True)
 class ShardedLinear:
-    weight: TorchLinear  # the rank's slice, as TorchDecoderOps made it
+    weight: TorchLinear | QuantLinear  # the rank's slice, as TorchDecoderOps made it (quantized after the cut)
     all_reduce: bool  # row-parallel: the rank's output is a partial sum
 
 
 class ShardedTorchDecoderOps(TorchDecoderOps):
     def __init__(
-        self, config: ModelConfig, group: TensorGroup, device: torch.device, dtype: torch.dtype, max_model_len: int
+        self, config: ModelConfig, group: TensorGroup, device: torch.device, dtype: torch.dtype, max_model_len: int,
+        **kwargs: Any,
     ) -> None:
         """`config` is the whole model's; the inherited ops (KV pool, attention, rope)
-        see the rank's heads (layout.local_config)."""
-        super().__init__(layout.local_config(config, group.size), device, dtype, max_model_len)
+        see the rank's heads (layout.local_config). `kwargs` go to TorchDecoderOps
+        (quantization, the KV cache's dtype): shards are cut from the float parts first."""
+        super().__init__(layout.local_config(config, group.size), device, dtype, max_model_len, **kwargs)
         self.full_config = config
         self.group = group
         self.vocab_start, self.vocab_rows = layout.vocab_shard(config.vocab_size, group.rank, group.size)

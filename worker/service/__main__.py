@@ -44,6 +44,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="GPUs (processes) the model is split over: the first N visible ones",
     )
     p.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (only 1 for now)")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8", "int4"],
+        help="quantize a float checkpoint's linear layers on load: fp8 (per-channel weights, per-token "
+        "activations) or int4 (group-wise round-to-nearest W4A16, not AWQ); quantized checkpoints "
+        "(compressed-tensors, AWQ) need no flag",
+    )
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--max-num-tokens", type=int, default=2048)
     p.add_argument("--max-beam-width", type=int, default=4, help="widest beam search accepted")
@@ -140,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         draft_model=args.draft_model,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        quantization=args.quantization,
     )
     try:
         engine = EngineProcess(engine_config)

@@ -74,6 +74,7 @@ class EngineConfig:
     # ends when any of them does, so the worker sees one engine fail as a whole.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    quantization: str | None = None  # fp8 | int4: quantize a float checkpoint on load
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,7 @@ class EngineInfo:
     max_seq_len: int
     tokenizer_json: bytes | None
     iteration_stats_max: int
+    quantization: str | None = None  # what the model runs as (Ready, logs); None: float
 
 
 # -- the worker's side ----------------------------------------------------------------
@@ -216,6 +218,7 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
         speculative_config=config.speculative_config,
         draft_model=None if config.backend == "echo" else config.draft_model,
         parallel_config=ParallelConfig(config.tensor_parallel_size, config.pipeline_parallel_size),
+        quantization=config.quantization,
     )
     if config.backend != "echo":
         return EngineCore.from_model(path, executor_config), path
@@ -253,6 +256,7 @@ def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, tu
         max_seq_len=core.max_seq_len,
         tokenizer_json=None if tokenizer is None else tokenizer.to_str().encode(),
         iteration_stats_max=core.config.iteration_stats_max,
+        quantization=getattr(core.backend, "quantization", None),
     )))  # fmt: skip
     settle_gc()
     hang_at = None if config.test_hang_loop_after_s is None else time.monotonic() + config.test_hang_loop_after_s

@@ -143,6 +143,7 @@ class WorkerService:
         self.notifier.ready(
             f"serving {self.config.model_name} at {self.address}: {info.backend} backend, "
             f"{info.num_blocks} KV blocks, max batch {info.max_batch_size}"
+            + ("" if info.quantization is None else f", {info.quantization}")
         )
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
@@ -298,6 +299,7 @@ class WorkerService:
                     max_seq_len=info.max_seq_len,
                     load=self.load(),
                     tokenizer_json=info.tokenizer_json,
+                    quantization=info.quantization,
                 ),
             )
         elif isinstance(msg, protocol.Heartbeat | protocol.Drain):

@@ -15,6 +15,7 @@ from tests.worker.backends.paged_batches import PagedSequences
 from worker.backends.base import SamplingBatch
 from worker.backends.numpy_backend import NumpyBackend
 from worker.backends.torch_backend import TorchBackend
+from worker.backends.torch_decoder_ops import TorchLinear
 from worker.models.loader import load_model
 
 # float32 on both sides; the remaining difference is summation order.
@@ -133,6 +134,8 @@ def test_from_checkpoint_reads_safetensors_directly(tiny_checkpoints: dict[str, 
     direct = TorchBackend.from_checkpoint(directory, device="cpu")
     loaded = TorchBackend(load_model(directory), device="cpu")
     for a, b in zip(direct.model.layers, loaded.model.layers, strict=True):
+        assert isinstance(a.qkv, TorchLinear) and isinstance(b.qkv, TorchLinear)
+        assert isinstance(a.gate_up, TorchLinear) and isinstance(b.gate_up, TorchLinear)
         assert torch.equal(a.qkv.weight, b.qkv.weight)
         assert torch.equal(a.gate_up.weight, b.gate_up.weight)
     assert torch.equal(direct.model.lm_head, loaded.model.lm_head)

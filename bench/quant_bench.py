@@ -1,0 +1,203 @@
+"""`python -m bench.gpu_bench --quantization fp8|int4`: the executor on the 8B-shaped
+random model quantized on the GPU at start, against the roofline recomputed for the
+quantized bytes and the FP8 GEMM FLOP/s measured in the same run.
+
+- fp8: 128/128 and 1000/1000 offline throughput with the bf16 KV cache, then 1000/1000
+  again with the FP8 (e4m3) KV cache (its KV tokens reported beside the bf16 cache's).
+  Goals: 128/128 >= 28,312 output tok/s (TensorRT-LLM's published H100 FP8 figure for
+  Llama-3.1-8B), 1000/1000 >= 15,220; the FP8 cache holds twice the tokens and is not slower.
+- int4 (W4A16, RTN): batch-1 time per output token against its floor, the int4 weight
+  bytes (plus scales and the bf16 lm head) over the measured bandwidth; goal <= 1.3x.
+
+Random weights are what the bench measures speed with (quantized RTN / per-channel like
+any others); their outputs are meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.gpu_bench import (
+    LLAMA_8B,
+    TINY,
+    Roofline,
+    environment,
+    log,
+    mean_decode_batch,
+    measure_bandwidth,
+    measure_gemm,
+    prompts_for,
+    random_weights,
+    run_executor_offline,
+    run_executor_single,
+    sync,
+)
+
+GOALS_TOK_S = {"128/128": 28_312, "1000/1000": 15_220}
+INT4_TPOT_GOAL = 1.3  # x the floor
+FP8_WORKLOADS = [(128, 128, 1024), (1000, 1000, 256)]
+TINY_WORKLOADS = [(16, 16, 8)]
+
+
+def measure_fp8_gemm(device: torch.device) -> float:
+    """FP8 FLOP/s of an 8192^3 torch._scaled_mm with row-wise scales, bf16 out (the GEMM
+    Fp8Linear runs)."""
+    n = 8192
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
+    sa, sb = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+
+    def mm() -> torch.Tensor:
+        return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+    for _ in range(3):
+        mm()
+    sync(device)
+    reps = 20
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        mm()
+    sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def quantized_roofline(cfg: Any, quantization: str, kv_bytes: int, bandwidth: float, flops: float) -> Roofline:
+    """The roofline with the projections' quantized bytes: fp8 one byte a weight plus a
+    float32 scale per output channel; int4 half a byte plus a float32 scale per group of
+    128. The lm head stays bf16; its FLOPs are counted at `flops` too (7% of them)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    outs = (cfg.num_heads + 2 * cfg.num_kv_heads) * d + h + 2 * cfg.intermediate_size + h
+    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
+    matmul, lm_head = cfg.num_layers * per_layer, cfg.vocab_size * h
+    fp8_bytes, int4_bytes = matmul + cfg.num_layers * outs * 4, matmul // 2 + matmul // 128 * 4
+    matmul_bytes = fp8_bytes if quantization == "fp8" else int4_bytes
+    return Roofline(
+        bandwidth=bandwidth,
+        flops=flops,
+        weight_bytes=matmul_bytes + lm_head * 2,
+        matmul_params=matmul,
+        lm_head_params=lm_head,
+        kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * d * kv_bytes,
+        attn_flops_per_ctx=4 * cfg.num_layers * cfg.num_heads * d,
+    )
+
+
+def _engine(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.Tensor], device: torch.device,
+            kv_cache_dtype: str | None) -> Any:  # fmt: skip
+    from worker.backends.torch_backend import TorchBackend
+    from worker.executor import EngineCore, Executor, ExecutorConfig, KvCacheConfig
+
+    t0 = time.perf_counter()
+    backend = TorchBackend(cfg, device, "bfloat16", weights=weights, max_num_tokens=args.max_num_tokens,
+                           max_model_len=args.max_model_len, max_graph_batch=args.max_batch,
+                           quantization=args.quantization, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    sync(device)
+    log(f"{args.quantization} model built (quantized on the GPU) in {time.perf_counter() - t0:.1f} s, "
+        f"{torch.cuda.memory_allocated(device) / 1e9 if device.type == 'cuda' else 0:.1f} GB allocated")  # fmt: skip
+    config = ExecutorConfig(
+        max_batch_size=args.max_batch,
+        max_num_tokens=args.max_num_tokens,
+        kv_cache_config=KvCacheConfig(tokens_per_block=args.block_size, free_memory_fraction=0.9,
+                                      enable_block_reuse=False, dtype=kv_cache_dtype),
+        iteration_stats_max=1_000_000,
+    )  # fmt: skip
+    executor = Executor(EngineCore(backend, config))
+    if backend._graphs is not None:
+        backend._graphs.capture_all()
+    run_executor_offline(executor, prompts_for(4, 64, cfg.vocab_size, 99), 8)  # warm-up: Triton compiles
+    return executor
+
+
+def _offline(executor: Any, cfg: Any, prompt: int, output: int, n: int, roof: Roofline, batch_limit: int,
+             block_size: int) -> dict[str, Any]:  # fmt: skip
+    executor.get_latest_iteration_stats()
+    seconds, tokens = run_executor_offline(executor, prompts_for(n, prompt, cfg.vocab_size, 1), output)
+    if tokens != n * output:
+        raise RuntimeError(f"{prompt}/{output}: {tokens} output tokens, expected {n * output}")
+    kv_tokens = executor.core.blocks.num_blocks * block_size
+    concurrency = min(batch_limit, n, kv_tokens // (prompt + output))
+    row = {
+        "workload": f"{prompt}/{output}", "requests": n, "tok_s": round(tokens / seconds),
+        "roofline_tok_s": round(roof.offline_tok_s(prompt, output, n, concurrency)),
+        "mean_batch": round(mean_decode_batch(executor.get_latest_iteration_stats()), 1), "kv_tokens": kv_tokens,
+    }  # fmt: skip
+    goal = GOALS_TOK_S.get(row["workload"])
+    if goal:
+        row["goal_tok_s"] = goal
+        row["of_goal"] = round(row["tok_s"] / goal, 3)
+    return row
+
+
+def run_quantized(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from worker.models.config import ModelConfig
+
+    device = torch.device(args.device)
+    cfg = ModelConfig.from_hf(TINY if args.tiny else LLAMA_8B)
+    env = environment(device)
+    log("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
+    bandwidth, bf16_flops = measure_bandwidth(device), measure_gemm(device)
+    fp8_flops = measure_fp8_gemm(device) if args.quantization == "fp8" else float("nan")
+    log(f"HBM {bandwidth / 1e12:.2f} TB/s; GEMM bf16 {bf16_flops / 1e12:.0f} TFLOP/s, fp8 {fp8_flops / 1e12:.0f} "
+        "TFLOP/s (8192^3, measured now)")  # fmt: skip
+    flops = fp8_flops if args.quantization == "fp8" else bf16_flops
+    weights = random_weights(cfg, device, torch.bfloat16)
+    rows: list[dict[str, Any]] = []
+    workloads = TINY_WORKLOADS if args.tiny else FP8_WORKLOADS
+    kv_runs: list[str | None] = [None, "fp8"] if args.quantization == "fp8" else [None]
+    for kv in kv_runs:
+        roof = quantized_roofline(cfg, args.quantization, 1 if kv == "fp8" else 2, bandwidth, flops)
+        executor = _engine(args, cfg, weights, device, kv)
+        if kv is None:
+            log(f"roofline: weights {roof.weight_bytes / 1e9:.2f} GB read per step -> batch-1 TPOT floor "
+                f"{roof.decode_floor(0) * 1e3:.2f} ms")  # fmt: skip
+        picked = workloads if kv is None else workloads[-1:]  # the FP8 cache: the long workload
+        for prompt, output, n in picked if args.quantization == "fp8" else []:
+            row = _offline(executor, cfg, prompt, output, max(1, int(n * args.scale)), roof, args.max_batch,
+                           args.block_size)  # fmt: skip
+            row["kv_cache"] = kv or "bf16"
+            rows.append(row)
+            log(f"{args.quantization} weights, {row['kv_cache']} KV: {row}")
+        if kv is None:
+            prompt, output = (16, 16) if args.tiny else (128, 128)
+            ttft, tpot = run_executor_single(executor, prompts_for(1, prompt, cfg.vocab_size, 2)[0], output)
+            floor = roof.decode_floor(prompt + output // 2) * 1e3
+            single = {"workload": f"batch 1, {prompt}/{output}", "ttft_ms": round(ttft, 2), "tpot_ms": round(tpot, 3),
+                      "tpot_floor_ms": round(floor, 3), "of_floor": round(tpot / floor, 2)}  # fmt: skip
+            if args.quantization == "int4":
+                single["goal_of_floor"] = INT4_TPOT_GOAL
+            rows.append(single)
+            log(f"{args.quantization} batch 1: {single}")
+        executor.shutdown()
+        del executor
+        gc.collect()
+        torch.cuda.empty_cache()
+    summary = {
+        "environment": env, "quantization": args.quantization, "bandwidth_TBps": bandwidth / 1e12,
+        "gemm_bf16_TFLOPps": bf16_flops / 1e12, "gemm_fp8_TFLOPps": fp8_flops / 1e12, "rows": rows,
+    }  # fmt: skip
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, f"gpu_bench_{args.quantization}.json"), "w") as f:
+            json.dump(summary, f, indent=1, default=str)
+    print(json.dumps(summary, indent=1, default=str))
+    long = [r for r in rows if r.get("workload") == "1000/1000"]
+    if len(long) == 2:
+        print(f"FP8 KV cache: {long[1]['kv_tokens'] / long[0]['kv_tokens']:.2f}x the KV tokens, "
+              f"{long[1]['tok_s'] / long[0]['tok_s']:.2f}x the 1000/1000 throughput")  # fmt: skip
+    return rows
+
+
+def table_rows(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    header = ["workload", "KV cache", "tok/s", "goal", "roofline tok/s", "TPOT ms", "TPOT floor ms", "KV tokens"]
+    body = [[str(r.get("workload")), str(r.get("kv_cache", "bf16")), f"{r.get('tok_s', np.nan):,}",
+             f"{r.get('goal_tok_s', '')}", f"{r.get('roofline_tok_s', '')}", f"{r.get('tpot_ms', '')}",
+             f"{r.get('tpot_floor_ms', '')}", f"{r.get('kv_tokens', '')}"] for r in rows]  # fmt: skip
+    return header, body

@@ -1,0 +1,185 @@
+"""Quantized kernels on CUDA against their dequantized reference, and the FP8 KV cache
+against the bf16 one.
+
+Tolerances (relative L2 of the output, ||ours - ref|| / ||ref||):
+- W4A16: the kernel dequantizes to bf16 in registers (relative rounding 2^-9 per weight)
+  and accumulates in float32; against x @ W_dequantized in float32 that is ~3e-3 on
+  random data; bound 1e-2.
+- FP8 GEMM: the reference rounds the inputs to e4m3 exactly as the kernel does, so what
+  remains is the bf16 output rounding and summation order: ~2e-3; bound 1e-2.
+- FP8 KV cache vs bf16 cache, mid-size model: e4m3 keeps 3 mantissa bits (relative error
+  <= 2^-4 per K/V element); the logits move by a relative L2 of a few percent; bound 0.1.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.worker.backends.greedy_driver import greedy_run
+from tests.worker.backends.paged_batches import PagedSequences
+from worker.backends import quant_linear
+from worker.backends.torch_backend import TorchBackend
+from worker.models.config import ModelConfig
+from worker.models.loader import load_model
+from worker.models.quantization import Int4Weight, dequantize, pack_int4
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+CUDA = torch.device("cuda")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 300, 2048])
+@pytest.mark.parametrize("zero", [False, True])
+def test_w4a16_matches_the_dequantized_reference(m: int, zero: bool) -> None:
+    rng = np.random.default_rng(m)
+    n, k = 1536, 4096
+    q = rng.integers(-8, 8, (n, k)).astype(np.int8)
+    z = rng.integers(-3, 3, (n, k // 128)).astype(np.int8) if zero else None
+    w = Int4Weight(pack_int4(q), (rng.random((n, k // 128)) * 0.01).astype(np.float32), z, 128)
+    layer = quant_linear.quantized_linear([w], None, None, CUDA)
+    assert isinstance(layer, quant_linear.Int4Linear)
+    x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+    ref = x.float() @ torch.from_numpy(dequantize(w)).to(CUDA).T
+    out = layer(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert rel(out, ref) < 1e-2, (m, rel(out, ref))
+
+
+def test_w4a16_group_64_and_on_load_quantization() -> None:
+    w = torch.randn(576 * 3, 576, device=CUDA) * 0.05  # SmolLM2's width: groups of 64
+    layer = quant_linear.quantized_linear([w], None, "int4", CUDA)
+    assert isinstance(layer, quant_linear.Int4Linear) and layer.group_size == 64
+    x = torch.randn(5, 576, device=CUDA, dtype=torch.bfloat16)
+    assert rel(layer(x), x.float() @ quant_linear.dequantize_int4(layer).T) < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 16, 300, 2048])
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_gemm_matches_the_reference(m: int, static: bool) -> None:
+    n, k = 2048, 4096
+    w = torch.randn(n, k, device=CUDA) * 0.02
+    layer = quant_linear.quantized_linear([w], torch.randn(n, device=CUDA, dtype=torch.bfloat16), "fp8", CUDA)
+    assert isinstance(layer, quant_linear.Fp8Linear)
+    if static:
+        layer = quant_linear.Fp8Linear(layer.weight, layer.scale, torch.tensor([[0.02]], device=CUDA), layer.bias)
+    x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+    dequantized = layer.weight.float() * layer.scale[0][:, None]
+    assert layer.bias is not None
+    ref = quant_linear.Fp8Reference(dequantized, layer.bias.float(), 0.02 if static else None)(x.float())
+    assert rel(layer(x), ref) < 1e-2, (m, static, rel(layer(x), ref))
+
+
+def test_fp8_row_quantization_kernel_matches_torch() -> None:
+    x = torch.randn(37, 4096, device=CUDA, dtype=torch.bfloat16) * 3
+    q, scale = quant_linear.quantize_rows_fp8(x)
+    want_scale = x.float().abs().amax(dim=1, keepdim=True) / 448.0
+    torch.testing.assert_close(scale, want_scale)
+    want = (x.float() / want_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert (q.view(torch.uint8) != want.view(torch.uint8)).float().mean() < 1e-3  # division rounding ties only
+
+
+def mid_config() -> ModelConfig:
+    return ModelConfig.from_hf({
+        "model_type": "llama", "vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1536,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    })  # fmt: skip
+
+
+def mid_weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    from worker.models.loaded_model import expected_shapes
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = {}
+    for name, shape in expected_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            out[name] = torch.ones(shape, device=CUDA)
+        else:
+            out[name] = torch.randn(shape, device=CUDA, generator=gen) * 0.05
+    return out
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "int4"])
+def test_quantized_model_cuda_graphs_match_eager_and_stay_near_the_reference(quantization: str) -> None:
+    cfg = mid_config()
+    weights = mid_weights(cfg)
+    prompts = {s: np.random.default_rng(i).integers(0, 4096, 20 + 7 * i).tolist() for i, s in enumerate("abcd")}
+    runs = []
+    for graphs in (True, False):
+        backend = TorchBackend(cfg, CUDA, weights=weights, quantization=quantization, use_cuda_graphs=graphs)
+        backend.allocate_kv_cache(num_blocks=128, block_size=16)
+        runs.append(greedy_run(backend, prompts, 16, seed=1, block_size=16, num_blocks=128, chunk=64))
+    assert runs[0] == runs[1]
+    # one prefill's logits against the CPU reference of the same quantization (float32)
+    tokens = prompts["d"]
+    gpu = TorchBackend(cfg, CUDA, weights=weights, quantization=quantization, use_cuda_graphs=False)
+    cpu = TorchBackend(cfg, "cpu", "float32", weights={k: v.cpu() for k, v in weights.items()},
+                       quantization=quantization)  # fmt: skip
+    logits = []
+    for backend in (gpu, cpu):
+        backend.allocate_kv_cache(num_blocks=16, block_size=16)
+        logits.append(backend.forward(PagedSequences(16, 16, seed=1).step([("s", tokens, 0, len(tokens))])).cpu())
+    assert rel(logits[0], logits[1]) < 3e-2, rel(logits[0], logits[1])
+
+
+def test_fp8_kv_cache_doubles_the_tokens_and_stays_close_to_bf16() -> None:
+    cfg = mid_config()
+    weights = mid_weights(cfg)
+    tokens = np.random.default_rng(3).integers(0, 4096, 400).tolist()
+    out, per_token = {}, {}
+    for kv in (None, "fp8"):
+        backend = TorchBackend(cfg, CUDA, weights=weights, kv_cache_dtype=kv, use_cuda_graphs=False)
+        per_token[kv] = backend.kv_bytes_per_token()
+        backend.allocate_kv_cache(num_blocks=64, block_size=16)
+        paged = PagedSequences(64, 16, seed=2)
+        rows = [backend.forward(paged.step([("s", tokens, 0, 300)])).clone()]
+        rows += [backend.forward(paged.step([("s", tokens, p, 1)])).clone() for p in range(300, 400)]
+        out[kv] = torch.cat(rows)
+    assert per_token[None] == 2 * per_token["fp8"]
+    err = rel(out["fp8"], out[None])
+    agree = float((out["fp8"].argmax(-1) == out[None].argmax(-1)).float().mean())
+    print(f"fp8 KV cache vs bf16: logits relative L2 {err:.3e}, argmax agreement {agree:.3f}")
+    assert err < 0.1
+    assert agree >= 0.9
+
+
+def default_model_path() -> Path | None:
+    path = os.environ.get("TOKENWIRE_GPU_DEFAULT_MODEL")
+    return Path(path) if path and Path(path).exists() else None
+
+
+@pytest.mark.skipif(default_model_path() is None, reason="TOKENWIRE_GPU_DEFAULT_MODEL (the default model) not set")
+def test_default_model_quantized_on_load_agreement() -> None:
+    """Next-token argmax agreement with the bf16 model over 20 prompts of 64 tokens
+    (teacher-forced, 1280 positions). The issue's goal is 90%; the CPU measured fp8 0.873
+    and int4 (RTN) 0.506 on these prompts, so the floors only guard against regressions:
+    the printed figures are the ones to report."""
+    path = default_model_path()
+    assert path is not None
+    loaded = load_model(path, load_weights=False)
+    ids = loaded.tokenizer.encode((Path(__file__).parents[2] / "README.md").read_text()).ids
+    prompts = [ids[i * 97 : i * 97 + 64] for i in range(20)]
+
+    def argmaxes(quantization: str | None) -> Any:
+        backend = TorchBackend(load_model(path, quantization=quantization), device="cuda", use_cuda_graphs=False)
+        backend.allocate_kv_cache(num_blocks=100, block_size=16)
+        batch = PagedSequences(100, 16, seed=1).step([(str(i), p, 0, 64) for i, p in enumerate(prompts)])
+        return backend.forward(batch).argmax(-1).cpu()
+
+    base = argmaxes(None)
+    figures = {q: float((argmaxes(q) == base).float().mean()) for q in ("fp8", "int4")}
+    print(f"default model, next-token agreement with bf16 over 20 x 64 tokens: {figures}")
+    assert figures["fp8"] >= 0.8
+    assert figures["int4"] >= 0.45

@@ -1,0 +1,127 @@
+"""The quantized formats themselves: e4m3 rounding as torch rounds, int4 packing, the
+on-load quantizers, and what quantizing on load does to the default model's greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.worker.backends.paged_batches import PagedSequences
+from worker.backends.numpy_backend import NumpyBackend
+from worker.backends.torch_backend import TorchBackend
+from worker.models.config import CheckpointError
+from worker.models.loader import load_model
+from worker.models.quantization import (
+    E4M3_VALUES,
+    Int4Weight,
+    dequantize,
+    pack_int4,
+    quantize_fp8,
+    quantize_int4,
+    to_e4m3,
+    unpack_int4,
+)
+
+
+def test_e4m3_table_and_rounding_match_torch() -> None:
+    codes = torch.arange(256, dtype=torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).float().numpy()
+    np.testing.assert_array_equal(E4M3_VALUES, want)  # NaN where torch has NaN
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.normal(0, s, 20000) for s in (1e-3, 0.1, 10.0, 200.0)]).astype(np.float32)
+    x = np.concatenate([x, E4M3_VALUES[:126], (E4M3_VALUES[:125] + E4M3_VALUES[1:126]) / 2])  # exact, and ties
+    torch_codes = torch.from_numpy(x).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    np.testing.assert_array_equal(to_e4m3(x), torch_codes)
+
+
+def test_int4_packing_round_trips_in_order() -> None:
+    q = np.arange(-8, 8, dtype=np.int8).repeat(2).reshape(2, 16)
+    packed = pack_int4(q)
+    assert packed.shape == (2, 2) and packed.dtype == np.int32
+    assert packed.view(np.uint32)[0, 0] == 0x33221100  # value j of word w is column 8w + j, stored q + 8
+    np.testing.assert_array_equal(unpack_int4(packed), q)
+
+
+def test_on_load_quantizers_bound_their_error() -> None:
+    w = np.random.default_rng(1).normal(0, 0.05, (64, 256)).astype(np.float32)
+    fp8 = quantize_fp8(w)
+    assert fp8.scale.shape == (64,) and fp8.input_scale is None
+    # e4m3 keeps 3 mantissa bits: half a step is at most 2^-4 of the value (normal range)
+    big = np.abs(w) > 2**-6 * fp8.scale[:, None]
+    assert np.all(np.abs(dequantize(fp8) - w)[big] <= np.abs(w)[big] * 2**-4 + 1e-12)
+    int4 = quantize_int4(w, 128)
+    assert isinstance(int4, Int4Weight) and int4.scale.shape == (64, 2) and int4.zero is None
+    step = np.repeat(int4.scale, 128, axis=1)
+    assert np.all(np.abs(dequantize(int4) - w) <= step / 2 + 1e-7)
+    with pytest.raises(ValueError, match="group size 128 does not divide the layer's 96 inputs"):
+        quantize_int4(w[:, :96], 128)
+
+
+def test_quantization_on_load_is_validated(tiny_llama: Path) -> None:
+    with pytest.raises(ValueError, match="quantization must be one of fp8, int4, got 'int3'"):
+        load_model(tiny_llama, quantization="int3")
+    loaded = load_model(tiny_llama, quantization="int4")
+    assert loaded.quantize == "int4" and loaded.quantization == "int4 (quantized on load, int4 RTN)"
+
+
+def test_quantized_checkpoint_cannot_be_quantized_again(tmp_path: Path, tiny_llama: Path) -> None:
+    import json
+    import shutil
+
+    shutil.copytree(tiny_llama, tmp_path / "q")
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes"}
+    (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="quant_method 'bitsandbytes'"):
+        load_model(tmp_path / "q", quantization="fp8")
+
+
+def test_both_cpu_backends_quantize_on_load_alike(tiny_llama: Path) -> None:
+    """The numpy and torch-CPU backends compute with the same quantized reference."""
+    prompt = [5, 17, 42, 99, 3, 250, 7, 8, 11]
+    for mode in ("fp8", "int4"):
+        loaded = load_model(tiny_llama, quantization=mode)
+        logits = []
+        backends: list[Any] = [NumpyBackend(loaded), TorchBackend(loaded, device="cpu")]
+        for backend in backends:
+            backend.allocate_kv_cache(num_blocks=16, block_size=4)
+            batch = PagedSequences(num_blocks=16, block_size=4, seed=1).step([("s", prompt, 0, 9)], all_logits=True)
+            logits.append(np.asarray(backend.logits_to_host(backend.forward(batch))))
+        np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4, err_msg=mode)
+        float_logits = NumpyBackend(load_model(tiny_llama))
+        float_logits.allocate_kv_cache(num_blocks=16, block_size=4)
+        batch = PagedSequences(num_blocks=16, block_size=4, seed=1).step([("s", prompt, 0, 9)], all_logits=True)
+        assert not np.allclose(float_logits.forward(batch), logits[0], atol=1e-4), f"{mode} changed nothing"
+
+
+# Next-token agreement of int4 (RTN) with the float default model over 20 prompts of 64 tokens:
+# at each of the 20 x 64 positions, the argmax of the quantized model against the float one
+# (teacher-forced on the prompt). Measured on SmolLM2-135M with prompts cut from README.md:
+# int4 0.506 (group 64: 576 inputs are not groups of 128). The issue's 90% goal is NOT met by
+# RTN on a 135M model (fp8 W8A8 on the same prompts: 0.873, weights alone 0.905); this
+# floor keeps what was measured from regressing.
+INT4_AGREEMENT_FLOOR = 0.45
+
+
+@pytest.mark.slow  # two forwards of 1280 tokens through the 135M default model on the CPU (~60 s)
+def test_int4_on_load_agreement_with_the_default_model(default_model_dir: Path) -> None:
+    loaded = load_model(default_model_dir, load_weights=False)
+    ids = loaded.tokenizer.encode((Path(__file__).parents[3] / "README.md").read_text()).ids
+    prompts = [ids[i * 97 : i * 97 + 64] for i in range(20)]
+    assert all(len(p) == 64 for p in prompts)
+
+    def argmaxes(quantization: str | None) -> np.ndarray:
+        backend = TorchBackend(load_model(default_model_dir, quantization=quantization), device="cpu")
+        backend.allocate_kv_cache(num_blocks=100, block_size=16)
+        batch = PagedSequences(num_blocks=100, block_size=16, seed=1).step(
+            [(str(i), p, 0, 64) for i, p in enumerate(prompts)], all_logits=True
+        )
+        return np.asarray(backend.logits_to_host(backend.forward(batch))).argmax(-1)
+
+    agreement = float((argmaxes("int4") == argmaxes(None)).mean())
+    print(f"int4 on-load next-token agreement with the float model: {agreement:.3f}")
+    assert agreement >= INT4_AGREEMENT_FLOOR

@@ -1,0 +1,287 @@
+"""Quantized linear layers of the torch backend on CUDA: what `TorchDecoderOps.linear_weight`
+makes from a quantized checkpoint's weights (worker.models.quantization) or quantizes from
+float weights on the device, and the GEMMs `linear` runs on them.
+
+- `Fp8Linear`: e4m3 weights with per-output-channel scales; activations quantized per
+  token (one Triton pass per row: amax, scale, cast) or with the checkpoint's static scale,
+  then one `torch._scaled_mm` (cuBLASLt FP8, row-wise scales, bf16 out).
+- `Int4Linear`: W4A16. Weights packed eight to an int32 along the input dimension,
+  [in // 8, out], so that a tile of consecutive inputs for a run of outputs is one
+  coalesced load; scales (and zero points) per group as float32 [groups, out]. One Triton
+  kernel dequantizes in registers and accumulates in float32: small batches (GEMV-like,
+  memory-bound) split the input dimension over programs so that all SMs stream weights,
+  large batches take 64-128 row tiles.
+
+On the CPU the backend does not come here: it computes with the dequantized reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from worker.models.quantization import FP8_MAX, Fp8Weight, Int4Weight, QuantizedWeight, on_load_group_size
+
+try:
+    import triton  # type: ignore[import-not-found,unused-ignore]
+    import triton.language as tl  # type: ignore[import-not-found,unused-ignore]
+except ImportError:  # the CPU host
+    triton = None
+
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Linear:
+    weight: torch.Tensor  # float8_e4m3fn [out, in]
+    scale: torch.Tensor  # float32 [1, out]
+    input_scale: torch.Tensor | None  # float32 [1, 1], static; None: per token at run time
+    bias: torch.Tensor | None  # [out], compute dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_scale is None:
+            xq, x_scale = quantize_rows_fp8(x)
+        else:
+            xq = (x.float() / self.input_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+            x_scale = self.input_scale.expand(x.shape[0], 1).contiguous()
+        out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale, out_dtype=x.dtype)
+        # The bias is added apart: not every torch's row-wise _scaled_mm takes one.
+        return out if self.bias is None else out + self.bias
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Linear:
+    qweight: torch.Tensor  # int32 [in // 8, out]: nibble j of row r holds input 8r + j, as q + 8
+    scale: torch.Tensor  # float32 [in // group_size, out]
+    zero: torch.Tensor | None  # float32 [in // group_size, out]; None: symmetric
+    group_size: int
+    bias: torch.Tensor | None  # [out], compute dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = w4a16_matmul(x, self.qweight, self.scale, self.zero, self.group_size)
+        return out if self.bias is None else out + self.bias
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Reference:
+    """FP8 on the CPU: the dequantized weight, and inputs rounded to e4m3 the way
+    Fp8Linear rounds them on the GPU (what worker.models.quantization.fake_quantize_inputs
+    does in numpy)."""
+
+    weight: torch.Tensor  # float32 [out, in], dequantized
+    bias: torch.Tensor | None
+    input_scale: float | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_scale is None:
+            scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_(min=1e-12)
+        else:
+            scale = torch.tensor(self.input_scale, dtype=x.dtype)
+        xq = (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).to(x.dtype) * scale
+        return torch.nn.functional.linear(xq, self.weight, self.bias)
+
+
+QuantLinear = Fp8Linear | Int4Linear | Fp8Reference
+
+
+# -- weights ----------------------------------------------------------------------------------
+
+
+def quantized_linear(
+    parts: Sequence[QuantizedWeight | torch.Tensor | np.ndarray],
+    bias: torch.Tensor | None,
+    mode: str | None,
+    device: torch.device,
+) -> QuantLinear:
+    """One fused projection from its row blocks: a checkpoint's quantized weights as they
+    are, or float ones quantized here on the device by `mode` ("fp8" | "int4")."""
+    if all(isinstance(p, Fp8Weight) for p in parts):
+        return _fp8_from_checkpoint([p for p in parts if isinstance(p, Fp8Weight)], bias, device)
+    if all(isinstance(p, Int4Weight) for p in parts):
+        return _int4_from_checkpoint([p for p in parts if isinstance(p, Int4Weight)], bias, device)
+    if any(isinstance(p, Fp8Weight | Int4Weight) for p in parts):
+        raise ValueError("a fused projection mixes quantized and float parts")
+    w = torch.cat([torch.as_tensor(p).to(device=device, dtype=torch.float32) for p in parts])
+    if mode == "fp8":
+        return quantize_fp8(w, bias)
+    if mode == "int4":
+        return quantize_int4(w, bias, on_load_group_size(w.shape[1]))
+    raise ValueError(f"quantization must be 'fp8' or 'int4', got {mode!r}")
+
+
+def quantize_fp8(w: torch.Tensor, bias: torch.Tensor | None) -> Fp8Linear:
+    """Per-output-channel e4m3, as worker.models.quantization.quantize_fp8 does."""
+    scale = w.abs().amax(dim=1) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return Fp8Linear(codes, scale[None, :].contiguous(), None, bias)
+
+
+def quantize_int4(w: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> Int4Linear:
+    """Group-wise symmetric RTN, as worker.models.quantization.quantize_int4 does."""
+    out, n_in = w.shape
+    groups = w.view(out, n_in // group_size, group_size)
+    scale = groups.abs().amax(dim=2) / 7.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(groups / scale[:, :, None]).clamp_(-8, 7).to(torch.int32).view(out, n_in)
+    return Int4Linear(_pack_along_in(q.t()), scale.t().contiguous(), None, group_size, bias)
+
+
+def _pack_along_in(q_in_out: torch.Tensor) -> torch.Tensor:
+    """int values [in, out] in [-8, 7] -> int32 [in // 8, out], input 8r + j in nibble j."""
+    n_in, out = q_in_out.shape
+    u = (q_in_out.to(torch.int64) + 8).reshape(n_in // 8, 8, out)
+    words = torch.zeros((n_in // 8, out), dtype=torch.int64, device=q_in_out.device)
+    for j in range(8):
+        words |= u[:, j, :] << (4 * j)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def _unpack_along_in(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [rows, in // 8] (compressed-tensors: along the last dim) -> int [rows, in] in [-8, 7]."""
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    u = torch.stack([(words >> (4 * j)) & 0xF for j in range(8)], dim=-1)
+    return u.view(packed.shape[0], -1) - 8
+
+
+def _fp8_from_checkpoint(parts: list[Fp8Weight], bias: torch.Tensor | None, device: torch.device) -> Fp8Linear:
+    codes = torch.from_numpy(np.concatenate([p.codes for p in parts])).to(device).view(FP8)
+    scale = torch.from_numpy(np.concatenate([p.scale for p in parts])).to(device)
+    statics = [p.input_scale for p in parts]
+    # Fused parts share one activation; its static scale is the largest (no part clips).
+    input_scale = None if None in statics else torch.tensor([[max(s for s in statics if s is not None)]])
+    return Fp8Linear(codes, scale[None, :].contiguous(), None if input_scale is None else input_scale.to(device),
+                     bias)  # fmt: skip
+
+
+def _int4_from_checkpoint(parts: list[Int4Weight], bias: torch.Tensor | None, device: torch.device) -> Int4Linear:
+    group_size = parts[0].group_size
+    if any(p.group_size != group_size for p in parts):
+        raise ValueError("fused int4 parts have different group sizes")
+    q = _unpack_along_in(torch.from_numpy(np.concatenate([p.packed for p in parts])).to(device))  # [out, in]
+    scale = torch.from_numpy(np.concatenate([p.scale for p in parts])).to(device)  # [out, groups]
+    zero = None
+    if any(p.zero is not None for p in parts):
+        zeros = [np.zeros(p.scale.shape, np.int8) if p.zero is None else p.zero for p in parts]
+        zero = torch.from_numpy(np.concatenate(zeros)).to(device=device, dtype=torch.float32).t().contiguous()
+    return Int4Linear(_pack_along_in(q.t()), scale.t().contiguous(), zero, group_size, bias)
+
+
+# -- activations: per-token FP8 -----------------------------------------------------------------
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]) with scale = row amax / 448."""
+    m, k = x.shape
+    if triton is None or not x.is_cuda:
+        scale = (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_(min=1e-12)
+        return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(k)
+    _quant_rows_kernel[(m,)](x, q, scale, k, x.stride(0), BLOCK=block, num_warps=min(16, max(1, block // 512)))
+    return q, scale
+
+
+if triton is not None:
+
+    @triton.jit  # type: ignore[misc,unused-ignore]
+    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        # One row per program, read once: amax, scale and cast from registers.
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < K
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
+        q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row, scale)
+
+    @triton.jit  # type: ignore[misc,unused-ignore]
+    def _w4a16_kernel(  # type: ignore[no-untyped-def]
+        x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_x, stride_out, group_size,
+        HAS_ZERO: tl.constexpr, SPLIT_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok, n_ok = offs_m < M, offs_n < N
+        k_span = K // SPLIT_K
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(pid_k * k_span, (pid_k + 1) * k_span, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_x + offs_k[None, :], mask=m_ok[:, None],
+                        other=0.0)  # fmt: skip
+            # Each int32 holds 8 consecutive inputs: the 8 rows that share it load it
+            # once from DRAM (the rest hit L1), then shift their own nibble out.
+            words = tl.load(w_ptr + (offs_k[:, None] // 8).to(tl.int64) * N + offs_n[None, :], mask=n_ok[None, :],
+                            other=0)  # fmt: skip
+            q = ((words >> ((offs_k[:, None] % 8) * 4)) & 0xF).to(tl.float32) - 8.0
+            g = k0 // group_size  # BLOCK_K divides the group size: one group per tile
+            s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0)
+            if HAS_ZERO:
+                q -= tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0)[None, :]
+            w = (q * s[None, :]).to(x.dtype)
+            acc += tl.dot(x, w)
+        out = out_ptr + offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+        if SPLIT_K == 1:
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        else:
+            tl.atomic_add(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _w4a16_plan(m: int, n: int, k: int, group_size: int, num_sms: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps) for an [m, k] x [k, n] product."""
+    block_k = min(64, group_size)
+    if m <= 16:
+        block_m, block_n, warps = 16, 64, 4
+    elif m <= 64:
+        block_m, block_n, warps = 64, 128, 4
+    else:
+        block_m, block_n, warps = 128, 128, 8
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = 1
+    # Memory-bound small batches: split K until every SM streams weights (2 programs each).
+    while tiles * split < 2 * num_sms and k % (split * 2 * block_k) == 0 and k // (split * 2) >= 4 * block_k:
+        split *= 2
+    return block_m, block_n, block_k, split, warps
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def w4a16_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
+    """x [M, K] (bf16/fp16) @ dequantized W [K, N] -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    dev = x.device.index or 0
+    if dev not in _NUM_SMS:
+        _NUM_SMS[dev] = torch.cuda.get_device_properties(x.device).multi_processor_count
+    block_m, block_n, block_k, split, warps = _w4a16_plan(m, n, k, group_size, _NUM_SMS[dev])
+    if split == 1:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    else:
+        out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
+    _w4a16_kernel[grid](
+        x, qweight, scale, scale if zero is None else zero, out, m, n, k, x.stride(0), out.stride(0), group_size,
+        HAS_ZERO=zero is not None, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=3,
+    )  # fmt: skip
+    return out if split == 1 else out.to(x.dtype)
+
+
+def dequantize_int4(w: Int4Linear) -> torch.Tensor:
+    """The float32 weight [out, in] an Int4Linear stands for (the GPU tests' reference)."""
+    q = _unpack_along_in(w.qweight.t().contiguous()).float()  # [out, in]
+    out, n_in = q.shape
+    groups = q.view(out, n_in // w.group_size, w.group_size)
+    if w.zero is not None:
+        groups = groups - w.zero.t()[:, :, None]
+    return (groups * w.scale.t()[:, :, None]).view(out, n_in)
