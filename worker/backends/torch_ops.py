@@ -144,15 +144,19 @@ if triton is not None:
             slot = tl.load(slot_ptr + tok).to(tl.int64)
             dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
             vsrc = qkv_ptr + tok * stride_qkv + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
-            v1 = tl.load(vsrc + offs, mask=ok, other=0.0)
-            v2 = tl.load(vsrc + half + offs, mask=ok, other=0.0)
+            # float32 in both branches (Triton wants one type per name); y1 / y2 are already
+            # rounded to the activations' dtype, so a bf16 cache stores the same values.
+            k1 = y1.to(tl.float32)
+            k2 = y2.to(tl.float32)
+            v1 = tl.load(vsrc + offs, mask=ok, other=0.0).to(tl.float32)
+            v2 = tl.load(vsrc + half + offs, mask=ok, other=0.0).to(tl.float32)
             if KV_FP8:  # an e4m3 cache (scale 1): saturate at +-448 rather than overflow to NaN
-                y1 = tl.minimum(tl.maximum(y1.to(tl.float32), -448.0), 448.0)
-                y2 = tl.minimum(tl.maximum(y2.to(tl.float32), -448.0), 448.0)
-                v1 = tl.minimum(tl.maximum(v1.to(tl.float32), -448.0), 448.0)
-                v2 = tl.minimum(tl.maximum(v2.to(tl.float32), -448.0), 448.0)
-            tl.store(k_cache_ptr + dst + offs, y1.to(k_cache_ptr.dtype.element_ty), mask=ok)
-            tl.store(k_cache_ptr + dst + half + offs, y2.to(k_cache_ptr.dtype.element_ty), mask=ok)
+                k1 = tl.minimum(tl.maximum(k1, -448.0), 448.0)
+                k2 = tl.minimum(tl.maximum(k2, -448.0), 448.0)
+                v1 = tl.minimum(tl.maximum(v1, -448.0), 448.0)
+                v2 = tl.minimum(tl.maximum(v2, -448.0), 448.0)
+            tl.store(k_cache_ptr + dst + offs, k1.to(k_cache_ptr.dtype.element_ty), mask=ok)
+            tl.store(k_cache_ptr + dst + half + offs, k2.to(k_cache_ptr.dtype.element_ty), mask=ok)
             tl.store(v_cache_ptr + dst + offs, v1.to(v_cache_ptr.dtype.element_ty), mask=ok)
             tl.store(v_cache_ptr + dst + half + offs, v2.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
