@@ -231,7 +231,9 @@ class LLM:
         from worker.executor import Executor, ExecutorConfig, ParallelConfig, SchedulerConfig
 
         model_config = model if isinstance(model, ModelConfig) else ModelConfig(model_dir=model)
-        ranks = tensor_parallel_size or model_config.parallel_config.num_ranks
+        seed = model_config.parallel_config  # auto_parallel spreads over world_size GPUs by tensor parallelism
+        tp = tensor_parallel_size or (seed.world_size if seed.auto_parallel else seed.tp_size)
+        pp = 1 if tensor_parallel_size or seed.auto_parallel else seed.pp_size
         cfg = config or ExecutorConfig()
         weights_algo = quantization or model_config.quant_config.quant_algo
         if weights_algo not in (None, QuantAlgo.NO_QUANT):
@@ -245,8 +247,8 @@ class LLM:
             cfg = replace(cfg, max_beam_width=model_config.max_beam_width)
         if kv_cache_config is not None:
             cfg = replace(cfg, kv_cache_config=replace(cfg.kv_cache_config, **kv_cache_config.executor_fields()))
-        if ranks != 1:
-            cfg = replace(cfg, parallel_config=ParallelConfig(tensor_parallel_size=ranks))
+        if tp * pp != 1:
+            cfg = replace(cfg, parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp))
         if capacity_scheduling_policy is not None:
             cfg = replace(cfg, scheduler_config=SchedulerConfig(capacity_scheduling_policy))
         self.model_path = resolve_source(model_config.model_dir or _default_model_name())

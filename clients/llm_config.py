@@ -46,10 +46,6 @@ class ParallelConfig:
     auto_parallel: bool = False
     world_size: int = 1  # with auto_parallel: how many GPUs to spread over
 
-    @property
-    def num_ranks(self) -> int:
-        return self.world_size if self.auto_parallel else self.tp_size * self.pp_size
-
 
 @dataclass(slots=True)
 class ModelConfig:
