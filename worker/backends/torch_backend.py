@@ -203,6 +203,14 @@ class TorchBackend:
         if self._graphs is not None:
             self._graphs.capture_all()
 
+    def release_graphs(self) -> None:
+        """Drop the captured graphs (before a tensor-parallel group they captured
+        collectives of is torn down); forward runs eagerly after this."""
+        if self._graphs is not None:
+            torch.cuda.synchronize(self.device)
+            self._graphs = None
+            self._use_cuda_graphs = False
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [S, vocab] float32 on the device. After a CUDA-graph step they live in
         the graph's output buffer: valid until the next forward (sample them first)."""

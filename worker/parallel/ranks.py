@@ -130,11 +130,14 @@ class DistributedBackend:
         for link in self._links:
             with contextlib.suppress(OSError):
                 link.send_bytes(pickle.dumps(("stop", None)))
+        # Every rank leaves the group at once (NCCL's teardown waits for the peers), and
+        # after the graphs that captured its collectives are gone.
+        self.inner.release_graphs()
+        leave()
         for p in self.processes:
             p.join(10)
             if p.is_alive():
                 p.kill()
-        leave()
 
     def _send(self, message: tuple[str, Any]) -> None:
         data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
@@ -233,7 +236,9 @@ def _follower_main(rank: int, inbox: Connection, parent: int, spec: RankSpec) ->
     group = join(rank, spec.tensor_parallel_size, spec.port, spec.device_type)
     # On CUDA the backend reads the safetensors straight to the device (tensor_refs).
     model = load_model(spec.source, load_weights=spec.device_type != "cuda")
-    serve(_rank_backend(model, spec, group), group, inbox)
+    backend = _rank_backend(model, spec, group)
+    serve(backend, group, inbox)
+    backend.release_graphs()
     leave()
 
 
