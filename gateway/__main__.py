@@ -22,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight", type=int, default=4096, help="requests in flight, whole gateway")
     p.add_argument("--max-inflight-per-client", type=int, default=1024)
     p.add_argument("--no-worker-timeout", type=float, default=10.0, help="seconds a request waits for a worker")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="after SIGTERM, seconds the requests in flight may take (a second SIGTERM: none)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="one event a line: text or JSON")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
@@ -50,13 +52,14 @@ def run(args: argparse.Namespace) -> int:
             max_inflight=args.max_inflight,
             max_inflight_per_client=args.max_inflight_per_client,
             no_worker_timeout_s=args.no_worker_timeout,
+            drain_timeout_s=args.drain_timeout,
         )
     )
     gw.notifier = Notifier()
     if args.metrics_port:
         gw.metrics.serve(args.metrics_host, args.metrics_port)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: gw.stop.set())
+        signal.signal(sig, lambda *_: gw.request_drain())
     settle_gc()
     gw.serve()
     return 0

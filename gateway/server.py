@@ -55,6 +55,8 @@ class GatewayConfig:
     max_inflight_per_client: int = 1024
     # How long a request may wait for a worker to serve it before it fails.
     no_worker_timeout_s: float = 10.0
+    # After SIGTERM: how long the requests in flight may still take; new ones are refused meanwhile.
+    drain_timeout_s: float = 30.0
 
 
 @dataclass(eq=False, slots=True)
@@ -93,6 +95,9 @@ class Gateway:
         self.gateway_id = config.gateway_id or f"gw-{socket.gethostname()}-{os.getpid()}"
         self.tokenizers = Tokenizers()
         self.stop = threading.Event()
+        # SIGTERMs received (request_drain); the first drains, a second ends the rest now.
+        self._drain_requests = 0
+        self._drain_deadline: float | None = None
         self.discovery = Discovery(
             config.redis_url,
             self.keys,
@@ -157,6 +162,10 @@ class Gateway:
                     next_tick = now + interval
                 if self.waiting:
                     self._dispatch_waiting(now)
+                if self._drain_requests and self._drain_deadline is None:
+                    self._start_drain()
+                if self._drain_deadline is not None and self._drained():
+                    break
         finally:
             self.notifier.stopping(f"gateway {self.gateway_id} stopping")
             self.stop.set()
@@ -165,6 +174,42 @@ class Gateway:
                 link.socket.close(0)
             self.frontend.close(0)
             self.ctx.term()
+
+    # -- drain -------------------------------------------------------------------------------
+
+    def request_drain(self) -> None:
+        """From a signal handler: the first call drains, a second ends the rest at once."""
+        self._drain_requests += 1
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    def _start_drain(self) -> None:
+        bound = self.config.drain_timeout_s
+        self._drain_deadline = time.monotonic() + bound
+        log.info("draining: %d requests in flight get up to %.1f s to finish", len(self.requests), bound)
+        self.notifier.stopping(f"draining: {len(self.requests)} requests in flight, {bound:g} s bound")
+        # Not yet at a worker: their clients can send them elsewhere at once.
+        waiting, self.waiting = self.waiting, deque()
+        for req in waiting:
+            if self.requests.get(req.wire_id) is req:
+                self._fail(req, ErrorCode.DRAINING, f"gateway draining: {self.gateway_id} is shutting down")
+
+    def _drained(self) -> bool:
+        if not self.requests:
+            log.info("drained: every request finished")
+            return True
+        assert self._drain_deadline is not None
+        if self._drain_requests < 2 and time.monotonic() < self._drain_deadline:
+            return False
+        why = "a second SIGTERM" if self._drain_requests >= 2 else f"its {self.config.drain_timeout_s:g} s bound passed"
+        for req in list(self.requests.values()):
+            if req.worker is not None:
+                self._cancel_at_worker(req, req.worker)
+            self._fail(req, ErrorCode.DRAINING, f"gateway draining: {self.gateway_id} is shutting down ({why})")
+        log.warning("drain ended by %s", why)
+        return True
 
     # -- clients ---------------------------------------------------------------------------
 
@@ -237,6 +282,8 @@ class Gateway:
             self.metrics.ended(None, f"error_{code}")
             self._reply(client, protocol.ErrorReply(code=code, message=text, request_id=msg.request_id))
 
+        if self.draining:
+            return refuse(ErrorCode.DRAINING, f"gateway draining: {self.gateway_id} takes no new requests")
         if msg.request_id in state.requests:
             return refuse(ErrorCode.INVALID_REQUEST, f"request_id {msg.request_id!r} is already in flight")
         if len(state.requests) >= self.config.max_inflight_per_client:

@@ -93,6 +93,8 @@ class WorkerService:
         # request (see Active.name), enqueued together at the turn's end.
         self._taken: dict[tuple[bytes, str], tuple[ex.Request, str]] = {}
         self.stop = threading.Event()
+        # The Redis thread outlives the pump: it writes the stats of the last requests to finish.
+        self._redis_stop = threading.Event()
         self.engine_failure = ""  # why the engine process ended under us, if it did
         info = protocol.WorkerInfo(
             worker_id=self.worker_id,
@@ -115,7 +117,7 @@ class WorkerService:
             cancel_poll_interval_s=config.cancel_poll_interval_s,
             stats_stream_maxlen=config.stats_stream_maxlen,
             request_stats_ttl_s=config.request_stats_ttl_s,
-            stop=self.stop,
+            stop=self._redis_stop,
         )
         self._pump_out = self.ctx.socket(zmq.PAIR)
         self._pump_out.bind(_PUMP_ENDPOINT)
@@ -173,6 +175,7 @@ class WorkerService:
             self.stop.set()
             self._pump.join(timeout=2)
             self._forward_results(itertools.count())
+            self._redis_stop.set()
             self.redis.join(timeout=5)
             # A drained worker's last results and errors must leave before the socket goes.
             self.router.close(2000 if self._drain_deadline is not None else 0)
