@@ -170,3 +170,26 @@ def test_busy_beyond_the_per_client_limit(service):
             f.cancel()
             f.result(timeout=30)
         assert len(client.generate([5, 6], max_tokens=3, timeout=30).token_ids) == 3
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"prompt": "x" * 5_000_000}, {"prompt": "hello", "stop": ["s"] * 5000}],
+    ids=["5MB prompt", "5000 stop strings"],
+)
+def test_over_limit_messages_are_refused_by_request_id(service, wire, change):
+    """Issue 22, finding 4: a message refused before parsing (over a msgpack limit)
+    was answered without its request id, so its client's call hung."""
+    wire.send_raw(_packed([1, "submit", {"request_id": "huge", "max_tokens": 4, **change}]))
+    wire.wait(["huge"], timeout=10)
+    (reply,) = wire.errors["huge"]
+    assert reply.code == protocol.ErrorCode.PROTOCOL and "exceeds" in reply.message, reply
+    _still_serving(service)
+
+
+def test_the_client_checks_the_limits_before_sending(service):
+    with Client([service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+        with pytest.raises(protocol.ProtocolError, match="exceeds"):
+            client.generate("x" * 5_000_000, max_tokens=4, timeout=5)
+        with pytest.raises(protocol.ProtocolError, match="exceeds"):
+            client.generate("hello", max_tokens=4, stop=["s"] * 5000, timeout=5)
