@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-worker-timeout", type=float, default=10.0, help="seconds a request waits for a worker")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="after SIGTERM, seconds the requests in flight may take (a second SIGTERM: none)")
+    p.add_argument("--tokenizer-sha256", action="append", default=[], metavar="MODEL=SHA256",
+                   help="refuse workers of MODEL whose tokenizer.json has another SHA-256 (repeatable)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="one event a line: text or JSON")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
@@ -53,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
             max_inflight_per_client=args.max_inflight_per_client,
             no_worker_timeout_s=args.no_worker_timeout,
             drain_timeout_s=args.drain_timeout,
+            tokenizer_sha256=dict(pin.split("=", 1) for pin in args.tokenizer_sha256),
         )
     )
     gw.notifier = Notifier()

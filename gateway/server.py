@@ -57,6 +57,9 @@ class GatewayConfig:
     no_worker_timeout_s: float = 10.0
     # After SIGTERM: how long the requests in flight may still take; new ones are refused meanwhile.
     drain_timeout_s: float = 30.0
+    # Model name -> SHA-256 (hex) of the tokenizer.json its workers must send; unpinned,
+    # the first one received is the model's.
+    tokenizer_sha256: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(eq=False, slots=True)
@@ -93,7 +96,7 @@ class Gateway:
         self.frontend.bind(config.bind)
         self.address = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
         self.gateway_id = config.gateway_id or f"gw-{socket.gethostname()}-{os.getpid()}"
-        self.tokenizers = Tokenizers()
+        self.tokenizers = Tokenizers(config.tokenizer_sha256)
         self.stop = threading.Event()
         # SIGTERMs received (request_drain); the first drains, a second ends the rest now.
         self._drain_requests = 0
@@ -471,15 +474,18 @@ class Gateway:
                 link.draining = True
                 log.info("worker %s draining: no new requests go to it", link.worker_id)
             elif isinstance(msg, protocol.Ready):
+                sender = f"worker {link.worker_id}"
+                if msg.tokenizer_json is not None and not all(
+                    self.tokenizers.add(model, msg.tokenizer_json, sender) for model in msg.models
+                ):
+                    self._lose_worker(link, "its tokenizer is not the one this gateway holds for its model")
+                    return
                 link.ready = True
                 link.heartbeat_interval_s = msg.heartbeat_interval_s
                 link.models = list(msg.models)
                 link.vocab_size = msg.vocab_size
                 link.max_seq_len = msg.max_seq_len
                 link.update_load(msg.load)
-                if msg.tokenizer_json is not None:
-                    for model in msg.models:
-                        self.tokenizers.add(model, msg.tokenizer_json)
                 log.info("worker %s ready: %s", link.worker_id, msg.models)
 
     def _results(self, link: WorkerLink, batch: protocol.ResultBatch) -> None:
