@@ -7,6 +7,7 @@ import signal
 import sys
 
 from ops.config import add_config_options
+from ops.secrets import add_redis_password_option
 
 DEFAULT_BIND = "tcp://127.0.0.1:5550"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -15,6 +16,7 @@ DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", default=DEFAULT_BIND, help=f"ZeroMQ endpoint for clients (default {DEFAULT_BIND})")
     p.add_argument("--redis", default=DEFAULT_REDIS, help=f"Redis URL (default {DEFAULT_REDIS})")
+    add_redis_password_option(p)
     p.add_argument("--redis-prefix", default="tokenwire")
     p.add_argument("--gateway-id", default="", help="id workers know this gateway by (default gw-host-pid)")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
@@ -39,8 +41,10 @@ def run(args: argparse.Namespace) -> int:
     from ops.logs import setup_logging
     from ops.process import exit_on_thread_crash, settle_gc
     from ops.sd_notify import Notifier
+    from ops.secrets import redis_url
 
     apply_config(args)
+    args.redis = redis_url(args.redis, DEFAULT_REDIS, args.redis_password_file)
     setup_logging("gateway", args.log_level, args.log_format)
     exit_on_thread_crash()
     gw = Gateway(
