@@ -349,7 +349,7 @@ class Gateway:
         req.model = req.model or (link.models[0] if link.models else None)
         tokenizer = self.tokenizers.get(req.model) if req.model is not None else None
         prompt = req.submit.prompt
-        problem = None if prompt is None else self._tokenize(req, prompt, tokenizer)
+        problem = None if prompt is None else self._tokenize(req, prompt, tokenizer, link)
         problem = problem or self._check_fits(req.submit, link)
         if problem:
             self._fail(req, ErrorCode.INVALID_REQUEST, problem)
@@ -364,11 +364,17 @@ class Gateway:
         update = {"request_id": req.wire_id, "client_request_id": named, "model": req.model, "stop": None}
         link.socket.send(protocol.encode(req.submit.model_copy(update=update), self.limits))
 
-    @staticmethod
-    def _tokenize(req: _Request, prompt: str, tokenizer: Tokenizer | None) -> str | None:
+    def _tokenize(self, req: _Request, prompt: str, tokenizer: Tokenizer | None, link: WorkerLink) -> str | None:
         """Replace the text prompt by its token ids; what is wrong, or None."""
-        if tokenizer is None:
+        if tokenizer is None or req.model is None:
             return f"no tokenizer for model {req.model!r} (its worker sent none): send input_token_ids"
+        # Tokenizing runs on the socket loop: a prompt that cannot fit the context is refused
+        # before it costs that loop (and every other client) seconds.
+        if link.max_seq_len is not None and self.tokenizers.too_long(req.model, prompt, link.max_seq_len):
+            return (
+                f"the prompt ({len(prompt)} characters) is longer than any text the model's context of "
+                f"{link.max_seq_len} tokens can hold"
+            )
         ids = tokenizer.encode(prompt).ids
         if not ids:
             return "the prompt encodes to no tokens"

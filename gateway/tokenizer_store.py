@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 class Tokenizers:
     def __init__(self, pinned: Mapping[str, str] | None = None) -> None:
         self._by_name: dict[str, Tokenizer] = {}
+        self._longest: dict[str, int] = {}  # bytes of each model's longest token
         self._digests: dict[str, str] = {name: digest.lower() for name, digest in (pinned or {}).items()}
 
     def add(self, model: str, tokenizer_json: bytes, sender: str = "a worker") -> bool:
@@ -41,9 +42,15 @@ class Tokenizers:
             log.error("the tokenizer %s sent for %s does not load: %s", sender, model, e)
             return False
         self._by_name[model] = tokenizer
+        self._longest[model] = max((len(t.encode()) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
         self._digests[model] = digest
         log.info("tokenizer for %s received (sha256 %s)", model, digest[:16])
         return True
 
     def get(self, model: str) -> Tokenizer | None:
         return self._by_name.get(model)
+
+    def too_long(self, model: str, text: str, max_tokens: int) -> bool:
+        """Whether `text` surely encodes to more than `max_tokens` tokens, told without
+        encoding it: no token stands for more characters than its vocabulary string has bytes."""
+        return len(text) > max_tokens * self._longest.get(model, len(text))
