@@ -84,6 +84,7 @@ def test_second_sigterm_ends_the_drain_at_once(long_model, redis_url, tmp_path):
         s.close()
 
 
+@pytest.mark.slow
 def test_drains_finish_started_streams_and_keep_their_stats(long_model, redis_url, tmp_path):
     """Issue 22, finding 5: a draining worker wrote 0-2 of 6 finished requests' stats to
     Redis (its Redis thread stopped without flushing), and a gateway exited at SIGTERM
