@@ -18,7 +18,7 @@ from typing import Any
 import protocol
 from clients.connection import Connection, RequestError
 from clients.params import RequestOutput, SamplingParams, StreamChunk
-from clients.wire import Accumulator, Prompt, submit_from_call
+from clients.wire import Accumulator, Prompt, encode_submit, submit_from_call
 
 _END = object()
 
@@ -109,7 +109,7 @@ class AsyncClient:
         if self._hop is None or self._hop.loop is not loop:
             self._hop = _Hop(loop)
         request = AsyncRequest(self._connection, msg, self._hop)
-        self._connection.submit(msg.request_id, protocol.encode(msg), request)
+        self._connection.submit(msg.request_id, encode_submit(msg), request)
         return request
 
     async def generate(

@@ -15,6 +15,7 @@ from clients.cli_requests import DEFAULT_GATEWAY, DEFAULT_REDIS
 from clients.cli_table import format_table
 from clients.params import SamplingParams
 from ops.config import add_config_options
+from ops.secrets import add_redis_password_option, redact, redis_url
 
 # Keys a line of a `jobs run` file may hold besides "prompt": submit's keyword arguments.
 _JOB_FIELDS = frozenset(["job_id", "deadline_s", "result_ttl_s", "model", *(f.name for f in fields(SamplingParams))])
@@ -28,6 +29,7 @@ def register(subparsers: Subparsers) -> None:
     def command(name: str, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
         p.add_argument("--redis", default=DEFAULT_REDIS)
+        add_redis_password_option(p)
         p.add_argument("--redis-prefix", default="tokenwire")
         return p
 
@@ -84,7 +86,7 @@ def register(subparsers: Subparsers) -> None:
 def _queue(args: argparse.Namespace) -> Any:
     from clients.jobs import JobQueue
 
-    return JobQueue(args.redis, prefix=args.redis_prefix)
+    return JobQueue(redis_url(args.redis, DEFAULT_REDIS, args.redis_password_file), prefix=args.redis_prefix)
 
 
 def _fail(message: str) -> int:
@@ -104,7 +106,7 @@ def submit(args: argparse.Namespace) -> int:
         except ValueError as e:  # pydantic's ValidationError included: it names the field
             return _fail(str(e))
         except redis.RedisError as e:
-            return _fail(f"could not reach Redis at {args.redis}: {e}")
+            return _fail(f"could not reach Redis at {redact(args.redis)}: {e}")
     print(job_id)
     return 0
 
@@ -213,6 +215,7 @@ def consume(args: argparse.Namespace) -> int:
     from ops.sd_notify import Notifier
 
     apply_config(args)
+    args.redis = redis_url(args.redis, DEFAULT_REDIS, args.redis_password_file)
     setup_logging("consumer", args.log_level, args.log_format)
     consumer = Consumer(
         ConsumerConfig(
@@ -242,7 +245,7 @@ def stats(args: argparse.Namespace) -> int:
             s = q.stats()
             dead = q.dead_letters(args.dead) if args.dead else []
         except redis.RedisError as e:
-            return _fail(f"could not read Redis at {args.redis}: {e}")
+            return _fail(f"could not read Redis at {redact(args.redis)}: {e}")
     header = ["queued", "in flight", "submitted", "done", "failed deliveries", "cancelled", "expired",
               "dead-lettered", "consumers", "done/s (10 s)"]  # fmt: skip
     row = [s.queued, s.in_flight, s.submitted, s.done, s.failures, s.cancelled, s.expired, s.dead, s.consumers]

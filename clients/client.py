@@ -22,7 +22,7 @@ from typing import Any
 import protocol
 from clients.connection import Connection, GatewayLostError, RequestError
 from clients.params import CompletionOutput, RequestOutput, SamplingParams, Speculation, StreamChunk
-from clients.wire import Accumulator, Prompt, submit_from_call
+from clients.wire import Accumulator, Prompt, encode_submit, submit_from_call
 from protocol import FinishReason
 
 __all__ = [
@@ -121,7 +121,7 @@ class Client:
         TypeError for an unknown one) before anything is sent."""
         msg = submit_from_call(prompt, params, options)
         future = RequestFuture(self._connection, msg)
-        self._connection.submit(msg.request_id, protocol.encode(msg), future)
+        self._connection.submit(msg.request_id, encode_submit(msg), future)
         return future
 
     def generate(

@@ -40,6 +40,7 @@ from clients.connection import Connection, RequestError
 from clients.job_scripts import Scripts, ensure_group
 from clients.wire import Accumulator
 from ops.sd_notify import Notifier
+from ops.secrets import redact
 from protocol import FinishReason, Keys
 from protocol.jobs import Job, JobOutput, JobResult, JobStatus, pack, unpack_job
 
@@ -125,7 +126,7 @@ class Consumer:
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             missed_heartbeats=self.config.missed_heartbeats,
         )
-        log.info("consumer %s: gateways %s, redis %s", self.name, self.config.gateways, self.config.redis_url)
+        log.info("consumer %s: gateways %s, redis %s", self.name, self.config.gateways, redact(self.config.redis_url))
         next_capacity = next_refresh = next_claim = 0.0
         backoff = 0.1
         group_ready = False

@@ -49,6 +49,15 @@ def to_submit(
     )
 
 
+def encode_submit(msg: protocol.Submit) -> bytes:
+    """The submit's bytes, checked against the limits a gateway applies before it can
+    tell which request a message is: a prompt or stop list over them fails here, at
+    once, instead of being refused by the gateway and re-sent at each failover."""
+    data = protocol.encode(msg)
+    protocol.unpack(data)  # raises ProtocolError (a ValueError) naming the limit
+    return data
+
+
 def submit_from_call(prompt: Prompt, params: SamplingParams | None, options: dict[str, Any]) -> protocol.Submit:
     """The Submit for a call of `Client.submit` and its kin: `options` holds
     `request_id`, `model` and `streaming`, and SamplingParams fields, which go over

@@ -7,6 +7,7 @@ import signal
 import sys
 
 from ops.config import add_config_options
+from ops.secrets import add_redis_password_option
 
 DEFAULT_BIND = "tcp://127.0.0.1:5550"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -15,6 +16,7 @@ DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", default=DEFAULT_BIND, help=f"ZeroMQ endpoint for clients (default {DEFAULT_BIND})")
     p.add_argument("--redis", default=DEFAULT_REDIS, help=f"Redis URL (default {DEFAULT_REDIS})")
+    add_redis_password_option(p)
     p.add_argument("--redis-prefix", default="tokenwire")
     p.add_argument("--gateway-id", default="", help="id workers know this gateway by (default gw-host-pid)")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
@@ -22,6 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight", type=int, default=4096, help="requests in flight, whole gateway")
     p.add_argument("--max-inflight-per-client", type=int, default=1024)
     p.add_argument("--no-worker-timeout", type=float, default=10.0, help="seconds a request waits for a worker")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="after SIGTERM, seconds the requests in flight may take (a second SIGTERM: none)")
+    p.add_argument("--tokenizer-sha256", action="append", default=[], metavar="MODEL=SHA256",
+                   help="refuse workers of MODEL whose tokenizer.json has another SHA-256 (repeatable)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="one event a line: text or JSON")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
@@ -35,8 +41,10 @@ def run(args: argparse.Namespace) -> int:
     from ops.logs import setup_logging
     from ops.process import exit_on_thread_crash, settle_gc
     from ops.sd_notify import Notifier
+    from ops.secrets import redis_url
 
     apply_config(args)
+    args.redis = redis_url(args.redis, DEFAULT_REDIS, args.redis_password_file)
     setup_logging("gateway", args.log_level, args.log_format)
     exit_on_thread_crash()
     gw = Gateway(
@@ -50,13 +58,15 @@ def run(args: argparse.Namespace) -> int:
             max_inflight=args.max_inflight,
             max_inflight_per_client=args.max_inflight_per_client,
             no_worker_timeout_s=args.no_worker_timeout,
+            drain_timeout_s=args.drain_timeout,
+            tokenizer_sha256=dict(pin.split("=", 1) for pin in args.tokenizer_sha256),
         )
     )
     gw.notifier = Notifier()
     if args.metrics_port:
         gw.metrics.serve(args.metrics_host, args.metrics_port)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: gw.stop.set())
+        signal.signal(sig, lambda *_: gw.request_drain())
     settle_gc()
     gw.serve()
     return 0

@@ -55,6 +55,11 @@ class GatewayConfig:
     max_inflight_per_client: int = 1024
     # How long a request may wait for a worker to serve it before it fails.
     no_worker_timeout_s: float = 10.0
+    # After SIGTERM: how long the requests in flight may still take; new ones are refused meanwhile.
+    drain_timeout_s: float = 30.0
+    # Model name -> SHA-256 (hex) of the tokenizer.json its workers must send; unpinned,
+    # the first one received is the model's.
+    tokenizer_sha256: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(eq=False, slots=True)
@@ -91,8 +96,11 @@ class Gateway:
         self.frontend.bind(config.bind)
         self.address = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
         self.gateway_id = config.gateway_id or f"gw-{socket.gethostname()}-{os.getpid()}"
-        self.tokenizers = Tokenizers()
+        self.tokenizers = Tokenizers(config.tokenizer_sha256)
         self.stop = threading.Event()
+        # SIGTERMs received (request_drain); the first drains, a second ends the rest now.
+        self._drain_requests = 0
+        self._drain_deadline: float | None = None
         self.discovery = Discovery(
             config.redis_url,
             self.keys,
@@ -157,6 +165,10 @@ class Gateway:
                     next_tick = now + interval
                 if self.waiting:
                     self._dispatch_waiting(now)
+                if self._drain_requests and self._drain_deadline is None:
+                    self._start_drain()
+                if self._drain_deadline is not None and self._drained():
+                    break
         finally:
             self.notifier.stopping(f"gateway {self.gateway_id} stopping")
             self.stop.set()
@@ -165,6 +177,42 @@ class Gateway:
                 link.socket.close(0)
             self.frontend.close(0)
             self.ctx.term()
+
+    # -- drain -------------------------------------------------------------------------------
+
+    def request_drain(self) -> None:
+        """From a signal handler: the first call drains, a second ends the rest at once."""
+        self._drain_requests += 1
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    def _start_drain(self) -> None:
+        bound = self.config.drain_timeout_s
+        self._drain_deadline = time.monotonic() + bound
+        log.info("draining: %d requests in flight get up to %.1f s to finish", len(self.requests), bound)
+        self.notifier.stopping(f"draining: {len(self.requests)} requests in flight, {bound:g} s bound")
+        # Not yet at a worker: their clients can send them elsewhere at once.
+        waiting, self.waiting = self.waiting, deque()
+        for req in waiting:
+            if self.requests.get(req.wire_id) is req:
+                self._fail(req, ErrorCode.DRAINING, f"gateway draining: {self.gateway_id} is shutting down")
+
+    def _drained(self) -> bool:
+        if not self.requests:
+            log.info("drained: every request finished")
+            return True
+        assert self._drain_deadline is not None
+        if self._drain_requests < 2 and time.monotonic() < self._drain_deadline:
+            return False
+        why = "a second SIGTERM" if self._drain_requests >= 2 else f"its {self.config.drain_timeout_s:g} s bound passed"
+        for req in list(self.requests.values()):
+            if req.worker is not None:
+                self._cancel_at_worker(req, req.worker)
+            self._fail(req, ErrorCode.DRAINING, f"gateway draining: {self.gateway_id} is shutting down ({why})")
+        log.warning("drain ended by %s", why)
+        return True
 
     # -- clients ---------------------------------------------------------------------------
 
@@ -237,6 +285,8 @@ class Gateway:
             self.metrics.ended(None, f"error_{code}")
             self._reply(client, protocol.ErrorReply(code=code, message=text, request_id=msg.request_id))
 
+        if self.draining:
+            return refuse(ErrorCode.DRAINING, f"gateway draining: {self.gateway_id} takes no new requests")
         if msg.request_id in state.requests:
             return refuse(ErrorCode.INVALID_REQUEST, f"request_id {msg.request_id!r} is already in flight")
         if len(state.requests) >= self.config.max_inflight_per_client:
@@ -299,7 +349,7 @@ class Gateway:
         req.model = req.model or (link.models[0] if link.models else None)
         tokenizer = self.tokenizers.get(req.model) if req.model is not None else None
         prompt = req.submit.prompt
-        problem = None if prompt is None else self._tokenize(req, prompt, tokenizer)
+        problem = None if prompt is None else self._tokenize(req, prompt, tokenizer, link)
         problem = problem or self._check_fits(req.submit, link)
         if problem:
             self._fail(req, ErrorCode.INVALID_REQUEST, problem)
@@ -314,11 +364,17 @@ class Gateway:
         update = {"request_id": req.wire_id, "client_request_id": named, "model": req.model, "stop": None}
         link.socket.send(protocol.encode(req.submit.model_copy(update=update), self.limits))
 
-    @staticmethod
-    def _tokenize(req: _Request, prompt: str, tokenizer: Tokenizer | None) -> str | None:
+    def _tokenize(self, req: _Request, prompt: str, tokenizer: Tokenizer | None, link: WorkerLink) -> str | None:
         """Replace the text prompt by its token ids; what is wrong, or None."""
-        if tokenizer is None:
+        if tokenizer is None or req.model is None:
             return f"no tokenizer for model {req.model!r} (its worker sent none): send input_token_ids"
+        # Tokenizing runs on the socket loop: a prompt that cannot fit the context is refused
+        # before it costs that loop (and every other client) seconds.
+        if link.max_seq_len is not None and self.tokenizers.too_long(req.model, prompt, link.max_seq_len):
+            return (
+                f"the prompt ({len(prompt)} characters) is longer than any text the model's context of "
+                f"{link.max_seq_len} tokens can hold"
+            )
         ids = tokenizer.encode(prompt).ids
         if not ids:
             return "the prompt encodes to no tokens"
@@ -424,15 +480,18 @@ class Gateway:
                 link.draining = True
                 log.info("worker %s draining: no new requests go to it", link.worker_id)
             elif isinstance(msg, protocol.Ready):
+                sender = f"worker {link.worker_id}"
+                if msg.tokenizer_json is not None and not all(
+                    self.tokenizers.add(model, msg.tokenizer_json, sender) for model in msg.models
+                ):
+                    self._lose_worker(link, "its tokenizer is not the one this gateway holds for its model")
+                    return
                 link.ready = True
                 link.heartbeat_interval_s = msg.heartbeat_interval_s
                 link.models = list(msg.models)
                 link.vocab_size = msg.vocab_size
                 link.max_seq_len = msg.max_seq_len
                 link.update_load(msg.load)
-                if msg.tokenizer_json is not None:
-                    for model in msg.models:
-                        self.tokenizers.add(model, msg.tokenizer_json)
                 log.info("worker %s ready: %s", link.worker_id, msg.models)
 
     def _results(self, link: WorkerLink, batch: protocol.ResultBatch) -> None:

@@ -20,6 +20,7 @@ from protocol.packed import WIRE_CONTEXT, Unpacking
 from protocol.records import IterationStats, RequestStats, WorkerInfo
 from protocol.request import Submit
 from protocol.results import ResultBatch
+from protocol.salvage import salvage_request_id
 
 VERSION = 1
 
@@ -74,7 +75,12 @@ def encode_payload(kind: str, payload: dict[str, Any], limits: Limits = DEFAULT_
 
 def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Message:
     """Parse and validate one message."""
-    envelope = unpack(data, limits)
+    try:
+        envelope = unpack(data, limits)
+    except ProtocolError as e:  # over a limit or malformed: name the request if it can be told
+        if not isinstance(data, bytes | bytearray | memoryview) or memoryview(data).nbytes > limits.max_message_bytes:
+            raise
+        raise ProtocolError(str(e), request_id=salvage_request_id(data)) from None
     if type(envelope) is not list or len(envelope) != 3:
         raise ProtocolError(f"a message must be [version, kind, payload], got {_brief(envelope)}")
     version, kind, payload = envelope

@@ -117,7 +117,8 @@ class Gateway(Proc):
         self.gateway_id = name
         args = [
             "--bind", self.endpoint, "--redis", redis_url, "--gateway-id", name,
-            "--heartbeat-interval", str(HEARTBEAT_S), "--missed-heartbeats", str(MISSED), *extra,
+            "--heartbeat-interval", str(HEARTBEAT_S), "--missed-heartbeats", str(MISSED),
+            "--drain-timeout", "1", *extra,  # as for workers: stop() at teardown drains
         ]  # fmt: skip
         super().__init__(name, "gateway", args, log_dir)
 

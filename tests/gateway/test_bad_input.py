@@ -170,3 +170,42 @@ def test_busy_beyond_the_per_client_limit(service):
             f.cancel()
             f.result(timeout=30)
         assert len(client.generate([5, 6], max_tokens=3, timeout=30).token_ids) == 3
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"prompt": "x" * 5_000_000}, {"prompt": "hello", "stop": ["s"] * 5000}],
+    ids=["5MB prompt", "5000 stop strings"],
+)
+def test_over_limit_messages_are_refused_by_request_id(service, wire, change):
+    """Issue 22, finding 4: a message refused before parsing (over a msgpack limit)
+    was answered without its request id, so its client's call hung."""
+    wire.send_raw(_packed([1, "submit", {"request_id": "huge", "max_tokens": 4, **change}]))
+    wire.wait(["huge"], timeout=10)
+    (reply,) = wire.errors["huge"]
+    assert reply.code == protocol.ErrorCode.PROTOCOL and "exceeds" in reply.message, reply
+    _still_serving(service)
+
+
+def test_the_client_checks_the_limits_before_sending(service):
+    with Client([service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+        with pytest.raises(protocol.ProtocolError, match="exceeds"):
+            client.generate("x" * 5_000_000, max_tokens=4, timeout=5)
+        with pytest.raises(protocol.ProtocolError, match="exceeds"):
+            client.generate("hello", max_tokens=4, stop=["s"] * 5000, timeout=5)
+
+
+def test_huge_text_prompts_do_not_stall_other_clients(service, wire):
+    """Issue 22, finding 3: the gateway tokenized a 4 MB prompt on its socket loop for
+    seconds, so workers declared it silent and every other client's stream failed."""
+    with Client([service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+        stream = client.stream([5, 6, 7], max_tokens=200, min_tokens=200, temperature=0.0)
+        next(iter(stream))
+        for i in range(3):
+            wire.send(protocol.Submit(request_id=f"huge{i}", prompt="hello world " * 333_000, max_tokens=4))
+        wire.wait([f"huge{i}" for i in range(3)], timeout=30)
+        for i in range(3):
+            (reply,) = wire.errors[f"huge{i}"]
+            assert "context" in reply.message, reply
+        assert len(stream.result(timeout=30).token_ids) == 200
+    _still_serving(service)

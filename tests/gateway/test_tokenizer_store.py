@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 
 import pytest
@@ -34,16 +35,29 @@ def test_the_same_tokenizer_again_is_not_parsed_again(tokenizer_json):
     assert store.get("tiny") is first
 
 
-def test_a_different_tokenizer_replaces_it_with_a_warning(tokenizer_json, caplog):
+def test_a_different_tokenizer_is_refused(tokenizer_json, caplog):
+    """Issue 22, finding 6: a worker sending another tokenizer replaced the one every
+    request for that model was tokenized with."""
     other = build_tokenizer()
     other.add_tokens(["<extra>"])
     store = Tokenizers()
-    store.add("tiny", tokenizer_json)
-    with caplog.at_level(logging.WARNING, logger="gateway.tokenizer_store"):
-        store.add("tiny", other.to_str().encode())
-    received = store.get("tiny")
-    assert received is not None and received.token_to_id("<extra>") is not None
-    assert "different tokenizers" in caplog.text
+    assert store.add("tiny", tokenizer_json)
+    first = store.get("tiny")
+    with caplog.at_level(logging.ERROR, logger="gateway.tokenizer_store"):
+        assert not store.add("tiny", other.to_str().encode(), "worker w2")
+    assert store.get("tiny") is first
+    assert "worker w2 sent a tokenizer for tiny" in caplog.text and "refused" in caplog.text
+
+
+def test_a_pinned_hash_refuses_any_other_tokenizer(tokenizer_json):
+    other = build_tokenizer()
+    other.add_tokens(["<extra>"])
+    pinned = hashlib.sha256(tokenizer_json).hexdigest()
+    store = Tokenizers({"tiny": pinned.upper()})
+    assert not store.add("tiny", other.to_str().encode())
+    assert store.get("tiny") is None
+    assert store.add("tiny", tokenizer_json)
+    assert store.get("tiny") is not None
 
 
 def test_a_broken_tokenizer_is_refused_and_the_old_one_kept(tokenizer_json, caplog):
@@ -55,4 +69,5 @@ def test_a_broken_tokenizer_is_refused_and_the_old_one_kept(tokenizer_json, capl
         store.add("other", b"\xff\xfe")
     assert store.get("tiny") is first
     assert store.get("other") is None
-    assert caplog.text.count("does not load") == 2
+    assert "differs from the one held" in caplog.text  # for tiny: one is held already
+    assert caplog.text.count("does not load") == 1

@@ -82,3 +82,40 @@ def test_second_sigterm_ends_the_drain_at_once(long_model, redis_url, tmp_path):
             assert e.value.code == ErrorCode.DRAINING
     finally:
         s.close()
+
+
+@pytest.mark.slow
+def test_drains_finish_started_streams_and_keep_their_stats(long_model, redis_url, tmp_path):
+    """Issue 22, finding 5: a draining worker wrote 0-2 of 6 finished requests' stats to
+    Redis (its Redis thread stopped without flushing), and a gateway exited at SIGTERM
+    at once, failing its started streams."""
+    medium = {"max_tokens": 150, "min_tokens": 150, "temperature": 0.0}
+    s = Stack(long_model, redis_url, tmp_path)
+    try:
+        worker = s.worker("--drain-timeout", "20")
+        gateway = s.gateway("--drain-timeout", "20")
+        gateway.wait_workers(1)
+        with Client([gateway.endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+            futures = [client.stream([5 + i, 6, 7], **medium) for i in range(6)]
+            for f in futures:
+                next(iter(f))
+            worker.process.send_signal(signal.SIGTERM)
+            assert worker.process.wait(timeout=30) == 0, worker.log()[-3000:]
+            for f in futures:
+                assert len(f.result(timeout=10).token_ids) == 150
+            for f in futures:  # every one of them, at once: written before the worker exited
+                assert s.request_stats(f.request_id, timeout=0.1)["output_tokens"] == "150"
+
+            s.worker()
+            gateway.wait_workers(2)
+            futures = [client.stream([5 + i, 6, 7], **medium) for i in range(6)]
+            for f in futures:
+                next(iter(f))
+            gateway.process.send_signal(signal.SIGTERM)
+            gateway.wait_log("draining: 6 requests in flight")
+            for f in futures:
+                assert len(f.result(timeout=20).token_ids) == 150
+            assert gateway.process.wait(timeout=10) == 0, gateway.log()[-3000:]
+            assert "drained: every request finished" in gateway.log()
+    finally:
+        s.close()

@@ -78,6 +78,9 @@ class WireClient:
                 if isinstance(m, protocol.ErrorReply):
                     self.other.remove(m)
                     return m
+            for errors in self.errors.values():
+                if errors:
+                    return errors.pop(0)
         raise AssertionError(f"no error reply within {timeout} s")
 
     def close(self) -> None:

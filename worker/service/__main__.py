@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ops.config import add_config_options
+from ops.secrets import add_redis_password_option, redis_url
 
 if TYPE_CHECKING:
     from worker.executor.types import SpeculativeConfig
@@ -28,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", default=DEFAULT_BIND, help=f"ZeroMQ endpoint to bind (default {DEFAULT_BIND})")
     p.add_argument("--advertise", default="", help="address gateways connect to (default: the bound one)")
     p.add_argument("--redis", default=DEFAULT_REDIS, help=f"Redis URL (default {DEFAULT_REDIS})")
+    add_redis_password_option(p)
     p.add_argument("--redis-prefix", default="tokenwire")
     p.add_argument("--worker-id", default="", help="registry id (default host:port)")
     p.add_argument(
@@ -127,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     from worker.service.server import ServiceConfig, WorkerService
 
     apply_config(args)
+    args.redis = redis_url(args.redis, DEFAULT_REDIS, args.redis_password_file)
     setup_logging("worker", args.log_level, args.log_format)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     exit_on_thread_crash()

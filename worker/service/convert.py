@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 import protocol
+from protocol.limits import Limits
 from protocol.packed import WIRE_CONTEXT, pack_ints
 from worker.executor import types as ex
 
@@ -74,15 +75,17 @@ class WireBatch:
     """One gateway's share of a step, built as the wire wants it: the core's plain
     streamed steps in columns (protocol.StreamedTokens), every other response whole."""
 
-    __slots__ = ("counts", "request_ids", "responses", "token_ids")
+    __slots__ = ("counts", "request_ids", "response_ids", "responses", "token_ids")
 
     def __init__(self) -> None:
         self.request_ids: list[str] = []
         self.counts: list[int] = []
         self.token_ids: list[int] = []
         self.responses: list[dict[str, Any]] = []
+        self.response_ids: list[str] = []  # the request of each of `responses`
 
     def add(self, request_id: str, response: ex.Response) -> None:
+        self.response_ids.append(request_id)
         self.responses.append(to_wire_response(request_id, response).model_dump(context=WIRE_CONTEXT,
                                                                                 exclude_defaults=True))
 
@@ -91,6 +94,29 @@ class WireBatch:
         self.request_ids.append(request_id)
         self.counts.append(len(tokens))
         self.token_ids += tokens
+
+    def messages(self, load: dict[str, Any], limits: Limits) -> tuple[list[bytes], dict[str, protocol.Response]]:
+        """The encoded ResultBatch messages, and the responses that could not be one
+        (over the message limit alone), each sent as an error response for its request.
+        Together over the limit, the columns and every response go in messages of their own:
+        one request's large result never costs another's tokens."""
+        try:
+            return [_encode(p, limits) for p in self.payloads(load, limits.max_array_len)], {}
+        except protocol.ProtocolError:
+            pass
+        columns = WireBatch()
+        columns.request_ids, columns.counts, columns.token_ids = self.request_ids, self.counts, self.token_ids
+        messages = [_encode(p, limits) for p in columns.payloads(load, limits.max_array_len)] if self.counts else []
+        unsent: dict[str, protocol.Response] = {}
+        for request_id, response in zip(self.response_ids, self.responses, strict=True):
+            try:
+                messages.append(_encode(_batch_payload([], [], [], [response], load), limits))
+            except protocol.ProtocolError as e:
+                error = protocol.Response(request_id=request_id, error_msg=f"the result could not be sent: {e}")
+                unsent[request_id] = error
+                wire = error.model_dump(context=WIRE_CONTEXT, exclude_defaults=True)
+                messages.append(_encode(_batch_payload([], [], [], [wire], load), limits))
+        return messages, unsent
 
     def payloads(self, load: dict[str, Any], max_array_len: int) -> Iterator[dict[str, Any]]:
         """ResultBatch payloads (what protocol.encode makes of the model), as many as
@@ -107,6 +133,10 @@ class WireBatch:
             yield _batch_payload(self.request_ids[a:b], self.counts[a:b], tokens, [], load)
         for a in range(0, len(self.responses), step):
             yield _batch_payload([], [], [], self.responses[a : a + step], load)
+
+
+def _encode(payload: dict[str, Any], limits: Limits) -> bytes:
+    return protocol.encode_payload(protocol.ResultBatch.kind, payload, limits)
 
 
 def _batch_payload(

@@ -97,7 +97,19 @@ class WorkerRedis(threading.Thread):
                 next_heartbeat = 0.0  # re-register as soon as it is back
                 self.stop.wait(backoff)
                 backoff = min(_MAX_BACKOFF_S, backoff * 2)
+        self._flush_stats()
         self._deregister()
+
+    def _flush_stats(self) -> None:
+        """At exit: write what the queue still holds (a drain's last requests), a few tries at most."""
+        for _ in range(3):
+            try:
+                while not self.request_stats.empty():
+                    self._write_stats()
+                return
+            except redis.RedisError as e:
+                log.warning("redis: request stats not written at exit (%s)", e)
+                time.sleep(0.2)
 
     def _heartbeat(self) -> None:
         beat = protocol.Heartbeat(sender_id=self.info.worker_id, load=self.load())

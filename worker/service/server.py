@@ -30,6 +30,7 @@ from protocol.limits import socket_turn
 from worker.executor import types as ex
 from worker.executor.engine_core import StepOutput
 from worker.service.active import Active, ActiveTable
+from worker.service.admission import too_large
 from worker.service.convert import WireBatch, to_request, to_wire_response
 from worker.service.engine import EngineFailed, EngineProcess
 from worker.service.redis_link import WorkerRedis
@@ -93,6 +94,8 @@ class WorkerService:
         # request (see Active.name), enqueued together at the turn's end.
         self._taken: dict[tuple[bytes, str], tuple[ex.Request, str]] = {}
         self.stop = threading.Event()
+        # The Redis thread outlives the pump: it writes the stats of the last requests to finish.
+        self._redis_stop = threading.Event()
         self.engine_failure = ""  # why the engine process ended under us, if it did
         info = protocol.WorkerInfo(
             worker_id=self.worker_id,
@@ -115,7 +118,7 @@ class WorkerService:
             cancel_poll_interval_s=config.cancel_poll_interval_s,
             stats_stream_maxlen=config.stats_stream_maxlen,
             request_stats_ttl_s=config.request_stats_ttl_s,
-            stop=self.stop,
+            stop=self._redis_stop,
         )
         self._pump_out = self.ctx.socket(zmq.PAIR)
         self._pump_out.bind(_PUMP_ENDPOINT)
@@ -174,6 +177,7 @@ class WorkerService:
             self.stop.set()
             self._pump.join(timeout=2)
             self._forward_results(itertools.count())
+            self._redis_stop.set()
             self.redis.join(timeout=5)
             # A drained worker's last results and errors must leave before the socket goes.
             self.router.close(2000 if self._drain_deadline is not None else 0)
@@ -321,6 +325,8 @@ class WorkerService:
             refuse(ErrorCode.INVALID_REQUEST, "workers take input_token_ids; send text prompts through a gateway")
         elif msg.model is not None and msg.model != self.config.model_name:
             refuse(ErrorCode.UNKNOWN_MODEL, f"this worker serves {self.config.model_name!r}, not {msg.model!r}")
+        elif problem := too_large(msg, self.engine.info.vocab_size, self.limits):
+            refuse(ErrorCode.INVALID_REQUEST, problem)
         elif self.table.has(gateway, msg.request_id) or (gateway, msg.request_id) in self._taken:
             refuse(ErrorCode.INVALID_REQUEST, f"request_id {msg.request_id!r} is already running")
         else:
@@ -430,13 +436,22 @@ class WorkerService:
                 if result is None or result.is_final:
                     self.table.remove(entry)
                     finished.append((entry, to_wire_response(entry.request_id, r)))
+        load = self.load().model_dump(exclude_defaults=True)
+        unsent: dict[tuple[bytes, str], protocol.Response] = {}  # each went as an error response instead
+        for gateway, batch in batches.items():
+            messages, errors = batch.messages(load, self.limits)
+            for data in messages:
+                out.send_multipart([gateway, data])
+            unsent.update(((gateway, request_id), error) for request_id, error in errors.items())
+        if unsent:
+            finished = [(e, unsent.get((e.gateway, e.request_id), w)) for e, w in finished]
+            for (gateway, request_id), error in unsent.items():
+                entry = self._end_unsent(gateway, request_id, error)
+                if entry is not None:
+                    finished.append((entry, error))
         self.metrics.streams.tokens(chunks)  # before finished() forgets the streams' timings
         for entry, wire in finished:
             self.metrics.finished(entry.exec_id, outcome(wire))
-        load = self.load().model_dump(exclude_defaults=True)
-        for gateway, batch in batches.items():
-            for payload in batch.payloads(load, self.limits.max_array_len):
-                out.send_multipart([gateway, protocol.encode_payload(protocol.ResultBatch.kind, payload, self.limits)])
         for s in step.request_stats:
             exec_stats[s.request_id] = s
             self.metrics.speculated(s.num_draft_tokens, s.num_accepted_draft_tokens)
@@ -445,6 +460,18 @@ class WorkerService:
                 self._record_finished(entry, wire, exec_stats.pop(entry.exec_id, None))
             if len(exec_stats) > 10_000:  # stats of requests never seen final: forget
                 exec_stats.clear()
+
+    def _end_unsent(self, gateway: bytes, request_id: str, error: protocol.Response) -> Active | None:
+        """A request whose response could not be sent got an error response instead: if it
+        was still running, it ends here too (the entry, to record as finished)."""
+        entry = self.table.find(gateway, request_id)
+        with self.table.lock:
+            if entry is None or self.table.get(entry.exec_id) is not entry:
+                return None  # that response was its final: it is among the finished already
+            self.table.remove(entry)
+        log.warning("request %s: %s", entry.name, error.error_msg)
+        self.engine.cancel_request(entry.exec_id)
+        return entry
 
     def _record_finished(self, entry: Active, wire: protocol.Response, stats: ex.RequestStats | None) -> None:
         fields = {

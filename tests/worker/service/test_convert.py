@@ -77,3 +77,37 @@ def test_a_wire_batch_stands_for_the_same_responses(max_array_len: int) -> None:
     for request_id in {rid for rid, _ in order}:
         assert [r for r in decoded if r.request_id == request_id] == [r for r in want if r.request_id == request_id]
     assert len(decoded) == len(want)
+
+
+def _with_logits(request_id: int, rows: int) -> ex.Response:
+    logits = np.ones((rows, 256), np.float32)  # 1 KiB a row
+    return ex.Response(request_id, ex.Result(True, [[4]], [F.LENGTH], is_sequence_final=True, context_logits=logits))
+
+
+def test_results_over_the_message_limit_split_or_become_errors() -> None:
+    """Issue 22, finding 2: a batch over the message limit was dropped whole, costing
+    every stream in it its tokens and hanging the request that made it large."""
+    limits = protocol.Limits(max_message_bytes=100 << 10)
+    batch = WireBatch()
+    batch.add_streamed("innocent", [1, 2])
+    batch.add("fits", _with_logits(1, 60))  # 60 KiB: fits alone, not with the other
+    batch.add("fits too", _with_logits(2, 60))
+    batch.add("too large", _with_logits(3, 120))  # 120 KiB: never fits
+    messages, unsent = batch.messages({}, limits)
+    assert list(unsent) == ["too large"]
+    assert "could not be sent" in (unsent["too large"].error_msg or "")
+    responses = [r for m in messages for r in protocol.decode(m, limits).all_responses()]  # type: ignore[attr-defined]
+    by_id = {r.request_id: r for r in responses}
+    assert by_id["innocent"].result.output_token_ids == [[1, 2]]
+    assert by_id["fits"].result.context_logits.shape == [60, 256]
+    assert by_id["fits too"].result.context_logits.shape == [60, 256]
+    assert by_id["too large"].error_msg == unsent["too large"].error_msg
+    assert len(responses) == 4
+
+
+def test_a_batch_within_the_limit_is_one_message() -> None:
+    batch = WireBatch()
+    batch.add_streamed("a", [1])
+    batch.add("b", _with_logits(1, 10))
+    messages, unsent = batch.messages({}, protocol.DEFAULT_LIMITS)
+    assert len(messages) == 1 and not unsent
