@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 
@@ -26,10 +27,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="one event a line: text or JSON")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics listens on")
+    p.add_argument(
+        "--http-port", type=int, default=0, help="serve the OpenAI-compatible HTTP API on this port (0: off)"
+    )
+    p.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API listens on")
     add_config_options(p, "gateway")
 
 
 def run(args: argparse.Namespace) -> int:
+    import zmq
+
+    from gateway.http_front import HttpFront
     from gateway.server import Gateway, GatewayConfig
     from ops.config import apply_config
     from ops.logs import setup_logging
@@ -39,26 +47,35 @@ def run(args: argparse.Namespace) -> int:
     apply_config(args)
     setup_logging("gateway", args.log_level, args.log_format)
     exit_on_thread_crash()
-    gw = Gateway(
-        GatewayConfig(
-            bind=args.bind,
-            redis_url=args.redis,
-            gateway_id=args.gateway_id,
-            redis_prefix=args.redis_prefix,
-            heartbeat_interval_s=args.heartbeat_interval,
-            missed_heartbeats=args.missed_heartbeats,
-            max_inflight=args.max_inflight,
-            max_inflight_per_client=args.max_inflight_per_client,
-            no_worker_timeout_s=args.no_worker_timeout,
+    try:  # every socket bound before serving: a port in use is one line and exit status 1
+        gw = Gateway(
+            GatewayConfig(
+                bind=args.bind,
+                redis_url=args.redis,
+                gateway_id=args.gateway_id,
+                redis_prefix=args.redis_prefix,
+                heartbeat_interval_s=args.heartbeat_interval,
+                missed_heartbeats=args.missed_heartbeats,
+                max_inflight=args.max_inflight,
+                max_inflight_per_client=args.max_inflight_per_client,
+                no_worker_timeout_s=args.no_worker_timeout,
+            )
         )
-    )
+        http = HttpFront(gw, args.http_host, args.http_port) if args.http_port else None
+        if args.metrics_port:
+            gw.metrics.serve(args.metrics_host, args.metrics_port)
+    except (zmq.ZMQError, OSError) as e:
+        logging.getLogger("gateway").critical("cannot listen: %s (is another gateway running on that port?)", e)
+        return 1
     gw.notifier = Notifier()
-    if args.metrics_port:
-        gw.metrics.serve(args.metrics_host, args.metrics_port)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: gw.stop.set())
     settle_gc()
+    if http is not None:
+        http.start()
     gw.serve()
+    if http is not None:
+        http.stop()
     return 0
 
 

@@ -32,11 +32,14 @@ from gateway.workers import WorkerLink, least_loaded
 from ops.metrics import GatewayMetrics, outcome
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
+from protocol.chat_template import ChatTemplateError
 from protocol.limits import socket_turn
 from protocol.text import OutputStream
 
 log = logging.getLogger(__name__)
 
+# Where in-process clients (the HTTP front, gateway/http_front.py) reach the ROUTER.
+INPROC_ENDPOINT = "inproc://gateway-clients"
 # How often one request may be handed to a new worker after its worker was lost.
 _MAX_DISPATCHES = 3
 
@@ -90,6 +93,7 @@ class Gateway:
         self.frontend.setsockopt(zmq.LINGER, 0)
         self.frontend.bind(config.bind)
         self.address = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.frontend.bind(INPROC_ENDPOINT)
         self.gateway_id = config.gateway_id or f"gw-{socket.gethostname()}-{os.getpid()}"
         self.tokenizers = Tokenizers()
         self.stop = threading.Event()
@@ -256,7 +260,7 @@ class Gateway:
         if model is not None and ready and not any(model in w.models for w in ready):
             served = sorted({m for w in ready for m in w.models})
             return refuse(ErrorCode.UNKNOWN_MODEL, f"no worker serves model {model!r}; served: {served}")
-        if model is None and msg.prompt is not None:
+        if model is None and msg.input_token_ids is None:
             # Text is tokenized for one model: the one most ready workers serve. With none
             # ready yet, the first worker to take the request settles it.
             names = [m for w in ready for m in w.models[:1]]
@@ -298,8 +302,12 @@ class Gateway:
             return
         req.model = req.model or (link.models[0] if link.models else None)
         tokenizer = self.tokenizers.get(req.model) if req.model is not None else None
-        prompt = req.submit.prompt
-        problem = None if prompt is None else self._tokenize(req, prompt, tokenizer)
+        prompt, messages = req.submit.prompt, req.submit.messages
+        try:  # a chat's text is the template's, special tokens and all
+            prompt = self.tokenizers.render_chat(req.model, [m.model_dump() for m in messages]) if messages else prompt
+        except ChatTemplateError as e:
+            return self._fail(req, ErrorCode.INVALID_REQUEST, str(e))
+        problem = None if prompt is None else self._tokenize(req, prompt, tokenizer, not messages)
         problem = problem or self._check_fits(req.submit, link)
         if problem:
             self._fail(req, ErrorCode.INVALID_REQUEST, problem)
@@ -315,14 +323,14 @@ class Gateway:
         link.socket.send(protocol.encode(req.submit.model_copy(update=update), self.limits))
 
     @staticmethod
-    def _tokenize(req: _Request, prompt: str, tokenizer: Tokenizer | None) -> str | None:
-        """Replace the text prompt by its token ids; what is wrong, or None."""
+    def _tokenize(req: _Request, prompt: str, tokenizer: Tokenizer | None, add_special_tokens: bool) -> str | None:
+        """Replace the text prompt (or messages) by its token ids; what is wrong, or None."""
         if tokenizer is None:
             return f"no tokenizer for model {req.model!r} (its worker sent none): send input_token_ids"
-        ids = tokenizer.encode(prompt).ids
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
         if not ids:
             return "the prompt encodes to no tokens"
-        req.submit = req.submit.model_copy(update={"prompt": None, "input_token_ids": ids})
+        req.submit = req.submit.model_copy(update={"prompt": None, "messages": None, "input_token_ids": ids})
         return None
 
     @staticmethod
@@ -433,6 +441,8 @@ class Gateway:
                 if msg.tokenizer_json is not None:
                     for model in msg.models:
                         self.tokenizers.add(model, msg.tokenizer_json)
+                for model in msg.models:
+                    self.tokenizers.add_chat(model, msg)
                 log.info("worker %s ready: %s", link.worker_id, msg.models)
 
     def _results(self, link: WorkerLink, batch: protocol.ResultBatch) -> None:

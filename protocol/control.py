@@ -74,6 +74,11 @@ class Ready(Message):
     # A worker's model's tokenizer, as the `tokenizers` library's JSON (UTF-8): a
     # gateway tokenizes and detokenizes with it and needs no copy of the checkpoint.
     tokenizer_json: bytes | None = None
+    # Its chat template (Jinja, as Hugging Face's tokenizer_config.json holds it) and the
+    # special tokens templates name: a gateway renders chat messages with them.
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
 
 
 class Drain(Message):

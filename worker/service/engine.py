@@ -79,6 +79,10 @@ class EngineInfo:
     max_seq_len: int
     tokenizer_json: bytes | None
     iteration_stats_max: int
+    # For gateways rendering chat messages (protocol.Ready): the template and the tokens it names.
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
 
 
 # -- the worker's side ----------------------------------------------------------------
@@ -243,10 +247,17 @@ def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, tu
         max_seq_len=core.max_seq_len,
         tokenizer_json=None if tokenizer is None else tokenizer.to_str().encode(),
         iteration_stats_max=core.config.iteration_stats_max,
+        chat_template=core.chat_template,
+        bos_token=_token_text(tokenizer, core.model_config.bos_token_id),
+        eos_token=_token_text(tokenizer, (core.model_config.eos_token_ids or (None,))[0]),
     )))  # fmt: skip
     settle_gc()
     hang_at = None if config.test_hang_loop_after_s is None else time.monotonic() + config.test_hang_loop_after_s
     _serve(core, inbox, outbox, turned, hang_at)
+
+
+def _token_text(tokenizer: Any, token_id: int | None) -> str | None:
+    return None if tokenizer is None or token_id is None else tokenizer.id_to_token(token_id)
 
 
 def _serve(core: EngineCore, inbox: Connection, outbox: Connection, turned: ctypes.c_double,

@@ -298,6 +298,9 @@ class WorkerService:
                     max_seq_len=info.max_seq_len,
                     load=self.load(),
                     tokenizer_json=info.tokenizer_json,
+                    chat_template=info.chat_template,
+                    bos_token=info.bos_token,
+                    eos_token=info.eos_token,
                 ),
             )
         elif isinstance(msg, protocol.Heartbeat | protocol.Drain):
