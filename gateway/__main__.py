@@ -37,7 +37,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import zmq
 
-    from gateway.http_front import HttpFront
     from gateway.server import Gateway, GatewayConfig
     from ops.config import apply_config
     from ops.logs import setup_logging
@@ -61,7 +60,11 @@ def run(args: argparse.Namespace) -> int:
                 no_worker_timeout_s=args.no_worker_timeout,
             )
         )
-        http = HttpFront(gw, args.http_host, args.http_port) if args.http_port else None
+        http = None
+        if args.http_port:
+            from gateway.http_front import HttpFront  # Starlette and uvicorn load only for it
+
+            http = HttpFront(gw, args.http_host, args.http_port)
         if args.metrics_port:
             gw.metrics.serve(args.metrics_host, args.metrics_port)
     except (zmq.ZMQError, OSError) as e:
