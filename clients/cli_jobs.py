@@ -14,7 +14,7 @@ from clients.cli import Subparsers
 from clients.cli_requests import DEFAULT_GATEWAY, DEFAULT_REDIS
 from clients.cli_table import format_table
 from clients.params import SamplingParams
-from ops.config import add_config_options
+from ops.config import POSITIVE_FLOAT, POSITIVE_INT, add_config_options
 
 # Keys a line of a `jobs run` file may hold besides "prompt" or "messages": submit's keyword arguments.
 _JOB_FIELDS = frozenset(["job_id", "deadline_s", "result_ttl_s", "model", *(f.name for f in fields(SamplingParams))])
@@ -103,11 +103,13 @@ def register(subparsers: Subparsers) -> None:
     p = command("consume", "run a job consumer: jobs from Redis to gateways, results back")
     p.add_argument("--gateway", action="append", default=[], help=f"repeatable (default {DEFAULT_GATEWAY})")
     p.add_argument("--name", default="", help="consumer name in the group (default host-pid)")
-    p.add_argument("--max-in-flight", type=int, default=256)
-    p.add_argument("--idle-timeout", type=float, default=30.0, help="seconds before a silent job is taken over")
-    p.add_argument("--max-deliveries", type=int, default=5, help="then the job is dead-lettered")
-    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="to the gateway, seconds")
-    p.add_argument("--missed-heartbeats", type=int, default=3)
+    p.add_argument("--max-in-flight", type=POSITIVE_INT, default=256)
+    p.add_argument(
+        "--idle-timeout", type=POSITIVE_FLOAT, default=30.0, help="seconds before a silent job is taken over"
+    )
+    p.add_argument("--max-deliveries", type=POSITIVE_INT, default=5, help="then the job is dead-lettered")
+    p.add_argument("--heartbeat-interval", type=POSITIVE_FLOAT, default=1.0, help="to the gateway, seconds")
+    p.add_argument("--missed-heartbeats", type=POSITIVE_INT, default=3)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="one event a line: text or JSON")
     add_config_options(p, "jobs_consumer")

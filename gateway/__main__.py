@@ -7,7 +7,7 @@ import logging
 import signal
 import sys
 
-from ops.config import add_config_options
+from ops.config import PORT, POSITIVE_FLOAT, POSITIVE_INT, add_config_options
 
 DEFAULT_BIND = "tcp://127.0.0.1:5550"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -18,17 +18,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", default=DEFAULT_REDIS, help=f"Redis URL (default {DEFAULT_REDIS})")
     p.add_argument("--redis-prefix", default="tokenwire")
     p.add_argument("--gateway-id", default="", help="id workers know this gateway by (default gw-host-pid)")
-    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
-    p.add_argument("--missed-heartbeats", type=int, default=3, help="silent intervals before a peer is gone")
-    p.add_argument("--max-inflight", type=int, default=4096, help="requests in flight, whole gateway")
-    p.add_argument("--max-inflight-per-client", type=int, default=1024)
-    p.add_argument("--no-worker-timeout", type=float, default=10.0, help="seconds a request waits for a worker")
+    p.add_argument("--heartbeat-interval", type=POSITIVE_FLOAT, default=1.0, help="seconds")
+    p.add_argument("--missed-heartbeats", type=POSITIVE_INT, default=3, help="silent intervals before a peer is gone")
+    p.add_argument("--max-inflight", type=POSITIVE_INT, default=4096, help="requests in flight, whole gateway")
+    p.add_argument("--max-inflight-per-client", type=POSITIVE_INT, default=1024)
+    p.add_argument(
+        "--no-worker-timeout", type=POSITIVE_FLOAT, default=10.0, help="seconds a request waits for a worker"
+    )
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="one event a line: text or JSON")
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
+    p.add_argument("--metrics-port", type=PORT, default=0, help="serve Prometheus /metrics on this port (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics listens on")
     p.add_argument(
-        "--http-port", type=int, default=0, help="serve the OpenAI-compatible HTTP API on this port (0: off)"
+        "--http-port", type=PORT, default=0, help="serve the OpenAI-compatible HTTP API on this port (0: off)"
     )
     p.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API listens on")
     add_config_options(p, "gateway")

@@ -211,6 +211,9 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
         backend="auto" if config.backend == "echo" else config.backend,
         device=config.device,
     )
+    block = executor_config.kv_cache_config.tokens_per_block
+    if config.kv_tokens is not None and config.kv_tokens < block:
+        raise ValueError(f"kv_tokens {config.kv_tokens} is smaller than one KV block ({block} tokens): no request fits")
     if config.backend != "echo":
         return EngineCore.from_model(path, executor_config), path
     from worker.models.loader import load_model
@@ -234,7 +237,8 @@ def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, tu
     try:
         core, path = build_core(config)
     except Exception as e:
-        log.exception("the engine could not load %s", config.model)
+        if not isinstance(e, ValueError | OSError):  # a bad path, checkpoint or setting says all in one line
+            log.exception("the engine could not load %s", config.model)
         _send(outbox, ("failed", f"could not load {config.model}: {type(e).__name__}: {e}"))
         return
     tokenizer = core.tokenizer
