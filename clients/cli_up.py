@@ -14,6 +14,7 @@ start-up error).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import socket
 import subprocess
@@ -53,17 +54,35 @@ def register(subparsers: Subparsers) -> None:
 
 
 class _Children:
-    """The processes started here, each logging to its own file."""
+    """The processes started here, each logging to its own file and saying when it
+    listens as under systemd (READY=1 on the notify socket this command holds)."""
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self._logs: list[IO[bytes]] = []
+        self._notify_dir = Path(tempfile.mkdtemp(prefix="tw-up-"))  # AF_UNIX paths are short: not under log_dir
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind(str(self._notify_dir / "notify"))
+        self.notify.setblocking(False)
+        self.ready_pids: set[int] = set()
 
     def start(self, name: str, args: list[str]) -> None:
         log = (self.log_dir / f"{name}.log").open("wb")
         self._logs.append(log)
-        self.procs.append((name, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)))
+        env = {**os.environ, "NOTIFY_SOCKET": str(self._notify_dir / "notify")}
+        self.procs.append((name, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)))
+
+    def all_ready(self) -> bool:
+        while True:
+            try:
+                lines = self.notify.recv(4096).decode().splitlines()
+            except BlockingIOError:
+                break
+            fields = dict(line.split("=", 1) for line in lines if "=" in line)
+            if fields.get("READY") == "1" and fields.get("MAINPID", "").isdigit():
+                self.ready_pids.add(int(fields["MAINPID"]))
+        return all(proc.pid in self.ready_pids for _, proc in self.procs)
 
     def exited(self) -> str | None:
         """What went wrong, if a child has exited: its name, status and last log line."""
@@ -80,6 +99,8 @@ class _Children:
             stop_children([redis])
         for log in self._logs:
             log.close()
+        self.notify.close()
+        shutil.rmtree(self._notify_dir, ignore_errors=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,42 +151,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _wait_until_up(args: argparse.Namespace, children: _Children) -> str | None:
-    """None once every child listens (a worker ready at the gateway, the HTTP front
-    answering /health, the consumer in the queue's group); else what went wrong."""
-    import redis
-
-    from clients.jobs import JobQueue
-
+    """None once every child listens (each said READY, and the gateway has a worker
+    ready: its HTTP front answers /health); else what went wrong."""
     deadline = time.monotonic() + args.startup_timeout
-    queue = JobQueue(args.redis)
-    try:
-        while time.monotonic() < deadline:
-            problem = children.exited()
-            if problem:
-                return problem
-            try:
-                worker = _worker_registered(args.redis)
-                consumer = args.no_consumer or queue.stats().consumers > 0
-            except redis.RedisError:
-                worker = consumer = False
-            gateway = _health(args) if args.http_port else _gateway_answers(args.gateway_bind)
-            if worker and consumer and gateway:
-                return None
-            time.sleep(0.2)
-    finally:
-        queue.close()
+    while time.monotonic() < deadline:
+        problem = children.exited()
+        if problem:
+            return problem
+        if children.all_ready() and (_health(args) if args.http_port else _gateway_answers(args.gateway_bind)):
+            return None
+        time.sleep(0.2)
     return f"not up within {args.startup_timeout:g} s (see the logs in {children.log_dir})"
-
-
-def _worker_registered(url: str) -> bool:
-    import redis
-
-    import protocol
-
-    r = redis.Redis.from_url(url, socket_timeout=2)
-    keys = protocol.Keys()
-    workers = r.zrange(keys.workers(), 0, -1)
-    return any(r.exists(keys.worker(w.decode())) for w in workers)  # type: ignore[union-attr]
 
 
 def _health(args: argparse.Namespace) -> bool:
