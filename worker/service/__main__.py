@@ -158,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
             ),
             notifier,
         )
+        service.metrics.model = service.config.model_name
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: service.request_drain())
         settle_gc()
