@@ -330,9 +330,10 @@ class HttpFront:
                 roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for i in range(len(choices))]  # fmt: skip
                 yield _event({**head, "choices": roles})
+            pending: list[bytes] = []  # what the steps queued so far make: one write for all of them
             while True:
                 if isinstance(event, api.ApiError):
-                    yield _event(event.body())
+                    pending.append(_event(event.body()))
                     break
                 out = []
                 for index, delta, entries, reason in _apply(choices, event, submit):
@@ -346,15 +347,22 @@ class HttpFront:
                     offsets[index] += len(delta)
                     out.append(item)
                 if out:
-                    yield _event({**head, "choices": out})
+                    pending.append(_event({**head, "choices": out}))
                 if event.is_final:
                     done = True
                     if include_usage:
-                        yield _event({**head, "choices": [],
-                                      "usage": api.usage(prompt_tokens, sum(c.tokens for c in choices))})  # fmt: skip
+                        used = api.usage(prompt_tokens, sum(c.tokens for c in choices))
+                        pending.append(_event({**head, "choices": [], "usage": used}))
                     break
-                event = await call.events.get()
-            yield b"data: [DONE]\n\n"
+                if call.events.empty():
+                    if pending:
+                        yield b"".join(pending)
+                        pending.clear()
+                    event = await call.events.get()
+                else:
+                    event = call.events.get_nowait()
+            pending.append(b"data: [DONE]\n\n")
+            yield b"".join(pending)
         finally:
             if not done:  # the client went away (or the stream failed): stop the request
                 with contextlib.suppress(Exception):
