@@ -181,6 +181,10 @@ class WorkerMetrics(_Metrics):
         self.requests.labels(self.model, how).inc()
         self.streams.end(key)
 
+    def rejected(self) -> None:
+        """A request refused before it started (draining, a bad submit)."""
+        self.requests.labels(self.model, "rejected").inc()
+
 
 class GatewayMetrics(_Metrics):
     def __init__(self) -> None:

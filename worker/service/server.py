@@ -313,7 +313,7 @@ class WorkerService:
 
     def _submit(self, gateway: bytes, msg: protocol.Submit) -> None:
         def refuse(code: ErrorCode, text: str) -> None:
-            self.metrics.requests.labels("rejected").inc()
+            self.metrics.rejected()
             self._send(gateway, protocol.ErrorReply(code=code, message=text, request_id=msg.request_id))
 
         if self.draining:
