@@ -11,6 +11,10 @@ is given over all gaps and over the decode phase alone (gaps that began once
 every stream had its first token): before that, a gap may hold a step that
 carries prompt chunks, and which streams wait through those depends on the
 order the requests arrived in, not on the transport.
+The same stack's HTTP front (OpenAI's /v1/completions, server-sent events, a
+plain asyncio HTTP/1.1 client here so the figures are the server's, not an SDK's)
+takes its turn after the ZeroMQ client on each set, with prompts that differ in
+their first token (the worker's prefix cache must not serve the second path).
 (b) TRANSPORT TEST: a worker started with `--backend echo` (its backend returns
 immediately, no model runs) behind one gateway, to find how many streamed
 tokens/s one gateway process routes (detokenizing as usual). Each row also says
@@ -27,6 +31,7 @@ include the gateway's and the client's use of the cores the model runs on.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import shutil
@@ -168,6 +173,7 @@ class _Stack:
         ports = [free_port() for _ in range(3)]
         self.redis = f"redis://127.0.0.1:{ports[0]}/0"
         self.gateway = f"tcp://127.0.0.1:{ports[2]}"
+        self.http_port = free_port()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         log = open(Path(self.dir.name) / "log", "wb")  # noqa: SIM115 - closed with the directory
         redis_args = [redis_server, "--port", str(ports[0]), "--save", "", "--appendonly", "no"]
@@ -180,7 +186,7 @@ class _Stack:
             env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
         self.procs.append(subprocess.Popen(
             [py, "-m", "gateway", "--bind", self.gateway, "--redis", self.redis,
-             "--no-worker-timeout", "300"],
+             "--no-worker-timeout", "300", "--http-port", str(self.http_port)],
             env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
 
     def close(self) -> None:
@@ -188,7 +194,50 @@ class _Stack:
         self.dir.cleanup()
 
 
-def compare(model: Path, prompt_sets: list[list[list[int]]]) -> tuple[Run, Run]:
+async def _http_stream_all(
+    port: int, model: str, prompts: list[list[int]], output: int, greedy: bool
+) -> tuple[float, float, list[_Timeline]]:
+    """Every prompt as one streamed /v1/completions request, concurrently; each SSE
+    chunk carries one step's text (one token while decoding), and each stream's
+    token count is its usage's."""
+
+    async def one(prompt: list[int], line: _Timeline | None) -> None:
+        body = {"model": model, "prompt": prompt, "max_tokens": output, "min_tokens": output, "stream": True,
+                "stream_options": {"include_usage": True}, **({"temperature": 0.0} if greedy else {})}  # fmt: skip
+        payload = json.dumps(body).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                     b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))  # fmt: skip
+        status = await reader.readline()
+        assert b" 200 " in status, status + await reader.read()
+        while (await reader.readline()).strip():
+            pass  # headers; the body is chunked, its chunk sizes are skipped as non-data lines
+        chunks = usage = 0
+        async for raw in reader:
+            if not raw.startswith(b"data: {"):
+                continue
+            if b'"usage":{' in raw:
+                usage = json.loads(raw[6:])["usage"]["completion_tokens"]
+            elif line is not None:
+                line.add(time.perf_counter(), 1)
+                chunks += 1
+        writer.close()
+        if line is not None and usage != chunks:  # a chunk carried several tokens: count them as the usage says
+            line.tokens = usage
+
+    await one([100, 101, 102], None)  # warm-up
+    start = time.perf_counter()
+    lines = [_Timeline(start) for _ in prompts]
+    await asyncio.gather(*(one(p, t) for p, t in zip(prompts, lines, strict=True)))
+    return start, time.perf_counter(), lines
+
+
+def _other_start(prompts: list[list[int]]) -> list[list[int]]:
+    """The prompts with a new first token: no block of theirs is in the prefix cache."""
+    return [[100 + (p[0] + 1 - 100) % 1000, *p[1:]] for p in prompts]
+
+
+def compare(model: Path, prompt_sets: list[list[list[int]]]) -> tuple[Run, Run, Run]:
     """Both paths on each set of prompts in turn, in process first, so that a change
     in the machine's pace during the section weighs on both; the fastest run of
     each path counts. One warm Executor here and one stack throughout."""
@@ -196,7 +245,7 @@ def compare(model: Path, prompt_sets: list[list[list[int]]]) -> tuple[Run, Run]:
 
     config = ExecutorConfig(max_batch_size=max(64, REQUESTS), kv_cache_config=KvCacheConfig(max_tokens=_kv_tokens()))
     stack = _Stack(model, "--max-batch-size", str(max(64, REQUESTS)))
-    local, remote = [], []
+    local, remote, http = [], [], []
     try:
         with Executor.from_model(model, config) as ex:
             _ = ex.enqueue_request(Request(input_token_ids=[100, 101, 102], max_tokens=2))
@@ -207,9 +256,12 @@ def compare(model: Path, prompt_sets: list[list[list[int]]]) -> tuple[Run, Run]:
                 local.append(_in_process_run(ex, prompts))
                 start, end, lines = asyncio.run(_stream_all(stack.gateway, prompts, OUTPUT, greedy=True))
                 remote.append(_collect("gateway + worker (loopback)", start, end, lines))
+                start, end, lines = asyncio.run(_http_stream_all(stack.http_port, model.name, _other_start(prompts),
+                                                                 OUTPUT, greedy=True))  # fmt: skip
+                http.append(_collect("HTTP+SSE front, gateway + worker (loopback)", start, end, lines))
     finally:
         stack.close()
-    return min(local, key=lambda r: r.seconds), min(remote, key=lambda r: r.seconds)
+    return tuple(min(runs, key=lambda r: r.seconds) for runs in (local, remote, http))  # type: ignore[return-value]
 
 
 def echo_transport(model: Path) -> list[Run]:
@@ -240,6 +292,15 @@ def echo_transport(model: Path) -> list[Run]:
             name = (f"TRANSPORT TEST echo worker, {streams} streams x {tokens} "
                     f"(CPU µs/token: gateway {gateway_us:.1f}, client {client_us:.1f})")  # fmt: skip
             runs.append(_collect(name, start, end, lines))
+        streams, tokens = ECHO_WORKLOADS[0]
+        prompts = [[100 + i, 200 + i, 300 + i] for i in range(streams)]
+        gateway_cpu, client_cpu = _cpu_seconds(gateway_pid), time.process_time()
+        start, end, lines = asyncio.run(_http_stream_all(stack.http_port, model.name, prompts, tokens, greedy=False))
+        gateway_us = (_cpu_seconds(gateway_pid) - gateway_cpu) * 1e6 / (streams * tokens)
+        client_us = (time.process_time() - client_cpu) * 1e6 / (streams * tokens)
+        name = (f"TRANSPORT TEST echo worker, HTTP+SSE, {streams} streams x {tokens} "
+                f"(CPU µs/token: gateway {gateway_us:.1f}, client {client_us:.1f})")  # fmt: skip
+        runs.append(_collect(name, start, end, lines))
     finally:
         stack.close()
     return runs
@@ -267,10 +328,13 @@ def table() -> tuple[list[str], list[list[str]]]:
     # New prompts for each repeat (the same sets for both paths): a repeated prompt
     # would be served from the prefix cache.
     prompt_sets = [_prompts(vocab, seed) for seed in range(REPEATS)]
-    local, remote = compare(model, prompt_sets)
+    local, remote, http = compare(model, prompt_sets)
     header = ["path", "out tokens", "s", "tokens/s", "vs in-process", "TTFT p50 ms", "TTFT p99 ms",
               "ITL p50 ms", "ITL p99 ms", "decode ITL p50 ms", "decode ITL p99 ms"]  # fmt: skip
-    rows = [local.row(), remote.row(local)]
+    rows = [local.row(), remote.row(local), http.row(local)]
+    added = _pct(http.decode_itl_ms, 99) - _pct(remote.decode_itl_ms, 99)
+    rows.append([f"(HTTP vs ZeroMQ client: {http.tokens / http.seconds / (remote.tokens / remote.seconds):.3f} of "
+                 f"its tokens/s, {added:+.2f} ms decode ITL p99)", *[""] * 10])  # fmt: skip
     rows.append([f"(workload: {REQUESTS} streams x {PROMPT} prompt / {OUTPUT} output tokens, default model)",
                  *[""] * 10])  # fmt: skip
     rows += [r.row() for r in echo_transport(model)]

@@ -14,11 +14,43 @@ from clients.cli import Subparsers
 from clients.cli_requests import DEFAULT_GATEWAY, DEFAULT_REDIS
 from clients.cli_table import format_table
 from clients.params import SamplingParams
-from ops.config import add_config_options
+from ops.config import POSITIVE_FLOAT, POSITIVE_INT, add_config_options
 from ops.secrets import add_redis_password_option, redact, redis_url
 
-# Keys a line of a `jobs run` file may hold besides "prompt": submit's keyword arguments.
+# Keys a line of a `jobs run` file may hold besides "prompt" or "messages": submit's keyword arguments.
 _JOB_FIELDS = frozenset(["job_id", "deadline_s", "result_ttl_s", "model", *(f.name for f in fields(SamplingParams))])
+# OpenAI's batch input body, in SamplingParams' names where they differ; None: ignored here.
+_OPENAI_NAMES: dict[str, str | None] = {
+    "max_completion_tokens": "max_tokens", "n": "num_return_sequences", "logprobs": "return_log_probs",
+    "top_logprobs": "top_n_log_probs", "stream": None, "user": None,
+}  # fmt: skip
+
+
+def job_spec(line: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """A `jobs run` line as (custom_id, submit's keyword arguments): OpenAI's batch
+    input format ({"custom_id", "method", "url", "body": {...}}) or tokenwire's own
+    ({"prompt" or "messages", options...}, "custom_id" optional). ValueError names
+    what is wrong."""
+    custom_id = line.get("custom_id")
+    if "body" in line:
+        body = line["body"]
+        if not isinstance(body, dict):
+            raise ValueError('"body" must be an object')
+        spec = {}
+        for key, value in body.items():
+            name = _OPENAI_NAMES.get(key, key)
+            if name is not None:
+                spec[name] = value
+        if isinstance(spec.get("stop"), str):
+            spec["stop"] = [spec["stop"]]
+    else:
+        spec = {k: v for k, v in line.items() if k != "custom_id"}
+    if ("prompt" in spec) == ("messages" in spec):
+        raise ValueError('each line needs a "prompt" or chat "messages" (in "body" for OpenAI\'s batch format)')
+    unknown = set(spec) - _JOB_FIELDS - {"prompt", "messages"}
+    if unknown:
+        raise ValueError(f"unknown fields {sorted(unknown)}; known: {sorted(_JOB_FIELDS)}")
+    return None if custom_id is None else str(custom_id), spec
 
 
 def register(subparsers: Subparsers) -> None:
@@ -58,7 +90,12 @@ def register(subparsers: Subparsers) -> None:
     p.set_defaults(handler=cancel)
 
     p = command("run", "queue every line of a JSONL file, wait, write the results as JSONL")
-    p.add_argument("prompts", type=Path, help='one JSON object a line: {"prompt": ..., "max_tokens": ..., ...}')
+    p.add_argument(
+        "prompts",
+        type=Path,
+        help='one JSON object a line: {"prompt" or "messages": ..., "max_tokens": ..., ...}, or OpenAI\'s batch '
+        'input format ({"custom_id": ..., "body": {"messages": ...}}); results echo custom_id and the line number',
+    )
     p.add_argument("--out", type=Path, required=True, help="results, one JSON object a line, as jobs end")
     p.add_argument("--max-tokens", type=int, default=64, help="for lines that do not say")
     p.add_argument("--timeout", type=float, default=None, help="seconds to wait for all (default: no limit)")
@@ -68,15 +105,24 @@ def register(subparsers: Subparsers) -> None:
     p = command("consume", "run a job consumer: jobs from Redis to gateways, results back")
     p.add_argument("--gateway", action="append", default=[], help=f"repeatable (default {DEFAULT_GATEWAY})")
     p.add_argument("--name", default="", help="consumer name in the group (default host-pid)")
-    p.add_argument("--max-in-flight", type=int, default=256)
-    p.add_argument("--idle-timeout", type=float, default=30.0, help="seconds before a silent job is taken over")
-    p.add_argument("--max-deliveries", type=int, default=5, help="then the job is dead-lettered")
-    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="to the gateway, seconds")
-    p.add_argument("--missed-heartbeats", type=int, default=3)
+    p.add_argument("--max-in-flight", type=POSITIVE_INT, default=256)
+    p.add_argument(
+        "--idle-timeout", type=POSITIVE_FLOAT, default=30.0, help="seconds before a silent job is taken over"
+    )
+    p.add_argument("--max-deliveries", type=POSITIVE_INT, default=5, help="then the job is dead-lettered")
+    p.add_argument("--heartbeat-interval", type=POSITIVE_FLOAT, default=1.0, help="to the gateway, seconds")
+    p.add_argument("--missed-heartbeats", type=POSITIVE_INT, default=3)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="one event a line: text or JSON")
     add_config_options(p, "jobs_consumer")
     p.set_defaults(handler=consume)
+
+    p = command("requeue", "queue dead-lettered jobs again, the oldest first")
+    p.add_argument("--count", type=int, default=None, help="how many (default: all)")
+    p.set_defaults(handler=requeue)
+
+    p = command("purge", "drop every dead-lettered job")
+    p.set_defaults(handler=purge)
 
     p = command("stats", "queued, in flight, done, failed, dead-lettered, throughput")
     p.add_argument("--dead", type=int, default=5, help="recent dead letters shown")
@@ -143,33 +189,47 @@ def cancel(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    specs = []
-    for n, line in enumerate(args.prompts.read_text().splitlines(), 1):
+    import redis
+
+    specs, origins = [], []
+    try:
+        lines = args.prompts.read_text().splitlines()
+    except OSError as e:
+        return _fail(f"cannot read {args.prompts}: {e.strerror or e}")
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            spec = json.loads(line)
+            obj = json.loads(line)
+            if not isinstance(obj, dict):
+                raise ValueError("each line must be a JSON object")
+            custom_id, spec = job_spec(obj)
         except json.JSONDecodeError as e:
             return _fail(f"{args.prompts}:{n}: not JSON: {e}")
-        if not isinstance(spec, dict) or "prompt" not in spec:
-            return _fail(f'{args.prompts}:{n}: each line must be an object with a "prompt"')
-        unknown = set(spec) - _JOB_FIELDS - {"prompt"}
-        if unknown:
-            return _fail(f"{args.prompts}:{n}: unknown fields {sorted(unknown)}; known: {sorted(_JOB_FIELDS)}")
+        except ValueError as e:
+            return _fail(f"{args.prompts}:{n}: {e}")
         specs.append({"max_tokens": args.max_tokens, **spec})
+        origins.append({"custom_id": custom_id, "line": n})
     with _queue(args) as q:
         try:
             ids = q.submit_many(specs)
+            consumers = q.stats().consumers
         except ValueError as e:  # pydantic's ValidationError included: it names the field
             return _fail(f"{args.prompts}: {e}")
-        ids = list(dict.fromkeys(ids))  # a repeated job id is one job
+        except redis.RedisError as e:
+            return _fail(f"could not reach Redis at {args.redis}: {e}")
+        origin = dict(zip(ids, origins, strict=True))  # a repeated job id is one job: its last line
+        ids = list(dict.fromkeys(ids))
         print(f"queued {len(ids)} jobs", file=sys.stderr)
+        if not consumers:
+            print("warning: no job consumer has joined this queue: jobs wait until one runs "
+                  "(`tokenwire jobs consume`, or `tokenwire up`, which starts one)", file=sys.stderr)  # fmt: skip
         bar = _Progress(len(ids), None if args.quiet else sys.stderr)
         counts: dict[str, int] = {}
         with args.out.open("w") as out:
             try:
                 for res in q.results(ids, timeout=args.timeout):
-                    out.write(res.model_dump_json() + "\n")
+                    out.write(json.dumps({**origin[res.job_id], **res.model_dump(mode="json")}) + "\n")
                     counts[res.status.value] = counts.get(res.status.value, 0) + 1
                     bar.step()
             except TimeoutError as e:
@@ -234,6 +294,30 @@ def consume(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: consumer.stop.set())
     consumer.run()
+    return 0
+
+
+def requeue(args: argparse.Namespace) -> int:
+    import redis
+
+    with _queue(args) as q:
+        try:
+            ids = q.requeue_dead(args.count)
+        except redis.RedisError as e:
+            return _fail(f"could not reach Redis at {args.redis}: {e}")
+    print(f"requeued {len(ids)} jobs" + (f": {', '.join(ids)}" if ids else ""))
+    return 0
+
+
+def purge(args: argparse.Namespace) -> int:
+    import redis
+
+    with _queue(args) as q:
+        try:
+            n = q.purge_dead()
+        except redis.RedisError as e:
+            return _fail(f"could not reach Redis at {args.redis}: {e}")
+    print(f"purged {n} dead-lettered jobs")
     return 0
 
 

@@ -24,6 +24,9 @@ def register(subparsers: Subparsers) -> None:
         help=f"gateway endpoint, repeatable for failover (default {DEFAULT_GATEWAY})",
     )
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    gen.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user message, in the model's chat template"
+    )
     gen.add_argument("--model", default=None)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=None, help="0 = greedy")
@@ -68,27 +71,27 @@ def generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop or [],
     )
+    # A chat is the prompt as one user turn; the gateway applies the model's template.
+    prompt, messages = (None, [{"role": "user", "content": args.prompt}]) if args.chat else (args.prompt, None)
     try:
         # Bad flags fail here, before any connection.
-        to_submit(args.prompt, params, request_id=args.request_id, model=args.model)
+        to_submit(prompt, params, request_id=args.request_id, model=args.model, messages=messages)
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
         print(f"error: {problems}", file=sys.stderr)
         return 2
     with Client(args.gateway or [DEFAULT_GATEWAY]) as client:
         future = client.submit(
-            args.prompt, params, request_id=args.request_id, model=args.model, streaming=args.stream
+            prompt, params, request_id=args.request_id, model=args.model, streaming=args.stream, messages=messages
         )
         print(f"request {future.request_id}", file=sys.stderr)
         try:
             if args.stream:
                 deadline = time.monotonic() + args.timeout
-                for chunk in future:
+                for chunk in future.chunks(timeout=args.timeout):
                     print(chunk.text, end="", flush=True)
-                    if time.monotonic() > deadline:
-                        future.cancel()
                 print()
-                result = future.result(timeout=args.timeout)
+                result = future.result(timeout=max(0.0, deadline - time.monotonic()))
             else:
                 result = future.result(timeout=args.timeout)
                 print(result.text)

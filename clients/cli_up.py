@@ -1,19 +1,30 @@
 """`tokenwire up`: the whole stack on this machine, for `make run`.
 
-Redis (started here only if nothing answers at --redis), one worker and one
-gateway as child processes, a streamed demo generation through the gateway,
-then serving until Ctrl-C, which stops every child this command started.
+Redis (started here only if nothing answers at --redis), one worker, one gateway
+with its OpenAI-compatible HTTP front (--http-port, 8000 by default) and one job
+consumer, as child processes; "up" once every one of them listens; a streamed
+chat demo through the gateway; then serving until Ctrl-C, which stops every
+child this command started, Redis last (the others deregister there).
+
+The children log to files under --log-dir, so the demo's text is not mixed with
+their log lines; a child that exits has its last log line printed (its one-line
+start-up error).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import IO
 from urllib.parse import urlparse
 
 from clients.cli import Subparsers
@@ -24,86 +35,151 @@ DEMO_PROMPT = "In one sentence, what is a message queue?"
 
 def register(subparsers: Subparsers) -> None:
     up = subparsers.add_parser(
-        "up", help="Redis (if needed) + a worker + a gateway here, a streamed demo, serve until Ctrl-C"
+        "up", help="Redis (if needed) + a worker + a gateway (ZeroMQ and HTTP) + a job consumer here, a demo, serve"
     )
     up.add_argument("--model", default="SmolLM2-135M-Instruct", help="checkpoint or the default model's name")
     up.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     up.add_argument("--gateway-bind", default="tcp://127.0.0.1:5550")
     up.add_argument("--worker-bind", default="tcp://127.0.0.1:5600")
+    up.add_argument("--http-port", type=int, default=8000, help="the gateway's OpenAI-compatible API (0: off)")
+    up.add_argument("--http-host", default="127.0.0.1")
+    up.add_argument("--no-consumer", action="store_true", help="start no job consumer")
     up.add_argument("--backend", default="auto", choices=["auto", "numpy", "torch"])
-    up.add_argument("--prompt", default=DEMO_PROMPT, help="the demo prompt (chat template applied)")
+    up.add_argument("--prompt", default=DEMO_PROMPT, help="the demo's question (a chat, in the model's template)")
     up.add_argument("--max-tokens", type=int, default=48)
     up.add_argument("--no-demo", action="store_true")
+    up.add_argument("--log-dir", type=Path, default=None, help="where the children log (default: a temporary dir)")
     up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the worker")
     up.set_defaults(handler=run)
 
 
+class _Children:
+    """The processes started here, each logging to its own file and saying when it
+    listens as under systemd (READY=1 on the notify socket this command holds)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self._logs: list[IO[bytes]] = []
+        self._notify_dir = Path(tempfile.mkdtemp(prefix="tw-up-"))  # AF_UNIX paths are short: not under log_dir
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind(str(self._notify_dir / "notify"))
+        self.notify.setblocking(False)
+        self.ready_pids: set[int] = set()
+
+    def start(self, name: str, args: list[str]) -> None:
+        log = (self.log_dir / f"{name}.log").open("wb")
+        self._logs.append(log)
+        env = {**os.environ, "NOTIFY_SOCKET": str(self._notify_dir / "notify")}
+        self.procs.append((name, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)))
+
+    def all_ready(self) -> bool:
+        while True:
+            try:
+                lines = self.notify.recv(4096).decode().splitlines()
+            except BlockingIOError:
+                break
+            fields = dict(line.split("=", 1) for line in lines if "=" in line)
+            if fields.get("READY") == "1" and fields.get("MAINPID", "").isdigit():
+                self.ready_pids.add(int(fields["MAINPID"]))
+        return all(proc.pid in self.ready_pids for _, proc in self.procs)
+
+    def exited(self) -> str | None:
+        """What went wrong, if a child has exited: its name, status and last log line."""
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                lines = (self.log_dir / f"{name}.log").read_text(errors="replace").strip().splitlines()
+                last = lines[-1] if lines else "(no output)"
+                return f"the {name} exited with status {proc.returncode}: {last}"
+        return None
+
+    def stop(self, redis: subprocess.Popen[bytes] | None) -> None:
+        stop_children([proc for _, proc in self.procs])
+        if redis is not None:  # last: the others deregister there as they stop
+            stop_children([redis])
+        for log in self._logs:
+            log.close()
+        self.notify.close()
+        shutil.rmtree(self._notify_dir, ignore_errors=True)
+
+
 def run(args: argparse.Namespace) -> int:
-    children: list[tuple[str, subprocess.Popen[bytes]]] = []
+    redis_proc = None
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tokenwire-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    children = _Children(log_dir)
     try:
         if not _redis_answers(args.redis):
-            children.append(("redis", _start_redis(args.redis)))
+            redis_proc = _start_redis(args.redis)
         else:
             print(f"using the Redis at {args.redis}")
         from worker.models.default_model import resolve_model
 
         path = Path(args.model) if Path(args.model).exists() else resolve_model(args.model)
         py = sys.executable
-        children.append(
-            (
-                "worker",
-                subprocess.Popen(
-                    [
-                        py,
-                        "-m",
-                        "worker.service",
-                        "--model",
-                        str(path),
-                        "--bind",
-                        args.worker_bind,
-                        "--redis",
-                        args.redis,
-                        "--backend",
-                        args.backend,
-                    ]
-                ),
-            )
-        )
-        children.append(
-            (
-                "gateway",
-                subprocess.Popen(
-                    [
-                        py,
-                        "-m",
-                        "gateway",
-                        "--bind",
-                        args.gateway_bind,
-                        "--redis",
-                        args.redis,
-                    ]
-                ),
-            )
-        )
-        if not _wait_for_worker(args.redis, children, args.startup_timeout):
+        children.start("worker", [py, "-m", "worker.service", "--model", str(path), "--bind", args.worker_bind,
+                                  "--redis", args.redis, "--backend", args.backend])  # fmt: skip
+        http = ["--http-port", str(args.http_port), "--http-host", args.http_host] if args.http_port else []
+        children.start("gateway", [py, "-m", "gateway", "--bind", args.gateway_bind, "--redis", args.redis, *http])
+        if not args.no_consumer:
+            children.start("consumer", [py, "-m", "clients.cli", "jobs", "consume", "--gateway", args.gateway_bind,
+                                        "--redis", args.redis])  # fmt: skip
+        print(f"starting (logs in {log_dir})", flush=True)
+        problem = _wait_until_up(args, children)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
             return 1
-        print(
-            f"\ntokenwire is up: gateway {args.gateway_bind}, worker {args.worker_bind}, Redis {args.redis}"
-        )
+        http_url = f"http://{args.http_host}:{args.http_port}" if args.http_port else None
+        print(f"\ntokenwire is up: gateway {args.gateway_bind}" + (f" and {http_url}/v1" if http_url else "")
+              + f", worker {args.worker_bind}, Redis {args.redis}"
+              + ("" if args.no_consumer else ", one job consumer"))  # fmt: skip
         if not args.no_demo:
-            _demo(args.gateway_bind, _chat_prompt(path, args.prompt), args.max_tokens)
-        print('serving; try `tokenwire generate "Hello" --stream` or `tokenwire stats`. Ctrl-C stops.')
+            _demo(args.gateway_bind, args.prompt, args.max_tokens)
+        print('serving; try `tokenwire generate "Hello" --chat --stream`'
+              + (f" or `curl {http_url}/v1/models`" if http_url else "") + ". Ctrl-C stops.", flush=True)  # fmt: skip
         while True:
-            for name, proc in children:
-                if proc.poll() is not None:
-                    print(f"error: the {name} exited with status {proc.returncode}", file=sys.stderr)
-                    return 1
+            problem = children.exited()
+            if problem:
+                print(f"error: {problem}", file=sys.stderr)
+                return 1
             time.sleep(0.5)
     except KeyboardInterrupt:
-        print("\nstopping")
+        print("\nstopping", flush=True)
         return 0
     finally:
-        stop_children([proc for _, proc in children])
+        children.stop(redis_proc)
+
+
+def _wait_until_up(args: argparse.Namespace, children: _Children) -> str | None:
+    """None once every child listens (each said READY, and the gateway has a worker
+    ready: its HTTP front answers /health); else what went wrong."""
+    deadline = time.monotonic() + args.startup_timeout
+    while time.monotonic() < deadline:
+        problem = children.exited()
+        if problem:
+            return problem
+        if children.all_ready() and (_health(args) if args.http_port else _gateway_answers(args.gateway_bind)):
+            return None
+        time.sleep(0.2)
+    return f"not up within {args.startup_timeout:g} s (see the logs in {children.log_dir})"
+
+
+def _health(args: argparse.Namespace) -> bool:
+    """The HTTP front answers 200 only with Redis reached and a worker ready."""
+    try:
+        with urllib.request.urlopen(f"http://{args.http_host}:{args.http_port}/health", timeout=2) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _gateway_answers(endpoint: str) -> bool:
+    u = urlparse(endpoint.replace("tcp://", "http://", 1))
+    try:
+        with socket.create_connection((u.hostname or "127.0.0.1", u.port or 5550), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 def _redis_answers(url: str) -> bool:
@@ -139,51 +215,15 @@ def _start_redis(url: str) -> subprocess.Popen[bytes]:
     return proc
 
 
-def _wait_for_worker(url: str, children: list[tuple[str, subprocess.Popen[bytes]]], timeout: float) -> bool:
-    import redis
-
-    import protocol
-
-    r = redis.Redis.from_url(url, socket_timeout=2)
-    keys = protocol.Keys()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for name, proc in children:
-            if proc.poll() is not None:
-                print(
-                    f"error: the {name} exited with status {proc.returncode} while starting", file=sys.stderr
-                )
-                return False
-        if any(r.exists(keys.worker(w.decode())) for w in r.zrange(keys.workers(), 0, -1)):  # type: ignore[union-attr]
-            return True
-        time.sleep(0.2)
-    print(f"error: no worker registered within {timeout:g} s", file=sys.stderr)
-    return False
-
-
-def _chat_prompt(path: Path, prompt: str) -> str:
-    """The prompt in the model's chat template, when it has one."""
-    from worker.models.loader import load_model
-
-    template = load_model(path, load_weights=False).chat_template
-    if not template:
-        return prompt
-    import jinja2
-
-    env = jinja2.Environment(autoescape=False)
-    return env.from_string(template).render(
-        messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, bos_token="", eos_token=""
-    )
-
-
 def _demo(gateway: str, prompt: str, max_tokens: int) -> None:
     from clients.client import Client
 
-    print(f"\ndemo, streamed through the gateway (max {max_tokens} tokens):\n")
+    print(f"\ndemo, a chat streamed through the gateway (max {max_tokens} tokens):\n\n> {prompt}\n")
     start = time.perf_counter()
     first = None
     with Client([gateway]) as client:
-        future = client.stream(prompt, max_tokens=max_tokens, temperature=0.0)
+        messages = [{"role": "user", "content": prompt}]
+        future = client.submit(None, messages=messages, streaming=True, max_tokens=max_tokens, temperature=0.0)
         for chunk in future:
             if first is None:
                 first = time.perf_counter() - start

@@ -4,6 +4,7 @@
     print(client.generate("The capital of France is", max_tokens=16).text)
     for chunk in client.stream("Tell me a story", SamplingParams(max_tokens=64, temperature=0.8, seed=1)):
         print(chunk.text, end="", flush=True)
+    print(client.chat([{"role": "user", "content": "What is the capital of France?"}]).text)
     future = client.submit("Hello", max_tokens=8); future.cancel(); future.result(timeout=5)
 
 Every request takes a SamplingParams (clients/params.py), or its fields as
@@ -15,14 +16,15 @@ threads. Depends on pyzmq, msgpack and pydantic only.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import protocol
-from clients.connection import Connection, GatewayLostError, RequestError
+from clients.connection import Connection, GatewayLostError, GatewayUnavailableError, RequestError
 from clients.params import CompletionOutput, RequestOutput, SamplingParams, Speculation, StreamChunk
-from clients.wire import Accumulator, Prompt, encode_submit, submit_from_call
+from clients.wire import Accumulator, Messages, Prompt, encode_submit, submit_from_call
 from protocol import FinishReason
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "CompletionOutput",
     "FinishReason",
     "GatewayLostError",
+    "GatewayUnavailableError",
     "RequestError",
     "RequestFuture",
     "RequestOutput",
@@ -88,9 +91,16 @@ class RequestFuture:
         self._connection.cancel(self.request_id)
 
     def __iter__(self) -> Iterator[StreamChunk]:
+        return self.chunks()
+
+    def chunks(self, timeout: float | None = None) -> Iterator[StreamChunk]:
+        """The stream's chunks; TimeoutError if it is still running after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: bool(self._chunks) or self._done)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not self._cond.wait_for(lambda: bool(self._chunks) or self._done, left):
+                    raise TimeoutError(f"request {self.request_id} still running after {timeout} s")
                 chunks = list(self._chunks)
                 self._chunks.clear()
                 done, error = self._done, self._error
@@ -103,10 +113,22 @@ class RequestFuture:
 
 class Client:
     def __init__(
-        self, gateways: Sequence[str], *, heartbeat_interval_s: float = 1.0, missed_heartbeats: int = 3
+        self,
+        gateways: Sequence[str],
+        *,
+        heartbeat_interval_s: float = 1.0,
+        missed_heartbeats: int = 3,
+        connect_timeout_s: float = 2.0,
+        connect_attempts: int = 2,
     ) -> None:
+        """A request fails with GatewayUnavailableError (naming the addresses) when no
+        gateway answered within `connect_timeout_s`, `connect_attempts` times each."""
         self._connection = Connection(
-            gateways, heartbeat_interval_s=heartbeat_interval_s, missed_heartbeats=missed_heartbeats
+            gateways,
+            heartbeat_interval_s=heartbeat_interval_s,
+            missed_heartbeats=missed_heartbeats,
+            connect_timeout_s=connect_timeout_s,
+            connect_attempts=connect_attempts,
         )
 
     @property
@@ -114,9 +136,10 @@ class Client:
         """The gateway in use now."""
         return self._connection.gateway
 
-    def submit(self, prompt: Prompt, params: SamplingParams | None = None, /, **options: Any) -> RequestFuture:
+    def submit(self, prompt: Prompt | None, params: SamplingParams | None = None, /, **options: Any) -> RequestFuture:
         """Start a request (text or token ids). `options`: `request_id` (default: a
-        random one), `model` (default: the service's), `streaming`, and SamplingParams
+        random one), `model` (default: the service's), `streaming`, `messages` (a chat,
+        with prompt None), and SamplingParams
         fields, over `params`. Bad options raise (ValueError naming the field, or
         TypeError for an unknown one) before anything is sent."""
         msg = submit_from_call(prompt, params, options)
@@ -133,6 +156,12 @@ class Client:
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, /, **kwargs: Any) -> RequestFuture:
         """A streaming request: iterate it for StreamChunks, or call .result()."""
         return self.submit(prompt, params, streaming=True, **kwargs)
+
+    def chat(self, messages: Messages, params: SamplingParams | None = None, /, *, timeout: float | None = None,
+             **kwargs: Any) -> RequestOutput:  # fmt: skip
+        """A chat's reply: `messages` (dicts with role and content) rendered by the
+        gateway with the model's chat template; keyword arguments as in submit."""
+        return self.submit(None, params, messages=messages, **kwargs).result(timeout)
 
     def close(self) -> None:
         self._connection.close()

@@ -5,10 +5,14 @@ thread hand it commands through a queue and wake it through a pipe the poller
 watches, so `Client` and `AsyncClient` are safe to share between threads and
 submitting never waits on the network.
 
-Failover: a gateway that does not answer Hello, or stops heartbeating, for
-`missed_heartbeats` intervals is dropped for the next one in the list. Requests
-that had received nothing yet are sent again there; requests that had started
-fail with `GatewayLostError` (their output so far cannot be resumed).
+Failover: a gateway that does not answer Hello within `connect_timeout_s`, or
+stops heartbeating for `missed_heartbeats` intervals, is dropped for the next
+one in the list. Requests that had received nothing yet are sent again there;
+requests that had started fail with `GatewayLostError` (their output so far
+cannot be resumed). When every gateway has failed to answer `connect_attempts`
+times in a row, the requests waiting fail with `GatewayUnavailableError`, which
+names the addresses tried, and so do new ones until a gateway answers (the
+connection keeps trying in the background).
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ class GatewayLostError(RequestError):
     """The gateway stopped answering after this request had started streaming."""
 
 
+class GatewayUnavailableError(RequestError):
+    """No gateway of the list answered."""
+
+
 class Sink(Protocol):
     """Where one request's news goes; called on the I/O thread, must not block."""
 
@@ -67,6 +75,8 @@ class Connection(threading.Thread):
         *,
         heartbeat_interval_s: float = 1.0,
         missed_heartbeats: int = 3,
+        connect_timeout_s: float = 2.0,
+        connect_attempts: int | None = 2,  # None: keep trying (a daemon that waits for its gateways)
     ) -> None:
         super().__init__(name="tokenwire-client-io", daemon=True)
         if isinstance(gateways, str) or not gateways:
@@ -74,6 +84,9 @@ class Connection(threading.Thread):
         self.gateways = list(gateways)
         self.heartbeat_interval_s = heartbeat_interval_s
         self.missed_heartbeats = missed_heartbeats
+        self.connect_timeout_s = connect_timeout_s
+        self.connect_attempts = connect_attempts
+        self._failed_opens = 0  # gateways opened in a row that never answered
         self.client_id = f"client-{uuid.uuid4().hex[:12]}"
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -129,7 +142,9 @@ class Connection(threading.Thread):
                     self._receive()
                 if time.monotonic() >= next_tick:
                     self._tick()
-                    next_tick = time.monotonic() + self.heartbeat_interval_s
+                    # Until a gateway answers, its connect timeout is watched more closely.
+                    wait = self.heartbeat_interval_s if self._ready else self.connect_timeout_s / 4
+                    next_tick = time.monotonic() + min(self.heartbeat_interval_s, wait)
         finally:
             self._closed.set()
             for call in self._calls.values():
@@ -162,6 +177,9 @@ class Connection(threading.Thread):
                     arg.sink.on_error(
                         RequestError("invalid_request", "request_id is already in flight", arg.request_id)
                     )
+                    continue
+                if self._unreachable():
+                    arg.sink.on_error(self._unavailable(arg.request_id))
                     continue
                 self._calls[arg.request_id] = arg
                 self._sock.send(arg.payload)
@@ -204,17 +222,36 @@ class Connection(threading.Thread):
                     log.warning("gateway %s: %s: %s", self.gateway, msg.code, msg.message)
             elif isinstance(msg, protocol.Ready):
                 self._ready = True
+                self._failed_opens = 0
                 self._gateway_interval_s = msg.heartbeat_interval_s
 
     def _tick(self) -> None:
         assert self._sock is not None
         now = time.monotonic()
-        limit = self.missed_heartbeats * (self._gateway_interval_s if self._ready else self.heartbeat_interval_s)
+        limit = self.missed_heartbeats * self._gateway_interval_s if self._ready else self.connect_timeout_s
         silent = now - (self._last_seen if self._ready else self._opened)
         if silent > limit:
+            self._failed_opens += not self._ready
+            if self._unreachable():
+                for request_id, call in list(self._calls.items()):
+                    del self._calls[request_id]
+                    call.sink.on_error(self._unavailable(request_id))
             self._failover(f"no answer for {silent:.1f} s")
         else:
             self._sock.send(protocol.encode(protocol.Heartbeat(sender_id=self.client_id)))
+
+    def _unreachable(self) -> bool:
+        attempts = self.connect_attempts
+        return attempts is not None and self._failed_opens >= attempts * len(self.gateways)
+
+    def _unavailable(self, request_id: str) -> GatewayUnavailableError:
+        tried = ", ".join(self.gateways)
+        return GatewayUnavailableError(
+            "unavailable",
+            f"no gateway answered at {tried} ({self.connect_attempts} attempts each, {self.connect_timeout_s:g} s "
+            "apiece): start one with `tokenwire gateway` (or `tokenwire up`), or point --gateway at a running one",
+            request_id,
+        )
 
     def _open_next(self) -> None:
         if self._sock is not None:
@@ -239,9 +276,10 @@ class Connection(threading.Thread):
         )
 
     def _failover(self, why: str) -> None:
-        lost = self.gateway
+        lost, was_ready = self.gateway, self._ready
         self._open_next()
-        log.warning("gateway %s lost (%s); now using %s", lost, why, self.gateway)
+        if was_ready:  # a gateway that never answered is reported once, by _unavailable
+            log.warning("gateway %s lost (%s); now using %s", lost, why, self.gateway)
         assert self._sock is not None
         for request_id, call in list(self._calls.items()):
             if call.started:

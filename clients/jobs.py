@@ -118,9 +118,10 @@ class JobQueue:
         return [job.job_id for job in records]
 
     def _job(self, spec: dict[str, Any]) -> Job:
-        if "prompt" not in spec:
-            raise ValueError(f"a job needs a 'prompt' (text or token ids); got keys {sorted(spec)}")
-        prompt = spec.pop("prompt")
+        if ("prompt" in spec) == ("messages" in spec):
+            raise ValueError(f"a job needs a 'prompt' (text or token ids) or chat 'messages'; got keys {sorted(spec)}")
+        prompt = spec.pop("prompt", None)
+        messages = spec.pop("messages", None)  # the gateway applies the model's chat template
         job_id = spec.pop("job_id", None) or uuid.uuid4().hex
         deadline_s = spec.pop("deadline_s", None)
         ttl = spec.pop("result_ttl_s", DEFAULT_RESULT_TTL_S)
@@ -131,7 +132,7 @@ class JobQueue:
         spec.pop("streaming", None)  # a job's result is stored whole
         now = time.time()
         return Job(
-            submit=to_submit(prompt, sampling_params(params, spec), request_id=job_id, model=model),
+            submit=to_submit(prompt, sampling_params(params, spec), request_id=job_id, model=model, messages=messages),
             deadline=None if deadline_s is None else now + deadline_s,
             submitted_at=now,
             result_ttl_s=ttl,
@@ -242,6 +243,28 @@ class JobQueue:
             consumers=int(group["consumers"]) if group else 0,
             done_per_s=sum(int(n) for n in done_at if n is not None) / _THROUGHPUT_WINDOW_S,
         )
+
+    def requeue_dead(self, count: int | None = None) -> list[str]:
+        """Queue dead-lettered jobs again (the oldest first, `count` of them or all),
+        fresh: no deliveries, no result. Returns their ids."""
+        entries = self.redis.xrange(self.keys.jobs_dead_letter(), count=count)
+        self._ensure_group()
+        now = str(time.time())
+        ids = []
+        for entry_id, f in entries:
+            job_id = f[b"job_id"].decode()
+            self.redis.delete(self.keys.job(job_id), self.keys.job_result(job_id))
+            self._scripts.submit(keys=[self.keys.job(job_id), self.keys.jobs(), self.keys.jobs_counters()],
+                                 args=[job_id, f[b"job"], now])  # fmt: skip
+            self.redis.xdel(self.keys.jobs_dead_letter(), entry_id)
+            ids.append(job_id)
+        return ids
+
+    def purge_dead(self) -> int:
+        """Drop every dead letter; how many there were."""
+        n = int(self.redis.xlen(self.keys.jobs_dead_letter()))
+        self.redis.delete(self.keys.jobs_dead_letter())
+        return n
 
     def dead_letters(self, count: int = 100) -> list[dict[str, str]]:
         """The most recent dead-lettered jobs: job_id, error, deliveries (newest first)."""

@@ -125,6 +125,7 @@ class Consumer:
             self.config.gateways,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             missed_heartbeats=self.config.missed_heartbeats,
+            connect_attempts=None,  # jobs wait for a gateway rather than spend their deliveries
         )
         log.info("consumer %s: gateways %s, redis %s", self.name, self.config.gateways, redact(self.config.redis_url))
         next_capacity = next_refresh = next_claim = 0.0

@@ -288,14 +288,15 @@ class LLM:
         return target
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render chat messages with the model's own template (Jinja, sandboxed)."""
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        """Render chat messages with the model's own template, as the gateway does
+        (protocol/chat_template.py); encode the text with add_special_tokens=False."""
+        from protocol.chat_template import render_chat
 
-        template = self.executor.chat_template
-        if template is None:
-            raise ValueError("this model has no chat template")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt)
+        cfg = self.executor.model_config
+        bos = None if cfg.bos_token_id is None else self.tokenizer.id_to_token(cfg.bos_token_id)
+        eos = self.tokenizer.id_to_token(cfg.eos_token_ids[0]) if cfg.eos_token_ids else None
+        return render_chat(self.executor.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=bos, eos_token=eos)  # fmt: skip
 
     def generate_async(self, prompt: Prompt, params: SamplingParams | None = None, /, streaming: bool = False,
                        sampling_config: SamplingParams | None = None, **options: Any) -> RequestHandle:  # fmt: skip

@@ -11,7 +11,7 @@ the same code.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import protocol
@@ -23,25 +23,30 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
 Prompt = str | Sequence[int]
+# Chat turns: dicts with "role" and "content", as OpenAI's API and chat templates take them.
+Messages = Sequence[Mapping[str, str]]
 
 
 def to_submit(
-    prompt: Prompt,
+    prompt: Prompt | None,
     params: SamplingParams,
     *,
     request_id: str | None = None,
     model: str | None = None,
     streaming: bool = False,
+    messages: Messages | None = None,
 ) -> protocol.Submit:
-    """A validated submit message (text or token ids); bad options raise pydantic's
-    ValidationError, a ValueError that names the field."""
+    """A validated submit message (text, token ids, or chat `messages` with prompt
+    None: the gateway applies the model's chat template); bad options raise
+    pydantic's ValidationError, a ValueError that names the field."""
     text = prompt if isinstance(prompt, str) else None
     return protocol.Submit.model_validate(
         {
             "request_id": request_id or uuid.uuid4().hex,
             "model": model,
             "prompt": text,
-            "input_token_ids": None if text is not None else list(prompt),
+            "input_token_ids": None if text is not None or prompt is None else list(prompt),
+            "messages": None if messages is None else [dict(m) for m in messages],
             "streaming": streaming,
             "stop": list(params.stop) or None,
             **params.request_fields(),
@@ -58,14 +63,16 @@ def encode_submit(msg: protocol.Submit) -> bytes:
     return data
 
 
-def submit_from_call(prompt: Prompt, params: SamplingParams | None, options: dict[str, Any]) -> protocol.Submit:
+def submit_from_call(prompt: Prompt | None, params: SamplingParams | None, options: dict[str, Any]) -> protocol.Submit:
     """The Submit for a call of `Client.submit` and its kin: `options` holds
-    `request_id`, `model` and `streaming`, and SamplingParams fields, which go over
-    `params` (a misspelt one raises TypeError)."""
+    `request_id`, `model`, `streaming` and `messages` (for a chat), and
+    SamplingParams fields, which go over `params` (a misspelt one raises TypeError)."""
     request_id = options.pop("request_id", None)
     model = options.pop("model", None)
     streaming = options.pop("streaming", False)
-    return to_submit(prompt, sampling_params(params, options), request_id=request_id, model=model, streaming=streaming)
+    messages = options.pop("messages", None)
+    return to_submit(prompt, sampling_params(params, options), request_id=request_id, model=model,
+                     streaming=streaming, messages=messages)  # fmt: skip
 
 
 class Accumulator:

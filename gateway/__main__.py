@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 
-from ops.config import add_config_options
+from ops.config import PORT, POSITIVE_FLOAT, POSITIVE_INT, add_config_options
 from ops.secrets import add_redis_password_option
 
 DEFAULT_BIND = "tcp://127.0.0.1:5550"
@@ -19,23 +20,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_redis_password_option(p)
     p.add_argument("--redis-prefix", default="tokenwire")
     p.add_argument("--gateway-id", default="", help="id workers know this gateway by (default gw-host-pid)")
-    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
-    p.add_argument("--missed-heartbeats", type=int, default=3, help="silent intervals before a peer is gone")
-    p.add_argument("--max-inflight", type=int, default=4096, help="requests in flight, whole gateway")
-    p.add_argument("--max-inflight-per-client", type=int, default=1024)
-    p.add_argument("--no-worker-timeout", type=float, default=10.0, help="seconds a request waits for a worker")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
+    p.add_argument("--heartbeat-interval", type=POSITIVE_FLOAT, default=1.0, help="seconds")
+    p.add_argument("--missed-heartbeats", type=POSITIVE_INT, default=3, help="silent intervals before a peer is gone")
+    p.add_argument("--max-inflight", type=POSITIVE_INT, default=4096, help="requests in flight, whole gateway")
+    p.add_argument("--max-inflight-per-client", type=POSITIVE_INT, default=1024)
+    p.add_argument(
+        "--no-worker-timeout", type=POSITIVE_FLOAT, default=10.0, help="seconds a request waits for a worker"
+    )
+    p.add_argument("--drain-timeout", type=POSITIVE_FLOAT, default=30.0,
                    help="after SIGTERM, seconds the requests in flight may take (a second SIGTERM: none)")
     p.add_argument("--tokenizer-sha256", action="append", default=[], metavar="MODEL=SHA256",
                    help="refuse workers of MODEL whose tokenizer.json has another SHA-256 (repeatable)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="one event a line: text or JSON")
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
+    p.add_argument("--metrics-port", type=PORT, default=0, help="serve Prometheus /metrics on this port (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics listens on")
+    p.add_argument(
+        "--http-port", type=PORT, default=0, help="serve the OpenAI-compatible HTTP API on this port (0: off)"
+    )
+    p.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API listens on")
     add_config_options(p, "gateway")
 
 
 def run(args: argparse.Namespace) -> int:
+    import zmq
+
     from gateway.server import Gateway, GatewayConfig
     from ops.config import apply_config
     from ops.logs import setup_logging
@@ -47,28 +56,41 @@ def run(args: argparse.Namespace) -> int:
     args.redis = redis_url(args.redis, DEFAULT_REDIS, args.redis_password_file)
     setup_logging("gateway", args.log_level, args.log_format)
     exit_on_thread_crash()
-    gw = Gateway(
-        GatewayConfig(
-            bind=args.bind,
-            redis_url=args.redis,
-            gateway_id=args.gateway_id,
-            redis_prefix=args.redis_prefix,
-            heartbeat_interval_s=args.heartbeat_interval,
-            missed_heartbeats=args.missed_heartbeats,
-            max_inflight=args.max_inflight,
-            max_inflight_per_client=args.max_inflight_per_client,
-            no_worker_timeout_s=args.no_worker_timeout,
-            drain_timeout_s=args.drain_timeout,
-            tokenizer_sha256=dict(pin.split("=", 1) for pin in args.tokenizer_sha256),
+    try:  # every socket bound before serving: a port in use is one line and exit status 1
+        gw = Gateway(
+            GatewayConfig(
+                bind=args.bind,
+                redis_url=args.redis,
+                gateway_id=args.gateway_id,
+                redis_prefix=args.redis_prefix,
+                heartbeat_interval_s=args.heartbeat_interval,
+                missed_heartbeats=args.missed_heartbeats,
+                max_inflight=args.max_inflight,
+                max_inflight_per_client=args.max_inflight_per_client,
+                no_worker_timeout_s=args.no_worker_timeout,
+                drain_timeout_s=args.drain_timeout,
+                tokenizer_sha256=dict(pin.split("=", 1) for pin in args.tokenizer_sha256),
+            )
         )
-    )
+        http = None
+        if args.http_port:
+            from gateway.http_front import HttpFront  # Starlette and uvicorn load only for it
+
+            http = HttpFront(gw, args.http_host, args.http_port)
+        if args.metrics_port:
+            gw.metrics.serve(args.metrics_host, args.metrics_port)
+    except (zmq.ZMQError, OSError) as e:
+        logging.getLogger("gateway").critical("cannot listen: %s (is another gateway running on that port?)", e)
+        return 1
     gw.notifier = Notifier()
-    if args.metrics_port:
-        gw.metrics.serve(args.metrics_host, args.metrics_port)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: gw.request_drain())
     settle_gc()
+    if http is not None:
+        http.start()
     gw.serve()
+    if http is not None:
+        http.stop()
     return 0
 
 

@@ -45,6 +45,9 @@ class Discovery(threading.Thread):
             except redis.RedisError as e:
                 if self.connected:
                     log.warning("redis: lost (%s); keeping the workers already connected", e)
+                else:  # repeated, as the retries back off: a gateway that never reached Redis finds no worker
+                    log.warning("redis: cannot reach it (%s); no worker can be discovered; retrying in %.1f s", e,
+                                backoff)  # fmt: skip
                 self.connected = False
                 self.stop.wait(backoff)
                 backoff = min(_MAX_BACKOFF_S, backoff * 2)

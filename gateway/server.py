@@ -32,11 +32,14 @@ from gateway.workers import WorkerLink, least_loaded
 from ops.metrics import GatewayMetrics, outcome
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
+from protocol.chat_template import ChatTemplateError
 from protocol.limits import socket_turn
 from protocol.text import OutputStream
 
 log = logging.getLogger(__name__)
 
+# Where in-process clients (the HTTP front, gateway/http_front.py) reach the ROUTER.
+INPROC_ENDPOINT = "inproc://gateway-clients"
 # How often one request may be handed to a new worker after its worker was lost.
 _MAX_DISPATCHES = 3
 
@@ -95,6 +98,7 @@ class Gateway:
         self.frontend.setsockopt(zmq.LINGER, 0)
         self.frontend.bind(config.bind)
         self.address = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.frontend.bind(INPROC_ENDPOINT)
         self.gateway_id = config.gateway_id or f"gw-{socket.gethostname()}-{os.getpid()}"
         self.tokenizers = Tokenizers(config.tokenizer_sha256)
         self.stop = threading.Event()
@@ -306,7 +310,7 @@ class Gateway:
         if model is not None and ready and not any(model in w.models for w in ready):
             served = sorted({m for w in ready for m in w.models})
             return refuse(ErrorCode.UNKNOWN_MODEL, f"no worker serves model {model!r}; served: {served}")
-        if model is None and msg.prompt is not None:
+        if model is None and msg.input_token_ids is None:
             # Text is tokenized for one model: the one most ready workers serve. With none
             # ready yet, the first worker to take the request settles it.
             names = [m for w in ready for m in w.models[:1]]
@@ -331,6 +335,7 @@ class Gateway:
         req = state.requests.get(request_id)
         if req is None:
             return  # finished already: nothing to do
+        self.metrics.client_cancelled("cancel")
         if req.worker is not None:
             req.worker.socket.send(protocol.encode(protocol.Cancel(request_id=req.wire_id)))
         else:  # still waiting for a worker: end it here
@@ -348,14 +353,20 @@ class Gateway:
             return
         req.model = req.model or (link.models[0] if link.models else None)
         tokenizer = self.tokenizers.get(req.model) if req.model is not None else None
-        prompt = req.submit.prompt
-        problem = None if prompt is None else self._tokenize(req, prompt, tokenizer, link)
+        prompt, messages = req.submit.prompt, req.submit.messages
+        try:  # a chat's text is the template's, special tokens and all
+            prompt = self.tokenizers.render_chat(req.model, [m.model_dump() for m in messages]) if messages else prompt
+        except ChatTemplateError as e:
+            return self._fail(req, ErrorCode.INVALID_REQUEST, str(e))
+        problem = None if prompt is None else self._tokenize(req, prompt, tokenizer, link, not messages)
         problem = problem or self._check_fits(req.submit, link)
         if problem:
             self._fail(req, ErrorCode.INVALID_REQUEST, problem)
             return
         req.stream.tokenizer = req.stream.tokenizer or tokenizer
         req.worker = link
+        if not req.dispatches:
+            self.metrics.dispatched(time.monotonic() - req.created)
         req.dispatches += 1
         link.requests.add(req.wire_id)
         link.sent_since_load += 1
@@ -364,8 +375,9 @@ class Gateway:
         update = {"request_id": req.wire_id, "client_request_id": named, "model": req.model, "stop": None}
         link.socket.send(protocol.encode(req.submit.model_copy(update=update), self.limits))
 
-    def _tokenize(self, req: _Request, prompt: str, tokenizer: Tokenizer | None, link: WorkerLink) -> str | None:
-        """Replace the text prompt by its token ids; what is wrong, or None."""
+    def _tokenize(self, req: _Request, prompt: str, tokenizer: Tokenizer | None, link: WorkerLink,
+                  add_special_tokens: bool) -> str | None:
+        """Replace the text prompt (or messages) by its token ids; what is wrong, or None."""
         if tokenizer is None or req.model is None:
             return f"no tokenizer for model {req.model!r} (its worker sent none): send input_token_ids"
         # Tokenizing runs on the socket loop: a prompt that cannot fit the context is refused
@@ -375,10 +387,10 @@ class Gateway:
                 f"the prompt ({len(prompt)} characters) is longer than any text the model's context of "
                 f"{link.max_seq_len} tokens can hold"
             )
-        ids = tokenizer.encode(prompt).ids
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
         if not ids:
             return "the prompt encodes to no tokens"
-        req.submit = req.submit.model_copy(update={"prompt": None, "input_token_ids": ids})
+        req.submit = req.submit.model_copy(update={"prompt": None, "messages": None, "input_token_ids": ids})
         return None
 
     @staticmethod
@@ -492,6 +504,8 @@ class Gateway:
                 link.vocab_size = msg.vocab_size
                 link.max_seq_len = msg.max_seq_len
                 link.update_load(msg.load)
+                for model in msg.models:
+                    self.tokenizers.add_chat(model, msg)
                 log.info("worker %s ready: %s", link.worker_id, msg.models)
 
     def _results(self, link: WorkerLink, batch: protocol.ResultBatch) -> None:
@@ -668,6 +682,7 @@ class Gateway:
         if state.requests:
             log.info("client %s silent: cancelling its %d requests", client.hex(), len(state.requests))
         for req in list(state.requests.values()):
+            self.metrics.client_cancelled("gone")
             if req.worker is not None:
                 self._cancel_at_worker(req, req.worker)
             self.metrics.ended(req, None)

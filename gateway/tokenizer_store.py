@@ -1,5 +1,5 @@
-"""Tokenizers by model name, as the workers serving each model sent them in their
-Ready: a gateway needs no checkpoint files of its own.
+"""Tokenizers and chat templates by model name, as the workers serving each model
+sent them in their Ready: a gateway needs no checkpoint files of its own.
 
 The first tokenizer held for a model (or the SHA-256 pinned for it in config) is
 the model's: a worker sending a different one is refused, so no worker, however it
@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from tokenizers import Tokenizer
+
+import protocol
+from protocol.chat_template import ChatTemplateError, render_chat
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +26,7 @@ class Tokenizers:
         self._by_name: dict[str, Tokenizer] = {}
         self._longest: dict[str, int] = {}  # bytes of each model's longest token
         self._digests: dict[str, str] = {name: digest.lower() for name, digest in (pinned or {}).items()}
+        self._chat: dict[str, protocol.Ready] = {}  # the Ready that brought the model's chat template
 
     def add(self, model: str, tokenizer_json: bytes, sender: str = "a worker") -> bool:
         """Keep `model`'s tokenizer (parsed once, however many workers send the same
@@ -54,3 +59,15 @@ class Tokenizers:
         """Whether `text` surely encodes to more than `max_tokens` tokens, told without
         encoding it: no token stands for more characters than its vocabulary string has bytes."""
         return len(text) > max_tokens * self._longest.get(model, len(text))
+
+    def add_chat(self, model: str, ready: protocol.Ready) -> None:
+        """Keep the chat template (and its special tokens) of a worker's Ready."""
+        if ready.chat_template is not None:
+            self._chat[model] = ready
+
+    def render_chat(self, model: str | None, messages: Iterable[Mapping[str, Any]]) -> str:
+        """`messages` as `model`'s prompt text; ChatTemplateError if it cannot be made."""
+        ready = self._chat.get(model) if model is not None else None
+        if ready is None:
+            raise ChatTemplateError(f"model {model!r} has no chat template (its worker sent none): send a prompt")
+        return render_chat(ready.chat_template, messages, bos_token=ready.bos_token, eos_token=ready.eos_token)

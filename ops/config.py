@@ -4,7 +4,9 @@ those give, naming the bad key and where it came from.
 
 The options are the process's own argparse parser (one definition, no second
 list to keep in step): `add_config_options(parser, section)` goes last in its
-`add_arguments`, and `apply_config(args)` first in its `run`. Precedence:
+`add_arguments`, and `apply_config(args)` first in its `run`. An option's range
+is a pydantic field constraint carried by its argparse type (`Bounded`, e.g.
+POSITIVE_INT), checked for every source, the command line included. Precedence:
 command line > TOKENWIRE_<SECTION>_<OPTION> > the file's [<section>] table >
 the parser's default. The file is --config FILE or $TOKENWIRE_CONFIG; one file
 holds a table per process kind ([worker], [gateway], [jobs_consumer]).
@@ -17,9 +19,9 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 CONFIG_ENV = "TOKENWIRE_CONFIG"
 SECTIONS = ("worker", "gateway", "jobs_consumer")
@@ -29,6 +31,25 @@ _SKIP = {"help", "version", "config"}
 
 class ConfigError(ValueError):
     """Bad configuration; the text names each bad key and its source."""
+
+
+class Bounded:
+    """An argparse `type` with pydantic field constraints: argparse only converts
+    the text; the settings model checks the range, whichever source gave the value."""
+
+    def __init__(self, base: type, **constraints: Any) -> None:
+        self.base = base
+        self.annotation: Any = Annotated[base, Field(**constraints)]
+        self.__name__ = base.__name__  # argparse names the type in its conversion errors
+
+    def __call__(self, text: str) -> Any:
+        return self.base(text)
+
+
+POSITIVE_INT = Bounded(int, ge=1)
+POSITIVE_FLOAT = Bounded(float, gt=0.0)
+NON_NEGATIVE_FLOAT = Bounded(float, ge=0.0)
+PORT = Bounded(int, ge=0, le=65535)  # 0: off
 
 
 def env_name(section: str, key: str) -> str:
@@ -60,9 +81,13 @@ def apply_config(args: argparse.Namespace) -> None:
     path = args.config or os.environ.get(CONFIG_ENV)
     try:
         values, sources = _gather(model, section, Path(path) if path else None, os.environ)
+        for key in given & set(model.model_fields):  # the command line's values: their ranges too
+            values[key] = getattr(args, key)
+            sources[key] = "--" + key.replace("_", "-")
         settings = _validate(model, values, sources)
     except ConfigError as e:
-        raise SystemExit(f"tokenwire {section.replace('_', ' ')}: bad configuration\n{e}") from None
+        sep = "\n" if "\n" in str(e) else " "  # one problem: one line
+        raise SystemExit(f"tokenwire {section.replace('_', ' ')}: bad configuration:{sep}{e}") from None
     for key in values:
         if key not in given:
             setattr(args, key, getattr(settings, key))
@@ -104,7 +129,8 @@ def settings_model(parser: argparse.ArgumentParser, section: str) -> type[BaseMo
 def _field_type(action: argparse.Action) -> Any:
     if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
         return bool
-    base: Any = action.type if isinstance(action.type, type) else str
+    base: Any = action.type.annotation if isinstance(action.type, Bounded) else action.type
+    base = base if isinstance(action.type, Bounded | type) else str
     if action.choices is not None:
         base = Literal[tuple(action.choices)]
     if isinstance(action, argparse._AppendAction) or action.nargs in ("*", "+"):

@@ -1,8 +1,11 @@
 """Prometheus metrics of a worker and of a gateway, each in its own registry,
-served on /metrics by prometheus-client's HTTP server (its own thread).
+served on /metrics by prometheus-client's HTTP server (its own thread), and by
+the gateway's HTTP front.
 
 Counters and histograms are updated where the events happen (cheap, any thread);
-gauges read the process's state when scraped.
+gauges read the process's state when scraped. No gauge computes a rate: that is
+`rate()` over the counters, in whatever window the reader wants. Requests are
+counted by `model` and outcome.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ import functools
 import threading
 import time
 from bisect import bisect_left
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
@@ -22,7 +24,7 @@ import protocol
 # Seconds. TTFT spans a queue wait and a prefill; inter-token latency is one decoding step.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
-RATE_WINDOW_S = 10.0
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
 def outcome(response: protocol.Response) -> str:
@@ -71,16 +73,16 @@ class BatchHistogram:
 
 class _Streams:
     """Per-request timing: TTFT from when it arrived, inter-token latency per chunk
-    (the gap since the previous chunk over the tokens in it), tokens/s over a window."""
+    (the gap since the previous chunk over the tokens in it), end to end."""
 
-    def __init__(self, ttft: BatchHistogram, itl: BatchHistogram, tokens: Counter) -> None:
+    def __init__(self, ttft: BatchHistogram, itl: BatchHistogram, e2e: BatchHistogram, tokens: Counter) -> None:
         self._ttft = ttft
         self._itl = itl
+        self._e2e = e2e
         self._tokens = tokens
         self._lock = threading.Lock()
         self._started: dict[object, float] = {}
         self._last: dict[object, float] = {}
-        self._window: deque[tuple[float, int]] = deque()
 
     def start(self, key: object, at: float | None = None) -> None:
         with self._lock:
@@ -104,8 +106,6 @@ class _Streams:
                     gaps.append((now - last) / n)
                 elif (started := self._started.get(key)) is not None:
                     firsts.append(now - started)
-            if total:
-                self._window.append((now, total))
         if total:
             self._tokens.inc(total)
         if gaps:
@@ -113,17 +113,12 @@ class _Streams:
         if firsts:
             self._ttft.observe(firsts)
 
-    def end(self, key: object) -> None:
+    def end(self, key: object, observe: bool = True) -> None:
         with self._lock:
-            self._started.pop(key, None)
+            started = self._started.pop(key, None)
             self._last.pop(key, None)
-
-    def tokens_per_s(self) -> float:
-        now = time.monotonic()
-        with self._lock:
-            while self._window and self._window[0][0] < now - RATE_WINDOW_S:
-                self._window.popleft()
-            return sum(n for _, n in self._window) / RATE_WINDOW_S
+        if observe and started is not None:
+            self._e2e.observe([time.monotonic() - started])
 
 
 class _Metrics:
@@ -131,15 +126,17 @@ class _Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         p = f"tokenwire_{role}"
-        self.requests = Counter(f"{p}_requests", "Requests that ended, by outcome", ["outcome"], registry=r)
+        self.model = ""  # the worker's model: its requests' `model` label
+        self.requests = Counter(f"{p}_requests", "Requests that ended, by model and outcome", ["model", "outcome"],
+                                registry=r)  # fmt: skip
         self.generated_tokens = Counter(f"{p}_generated_tokens", "Output tokens streamed", registry=r)
         self.ttft = BatchHistogram(f"{p}_time_to_first_token_seconds", "From a request's arrival to its first token",
                                    TTFT_BUCKETS, r)
         self.itl = BatchHistogram(f"{p}_inter_token_latency_seconds", "Gap between a stream's chunks, per token",
                                   ITL_BUCKETS, r)
-        self.streams = _Streams(self.ttft, self.itl, self.generated_tokens)
-        Gauge(f"{p}_tokens_per_second", f"Output tokens/s over the last {RATE_WINDOW_S:g} s",
-              registry=r).set_function(self.streams.tokens_per_s)
+        self.e2e = BatchHistogram(f"{p}_e2e_request_latency_seconds", "From a request's arrival to its end",
+                                  E2E_BUCKETS, r)
+        self.streams = _Streams(self.ttft, self.itl, self.e2e, self.generated_tokens)
         self.redis_connected = Gauge(f"{p}_redis_connected", "1 while Redis answers", registry=r)
         self._server: object = None
 
@@ -187,18 +184,26 @@ class WorkerMetrics(_Metrics):
         self.streams.start(key, received_at)
 
     def finished(self, key: object, how: str) -> None:
-        self.requests.labels(how).inc()
+        self.requests.labels(self.model, how).inc()
         self.streams.end(key)
 
     def speculated(self, drafted: int, accepted: int) -> None:
         if drafted:
             self.draft_tokens.inc(drafted)
             self.accepted_draft_tokens.inc(accepted)
+    def rejected(self) -> None:
+        """A request refused before it started (draining, a bad submit)."""
+        self.requests.labels(self.model, "rejected").inc()
 
 
 class GatewayMetrics(_Metrics):
     def __init__(self) -> None:
         super().__init__("gateway")
+        self.queue_time = BatchHistogram("tokenwire_gateway_queue_time_seconds",
+                                         "From a request's arrival to its dispatch to a worker", TTFT_BUCKETS,
+                                         self.registry)  # fmt: skip
+        self.client_cancels = Counter("tokenwire_gateway_client_cancels", "Requests their clients stopped, by how",
+                                      ["how"], registry=self.registry)  # fmt: skip
 
     def watch(
         self,
@@ -219,11 +224,18 @@ class GatewayMetrics(_Metrics):
     def accepted(self, key: object) -> None:
         self.streams.start(key)
 
+    def dispatched(self, waited_s: float) -> None:
+        self.queue_time.observe([waited_s])
+
+    def client_cancelled(self, how: str) -> None:
+        """A client stopped a request: "cancel" (it said so) or "gone" (it went silent)."""
+        self.client_cancels.labels(how).inc()
+
     def ended(self, key: object, how: str | None) -> None:
         """A request's last message went out: `how` it ended (completed, cancelled,
         error, error_<code>); None: it ended unseen (its client went away). key None:
-        refused before it was accepted."""
+        refused before it was accepted. A key with a `model` names its model."""
         if how is not None:
-            self.requests.labels(how).inc()
+            self.requests.labels(getattr(key, "model", None) or "", how).inc()
         if key is not None:
-            self.streams.end(key)
+            self.streams.end(key, how is not None)

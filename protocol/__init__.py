@@ -8,7 +8,7 @@ from protocol.errors import ProtocolError
 from protocol.keys import CANCEL_TTL_S, DEFAULT_PREFIX, Keys
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.records import IterationStats, RequestStats, WorkerInfo, WorkerLoad
-from protocol.request import GuidedDecodingParams, OutputConfig, SamplingConfig, SpeculativeConfig, Submit
+from protocol.request import ChatMessage, GuidedDecodingParams, OutputConfig, SamplingConfig, SpeculativeConfig, Submit
 from protocol.results import FinishReason, Logits, Response, Result, ResultBatch, StreamedTokens
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "KINDS",
     "VERSION",
     "Cancel",
+    "ChatMessage",
     "Drain",
     "ErrorCode",
     "ErrorReply",

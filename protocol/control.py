@@ -77,6 +77,11 @@ class Ready(Message):
     # How the worker's model is quantized ("compressed-tensors fp8 (...)", "int4 (quantized
     # on load, int4 RTN)", ...); None: float weights.
     quantization: str | None = None
+    # Its chat template (Jinja, as Hugging Face's tokenizer_config.json holds it) and the
+    # special tokens templates name: a gateway renders chat messages with them.
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
 
 
 class Drain(Message):

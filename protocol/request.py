@@ -62,9 +62,17 @@ class SpeculativeConfig(WireModel):
     min_ngram: int = Field(1, ge=1)
 
 
+class ChatMessage(WireModel):
+    """One turn of a chat, as OpenAI's and Hugging Face's chat templates take it."""
+
+    role: Name
+    content: str
+
+
 class Submit(Message):
-    """Start one request. Exactly one of `prompt` (the gateway tokenizes it) and
-    `input_token_ids` is given."""
+    """Start one request. Exactly one of `prompt` (the gateway tokenizes it),
+    `messages` (the gateway renders them with the model's chat template, then
+    tokenizes) and `input_token_ids` is given."""
 
     kind: ClassVar[str] = "submit"
 
@@ -72,6 +80,7 @@ class Submit(Message):
     model: Name | None = None  # None: the service's default model
     prompt: str | None = Field(None, min_length=1)
     input_token_ids: TokenIds | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     max_tokens: int = Field(ge=1)
     streaming: bool = False
     sampling_config: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -98,8 +107,9 @@ class Submit(Message):
 
     @model_validator(mode="after")
     def _check(self) -> Self:
-        if (self.prompt is None) == (self.input_token_ids is None):
-            raise ValueError("exactly one of prompt and input_token_ids must be given")
+        given = (self.prompt is not None) + (self.input_token_ids is not None) + (self.messages is not None)
+        if given != 1:
+            raise ValueError("exactly one of prompt, messages and input_token_ids must be given")
         beams = self.sampling_config.beam_width
         if beams > 1 and self.num_return_sequences > beams:
             raise ValueError(

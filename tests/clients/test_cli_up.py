@@ -1,5 +1,6 @@
-"""`tokenwire up` (what `make run` runs): a worker and a gateway as child processes, a
-streamed demo, then serving requests until Ctrl-C, which stops every child."""
+"""`tokenwire up` (what `make run` runs): a worker, a gateway with its HTTP front and a
+job consumer as child processes, a streamed chat demo not mixed with their logs,
+then serving requests (ZeroMQ, HTTP, jobs) until Ctrl-C, which stops every child."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 from clients.client import Client
+from clients.jobs import JobQueue, JobStatus
 from tests.procs import REPO, free_port
 
 
@@ -46,6 +49,7 @@ def _read_until(lines: queue.Queue[str], marker: str, timeout: float) -> str:
 
 def _bindable(port: int) -> bool:
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT does not count
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -54,18 +58,27 @@ def _bindable(port: int) -> bool:
 
 
 def test_up_runs_a_demo_serves_and_stops_on_ctrl_c(service_model: Path, redis_url: str) -> None:
-    ports = [free_port(), free_port()]
+    ports = [free_port(), free_port(), free_port()]
     gateway = f"tcp://127.0.0.1:{ports[0]}"
     args = [sys.executable, "-m", "clients.cli", "up", "--model", str(service_model), "--redis", redis_url,
-            "--gateway-bind", gateway, "--worker-bind", f"tcp://127.0.0.1:{ports[1]}",
+            "--gateway-bind", gateway, "--worker-bind", f"tcp://127.0.0.1:{ports[1]}", "--http-port", str(ports[2]),
             "--backend", "numpy", "--max-tokens", "6"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = _lines(proc)
         out = _read_until(lines, "serving;", timeout=90)
         assert "tokenwire is up" in out
         assert re.search(r"\[[1-6] tokens in [0-9.]+ s, first token after \d+ ms\]", out), out
+        assert " INFO " not in out, "the children's logs go to files, not between the demo's text"
+
+        # Up means every child listens: HTTP answers healthy, a consumer runs jobs.
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports[2]}/health", timeout=5) as r:
+            assert r.status == 200
+        with JobQueue(redis_url) as q:
+            job = q.submit("The quick brown fox", max_tokens=3, temperature=0.0)
+            assert q.result(job, timeout=30).status == JobStatus.DONE
 
         # The gateway got its tokenizer from the worker: text prompts work.
         with Client([gateway]) as client:

@@ -190,7 +190,10 @@ def test_cli_submit_status_result_cancel(redis_url: str, capsys: pytest.CaptureF
     ("line", "match"),
     [
         ("not json", "prompts.jsonl:2: not JSON"),
-        ('{"max_tokens": 3}', 'prompts.jsonl:2: each line must be an object with a "prompt"'),
+        ('{"max_tokens": 3}', 'prompts.jsonl:2: each line needs a "prompt" or chat "messages"'),
+        ('{"custom_id": "a", "body": {"max_tokens": 3}}', 'prompts.jsonl:2: each line needs a "prompt"'),
+        ('{"custom_id": "a", "body": {"messages": [], "colour": 1}}', "prompts.jsonl:2: unknown fields ['colour']"),
+        ("[1, 2]", "prompts.jsonl:2: each line must be a JSON object"),
         ('{"prompt": "x", "colour": "red"}', "prompts.jsonl:2: unknown fields ['colour']"),
         ('{"prompt": "x", "max_tokens": -1}', "max_tokens"),
     ],
@@ -204,3 +207,55 @@ def test_cli_run_refuses_a_bad_file(
     assert cli(["jobs", "run", str(prompts), "--out", str(out), "--redis", redis_url]) == 1
     assert match in capsys.readouterr().err
     assert redis.Redis.from_url(redis_url).exists("tokenwire:jobs") == 0
+
+
+def test_job_spec_reads_openai_batch_lines_and_our_own():
+    from clients.cli_jobs import job_spec
+
+    line = {"custom_id": "q-1", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5,
+                     "n": 2, "stop": "x", "stream": False, "temperature": 0}}  # fmt: skip
+    assert job_spec(line) == ("q-1", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": 5, "num_return_sequences": 2, "stop": ["x"],
+                                      "temperature": 0})  # fmt: skip
+    assert job_spec({"prompt": "x", "max_tokens": 3}) == (None, {"prompt": "x", "max_tokens": 3})
+    assert job_spec({"custom_id": 7, "prompt": "x"}) == ("7", {"prompt": "x"})
+
+
+def test_a_chat_job_carries_its_messages(redis_url: str):
+    with JobQueue(redis_url) as q:
+        (job_id,) = q.submit_many([{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}])
+        blob = redis.Redis.from_url(redis_url).hget(f"tokenwire:job:{job_id}", "job")
+        job = unpack_job(blob)  # type: ignore[arg-type]
+        assert job.submit.messages is not None and job.submit.messages[0].content == "hi"
+        assert job.submit.prompt is None and job.submit.input_token_ids is None
+
+
+def test_cli_run_clean_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    missing = tmp_path / "missing.jsonl"
+    assert cli(["jobs", "run", str(missing), "--out", str(tmp_path / "o"), "--redis", "redis://127.0.0.1:1/0"]) == 1
+    assert capsys.readouterr().err.startswith(f"error: cannot read {missing}")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    assert cli(["jobs", "run", str(prompts), "--out", str(tmp_path / "o"), "--redis", "redis://127.0.0.1:1/0"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: could not reach Redis at redis://127.0.0.1:1/0") and err.count("\n") == 1
+
+
+def test_requeue_and_purge_dead_letters(redis_url: str, capsys: pytest.CaptureFixture[str]):
+    r = redis.Redis.from_url(redis_url)
+    with JobQueue(redis_url) as q:
+        ids = q.submit_many([{"prompt": f"p{i}", "job_id": f"dead-{i}", "max_tokens": 2} for i in range(3)])
+        for job_id in ids:  # as the consumer dead-letters a job
+            blob = r.hget(f"tokenwire:job:{job_id}", "job")
+            assert isinstance(blob, bytes)
+            r.hset(f"tokenwire:job:{job_id}", "status", "dead")
+            r.xadd("tokenwire:jobs:dead", {"job_id": job_id, "error": "boom", "deliveries": 5, "job": blob})
+        assert cli(["jobs", "requeue", "--count", "2", "--redis", redis_url]) == 0
+        assert "requeued 2" in capsys.readouterr().out
+        assert q.status("dead-0") == JobStatus.QUEUED and q.status("dead-1") == JobStatus.QUEUED
+        assert q.status("dead-2") == JobStatus.DEAD
+        assert [d["job_id"] for d in q.dead_letters()] == ["dead-2"]
+        assert cli(["jobs", "purge", "--redis", redis_url]) == 0
+        assert "purged 1" in capsys.readouterr().out
+        assert q.dead_letters() == []

@@ -62,6 +62,7 @@ NOT_OPTIONS = {
     "request_id",  # chosen per call (Client.submit's request_id, a job's id)
     "model",  # Client.submit's and JobQueue.submit's model
     "prompt",
+    "messages",  # a chat's turns, in place of the prompt (Client.chat)
     "input_token_ids",
     "streaming",  # how the output is delivered: Client.stream, LLM.generate_async(streaming=True)
     "client_id",  # a transport tag

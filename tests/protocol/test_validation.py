@@ -71,8 +71,8 @@ def test_submit_field_rules(fields: dict[str, Any], where: str, rule: str):
 @pytest.mark.parametrize(
     ("fields", "rule"),
     [
-        ({"prompt": None}, "exactly one of prompt and input_token_ids"),
-        ({"input_token_ids": b"\x01\x00\x00\x00"}, "exactly one of prompt and input_token_ids"),
+        ({"prompt": None}, "exactly one of prompt, messages and input_token_ids"),
+        ({"input_token_ids": b"\x01\x00\x00\x00"}, "exactly one of prompt, messages and input_token_ids"),
         ({"sampling_config": {"beam_width": 2}, "num_return_sequences": 3}, "must not exceed"),
         ({"guided_decoding_params": {"guide_type": "regex"}}, "needs a non-empty guide"),
     ],

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ops.config import add_config_options
+from ops.config import NON_NEGATIVE_FLOAT, PORT, POSITIVE_FLOAT, POSITIVE_INT, add_config_options
 from ops.secrets import add_redis_password_option, redis_url
 
 if TYPE_CHECKING:
@@ -54,10 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "activations) or int4 (group-wise round-to-nearest W4A16, not AWQ); quantized checkpoints "
         "(compressed-tensors, AWQ) need no flag",
     )
-    p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--max-num-tokens", type=int, default=2048)
-    p.add_argument("--max-beam-width", type=int, default=4, help="widest beam search accepted")
-    p.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
+    p.add_argument("--max-batch-size", type=POSITIVE_INT, default=64)
+    p.add_argument("--max-num-tokens", type=POSITIVE_INT, default=2048)
+    p.add_argument("--max-beam-width", type=POSITIVE_INT, default=4, help="widest beam search accepted")
+    p.add_argument("--kv-tokens", type=POSITIVE_INT, default=None, help="KV cache size in tokens (default: by memory)")
     p.add_argument(
         "--logits-post-processor",
         action="append",
@@ -74,25 +74,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=4, help="tokens proposed per speculative step")
     p.add_argument("--draft-model", default=None, metavar="DIR",
                    help="draft model (checkpoint directory or .gguf) sharing the model's tokenizer")
-    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
+    p.add_argument("--heartbeat-interval", type=POSITIVE_FLOAT, default=1.0, help="seconds")
     p.add_argument(
         "--missed-heartbeats",
-        type=int,
+        type=POSITIVE_INT,
         default=3,
         help="a gateway silent for this many of its intervals is gone and its requests aborted",
     )
-    p.add_argument("--cancel-poll-interval", type=float, default=0.25, help="seconds between Redis cancel polls")
-    p.add_argument("--stats-stream-maxlen", type=int, default=1000, help="iteration stats kept in Redis")
-    p.add_argument("--request-stats-ttl", type=float, default=3600.0, help="seconds a request's stats live")
+    p.add_argument("--cancel-poll-interval", type=POSITIVE_FLOAT, default=0.25, help="seconds per Redis cancel poll")
+    p.add_argument("--stats-stream-maxlen", type=POSITIVE_INT, default=1000, help="iteration stats kept in Redis")
+    p.add_argument("--request-stats-ttl", type=POSITIVE_FLOAT, default=3600.0, help="seconds a request's stats live")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="one event a line: text or JSON")
     p.add_argument(
         "--drain-timeout",
-        type=float,
+        type=NON_NEGATIVE_FLOAT,
         default=60.0,
         help="seconds in-flight requests get to finish after SIGTERM; a second SIGTERM ends them at once",
     )
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
+    p.add_argument("--metrics-port", type=PORT, default=0, help="serve Prometheus /metrics on this port (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics listens on")
     # Makes the executor loop hang after this many seconds, so tests see the watchdog pings stop.
     p.add_argument("--test-hang-loop-after", type=float, default=None, help=argparse.SUPPRESS)
@@ -120,6 +120,30 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     return SpeculativeConfig(DraftSource(source), args.num_draft_tokens)
 
 
+def ports_in_use(args: argparse.Namespace) -> str | None:
+    """What of the worker's addresses cannot be bound, checked before the model loads
+    (minutes, on a GPU) so a port in use is reported at once."""
+    import socket
+
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        sock.bind(args.bind)
+    except zmq.ZMQError as e:
+        return f"cannot listen at {args.bind}: {e.strerror} (is another worker running there? see --bind)"
+    finally:
+        sock.close(0)
+        ctx.term()
+    if args.metrics_port:
+        try:
+            socket.create_server((args.metrics_host, args.metrics_port)).close()
+        except OSError as e:
+            return f"cannot serve /metrics at {args.metrics_host}:{args.metrics_port}: {e.strerror}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from ops.config import apply_config
     from ops.logs import setup_logging
@@ -133,6 +157,10 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("worker", args.log_level, args.log_format)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     exit_on_thread_crash()
+    problem = ports_in_use(args)
+    if problem:
+        logging.getLogger(__name__).critical("%s", problem)
+        return 1
     notifier = Notifier()
     notifier.status(f"loading {args.model}")
     engine_config = EngineConfig(
@@ -178,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
             ),
             notifier,
         )
+        service.metrics.model = service.config.model_name
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: service.request_drain())
         settle_gc()

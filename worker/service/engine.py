@@ -88,6 +88,10 @@ class EngineInfo:
     tokenizer_json: bytes | None
     iteration_stats_max: int
     quantization: str | None = None  # what the model runs as (Ready, logs); None: float
+    # For gateways rendering chat messages (protocol.Ready): the template and the tokens it names.
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
 
 
 # -- the worker's side ----------------------------------------------------------------
@@ -220,6 +224,9 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
         parallel_config=ParallelConfig(config.tensor_parallel_size, config.pipeline_parallel_size),
         quantization=config.quantization,
     )
+    block = executor_config.kv_cache_config.tokens_per_block
+    if config.kv_tokens is not None and config.kv_tokens < block:
+        raise ValueError(f"kv_tokens {config.kv_tokens} is smaller than one KV block ({block} tokens): no request fits")
     if config.backend != "echo":
         return EngineCore.from_model(path, executor_config), path
     from worker.models.loader import load_model
@@ -243,7 +250,8 @@ def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, tu
     try:
         core, path = build_core(config)
     except Exception as e:
-        log.exception("the engine could not load %s", config.model)
+        if not isinstance(e, ValueError | OSError):  # a bad path, checkpoint or setting says all in one line
+            log.exception("the engine could not load %s", config.model)
         _send(outbox, ("failed", f"could not load {config.model}: {type(e).__name__}: {e}"))
         return
     tokenizer = core.tokenizer
@@ -257,10 +265,17 @@ def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, tu
         tokenizer_json=None if tokenizer is None else tokenizer.to_str().encode(),
         iteration_stats_max=core.config.iteration_stats_max,
         quantization=getattr(core.backend, "quantization", None),
+        chat_template=core.chat_template,
+        bos_token=_token_text(tokenizer, core.model_config.bos_token_id),
+        eos_token=_token_text(tokenizer, (core.model_config.eos_token_ids or (None,))[0]),
     )))  # fmt: skip
     settle_gc()
     hang_at = None if config.test_hang_loop_after_s is None else time.monotonic() + config.test_hang_loop_after_s
     _serve(core, inbox, outbox, turned, hang_at)
+
+
+def _token_text(tokenizer: Any, token_id: int | None) -> str | None:
+    return None if tokenizer is None or token_id is None else tokenizer.id_to_token(token_id)
 
 
 def _serve(core: EngineCore, inbox: Connection, outbox: Connection, turned: ctypes.c_double,

@@ -304,6 +304,9 @@ class WorkerService:
                     load=self.load(),
                     tokenizer_json=info.tokenizer_json,
                     quantization=info.quantization,
+                    chat_template=info.chat_template,
+                    bos_token=info.bos_token,
+                    eos_token=info.eos_token,
                 ),
             )
         elif isinstance(msg, protocol.Heartbeat | protocol.Drain):
@@ -316,7 +319,7 @@ class WorkerService:
 
     def _submit(self, gateway: bytes, msg: protocol.Submit) -> None:
         def refuse(code: ErrorCode, text: str) -> None:
-            self.metrics.requests.labels("rejected").inc()
+            self.metrics.rejected()
             self._send(gateway, protocol.ErrorReply(code=code, message=text, request_id=msg.request_id))
 
         if self.draining:

@@ -1,0 +1,400 @@
+"""The gateway's HTTP front: OpenAI's API (gateway/openai_api.py), /health and
+/metrics, for every tool that speaks OpenAI-style HTTP.
+
+Stack: Starlette on uvicorn. Both are widely used and maintained (FastAPI is
+built on them), small (no code generation, no dependency injection we would
+not use), and speak ASGI, so server-sent events are an async generator and a
+client that goes away cancels it. uvicorn's h11 protocol needs no compiler.
+
+It must not slow the ZeroMQ path, so it runs on a thread of its own with its
+own asyncio loop, and reaches the gateway as one more ZeroMQ client: a DEALER
+on the gateway's in-process endpoint (gateway/server.py binds it beside its
+TCP one). Everything the gateway does for clients (routing, stop strings,
+text, back-pressure, cancels, heartbeats) the HTTP front gets unchanged, and
+the gateway's I/O thread never waits on it. Its listening socket is bound when
+the front is made, before the gateway serves: a port in use fails at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+import zmq
+import zmq.asyncio
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+import protocol
+from gateway import openai_api as api
+from protocol.chat_template import ChatTemplateError
+
+if TYPE_CHECKING:
+    from gateway.server import Gateway
+
+log = logging.getLogger(__name__)
+
+_HEARTBEAT_S = 1.0
+
+
+@dataclass(slots=True)
+class _Call:
+    """One HTTP request in flight: what the bridge hands its handler."""
+
+    events: asyncio.Queue[protocol.Result | api.ApiError] = field(default_factory=asyncio.Queue)
+
+
+class Bridge:
+    """The HTTP front's ZeroMQ client of the gateway, on the front's event loop."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
+        self.sock = zmq.asyncio.Context.shadow(ctx).socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.connect(endpoint)
+        self.sender_id = f"http-{os.getpid()}"
+        self.calls: dict[str, _Call] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        await self._send(protocol.Hello(sender_id=self.sender_id, role="client", heartbeat_interval_s=_HEARTBEAT_S))
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._beat())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if not self.sock.closed:
+            self.sock.close(0)
+
+    async def _send(self, msg: protocol.Message) -> None:
+        await self.sock.send(protocol.encode(msg))
+
+    async def submit(self, msg: protocol.Submit) -> _Call:
+        call = self.calls[msg.request_id] = _Call()
+        await self._send(msg)
+        return call
+
+    async def cancel(self, request_id: str) -> None:
+        if self.calls.pop(request_id, None) is not None:
+            await self._send(protocol.Cancel(request_id=request_id))
+
+    def forget(self, request_id: str) -> None:
+        self.calls.pop(request_id, None)
+
+    async def _beat(self) -> None:
+        beat = protocol.encode(protocol.Heartbeat(sender_id=self.sender_id))
+        while True:
+            await asyncio.sleep(_HEARTBEAT_S)
+            await self.sock.send(beat)
+
+    async def _receive(self) -> None:
+        while True:
+            payload = await self.sock.recv()
+            try:
+                msg = protocol.decode(payload)
+            except protocol.ProtocolError as e:
+                log.error("the gateway sent the HTTP front a bad message: %s", e)
+                continue
+            if isinstance(msg, protocol.ResultBatch):
+                self._results(msg)
+            elif isinstance(msg, protocol.ErrorReply):
+                call = self.calls.pop(msg.request_id, None) if msg.request_id else None
+                if call is not None:
+                    call.events.put_nowait(api.ApiError.from_code(msg.code, msg.message))
+
+    def _results(self, batch: protocol.ResultBatch) -> None:
+        calls = self.calls
+        streamed = batch.streamed
+        if streamed is not None:  # the plain streamed steps: no Response built for them
+            texts = streamed.text or [""] * len(streamed.request_ids)
+            start = 0
+            for request_id, n, text in zip(streamed.request_ids, streamed.counts, texts, strict=True):
+                call = calls.get(request_id)
+                if call is not None:
+                    ids = streamed.token_ids[start : start + n]
+                    call.events.put_nowait(protocol.Result.model_construct(
+                        is_final=False, output_token_ids=[ids], finish_reasons=[protocol.FinishReason.NOT_FINISHED],
+                        sequence_index=0, is_sequence_final=False, log_probs=None, cum_log_probs=None,
+                        top_token_ids=None, top_log_probs=None, text=[text],
+                    ))  # fmt: skip
+                start += n
+        for response in batch.responses:
+            call = calls.get(response.request_id)
+            if call is None:
+                continue
+            if response.is_final:
+                del calls[response.request_id]
+            if response.result is None:
+                call.events.put_nowait(api.ApiError(500, response.error_msg or "the worker failed", "server_error"))
+            else:
+                call.events.put_nowait(response.result)
+
+
+class HttpFront:
+    """The HTTP server of one gateway: `start()` serves on a thread, `stop()` ends it."""
+
+    def __init__(self, gateway: Gateway, host: str, port: int) -> None:
+        self.gateway = gateway
+        # Bound now, so a port in use is an error at start-up rather than on a thread later.
+        self.socket = socket.create_server((host, port), reuse_port=False)
+        self.port: int = self.socket.getsockname()[1]
+        self.host = host
+        self.bridge: Bridge | None = None
+        routes = [
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ]
+        self.app = Starlette(routes=routes, lifespan=self._lifespan)
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, http="h11", loop="asyncio",
+                                lifespan="on", timeout_graceful_shutdown=2)  # fmt: skip
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
+                                       name="gateway-http", daemon=True)  # fmt: skip
+
+    def start(self) -> None:
+        self.thread.start()
+        log.info("HTTP front listening at http://%s:%d", self.host, self.port)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+        self.socket.close()
+
+    @asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        from gateway.server import INPROC_ENDPOINT
+
+        self.bridge = Bridge(self.gateway.ctx, INPROC_ENDPOINT)
+        await self.bridge.start()
+        watch = asyncio.create_task(self._watch_gateway())
+        try:
+            yield
+        finally:
+            watch.cancel()
+            await self.bridge.stop()
+
+    async def _watch_gateway(self) -> None:
+        """Close the bridge as soon as the gateway stops: it terminates the ZeroMQ
+        context, which waits for every socket on it to close."""
+        while not self.gateway.stop.is_set():
+            await asyncio.sleep(0.05)
+        assert self.bridge is not None
+        await self.bridge.stop()
+        self.server.should_exit = True
+
+    # -- what the gateway knows (read from its thread's state: reads only) ----------------
+
+    def _ready_models(self) -> dict[str, int | None]:
+        """Model name -> its context length, over the ready workers."""
+        models: dict[str, int | None] = {}
+        for w in list(self.gateway.workers.values()):
+            if w.ready and not w.draining:
+                for m in w.models:
+                    models[m] = w.max_seq_len
+        return models
+
+    # -- endpoints -------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        if not self.gateway.discovery.connected:
+            return JSONResponse({"status": "unavailable", "reason": "Redis does not answer"}, 503)
+        if not self._ready_models():
+            return JSONResponse({"status": "unavailable", "reason": "no worker is ready"}, 503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        now = int(time.time())
+        data = [{"id": m, "object": "model", "created": now, "owned_by": "tokenwire", "max_model_len": n}
+                for m, n in sorted(self._ready_models().items())]  # fmt: skip
+        return JSONResponse({"object": "list", "data": data})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        try:
+            body = await self._body(request, chat)
+            model, submit, prompt_tokens = self._submit(body, chat)
+        except api.ApiError as e:
+            return JSONResponse(e.body(), e.status)
+        assert self.bridge is not None
+        call = await self.bridge.submit(submit)
+        tokenizer = self.gateway.tokenizers.get(model)
+        text = api.TokenText(tokenizer)
+        if body.stream:
+            first = await call.events.get()  # an error before any output is still an HTTP error
+            if isinstance(first, api.ApiError):
+                return JSONResponse(first.body(), first.status)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = self._sse(call, first, submit, model, chat, prompt_tokens, include_usage, text)
+            return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            choices = await self._whole(call, submit)
+        except api.ApiError as e:
+            return JSONResponse(e.body(), e.status)
+        except asyncio.CancelledError:
+            await self.bridge.cancel(submit.request_id)
+            raise
+        return JSONResponse(api.whole_response(chat, submit.request_id, model, choices, prompt_tokens, text))
+
+    async def _body(self, request: Request, chat: bool) -> api.CompletionRequest | api.ChatRequest:
+        try:
+            raw = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise api.ApiError(400, f"the body is not JSON: {e}", "invalid_request_error") from e
+        try:
+            return api.ChatRequest.model_validate(raw) if chat else api.CompletionRequest.model_validate(raw)
+        except ValidationError as e:
+            raise api.invalid(e) from e
+
+    def _submit(
+        self, body: api.CompletionRequest | api.ChatRequest, chat: bool
+    ) -> tuple[str, protocol.Submit, int | None]:
+        """The model, the Submit, and the prompt's length where it is known here."""
+        served = self._ready_models()
+        model = body.model or (min(served) if served else None)
+        if model is not None and served and model not in served:
+            raise api.ApiError(404, f"the model {model!r} does not exist; served: {sorted(served)}",
+                               "not_found_error", "model_not_found", "model")  # fmt: skip
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        tokenizer = self.gateway.tokenizers.get(model) if model is not None else None
+        prompt_ids: list[int] | None = None
+        try:
+            # Tokenized here when the tokenizer is known (usage counts need the length, and the
+            # gateway's I/O thread is spared the work); else the gateway does it once a worker is ready.
+            if tokenizer is not None:
+                if isinstance(body, api.ChatRequest):
+                    messages = [{**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in body.messages]
+                    prompt = self.gateway.tokenizers.render_chat(model, messages)
+                    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+                elif isinstance(body.prompt, str):
+                    prompt_ids = tokenizer.encode(body.prompt).ids
+                else:
+                    prompt_ids = list(body.prompt)  # type: ignore[arg-type]
+            submit = api.submit_for(body, request_id, model, prompt_ids, served.get(model) if model else None)
+        except ValidationError as e:
+            raise api.invalid(e) from e
+        except (ValueError, ChatTemplateError) as e:
+            raise api.invalid(e) from e
+        return model or "", submit, None if prompt_ids is None else len(prompt_ids)
+
+    async def _whole(self, call: _Call, submit: protocol.Submit) -> list[api.Choice]:
+        choices = [api.Choice(i) for i in range(submit.num_return_sequences)]
+        while True:
+            event = await call.events.get()
+            if isinstance(event, api.ApiError):
+                raise event
+            _apply(choices, event, submit)
+            if event.is_final:
+                return choices
+
+    async def _sse(self, call: _Call, first: protocol.Result, submit: protocol.Submit, model: str, chat: bool,
+                   prompt_tokens: int | None, include_usage: bool,
+                   text: api.TokenText) -> AsyncIterator[bytes]:  # fmt: skip
+        assert self.bridge is not None
+        request_id = submit.request_id
+        head = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": model}  # fmt: skip
+        choices = [api.Choice(i) for i in range(submit.num_return_sequences)]
+        offsets = [0] * len(choices)
+        event: protocol.Result | api.ApiError = first
+        done = False
+        try:
+            if chat:
+                roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(len(choices))]  # fmt: skip
+                yield _event({**head, "choices": roles})
+            pending: list[bytes] = []  # what the steps queued so far make: one write for all of them
+            while True:
+                if isinstance(event, api.ApiError):
+                    pending.append(_event(event.body()))
+                    break
+                out = []
+                for index, delta, entries, reason in _apply(choices, event, submit):
+                    if chat:
+                        lp = api.chat_logprobs(entries, text) if entries else None
+                        item = {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                                "finish_reason": reason}  # fmt: skip
+                    else:
+                        lp = api.completion_logprobs(entries, text, offsets[index]) if entries else None
+                        item = {"index": index, "text": delta, "logprobs": lp, "finish_reason": reason}
+                    offsets[index] += len(delta)
+                    out.append(item)
+                if out:
+                    pending.append(_event({**head, "choices": out}))
+                if event.is_final:
+                    done = True
+                    if include_usage:
+                        used = api.usage(prompt_tokens, sum(c.tokens for c in choices))
+                        pending.append(_event({**head, "choices": [], "usage": used}))
+                    break
+                if call.events.empty():
+                    if pending:
+                        yield b"".join(pending)
+                        pending.clear()
+                    event = await call.events.get()
+                else:
+                    event = call.events.get_nowait()
+            pending.append(b"data: [DONE]\n\n")
+            yield b"".join(pending)
+        finally:
+            if not done:  # the client went away (or the stream failed): stop the request
+                with contextlib.suppress(Exception):
+                    await self.bridge.cancel(request_id)
+            self.bridge.forget(request_id)
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _apply(choices: list[api.Choice], r: protocol.Result,
+           submit: protocol.Submit) -> list[tuple[int, str, list[Any], str | None]]:  # fmt: skip
+    """Fold one result into the choices; what each changed: (index, new text, log
+    prob entries, finish reason)."""
+    if len(r.output_token_ids) > 1 or submit.sampling_config.beam_width > 1:
+        # Beam search: whole beams, the best first (not streamed over HTTP, so this is the final).
+        changed = []
+        for i, ids in enumerate(r.output_token_ids[: len(choices)]):
+            c = choices[i]
+            c.text, c.tokens = r.text[i] if r.text else "", len(ids)
+            c.finish_reason = api.finish_reason(r.finish_reasons[i]) if r.is_final else None
+            c.logprobs = api.logprob_entries(r, i)
+            changed.append((i, c.text, c.logprobs, c.finish_reason))
+        return changed
+    c = choices[r.sequence_index]
+    delta = r.text[0] if r.text else ""
+    entries = api.logprob_entries(r)
+    c.text += delta
+    c.tokens += len(r.output_token_ids[0])
+    c.logprobs += entries
+    reason = None
+    if (r.is_sequence_final or r.is_final) and c.finish_reason is None:
+        reason = c.finish_reason = api.finish_reason(r.finish_reasons[0]) or "stop"
+    return [(c.index, delta, entries, reason)] if delta or entries or reason else []

@@ -1,0 +1,308 @@
+"""OpenAI's HTTP API in tokenwire's terms: request bodies to `protocol.Submit`,
+results to completion objects and stream chunks, errors to OpenAI's shape.
+
+No I/O here (gateway/http_front.py serves it). Bodies are validated by pydantic:
+a bad parameter is a 400 naming the field. tokenwire's own options (top_k,
+min_p, beam_width, repetition_penalty, ...: any `SamplingConfig` field) ride
+as extra body fields, as vLLM's do (`extra_body=` in the openai SDK).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+import protocol
+from protocol import ErrorCode, FinishReason
+
+# HTTP status and OpenAI error type for each of the gateway's error codes.
+STATUS: dict[str, tuple[int, str]] = {
+    ErrorCode.PROTOCOL: (400, "invalid_request_error"),
+    ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorCode.UNKNOWN_MODEL: (404, "not_found_error"),
+    ErrorCode.OVERLOADED: (429, "rate_limit_error"),
+    ErrorCode.UNAVAILABLE: (503, "service_unavailable"),
+    ErrorCode.DRAINING: (503, "service_unavailable"),
+    ErrorCode.INTERNAL: (500, "server_error"),
+}
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "code", "param"}}."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+
+    @classmethod
+    def from_code(cls, code: str, message: str) -> ApiError:
+        status, type_ = STATUS.get(code, (500, "server_error"))
+        return cls(status, message, type_, "model_not_found" if code == ErrorCode.UNKNOWN_MODEL else str(code))
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
+
+
+def invalid(e: ValidationError | ValueError) -> ApiError:
+    if isinstance(e, ValidationError):
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        return ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], "invalid_request_error",
+                        "invalid_value", param)  # fmt: skip
+    return ApiError(400, str(e), "invalid_request_error", "invalid_value")
+
+
+class _JsonSchema(BaseModel):
+    name: str = "output"
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchema | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints take. Unknown fields are allowed: tokenwire's options
+    are checked by name against SamplingConfig (`extra_sampling`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    user: str | None = None
+    # tokenwire's own, as vLLM names the common ones.
+    ignore_eos: bool = False
+    min_tokens: int | None = Field(None, ge=0)
+
+    def stops(self) -> list[str] | None:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return [s for s in stops if s] or None if stops else None
+
+    def extra_sampling(self) -> dict[str, Any]:
+        known = protocol.SamplingConfig.model_fields
+        extra = dict(self.model_extra or {})
+        unknown = sorted(k for k in extra if k not in known)
+        if unknown:
+            raise ValueError(f"unknown parameter(s): {', '.join(unknown)}")
+        return extra
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionRequest:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            if len(p) != 1:
+                raise ValueError("prompt: one prompt per request (send several requests for a batch)")
+            self.prompt = p[0]
+        if not self.prompt:
+            raise ValueError("prompt: must not be empty")
+        if self.echo:
+            raise ValueError("echo: not supported")
+        return self
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: templates may read them
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The content as text: a list of parts keeps its text parts."""
+        if isinstance(self.content, list):
+            parts = [p.get("text", "") for p in self.content if p.get("type") == "text"]
+            if len(parts) != len(self.content):
+                raise ValueError("messages: only text content parts are supported")
+            return "".join(parts)
+        return self.content or ""
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+
+
+def submit_for(
+    body: CompletionRequest | ChatRequest,
+    request_id: str,
+    model: str | None,
+    prompt_ids: list[int] | None,
+    max_seq_len: int | None,
+) -> protocol.Submit:
+    """The Submit for `body`, with `prompt_ids` when the caller tokenized it; raises
+    ValueError (or ValidationError) for a bad parameter."""
+    chat = isinstance(body, ChatRequest)
+    max_tokens = (body.max_completion_tokens if isinstance(body, ChatRequest) else None) or body.max_tokens
+    if max_tokens is None:
+        # OpenAI's defaults: 16 for completions; a chat may fill the context.
+        room = None if max_seq_len is None or prompt_ids is None else max_seq_len - len(prompt_ids)
+        max_tokens = max(1, room) if chat and room is not None else 16 if not chat else 512
+    sampling = {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "seed": body.seed,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "min_tokens": body.min_tokens,
+        **body.extra_sampling(),
+    }
+    beams = int(sampling.get("beam_width") or 1)
+    if beams > 1 and body.stream:
+        raise ValueError("stream: beam search (beam_width > 1) is not streamed over HTTP")
+    if isinstance(body, ChatRequest):
+        top_n, want_logprobs = body.top_logprobs or 0, body.logprobs
+    else:
+        top_n, want_logprobs = body.logprobs or 0, body.logprobs is not None
+    fields: dict[str, Any] = {
+        "request_id": request_id,
+        "model": model,
+        "max_tokens": max_tokens,
+        "streaming": body.stream,
+        "sampling_config": sampling,
+        "output_config": {"return_log_probs": want_logprobs, "top_n_log_probs": top_n},
+        "end_id": -1 if body.ignore_eos else None,
+        "stop": body.stops(),
+        "num_return_sequences": body.n,
+        "guided_decoding_params": _guide(body.response_format) if isinstance(body, ChatRequest) else None,
+    }
+    if prompt_ids is not None:
+        fields["input_token_ids"] = prompt_ids
+    elif isinstance(body, ChatRequest):
+        fields["messages"] = [{"role": m.role, "content": m.text()} for m in body.messages]
+    elif isinstance(body.prompt, str):
+        fields["prompt"] = body.prompt
+    else:
+        fields["input_token_ids"] = body.prompt
+    return protocol.Submit.model_validate(fields)
+
+
+def _guide(fmt: ResponseFormat | None) -> dict[str, Any] | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"guide_type": "json"}
+    if fmt.json_schema is None:
+        raise ValueError("response_format: json_schema needs a json_schema object")
+    return {"guide_type": "json_schema", "guide": json.dumps(fmt.json_schema.schema_)}
+
+
+def finish_reason(reason: FinishReason | int | None) -> str | None:
+    if reason is None or reason == FinishReason.NOT_FINISHED:
+        return None
+    return "length" if reason in (FinishReason.LENGTH, FinishReason.TIMED_OUT) else "stop"
+
+
+@dataclass(slots=True)
+class Choice:
+    """One returned sequence, as it builds up."""
+
+    index: int
+    text: str = ""
+    tokens: int = 0
+    finish_reason: str | None = None
+    # (token id, log prob, [(top token id, log prob), ...]) per generated token.
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+
+
+def logprob_entries(result: protocol.Result, beam: int = 0) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    if result.log_probs is None:
+        return []
+    ids = result.output_token_ids[beam]
+    tops: list[list[tuple[int, float]]] = [[] for _ in ids]
+    if result.top_token_ids is not None and result.top_log_probs is not None:
+        tops = [list(zip(t, p, strict=True)) for t, p in zip(result.top_token_ids[beam], result.top_log_probs[beam],
+                                                             strict=True)]  # fmt: skip
+    return [(int(t), float(lp), top) for t, lp, top in zip(ids, result.log_probs[beam], tops, strict=True)]
+
+
+class TokenText:
+    """Token ids to the strings OpenAI's log probs show (each token decoded alone)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+
+def chat_logprobs(entries: list[tuple[int, float, list[tuple[int, float]]]], text: TokenText) -> dict[str, Any]:
+    def one(token_id: int, lp: float) -> dict[str, Any]:
+        s = text(token_id)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+    return {"content": [{**one(t, lp), "top_logprobs": [one(tt, tlp) for tt, tlp in top]} for t, lp, top in entries]}
+
+
+def completion_logprobs(entries: list[tuple[int, float, list[tuple[int, float]]]], text: TokenText,
+                        offset: int) -> dict[str, Any]:  # fmt: skip
+    tokens = [text(t) for t, _, _ in entries]
+    offsets = []
+    for s in tokens:
+        offsets.append(offset)
+        offset += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": [{text(tt): tlp for tt, tlp in top} for _, _, top in entries],
+        "text_offset": offsets,
+    }
+
+
+def usage(prompt_tokens: int | None, completion_tokens: int) -> dict[str, int]:
+    p = prompt_tokens or 0
+    return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
+
+
+def whole_response(chat: bool, request_id: str, model: str, choices: list[Choice], prompt_tokens: int | None,
+                   text: TokenText) -> dict[str, Any]:  # fmt: skip
+    out = []
+    for c in choices:
+        if chat:
+            lp = chat_logprobs(c.logprobs, text) if c.logprobs else None
+            out.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                        "finish_reason": c.finish_reason})  # fmt: skip
+        else:
+            lp = completion_logprobs(c.logprobs, text, 0) if c.logprobs else None
+            out.append({"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+    return {
+        "id": request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": out,
+        "usage": usage(prompt_tokens, sum(c.tokens for c in choices)),
+    }
