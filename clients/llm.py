@@ -39,7 +39,7 @@ from protocol import FinishReason
 from protocol.text import OutputStream
 
 if TYPE_CHECKING:
-    from worker.executor import CapacitySchedulerPolicy, Executor, ExecutorConfig, Request, Response, Result
+    from worker.executor import CapacitySchedulerPolicy, Executor, ExecutorConfig, Request, Response
 
 __all__ = [
     "LLM",
@@ -96,8 +96,10 @@ class RequestHandle:
         if response is None or response.error_msg is not None:
             self._error = "the LLM was shut down" if response is None else response.error_msg
             return True
+        from worker.service.convert import to_wire_result  # the worker's own mapping, imported with the executor
+
         assert response.result is not None
-        wire = _to_wire(response.result)
+        wire = to_wire_result(response.result)
         result = self._stream.apply(wire)
         if result is None:
             return False
@@ -146,34 +148,6 @@ class RequestHandle:
         loop = asyncio.get_running_loop()
         while (out := await loop.run_in_executor(None, self._next, None)) is not None:
             yield out
-
-
-def _to_wire(r: Result) -> protocol.Result:
-    """The executor's result in the wire's shape, unvalidated (it is the executor's
-    own output, as in the worker's worker/service/convert.py)."""
-    return protocol.Result.model_construct(
-        is_final=r.is_final,
-        output_token_ids=r.output_token_ids,
-        finish_reasons=[FinishReason(int(f)) for f in r.finish_reasons],
-        sequence_index=r.sequence_index,
-        is_sequence_final=r.is_sequence_final,
-        cum_log_probs=r.cum_log_probs,
-        log_probs=r.log_probs,
-        top_token_ids=r.top_token_ids,
-        top_log_probs=r.top_log_probs,
-        context_logits=_logits(r.context_logits),
-        generation_logits=_logits(r.generation_logits),
-        text=None,
-    )
-
-
-def _logits(value: Any) -> protocol.Logits | None:
-    if value is None:
-        return None
-    import numpy as np
-
-    a = np.ascontiguousarray(np.asarray(value, dtype="<f4"))
-    return protocol.Logits.model_construct(shape=list(a.shape), data=a.tobytes())
 
 
 def executor_request(prompt_ids: list[int], p: SamplingParams, streaming: bool) -> Request:

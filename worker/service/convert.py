@@ -45,14 +45,11 @@ def _speculative(cfg: protocol.SpeculativeConfig) -> ex.SpeculativeConfig:
     return ex.SpeculativeConfig(**{**fields, "source": ex.DraftSource(cfg.source)})
 
 
-def to_wire_response(request_id: str, response: ex.Response) -> protocol.Response:
-    """Built without validation (model_construct): the executor's output is ours and
-    this runs for every token; the gateway validates what it receives."""
-    if response.error_msg is not None:
-        return protocol.Response(request_id=request_id, error_msg=response.error_msg, client_id=response.client_id)
-    r = response.result
-    assert r is not None
-    result = protocol.Result.model_construct(
+def to_wire_result(r: ex.Result) -> protocol.Result:
+    """The executor's result in the wire's shape, built without validation
+    (model_construct): it is the executor's own output (the worker's pump, and the
+    in-process LLM's text path); a gateway validates what it receives."""
+    return protocol.Result.model_construct(
         is_final=r.is_final,
         output_token_ids=r.output_token_ids,
         finish_reasons=[protocol.FinishReason(int(f)) for f in r.finish_reasons],
@@ -66,8 +63,14 @@ def to_wire_response(request_id: str, response: ex.Response) -> protocol.Respons
         generation_logits=_logits(r.generation_logits),
         text=None,
     )
+
+
+def to_wire_response(request_id: str, response: ex.Response) -> protocol.Response:
+    if response.error_msg is not None:
+        return protocol.Response(request_id=request_id, error_msg=response.error_msg, client_id=response.client_id)
+    assert response.result is not None
     return protocol.Response.model_construct(
-        request_id=request_id, result=result, error_msg=None, client_id=response.client_id
+        request_id=request_id, result=to_wire_result(response.result), error_msg=None, client_id=response.client_id
     )
 
 
