@@ -234,7 +234,9 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
 
     log.warning("echo backend: TRANSPORT TEST ONLY, no model runs")
     meta = load_model(path, load_weights=False)  # config and tokenizer: gateways detokenize as usual
-    return EngineCore(EchoBackend(meta.config), executor_config, tokenizer=meta.tokenizer), path
+    core = EngineCore(EchoBackend(meta.config), executor_config, tokenizer=meta.tokenizer,
+                      chat_template=meta.chat_template)
+    return core, path
 
 
 def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, turned: ctypes.c_double) -> None:
