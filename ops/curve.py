@@ -121,11 +121,11 @@ class CurveServer:
         """Log failed handshakes: a peer without CURVE, or with the wrong server key,
         never reaches the ZAP handler, so only the socket's monitor sees it."""
         monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
-        thread = threading.Thread(target=self._log_failures, args=(sock, monitor), name="curve-monitor", daemon=True)
+        thread = threading.Thread(target=self._log_failures, args=(monitor,), name="curve-monitor", daemon=True)
         self._watchers.append(thread)
         thread.start()
 
-    def _log_failures(self, sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    def _log_failures(self, monitor: zmq.Socket) -> None:
         try:
             while not self._stopping.is_set():
                 if not monitor.poll(200):
@@ -140,9 +140,10 @@ class CurveServer:
             monitor.close(0)
 
 
-_REASONS = {
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no CURVE handshake (a peer without CURVE, or one expecting another server key)",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "a bad CURVE handshake (a peer without CURVE, or one expecting another server key)",
+_NO_CURVE = "a peer without CURVE, or one expecting another server key"
+_REASONS: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: f"no CURVE handshake ({_NO_CURVE})",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: f"a bad CURVE handshake ({_NO_CURVE})",
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its key was refused",
 }
 _HANDSHAKE_FAILED = (
@@ -168,7 +169,7 @@ class IdentityKeys:
         self._keys: dict[bytes, str] = {}
 
     def admit(self, identity: bytes, frame: zmq.Frame) -> bool:
-        key = frame.get("User-Id")
+        key = str(frame.get("User-Id"))
         first = self._keys.setdefault(identity, key)
         if first == key:
             return True

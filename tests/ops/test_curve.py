@@ -30,9 +30,8 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def server(keys: Path) -> Iterator[tuple[zmq.Socket, str]]:
     ctx = zmq.Context()
-    side = curve.CurveServer(
-        "test-server", curve.load_keypair(keys / "pairs" / "server.key_secret"), curve.load_public_keys(keys / "allowed")
-    )
+    pair = curve.load_keypair(keys / "pairs" / "server.key_secret")
+    side = curve.CurveServer("test-server", pair, curve.load_public_keys(keys / "allowed"))
     side.start(ctx)
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
