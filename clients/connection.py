@@ -30,6 +30,7 @@ from typing import Protocol
 import zmq
 
 import protocol
+from ops.curve import ClientCurve, connect_as_client
 from protocol.limits import socket_turn
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class Connection(threading.Thread):
         missed_heartbeats: int = 3,
         connect_timeout_s: float = 2.0,
         connect_attempts: int | None = 2,  # None: keep trying (a daemon that waits for its gateways)
+        curve: ClientCurve | None = None,  # CURVE on: the gateways are CURVE servers with this key
     ) -> None:
         super().__init__(name="tokenwire-client-io", daemon=True)
         if isinstance(gateways, str) or not gateways:
@@ -86,6 +88,7 @@ class Connection(threading.Thread):
         self.missed_heartbeats = missed_heartbeats
         self.connect_timeout_s = connect_timeout_s
         self.connect_attempts = connect_attempts
+        self.curve = curve
         self._failed_opens = 0  # gateways opened in a row that never answered
         self.client_id = f"client-{uuid.uuid4().hex[:12]}"
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
@@ -262,6 +265,8 @@ class Connection(threading.Thread):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        if self.curve is not None:
+            connect_as_client(sock, self.curve.keypair, self.curve.server_public)
         sock.connect(self.gateway)
         self._sock = sock
         self._poller = zmq.Poller()

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import zmq
 
 import protocol
+from ops.curve import CurveConfig, CurveServer, IdentityKeys
 from ops.metrics import WorkerMetrics, outcome
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
@@ -58,6 +59,8 @@ class ServiceConfig:
     # After SIGTERM: how long in-flight requests may still take before they end with a
     # "worker draining" error.
     drain_timeout_s: float = 60.0
+    # CURVE on: gateways must authenticate with an allowed key; None: off (loopback only).
+    curve: CurveConfig | None = None
 
 
 @dataclass(slots=True)
@@ -82,6 +85,14 @@ class WorkerService:
         self.router.setsockopt(zmq.RCVHWM, 0)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a gateway reconnecting under its id takes over
+        self._curve: CurveServer | None = None
+        # Under CURVE, the handover is only for the key that first used the gateway's id.
+        self._identity_keys: IdentityKeys | None = None
+        if config.curve is not None:
+            self._curve = CurveServer("worker", config.curve.keypair, config.curve.allowed)
+            self._curve.start(self.ctx)
+            self._curve.serve(self.router)
+            self._identity_keys = IdentityKeys("worker")
         self.router.bind(config.bind)
         address = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.address = config.advertise or address.replace("0.0.0.0", socket.gethostname())
@@ -106,6 +117,7 @@ class WorkerService:
             device=config.device,
             started_at=time.time(),
             max_batch_size=engine.info.max_batch_size,
+            curve_public_key=config.curve.keypair.public.decode() if config.curve is not None else None,
         )
         self.redis = WorkerRedis(
             config.redis_url,
@@ -182,6 +194,8 @@ class WorkerService:
             # A drained worker's last results and errors must leave before the socket goes.
             self.router.close(2000 if self._drain_deadline is not None else 0)
             self._pump_out.close(0)
+            if self._curve is not None:
+                self._curve.stop()
             self.ctx.term()
 
     # -- drain -------------------------------------------------------------------------
@@ -249,15 +263,25 @@ class WorkerService:
         try:
             for _ in socket_turn():
                 try:
-                    frames = self.router.recv_multipart(zmq.NOBLOCK)
+                    if self._identity_keys is None:
+                        frames = self.router.recv_multipart(zmq.NOBLOCK)
+                    else:
+                        frames = self._receive_authenticated(self._identity_keys)
                 except zmq.Again:
                     return
                 if len(frames) != 2:
-                    continue  # not a DEALER speaking our protocol; nothing to answer
+                    continue  # not a DEALER speaking our protocol (or a refused takeover); nothing to answer
                 gateway, payload = frames
                 self._handle(gateway, payload)
         finally:
             self._enqueue_taken()
+
+    def _receive_authenticated(self, identity_keys: IdentityKeys) -> list[bytes]:
+        """One message, or [] where its sender took over another key's gateway id."""
+        parts = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+        if len(parts) != 2 or not identity_keys.admit(parts[0].bytes, parts[1]):
+            return []
+        return [parts[0].bytes, parts[1].bytes]
 
     def _handle(self, gateway: bytes, payload: bytes) -> None:
         try:
@@ -374,6 +398,8 @@ class WorkerService:
                 for entry in orphans:
                     self.engine.cancel_request(entry.exec_id)
                 del self.gateways[gateway]
+                if self._identity_keys is not None:
+                    self._identity_keys.forget(gateway)
         load = self.load()
         # The line `systemctl status` shows, kept current.
         self.notifier.status(
