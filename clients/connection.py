@@ -17,6 +17,7 @@ connection keeps trying in the background).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -185,11 +186,11 @@ class Connection(threading.Thread):
                     arg.sink.on_error(self._unavailable(arg.request_id))
                     continue
                 self._calls[arg.request_id] = arg
-                self._sock.send(arg.payload)
+                self._send(arg.payload)
             elif name == "cancel":
                 assert isinstance(arg, str)
                 if arg in self._calls:
-                    self._sock.send(protocol.encode(protocol.Cancel(request_id=arg)))
+                    self._send(protocol.encode(protocol.Cancel(request_id=arg)))
 
     def _receive(self) -> None:
         assert self._sock is not None
@@ -241,7 +242,16 @@ class Connection(threading.Thread):
                     call.sink.on_error(self._unavailable(request_id))
             self._failover(f"no answer for {silent:.1f} s")
         else:
-            self._sock.send(protocol.encode(protocol.Heartbeat(sender_id=self.client_id)))
+            self._send(protocol.encode(protocol.Heartbeat(sender_id=self.client_id)))
+
+    def _send(self, payload: bytes) -> None:
+        """Send, or drop where the gateway refused our CURVE handshake: the DEALER then has
+        no pipe and a send would block. The calls are kept: the heartbeat timeout fails
+        over and resends them (or fails them). Without CURVE, connect makes the pipe at
+        once and the send never blocks."""
+        assert self._sock is not None
+        with contextlib.suppress(zmq.Again):
+            self._sock.send(payload, zmq.NOBLOCK)
 
     def _unreachable(self) -> bool:
         attempts = self.connect_attempts
@@ -274,7 +284,7 @@ class Connection(threading.Thread):
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._ready = False
         self._opened = time.monotonic()
-        sock.send(
+        self._send(
             protocol.encode(
                 protocol.Hello(sender_id=self.client_id, role="client", heartbeat_interval_s=self.heartbeat_interval_s)
             )
@@ -297,4 +307,4 @@ class Connection(threading.Thread):
                     )
                 )
             else:
-                self._sock.send(call.payload)
+                self._send(call.payload)

@@ -84,11 +84,16 @@ class WorkerService:
         self.router.setsockopt(zmq.SNDHWM, 0)  # bounded by the executor's admitted work
         self.router.setsockopt(zmq.RCVHWM, 0)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a gateway reconnecting under its id takes over
         self._curve: CurveServer | None = None
-        # Under CURVE, the handover is only for the key that first used the gateway's id.
+        # Under CURVE, a gateway id belongs to the key that first used it: a peer that takes the
+        # id with another key once the gateway's connection ended is refused (and logged) until
+        # the gateway is declared gone.
         self._identity_keys: IdentityKeys | None = None
-        if config.curve is not None:
+        if config.curve is None:
+            self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a gateway reconnecting under its id takes over
+        else:
+            # No handover: a second connection under a live gateway's id would get that gateway's
+            # results. libzmq keeps the first connection and drops what the second sends.
             self._curve = CurveServer("worker", config.curve.keypair, config.curve.allowed)
             self._curve.start(self.ctx)
             self._curve.serve(self.router)
@@ -277,11 +282,18 @@ class WorkerService:
             self._enqueue_taken()
 
     def _receive_authenticated(self, identity_keys: IdentityKeys) -> list[bytes]:
-        """One message, or [] where its sender took over another key's gateway id."""
+        """One message, or [] where its sender took over another key's gateway id: that
+        gateway is then gone (its connection ended, or the id would not be free), and
+        nothing more is sent under its id, which would reach the taker."""
         parts = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
-        if len(parts) != 2 or not identity_keys.admit(parts[0].bytes, parts[1]):
+        if len(parts) != 2:
             return []
-        return [parts[0].bytes, parts[1].bytes]
+        gateway = parts[0].bytes
+        if not identity_keys.admit(gateway, parts[1]):
+            if gateway in self.gateways:
+                self._gateway_gone(gateway, "lost its id to a peer with another key")
+            return []
+        return [gateway, parts[1].bytes]
 
     def _handle(self, gateway: bytes, payload: bytes) -> None:
         try:
@@ -381,6 +393,13 @@ class WorkerService:
                 self.table.add(entry)
                 self.metrics.started(exec_id, entry.prompt_tokens, entry.received)
 
+    def _gateway_gone(self, gateway: bytes, why: str) -> None:
+        orphans = self.table.of_gateway(gateway)
+        log.warning("gateway %r %s: aborting its %d requests", gateway, why, len(orphans))
+        for entry in orphans:
+            self.engine.cancel_request(entry.exec_id)
+        del self.gateways[gateway]
+
     def _send(self, gateway: bytes, msg: protocol.Message) -> None:
         self.router.send_multipart([gateway, protocol.encode(msg, self.limits)])
 
@@ -388,16 +407,7 @@ class WorkerService:
         now = time.monotonic()
         for gateway, peer in list(self.gateways.items()):
             if now - peer.last_seen > self.config.missed_heartbeats * peer.heartbeat_interval_s:
-                orphans = self.table.of_gateway(gateway)
-                log.warning(
-                    "gateway %r silent for %.1f s: aborting its %d requests",
-                    gateway,
-                    now - peer.last_seen,
-                    len(orphans),
-                )
-                for entry in orphans:
-                    self.engine.cancel_request(entry.exec_id)
-                del self.gateways[gateway]
+                self._gateway_gone(gateway, f"silent for {now - peer.last_seen:.1f} s")
                 if self._identity_keys is not None:
                     self._identity_keys.forget(gateway)
         load = self.load()
