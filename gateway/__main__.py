@@ -8,7 +8,7 @@ import signal
 import sys
 
 from ops.config import PORT, POSITIVE_FLOAT, POSITIVE_INT, add_config_options
-from ops.curve import add_curve_options, curve_config
+from ops.curve_options import add_curve_options, curve_config
 from ops.secrets import add_redis_password_option
 
 DEFAULT_BIND = "tcp://127.0.0.1:5550"

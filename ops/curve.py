@@ -11,7 +11,6 @@ worker accepts, workers a gateway connects to).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -78,44 +77,6 @@ class CurveConfig:
     keypair: KeyPair
     allowed: frozenset[bytes] | None  # the peers it serves (gateways, or clients); None: any key
     workers: frozenset[bytes] = frozenset()  # a gateway's: the worker keys it connects to
-
-
-def add_curve_options(p: argparse.ArgumentParser, role: str) -> None:
-    """--curve-* options of a worker ("worker") or a gateway ("gateway"); add before add_config_options."""
-    peers = "gateways" if role == "worker" else "clients"
-    p.add_argument("--curve-secret-key-file", default=None, metavar="FILE",
-                   help="this process's CURVE key pair (NAME.key_secret from `tokenwire keys generate`); "
-                   "given: CURVE on (default off: keep the service on loopback)")
-    p.add_argument("--curve-allowed-keys-dir", default=None, metavar="DIR",
-                   help=f"public keys (*.key) of the {peers} accepted under CURVE")
-    if role == "gateway":
-        p.add_argument("--curve-allow-any", action="store_true",
-                       help="accept any client that completes a CURVE handshake (encryption without an allow list)")
-        p.add_argument("--curve-worker-keys-dir", default=None, metavar="DIR",
-                       help="public keys (*.key) of the workers this gateway connects to; "
-                       "a registry entry with another key is refused")
-
-
-def curve_config(args: argparse.Namespace) -> CurveConfig | None:
-    """The CurveConfig the --curve-* options give; SystemExit naming the problem."""
-    if args.curve_secret_key_file is None:
-        return None
-    role = "gateway" if hasattr(args, "curve_worker_keys_dir") else "worker"
-    try:
-        keypair = load_keypair(Path(args.curve_secret_key_file))
-        allow_any = getattr(args, "curve_allow_any", False)
-        if args.curve_allowed_keys_dir is None and not allow_any:
-            raise CurveError("--curve-allowed-keys-dir is required with --curve-secret-key-file"
-                             + (" (or --curve-allow-any)" if role == "gateway" else ""))
-        allowed = None if allow_any else load_public_keys(Path(args.curve_allowed_keys_dir))
-        workers: frozenset[bytes] = frozenset()
-        if role == "gateway":
-            if args.curve_worker_keys_dir is None:
-                raise CurveError("--curve-worker-keys-dir is required with --curve-secret-key-file")
-            workers = load_public_keys(Path(args.curve_worker_keys_dir))
-    except CurveError as e:
-        raise SystemExit(f"tokenwire {role}: bad CURVE configuration: {e}") from None
-    return CurveConfig(keypair, allowed, workers)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ops.config import NON_NEGATIVE_FLOAT, PORT, POSITIVE_FLOAT, POSITIVE_INT, add_config_options
-from ops.curve import add_curve_options, curve_config
+from ops.curve_options import add_curve_options, curve_config
 from ops.secrets import add_redis_password_option, redis_url
 
 if TYPE_CHECKING:
