@@ -147,3 +147,31 @@ def test_generate_refuses_to_overwrite_a_key_pair(keys: Path) -> None:
     with pytest.raises(curve.CurveError, match="exists"):
         curve.generate(keys / "pairs", "server")
     assert (keys / "pairs" / "server.key_secret").stat().st_mode & 0o077 == 0
+
+
+def test_tokenwire_keys_generate_writes_a_usable_pair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from clients.cli import main
+
+    assert main(["keys", "generate", str(tmp_path), "gw"]) == 0
+    pair = curve.load_keypair(tmp_path / "gw.key_secret")
+    assert curve.load_public_key(tmp_path / "gw.key") == pair.public
+    assert "gw.key_secret" in capsys.readouterr().out
+    assert main(["keys", "generate", str(tmp_path), "gw"]) == 1  # never overwrites a secret
+
+
+def test_curve_options_name_what_is_missing(keys: Path) -> None:
+    import argparse
+
+    from ops.curve_options import add_curve_options, curve_config
+
+    parser = argparse.ArgumentParser()
+    add_curve_options(parser, "gateway")
+    assert curve_config(parser.parse_args([])) is None  # CURVE off by default
+    secret = str(keys / "pairs" / "server.key_secret")
+    with pytest.raises(SystemExit, match="--curve-allowed-keys-dir is required"):
+        curve_config(parser.parse_args(["--curve-secret-key-file", secret]))
+    with pytest.raises(SystemExit, match="--curve-worker-keys-dir is required"):
+        curve_config(parser.parse_args(["--curve-secret-key-file", secret, "--curve-allow-any"]))
+    settings = curve_config(parser.parse_args(["--curve-secret-key-file", secret, "--curve-allow-any",
+                                               "--curve-worker-keys-dir", str(keys / "allowed")]))
+    assert settings is not None and settings.allowed is None and len(settings.workers) == 2
