@@ -15,6 +15,8 @@ The same stack's HTTP front (OpenAI's /v1/completions, server-sent events, a
 plain asyncio HTTP/1.1 client here so the figures are the server's, not an SDK's)
 takes its turn after the ZeroMQ client on each set, with prompts that differ in
 their first token (the worker's prefix cache must not serve the second path).
+A second stack, the same but with CURVE on between client, gateway and worker,
+takes its turn last on each set (its own worker: same prompts): the cost of CURVE.
 (b) TRANSPORT TEST: a worker started with `--backend echo` (its backend returns
 immediately, no model runs) behind one gateway, to find how many streamed
 tokens/s one gateway process routes (detokenizing as usual). Each row also says
@@ -47,6 +49,7 @@ from bench import SkipSection, free_port
 from ops.process import settle_gc, stop_children
 
 if TYPE_CHECKING:
+    from ops.curve import ClientCurve
     from worker.executor import Executor
 
 TITLE = "service: in process vs gateway + worker on loopback; gateway transport ceiling"
@@ -144,11 +147,11 @@ def _in_process_run(ex: Executor, prompts: list[list[int]]) -> Run:
 
 
 async def _stream_all(
-    endpoint: str, prompts: list[list[int]], output: int, greedy: bool
+    endpoint: str, prompts: list[list[int]], output: int, greedy: bool, curve: ClientCurve | None = None
 ) -> tuple[float, float, list[_Timeline]]:
     from clients.async_client import AsyncClient
 
-    async with AsyncClient([endpoint]) as client:
+    async with AsyncClient([endpoint], curve=curve) as client:
         await client.generate([100, 101, 102], max_tokens=2, timeout=300)  # warm-up, and the worker is ready
         start = time.perf_counter()
         lines = [_Timeline(start) for _ in prompts]
@@ -163,9 +166,10 @@ async def _stream_all(
 
 
 class _Stack:
-    """A private redis-server, one worker and one gateway, as child processes."""
+    """A private redis-server, one worker and one gateway, as child processes; with
+    `curve`, CURVE on between all three (keys made in the stack's directory)."""
 
-    def __init__(self, model: Path, *worker_args: str) -> None:
+    def __init__(self, model: Path, *worker_args: str, curve: bool = False) -> None:
         redis_server = shutil.which("redis-server")
         if redis_server is None:
             raise SkipSection("redis-server is not on PATH")
@@ -179,15 +183,34 @@ class _Stack:
         redis_args = [redis_server, "--port", str(ports[0]), "--save", "", "--appendonly", "no"]
         self.procs = [subprocess.Popen(redis_args, stdout=subprocess.DEVNULL)]
         time.sleep(0.3)
+        self.client_curve: ClientCurve | None = None
+        worker_curve, gateway_curve = self._curve_args(Path(self.dir.name)) if curve else ([], [])
         py = sys.executable
         self.procs.append(subprocess.Popen(
             [py, "-m", "worker.service", "--model", str(model), "--bind", f"tcp://127.0.0.1:{ports[1]}",
-             "--redis", self.redis, "--kv-tokens", str(_kv_tokens()), *worker_args],
+             "--redis", self.redis, "--kv-tokens", str(_kv_tokens()), *worker_args, *worker_curve],
             env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
         self.procs.append(subprocess.Popen(
             [py, "-m", "gateway", "--bind", self.gateway, "--redis", self.redis,
-             "--no-worker-timeout", "300", "--http-port", str(self.http_port)],
+             "--no-worker-timeout", "300", "--http-port", str(self.http_port), *gateway_curve],
             env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+
+    def _curve_args(self, root: Path) -> tuple[list[str], list[str]]:
+        from ops import curve
+
+        for name, allowed_by in (("worker", "workers"), ("gateway", "gateways"), ("client", "clients")):
+            public, _ = curve.generate(root / "keys", name)
+            (root / allowed_by).mkdir()
+            shutil.copy(public, root / allowed_by)
+        self.client_curve = curve.ClientCurve.from_files(
+            root / "keys" / "client.key_secret", root / "keys" / "gateway.key"
+        )
+        return (
+            ["--curve-secret-key-file", str(root / "keys" / "worker.key_secret"),
+             "--curve-allowed-keys-dir", str(root / "gateways")],
+            ["--curve-secret-key-file", str(root / "keys" / "gateway.key_secret"),
+             "--curve-allowed-keys-dir", str(root / "clients"), "--curve-worker-keys-dir", str(root / "workers")],
+        )  # fmt: skip
 
     def close(self) -> None:
         stop_children(self.procs, timeout_s=10)
@@ -237,15 +260,17 @@ def _other_start(prompts: list[list[int]]) -> list[list[int]]:
     return [[100 + (p[0] + 1 - 100) % 1000, *p[1:]] for p in prompts]
 
 
-def compare(model: Path, prompt_sets: list[list[list[int]]]) -> tuple[Run, Run, Run]:
-    """Both paths on each set of prompts in turn, in process first, so that a change
-    in the machine's pace during the section weighs on both; the fastest run of
-    each path counts. One warm Executor here and one stack throughout."""
+def compare(model: Path, prompt_sets: list[list[list[int]]]) -> tuple[Run, Run, Run, Run]:
+    """The paths on each set of prompts in turn, in process first, so that a change
+    in the machine's pace during the section weighs on all; the fastest run of
+    each path counts. One warm Executor here and one stack throughout, and a second
+    stack with CURVE on (idle while the others run)."""
     from worker.executor import Executor, ExecutorConfig, KvCacheConfig, Request
 
     config = ExecutorConfig(max_batch_size=max(64, REQUESTS), kv_cache_config=KvCacheConfig(max_tokens=_kv_tokens()))
     stack = _Stack(model, "--max-batch-size", str(max(64, REQUESTS)))
-    local, remote, http = [], [], []
+    curve_stack = _Stack(model, "--max-batch-size", str(max(64, REQUESTS)), curve=True)
+    local, remote, http, curve = [], [], [], []
     try:
         with Executor.from_model(model, config) as ex:
             _ = ex.enqueue_request(Request(input_token_ids=[100, 101, 102], max_tokens=2))
@@ -259,9 +284,15 @@ def compare(model: Path, prompt_sets: list[list[list[int]]]) -> tuple[Run, Run, 
                 start, end, lines = asyncio.run(_http_stream_all(stack.http_port, model.name, _other_start(prompts),
                                                                  OUTPUT, greedy=True))  # fmt: skip
                 http.append(_collect("HTTP+SSE front, gateway + worker (loopback)", start, end, lines))
+                start, end, lines = asyncio.run(
+                    _stream_all(curve_stack.gateway, prompts, OUTPUT, greedy=True, curve=curve_stack.client_curve)
+                )
+                curve.append(_collect("gateway + worker (loopback), CURVE on", start, end, lines))
     finally:
         stack.close()
-    return tuple(min(runs, key=lambda r: r.seconds) for runs in (local, remote, http))  # type: ignore[return-value]
+        curve_stack.close()
+    runs = (local, remote, http, curve)
+    return tuple(min(r, key=lambda run: run.seconds) for r in runs)  # type: ignore[return-value]
 
 
 def echo_transport(model: Path) -> list[Run]:
@@ -328,10 +359,12 @@ def table() -> tuple[list[str], list[list[str]]]:
     # New prompts for each repeat (the same sets for both paths): a repeated prompt
     # would be served from the prefix cache.
     prompt_sets = [_prompts(vocab, seed) for seed in range(REPEATS)]
-    local, remote, http = compare(model, prompt_sets)
+    local, remote, http, curve = compare(model, prompt_sets)
     header = ["path", "out tokens", "s", "tokens/s", "vs in-process", "TTFT p50 ms", "TTFT p99 ms",
               "ITL p50 ms", "ITL p99 ms", "decode ITL p50 ms", "decode ITL p99 ms"]  # fmt: skip
-    rows = [local.row(), remote.row(local), http.row(local)]
+    rows = [local.row(), remote.row(local), curve.row(local), http.row(local)]
+    rows.append([f"(CURVE on vs off: {curve.tokens / curve.seconds / (remote.tokens / remote.seconds):.3f} of "
+                 "the unauthenticated tokens/s; goal >= 0.97)", *[""] * 10])  # fmt: skip
     added = _pct(http.decode_itl_ms, 99) - _pct(remote.decode_itl_ms, 99)
     rows.append([f"(HTTP vs ZeroMQ client: {http.tokens / http.seconds / (remote.tokens / remote.seconds):.3f} of "
                  f"its tokens/s, {added:+.2f} ms decode ITL p99)", *[""] * 10])  # fmt: skip

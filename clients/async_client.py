@@ -19,6 +19,7 @@ import protocol
 from clients.connection import Connection, RequestError
 from clients.params import RequestOutput, SamplingParams, StreamChunk
 from clients.wire import Accumulator, Prompt, encode_submit, submit_from_call
+from ops.curve import ClientCurve
 
 _END = object()
 
@@ -95,10 +96,15 @@ class AsyncRequest:
 
 class AsyncClient:
     def __init__(
-        self, gateways: Sequence[str], *, heartbeat_interval_s: float = 1.0, missed_heartbeats: int = 3
+        self,
+        gateways: Sequence[str],
+        *,
+        heartbeat_interval_s: float = 1.0,
+        missed_heartbeats: int = 3,
+        curve: ClientCurve | None = None,
     ) -> None:
         self._connection = Connection(
-            gateways, heartbeat_interval_s=heartbeat_interval_s, missed_heartbeats=missed_heartbeats
+            gateways, heartbeat_interval_s=heartbeat_interval_s, missed_heartbeats=missed_heartbeats, curve=curve
         )
         self._hop: _Hop | None = None  # for the loop of the latest submit; requests keep their own
 

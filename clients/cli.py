@@ -28,6 +28,7 @@ COMMANDS: tuple[str, ...] = (
     "clients.cli_requests",
     "clients.cli_jobs",
     "clients.cli_config",
+    "clients.cli_keys",
 )
 
 

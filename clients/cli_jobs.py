@@ -15,6 +15,7 @@ from clients.cli_requests import DEFAULT_GATEWAY, DEFAULT_REDIS
 from clients.cli_table import format_table
 from clients.params import SamplingParams
 from ops.config import POSITIVE_FLOAT, POSITIVE_INT, add_config_options
+from ops.curve_options import add_client_curve_options, client_curve
 from ops.secrets import add_redis_password_option, redact, redis_url
 
 # Keys a line of a `jobs run` file may hold besides "prompt" or "messages": submit's keyword arguments.
@@ -112,6 +113,7 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--max-deliveries", type=POSITIVE_INT, default=5, help="then the job is dead-lettered")
     p.add_argument("--heartbeat-interval", type=POSITIVE_FLOAT, default=1.0, help="to the gateway, seconds")
     p.add_argument("--missed-heartbeats", type=POSITIVE_INT, default=3)
+    add_client_curve_options(p)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="one event a line: text or JSON")
     add_config_options(p, "jobs_consumer")
@@ -288,6 +290,7 @@ def consume(args: argparse.Namespace) -> int:
             max_deliveries=args.max_deliveries,
             heartbeat_interval_s=args.heartbeat_interval,
             missed_heartbeats=args.missed_heartbeats,
+            curve=client_curve(args),
         )
     )
     consumer.notifier = Notifier()

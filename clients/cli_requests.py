@@ -9,6 +9,7 @@ from typing import Any
 
 from clients.cli import Subparsers
 from clients.cli_table import format_table
+from ops.curve_options import add_client_curve_options, client_curve
 
 DEFAULT_GATEWAY = "tcp://127.0.0.1:5550"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -23,6 +24,7 @@ def register(subparsers: Subparsers) -> None:
         default=[],
         help=f"gateway endpoint, repeatable for failover (default {DEFAULT_GATEWAY})",
     )
+    add_client_curve_options(gen)
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument(
         "--chat", action="store_true", help="send the prompt as a user message, in the model's chat template"
@@ -80,7 +82,7 @@ def generate(args: argparse.Namespace) -> int:
         problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
         print(f"error: {problems}", file=sys.stderr)
         return 2
-    with Client(args.gateway or [DEFAULT_GATEWAY]) as client:
+    with Client(args.gateway or [DEFAULT_GATEWAY], curve=client_curve(args)) as client:
         future = client.submit(
             prompt, params, request_id=args.request_id, model=args.model, streaming=args.stream, messages=messages
         )

@@ -25,6 +25,7 @@ import protocol
 from clients.connection import Connection, GatewayLostError, GatewayUnavailableError, RequestError
 from clients.params import CompletionOutput, RequestOutput, SamplingParams, Speculation, StreamChunk
 from clients.wire import Accumulator, Messages, Prompt, encode_submit, submit_from_call
+from ops.curve import ClientCurve
 from protocol import FinishReason
 
 __all__ = [
@@ -120,6 +121,7 @@ class Client:
         missed_heartbeats: int = 3,
         connect_timeout_s: float = 2.0,
         connect_attempts: int = 2,
+        curve: ClientCurve | None = None,
     ) -> None:
         """A request fails with GatewayUnavailableError (naming the addresses) when no
         gateway answered within `connect_timeout_s`, `connect_attempts` times each."""
@@ -129,6 +131,7 @@ class Client:
             missed_heartbeats=missed_heartbeats,
             connect_timeout_s=connect_timeout_s,
             connect_attempts=connect_attempts,
+            curve=curve,
         )
 
     @property

@@ -17,6 +17,7 @@ connection keeps trying in the background).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -30,6 +31,7 @@ from typing import Protocol
 import zmq
 
 import protocol
+from ops.curve import ClientCurve, connect_as_client
 from protocol.limits import socket_turn
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,7 @@ class Connection(threading.Thread):
         missed_heartbeats: int = 3,
         connect_timeout_s: float = 2.0,
         connect_attempts: int | None = 2,  # None: keep trying (a daemon that waits for its gateways)
+        curve: ClientCurve | None = None,  # CURVE on: the gateways are CURVE servers with this key
     ) -> None:
         super().__init__(name="tokenwire-client-io", daemon=True)
         if isinstance(gateways, str) or not gateways:
@@ -86,6 +89,7 @@ class Connection(threading.Thread):
         self.missed_heartbeats = missed_heartbeats
         self.connect_timeout_s = connect_timeout_s
         self.connect_attempts = connect_attempts
+        self.curve = curve
         self._failed_opens = 0  # gateways opened in a row that never answered
         self.client_id = f"client-{uuid.uuid4().hex[:12]}"
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
@@ -182,11 +186,11 @@ class Connection(threading.Thread):
                     arg.sink.on_error(self._unavailable(arg.request_id))
                     continue
                 self._calls[arg.request_id] = arg
-                self._sock.send(arg.payload)
+                self._send(arg.payload)
             elif name == "cancel":
                 assert isinstance(arg, str)
                 if arg in self._calls:
-                    self._sock.send(protocol.encode(protocol.Cancel(request_id=arg)))
+                    self._send(protocol.encode(protocol.Cancel(request_id=arg)))
 
     def _receive(self) -> None:
         assert self._sock is not None
@@ -238,7 +242,16 @@ class Connection(threading.Thread):
                     call.sink.on_error(self._unavailable(request_id))
             self._failover(f"no answer for {silent:.1f} s")
         else:
-            self._sock.send(protocol.encode(protocol.Heartbeat(sender_id=self.client_id)))
+            self._send(protocol.encode(protocol.Heartbeat(sender_id=self.client_id)))
+
+    def _send(self, payload: bytes) -> None:
+        """Send, or drop where the gateway refused our CURVE handshake: the DEALER then has
+        no pipe and a send would block. The calls are kept: the heartbeat timeout fails
+        over and resends them (or fails them). Without CURVE, connect makes the pipe at
+        once and the send never blocks."""
+        assert self._sock is not None
+        with contextlib.suppress(zmq.Again):
+            self._sock.send(payload, zmq.NOBLOCK)
 
     def _unreachable(self) -> bool:
         attempts = self.connect_attempts
@@ -262,6 +275,8 @@ class Connection(threading.Thread):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        if self.curve is not None:
+            connect_as_client(sock, self.curve.keypair, self.curve.server_public)
         sock.connect(self.gateway)
         self._sock = sock
         self._poller = zmq.Poller()
@@ -269,7 +284,7 @@ class Connection(threading.Thread):
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._ready = False
         self._opened = time.monotonic()
-        sock.send(
+        self._send(
             protocol.encode(
                 protocol.Hello(sender_id=self.client_id, role="client", heartbeat_interval_s=self.heartbeat_interval_s)
             )
@@ -292,4 +307,4 @@ class Connection(threading.Thread):
                     )
                 )
             else:
-                self._sock.send(call.payload)
+                self._send(call.payload)

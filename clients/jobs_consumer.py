@@ -39,6 +39,7 @@ import protocol
 from clients.connection import Connection, RequestError
 from clients.job_scripts import Scripts, ensure_group
 from clients.wire import Accumulator
+from ops.curve import ClientCurve
 from ops.sd_notify import Notifier
 from ops.secrets import redact
 from protocol import FinishReason, Keys
@@ -64,6 +65,7 @@ class ConsumerConfig:
     heartbeat_interval_s: float = 1.0  # to the gateway
     missed_heartbeats: int = 3
     drain_timeout_s: float = 10.0  # on SIGTERM, how long jobs in flight may take to end
+    curve: ClientCurve | None = None  # CURVE to the gateways; None: off
 
 
 @dataclass(slots=True)
@@ -126,6 +128,7 @@ class Consumer:
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             missed_heartbeats=self.config.missed_heartbeats,
             connect_attempts=None,  # jobs wait for a gateway rather than spend their deliveries
+            curve=self.config.curve,
         )
         log.info("consumer %s: gateways %s, redis %s", self.name, self.config.gateways, redact(self.config.redis_url))
         next_capacity = next_refresh = next_claim = 0.0

@@ -8,6 +8,7 @@ import signal
 import sys
 
 from ops.config import PORT, POSITIVE_FLOAT, POSITIVE_INT, add_config_options
+from ops.curve_options import add_curve_options, curve_config
 from ops.secrets import add_redis_password_option
 
 DEFAULT_BIND = "tcp://127.0.0.1:5550"
@@ -18,6 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", default=DEFAULT_BIND, help=f"ZeroMQ endpoint for clients (default {DEFAULT_BIND})")
     p.add_argument("--redis", default=DEFAULT_REDIS, help=f"Redis URL (default {DEFAULT_REDIS})")
     add_redis_password_option(p)
+    add_curve_options(p, "gateway")
     p.add_argument("--redis-prefix", default="tokenwire")
     p.add_argument("--gateway-id", default="", help="id workers know this gateway by (default gw-host-pid)")
     p.add_argument("--heartbeat-interval", type=POSITIVE_FLOAT, default=1.0, help="seconds")
@@ -54,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
     apply_config(args)
     args.redis = redis_url(args.redis, DEFAULT_REDIS, args.redis_password_file)
+    curve = curve_config(args)
     setup_logging("gateway", args.log_level, args.log_format)
     exit_on_thread_crash()
     try:  # every socket bound before serving: a port in use is one line and exit status 1
@@ -70,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
                 no_worker_timeout_s=args.no_worker_timeout,
                 drain_timeout_s=args.drain_timeout,
                 tokenizer_sha256=dict(pin.split("=", 1) for pin in args.tokenizer_sha256),
+                curve=curve,
             )
         )
         http = None

@@ -29,6 +29,7 @@ from gateway.client_batch import ClientBatch
 from gateway.discovery import Discovery
 from gateway.tokenizer_store import Tokenizers
 from gateway.workers import WorkerLink, least_loaded
+from ops.curve import CurveConfig, CurveServer, connect_as_client
 from ops.metrics import GatewayMetrics, outcome
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
@@ -63,6 +64,9 @@ class GatewayConfig:
     # Model name -> SHA-256 (hex) of the tokenizer.json its workers must send; unpinned,
     # the first one received is the model's.
     tokenizer_sha256: dict[str, str] = field(default_factory=dict)
+    # CURVE on: clients must authenticate (with an allowed key, or any key), and only workers
+    # whose registry entry carries a pinned key are connected to; None: off (loopback only).
+    curve: CurveConfig | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -96,6 +100,12 @@ class Gateway:
         self.frontend.setsockopt(zmq.SNDHWM, 0)  # bounded by the in-flight limits
         self.frontend.setsockopt(zmq.RCVHWM, 0)
         self.frontend.setsockopt(zmq.LINGER, 0)
+        self._curve: CurveServer | None = None
+        if config.curve is not None:
+            self._curve = CurveServer("gateway", config.curve.keypair, config.curve.allowed)
+            self._curve.start(self.ctx)
+            self._curve.serve(self.frontend)  # inproc peers (the HTTP front) have no handshake
+        self._refused_workers: set[tuple[str, str | None]] = set()  # logged once each
         self.frontend.bind(config.bind)
         self.address = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
         self.frontend.bind(INPROC_ENDPOINT)
@@ -180,6 +190,8 @@ class Gateway:
             for link in list(self.workers.values()):
                 link.socket.close(0)
             self.frontend.close(0)
+            if self._curve is not None:
+                self._curve.stop()
             self.ctx.term()
 
     # -- drain -------------------------------------------------------------------------------
@@ -437,9 +449,23 @@ class Gateway:
                 continue
             if heartbeat_time <= self.lost_at.get(worker_id, 0.0):
                 continue  # the registry still shows a worker we lost; wait for a fresh heartbeat
+            if not self._pinned(info):
+                continue
             if link is not None:
                 self._lose_worker(link, "it re-registered at a new address")
             self._connect(info)
+
+    def _pinned(self, info: protocol.WorkerInfo) -> bool:
+        """With CURVE on: whether the worker's registry entry carries a pinned key. A
+        fake worker written into Redis has none, or another; it is refused and logged."""
+        curve = self.config.curve
+        if curve is None or (info.curve_public_key is not None and info.curve_public_key.encode() in curve.workers):
+            return True
+        if (info.worker_id, info.curve_public_key) not in self._refused_workers:
+            self._refused_workers.add((info.worker_id, info.curve_public_key))
+            why = "no CURVE key" if info.curve_public_key is None else f"CURVE key {info.curve_public_key}, not pinned"
+            log.warning("refused worker %s at %s: its registry entry carries %s", info.worker_id, info.address, why)
+        return False
 
     def _connect(self, info: protocol.WorkerInfo) -> None:
         sock = self.ctx.socket(zmq.DEALER)
@@ -447,6 +473,8 @@ class Gateway:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.config.curve is not None and info.curve_public_key is not None:  # _pinned checked the key
+            connect_as_client(sock, self.config.curve.keypair, info.curve_public_key.encode())
         sock.connect(info.address)
         link = WorkerLink(info, sock)
         self.workers[info.worker_id] = link

@@ -35,6 +35,7 @@ class WorkerInfo(Message):
     started_at: float  # unix time
     max_batch_size: int | None = Field(None, ge=1)
     state: Literal["serving", "draining"] = "serving"
+    curve_public_key: Name | None = None  # z85; a gateway with CURVE on connects only to pinned keys
 
 
 class IterationStats(Message):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ops.config import NON_NEGATIVE_FLOAT, PORT, POSITIVE_FLOAT, POSITIVE_INT, add_config_options
+from ops.curve_options import add_curve_options, curve_config
 from ops.secrets import add_redis_password_option, redis_url
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--advertise", default="", help="address gateways connect to (default: the bound one)")
     p.add_argument("--redis", default=DEFAULT_REDIS, help=f"Redis URL (default {DEFAULT_REDIS})")
     add_redis_password_option(p)
+    add_curve_options(p, "worker")
     p.add_argument("--redis-prefix", default="tokenwire")
     p.add_argument("--worker-id", default="", help="registry id (default host:port)")
     p.add_argument(
@@ -154,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
 
     apply_config(args)
     args.redis = redis_url(args.redis, DEFAULT_REDIS, args.redis_password_file)
+    curve = curve_config(args)
     setup_logging("worker", args.log_level, args.log_format)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     exit_on_thread_crash()
@@ -203,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
                 request_stats_ttl_s=args.request_stats_ttl,
                 device=args.device or args.backend,
                 drain_timeout_s=args.drain_timeout,
+                curve=curve,
             ),
             notifier,
         )

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import zmq
 
 import protocol
+from ops.curve import CurveConfig, CurveServer, IdentityKeys
 from ops.metrics import WorkerMetrics, outcome
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
@@ -58,6 +59,8 @@ class ServiceConfig:
     # After SIGTERM: how long in-flight requests may still take before they end with a
     # "worker draining" error.
     drain_timeout_s: float = 60.0
+    # CURVE on: gateways must authenticate with an allowed key; None: off (loopback only).
+    curve: CurveConfig | None = None
 
 
 @dataclass(slots=True)
@@ -81,7 +84,20 @@ class WorkerService:
         self.router.setsockopt(zmq.SNDHWM, 0)  # bounded by the executor's admitted work
         self.router.setsockopt(zmq.RCVHWM, 0)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a gateway reconnecting under its id takes over
+        self._curve: CurveServer | None = None
+        # Under CURVE, a gateway id belongs to the key that first used it: a peer that takes the
+        # id with another key once the gateway's connection ended is refused (and logged) until
+        # the gateway is declared gone.
+        self._identity_keys: IdentityKeys | None = None
+        if config.curve is None:
+            self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a gateway reconnecting under its id takes over
+        else:
+            # No handover: a second connection under a live gateway's id would get that gateway's
+            # results. libzmq keeps the first connection and drops what the second sends.
+            self._curve = CurveServer("worker", config.curve.keypair, config.curve.allowed)
+            self._curve.start(self.ctx)
+            self._curve.serve(self.router)
+            self._identity_keys = IdentityKeys("worker")
         self.router.bind(config.bind)
         address = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.address = config.advertise or address.replace("0.0.0.0", socket.gethostname())
@@ -106,6 +122,7 @@ class WorkerService:
             device=config.device,
             started_at=time.time(),
             max_batch_size=engine.info.max_batch_size,
+            curve_public_key=config.curve.keypair.public.decode() if config.curve is not None else None,
         )
         self.redis = WorkerRedis(
             config.redis_url,
@@ -182,6 +199,8 @@ class WorkerService:
             # A drained worker's last results and errors must leave before the socket goes.
             self.router.close(2000 if self._drain_deadline is not None else 0)
             self._pump_out.close(0)
+            if self._curve is not None:
+                self._curve.stop()
             self.ctx.term()
 
     # -- drain -------------------------------------------------------------------------
@@ -249,15 +268,32 @@ class WorkerService:
         try:
             for _ in socket_turn():
                 try:
-                    frames = self.router.recv_multipart(zmq.NOBLOCK)
+                    if self._identity_keys is None:
+                        frames = self.router.recv_multipart(zmq.NOBLOCK)
+                    else:
+                        frames = self._receive_authenticated(self._identity_keys)
                 except zmq.Again:
                     return
                 if len(frames) != 2:
-                    continue  # not a DEALER speaking our protocol; nothing to answer
+                    continue  # not a DEALER speaking our protocol (or a refused takeover); nothing to answer
                 gateway, payload = frames
                 self._handle(gateway, payload)
         finally:
             self._enqueue_taken()
+
+    def _receive_authenticated(self, identity_keys: IdentityKeys) -> list[bytes]:
+        """One message, or [] where its sender took over another key's gateway id: that
+        gateway is then gone (its connection ended, or the id would not be free), and
+        nothing more is sent under its id, which would reach the taker."""
+        parts = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+        if len(parts) != 2:
+            return []
+        gateway = parts[0].bytes
+        if not identity_keys.admit(gateway, parts[1]):
+            if gateway in self.gateways:
+                self._gateway_gone(gateway, "lost its id to a peer with another key")
+            return []
+        return [gateway, parts[1].bytes]
 
     def _handle(self, gateway: bytes, payload: bytes) -> None:
         try:
@@ -357,6 +393,13 @@ class WorkerService:
                 self.table.add(entry)
                 self.metrics.started(exec_id, entry.prompt_tokens, entry.received)
 
+    def _gateway_gone(self, gateway: bytes, why: str) -> None:
+        orphans = self.table.of_gateway(gateway)
+        log.warning("gateway %r %s: aborting its %d requests", gateway, why, len(orphans))
+        for entry in orphans:
+            self.engine.cancel_request(entry.exec_id)
+        del self.gateways[gateway]
+
     def _send(self, gateway: bytes, msg: protocol.Message) -> None:
         self.router.send_multipart([gateway, protocol.encode(msg, self.limits)])
 
@@ -364,16 +407,9 @@ class WorkerService:
         now = time.monotonic()
         for gateway, peer in list(self.gateways.items()):
             if now - peer.last_seen > self.config.missed_heartbeats * peer.heartbeat_interval_s:
-                orphans = self.table.of_gateway(gateway)
-                log.warning(
-                    "gateway %r silent for %.1f s: aborting its %d requests",
-                    gateway,
-                    now - peer.last_seen,
-                    len(orphans),
-                )
-                for entry in orphans:
-                    self.engine.cancel_request(entry.exec_id)
-                del self.gateways[gateway]
+                self._gateway_gone(gateway, f"silent for {now - peer.last_seen:.1f} s")
+                if self._identity_keys is not None:
+                    self._identity_keys.forget(gateway)
         load = self.load()
         # The line `systemctl status` shows, kept current.
         self.notifier.status(
