@@ -58,7 +58,9 @@ def _compare(directory: Path) -> None:
 
 
 def test_default_model_template_matches_transformers(default_model_dir: Path):
-    _compare(default_model_dir)
+    _compare(default_model_dir)  # asserts each rendering equals transformers'
+    template = json.loads((default_model_dir / "tokenizer_config.json").read_text())["chat_template"]
+    assert "<|im_start|>" in render_chat(template, CONVERSATIONS[0])  # SmolLM2's ChatML turns
 
 
 def test_another_template_matches_transformers(tmp_path: Path):
