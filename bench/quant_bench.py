@@ -20,6 +20,7 @@ import gc
 import json
 import os
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -90,6 +91,48 @@ def quantized_roofline(cfg: Any, quantization: str, kv_bytes: int, bandwidth: fl
     )
 
 
+def _graph_call_seconds(fn: Any, device: torch.device) -> float:
+    """Seconds per call of `fn`, 20 calls captured in one CUDA graph (no launch gaps)."""
+    fn()  # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(20):
+            fn()
+    graph.replay()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        graph.replay()
+    sync(device)
+    return (time.perf_counter() - t0) / 200
+
+
+def int4_gemv_rows(cfg: Any, bandwidth: float, device: torch.device) -> list[dict[str, Any]]:
+    """Batch-1 W4A16 per projection shape: the GEMV kernel against the tiled kernel it
+    replaced for one row, and against its floor (the packed weights and group scales over
+    the measured bandwidth)."""
+    from worker.backends.quant_linear import Int4Linear, quantized_linear, w4a16_matmul
+
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    shapes = {"qkv": (h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d), "o": (cfg.num_heads * d, h),
+              "gate_up": (h, 2 * inter), "down": (inter, h)}  # fmt: skip
+    rows = []
+    for role, (k, n) in shapes.items():
+        layer = quantized_linear([torch.randn(n, k, device=device) * 0.02], None, "int4", device)
+        assert isinstance(layer, Int4Linear)
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        gemv = _graph_call_seconds(partial(layer, x), device)
+        tiled = _graph_call_seconds(
+            partial(w4a16_matmul, x, layer.qweight, layer.scale, layer.zero, layer.group_size), device
+        )
+        floor = (k * n // 2 + k // layer.group_size * n * 4) / bandwidth
+        rows.append({"projection": role, "k": k, "n": n, "gemv_us": round(gemv * 1e6, 1),
+                     "tiled_us": round(tiled * 1e6, 1), "floor_us": round(floor * 1e6, 1),
+                     "of_floor": round(gemv / floor, 2)})  # fmt: skip
+        log(f"int4 batch-1 {role}: {rows[-1]}")
+    return rows
+
+
 def _engine(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.Tensor], device: torch.device,
             kv_cache_dtype: str | None) -> Any:  # fmt: skip
     from worker.backends.torch_backend import TorchBackend
@@ -148,6 +191,7 @@ def run_quantized(args: argparse.Namespace) -> list[dict[str, Any]]:
     log(f"HBM {bandwidth / 1e12:.2f} TB/s; GEMM bf16 {bf16_flops / 1e12:.0f} TFLOP/s, fp8 {fp8_flops / 1e12:.0f} "
         "TFLOP/s (8192^3, measured now)")  # fmt: skip
     flops = fp8_flops if args.quantization == "fp8" else bf16_flops
+    gemv = int4_gemv_rows(cfg, bandwidth, device) if args.quantization == "int4" and device.type == "cuda" else []
     weights = random_weights(cfg, device, torch.bfloat16)
     rows: list[dict[str, Any]] = []
     workloads = TINY_WORKLOADS if args.tiny else FP8_WORKLOADS
@@ -182,6 +226,7 @@ def run_quantized(args: argparse.Namespace) -> list[dict[str, Any]]:
     summary = {
         "environment": env, "quantization": args.quantization, "bandwidth_TBps": bandwidth / 1e12,
         "gemm_bf16_TFLOPps": bf16_flops / 1e12, "gemm_fp8_TFLOPps": fp8_flops / 1e12, "rows": rows,
+        "int4_batch1_gemv": gemv,
     }  # fmt: skip
     out = os.environ.get("OUT")
     if out:

@@ -195,3 +195,25 @@ def test_default_model_quantized_on_load_agreement() -> None:
     print(f"default model, next-token agreement with bf16 over 20 x 64 tokens: {figures}")
     assert figures["fp8"] >= 0.8
     assert figures["int4"] >= 0.45
+
+
+def test_w4a16_batch_one_repeats_and_replays_in_a_graph() -> None:
+    """The batch-1 kernel leaves its split-K sums and counters at zero for the next call:
+    repeated calls, and replays of a captured graph, give the same product."""
+    w = torch.randn(6144, 4096, device=CUDA) * 0.05
+    layer = quant_linear.quantized_linear([w], None, "int4", CUDA)
+    assert isinstance(layer, quant_linear.Int4Linear)
+    x = torch.randn(1, 4096, device=CUDA, dtype=torch.bfloat16)
+    ref = x.float() @ quant_linear.dequantize_int4(layer).T
+    first = layer(x)
+    assert rel(first, ref) < 1e-2
+    for _ in range(3):
+        assert rel(layer(x), first) < 1e-3
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = layer(x)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel(captured, first) < 1e-3
+    assert int(layer.split_counts.abs().sum()) == 0 and float(layer.split_sums.abs().sum()) == 0.0

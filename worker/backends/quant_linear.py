@@ -7,10 +7,13 @@ float weights on the device, and the GEMMs `linear` runs on them.
   then one `torch._scaled_mm` (cuBLASLt FP8, row-wise scales, bf16 out).
 - `Int4Linear`: W4A16. Weights packed eight to an int32 along the input dimension,
   [in // 8, out], so that a tile of consecutive inputs for a run of outputs is one
-  coalesced load; scales (and zero points) per group as float32 [groups, out]. One Triton
-  kernel dequantizes in registers and accumulates in float32: small batches (GEMV-like,
-  memory-bound) split the input dimension over programs so that all SMs stream weights,
-  large batches take 64-128 row tiles.
+  coalesced load; scales (and zero points) per group as float32 [groups, out]. Triton
+  kernels dequantize in registers and accumulate in float32. Batch 1 (decode at low load,
+  bound by reading the weights once) has a GEMV kernel of its own: each word is loaded
+  once and its eight nibbles unpacked in registers, with no 16-row MMA padding, and the
+  input dimension is split over programs so that every SM streams weights; the last
+  program of a column tile sums the splits, so a call is one launch. Larger batches take
+  the tiled kernel (16-128 row tiles, tl.dot).
 
 On the CPU the backend does not come here: it computes with the dequantized reference.
 """
@@ -59,10 +62,28 @@ class Int4Linear:
     zero: torch.Tensor | None  # float32 [in // group_size, out]; None: symmetric
     group_size: int
     bias: torch.Tensor | None  # [out], compute dtype
+    # The batch-1 kernel's split-K sums and per-tile counters, zero between calls; one
+    # per layer, so layers never share them (each is allocated outside graph capture).
+    split_sums: torch.Tensor  # float32 [out]
+    split_counts: torch.Tensor  # int32 [ceil(out / GEMV_BLOCK_N)]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = w4a16_matmul(x, self.qweight, self.scale, self.zero, self.group_size)
+        if x.shape[0] == 1 and x.is_cuda:
+            out = w4a16_gemv(x, self)
+        else:
+            out = w4a16_matmul(x, self.qweight, self.scale, self.zero, self.group_size)
         return out if self.bias is None else out + self.bias
+
+
+GEMV_BLOCK_N = 128
+
+
+def int4_linear(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int,
+                bias: torch.Tensor | None) -> Int4Linear:  # fmt: skip
+    out = qweight.shape[1]
+    sums = torch.zeros(out, dtype=torch.float32, device=qweight.device)
+    counts = torch.zeros(-(-out // GEMV_BLOCK_N), dtype=torch.int32, device=qweight.device)
+    return Int4Linear(qweight, scale, zero, group_size, bias, sums, counts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +148,7 @@ def quantize_int4(w: torch.Tensor, bias: torch.Tensor | None, group_size: int) -
     scale = groups.abs().amax(dim=2) / 7.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(groups / scale[:, :, None]).clamp_(-8, 7).to(torch.int32).view(out, n_in)
-    return Int4Linear(_pack_along_in(q.t()), scale.t().contiguous(), None, group_size, bias)
+    return int4_linear(_pack_along_in(q.t()), scale.t().contiguous(), None, group_size, bias)
 
 
 def _pack_along_in(q_in_out: torch.Tensor) -> torch.Tensor:
@@ -167,7 +188,7 @@ def _int4_from_checkpoint(parts: list[Int4Weight], bias: torch.Tensor | None, de
     if any(p.zero is not None for p in parts):
         zeros = [np.zeros(p.scale.shape, np.int8) if p.zero is None else p.zero for p in parts]
         zero = torch.from_numpy(np.concatenate(zeros)).to(device=device, dtype=torch.float32).t().contiguous()
-    return Int4Linear(_pack_along_in(q.t()), scale.t().contiguous(), zero, group_size, bias)
+    return int4_linear(_pack_along_in(q.t()), scale.t().contiguous(), zero, group_size, bias)
 
 
 # -- activations: per-token FP8 -----------------------------------------------------------------
@@ -232,6 +253,72 @@ if triton is not None:
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
         else:
             tl.atomic_add(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+if triton is not None:
+
+    @triton.jit  # type: ignore[misc,unused-ignore]
+    def _w4a16_gemv_kernel(  # type: ignore[no-untyped-def]
+        x_ptr, w_ptr, s_ptr, z_ptr, sums_ptr, counts_ptr, out_ptr, N, K, group_size,
+        HAS_ZERO: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+    ):  # fmt: skip
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        rows = tl.arange(0, BLOCK_KW)  # word rows: inputs 8r .. 8r + 7
+        nibble = tl.arange(0, 8)
+        k_span = K // SPLIT_K
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(pid_k * k_span, (pid_k + 1) * k_span, BLOCK_KW * 8):
+            words = tl.load(w_ptr + (k0 // 8 + rows)[:, None].to(tl.int64) * N + offs_n[None, :], mask=n_ok[None, :],
+                            other=0)  # fmt: skip
+            x = tl.load(x_ptr + k0 + rows[:, None] * 8 + nibble[None, :]).to(tl.float32)  # [KW, 8]
+            q = ((words[:, None, :] >> (nibble[None, :, None] * 4)) & 0xF).to(tl.float32) - 8.0  # [KW, 8, N]
+            part = tl.sum(tl.sum(q * x[:, :, None], axis=1), axis=0)
+            g = k0 // group_size  # BLOCK_KW * 8 divides the group size: one group per tile
+            if HAS_ZERO:  # sum x (q - z) = sum x q - z sum x
+                part -= tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0) * tl.sum(tl.sum(x, axis=1), axis=0)
+            acc += part * tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0)
+        if SPLIT_K == 1:
+            tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+        else:
+            tl.atomic_add(sums_ptr + offs_n, acc, mask=n_ok)
+            # The tile's last program to finish takes the sums (leaving zeros for the next
+            # call) and writes the output: no memset or cast launch around the kernel.
+            if tl.atomic_add(counts_ptr + pid_n, 1) == SPLIT_K - 1:
+                zeros = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                total = tl.atomic_add(sums_ptr + offs_n, zeros, mask=n_ok)  # a coherent read of the sums
+                tl.store(sums_ptr + offs_n, zeros, mask=n_ok)
+                tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+                tl.store(counts_ptr + pid_n, 0)
+
+
+def _gemv_split(n: int, k: int, group_size: int, num_sms: int) -> tuple[int, int]:
+    """(SPLIT_K, BLOCK_KW) for a batch-1 product: enough programs for four per SM, each
+    walking whole tiles of BLOCK_KW words (which must divide the group)."""
+    block_kw = min(8, group_size // 8)
+    tiles = -(-n // GEMV_BLOCK_N)
+    split = 1
+    while tiles * split < 4 * num_sms and k % (split * 2 * block_kw * 8) == 0:
+        split *= 2
+    return split, block_kw
+
+
+def w4a16_gemv(x: torch.Tensor, w: Int4Linear) -> torch.Tensor:
+    """x [1, K] @ dequantized W [K, N] -> [1, N] in x's dtype, one launch."""
+    k, n = x.shape[1], w.qweight.shape[1]
+    dev = x.device.index or 0
+    if dev not in _NUM_SMS:
+        _NUM_SMS[dev] = torch.cuda.get_device_properties(x.device).multi_processor_count
+    split, block_kw = _gemv_split(n, k, w.group_size, _NUM_SMS[dev])
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    grid = (-(-n // GEMV_BLOCK_N), split)
+    _w4a16_gemv_kernel[grid](
+        x.contiguous(), w.qweight, w.scale, w.scale if w.zero is None else w.zero, w.split_sums, w.split_counts, out,
+        n, k, w.group_size, HAS_ZERO=w.zero is not None, SPLIT_K=split, BLOCK_N=GEMV_BLOCK_N, BLOCK_KW=block_kw,
+        num_warps=4, num_stages=4,
+    )  # fmt: skip
+    return out
 
 
 def _w4a16_plan(m: int, n: int, k: int, group_size: int, num_sms: int) -> tuple[int, int, int, int, int]:

@@ -4,6 +4,9 @@ the FP8 KV cache option, run by the torch-CPU path."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -99,3 +102,33 @@ def test_fp8_kv_cache_halves_the_bytes_and_stays_close(tiny_llama: Path) -> None
     assert (out["fp8"].argmax(-1) == out[None].argmax(-1)).mean() >= 0.75
     with pytest.raises(ValueError, match="kv_cache_dtype must be 'fp8' or None"):
         TorchBackend(loaded, device="cpu", kv_cache_dtype="int8")
+
+
+_GEMV_CHECK = """
+import numpy as np, torch
+from worker.backends import quant_linear as ql
+from worker.models.quantization import Int4Weight, dequantize, pack_int4
+ql._NUM_SMS[0] = 2  # few SMs: the plan splits K, so the last-program reduction runs
+for n, k, zero, group in [(300, 512, False, 128), (256, 512, True, 128), (96, 576, False, 64)]:
+    rng = np.random.default_rng(n)
+    z = rng.integers(-3, 3, (n, k // group)).astype(np.int8) if zero else None
+    w = Int4Weight(pack_int4(rng.integers(-8, 8, (n, k)).astype(np.int8)),
+                   (rng.random((n, k // group)) * 0.01).astype(np.float32), z, group)
+    layer = ql.quantized_linear([w], None, None, torch.device("cpu"))
+    x = torch.randn(1, k).to(torch.float16)
+    ref = x.float() @ torch.from_numpy(dequantize(w)).T
+    for _ in range(2):  # the second call finds the sums and counters the first left at zero
+        got = ql.w4a16_gemv(x, layer).float()
+        assert float((got - ref).norm() / ref.norm()) < 2e-3, (n, k, zero)
+    assert int(layer.split_counts.abs().sum()) == 0 and float(layer.split_sums.abs().sum()) == 0.0
+print("ok")
+"""
+
+
+def test_batch_one_int4_kernel_in_the_triton_interpreter() -> None:
+    """The CUDA batch-1 W4A16 kernel (one word load, nibbles unpacked in registers, split-K
+    summed by the last program) run by Triton's CPU interpreter against the reference."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[3])}
+    done = subprocess.run([sys.executable, "-c", _GEMV_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
