@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import os
@@ -35,6 +36,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +130,11 @@ def run_in_process(executor: Any, model: str, prompts: list[list[int]], output: 
             if r.result.is_final:
                 pending -= 1
     return _collect(model, "in process", rate, sent, list(lines.values()))
+
+
+def _in_process_at(executor: Any, model: str, n: int, prompt: int, output: int, vocab: int, rate: float,
+                   i: int) -> RateRun:  # fmt: skip
+    return run_in_process(executor, model, prompts_for(n, prompt, vocab, 10 + i), output, rate, seed=i)
 
 
 # -- through the service --------------------------------------------------------------------------------
@@ -226,6 +233,16 @@ def executor_8b(args: argparse.Namespace) -> tuple[Any, int]:
     return executor, cfg.vocab_size
 
 
+def release_device_memory() -> None:
+    gc.collect()
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 # -- the runs -----------------------------------------------------------------------------------------------
 
 
@@ -273,9 +290,10 @@ def bench_model(args: argparse.Namespace, name: str, log: Callable[[str], None])
             while not any(r.result and r.result.is_final for r in executor.await_responses(warm, timeout=300)):
                 pass
             log(f"{label}, in process: {n} requests x {p} / {o} tokens")
-            local, rates = sweep(lambda rate, i: run_in_process(
-                executor, label, prompts_for(n, p, vocab, 10 + i), o, rate, seed=i), args.rates, log)  # fmt: skip
+            local, rates = sweep(partial(_in_process_at, executor, label, n, p, o, vocab), args.rates, log)
             runs += local
+        del executor
+        release_device_memory()  # the worker process sizes its KV cache from what is free
         if path is not None and "service" in args.paths:
             log(f"{label}, gateway + worker: the same rates")
             worker_args = ["--max-batch-size", str(args.max_batch), "--max-num-tokens", str(args.max_num_tokens)]
