@@ -318,8 +318,15 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
     runs: list[RateRun] = []
+    skipped = []
     for name in args.model.split(","):
-        runs += bench_model(args, name, log)
+        try:
+            runs += bench_model(args, name, log)
+        except SkipSection as e:  # the other models' rows still count
+            log(f"{name}: skipped: {e}")
+            skipped.append(f"{name}: {e}")
+    if not runs:
+        raise SkipSection("; ".join(skipped))
     rows = [r.row() for r in runs]
     rows.append([f"({args.requests} x {args.prompt}/{args.output} per rate)", *[""] * (len(HEADER) - 1)])
     out = os.environ.get("OUT")

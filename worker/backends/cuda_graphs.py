@@ -63,6 +63,9 @@ class DecodeGraphs:
         self.arange = torch.arange(max_batch + 1, dtype=torch.int32, device=self.device)
         self.zeros = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
         self.logits: torch.Tensor | None = None  # [max_batch, vocab], made at the first capture
+        # One stream for every warm-up: the allocator caches freed blocks per stream, so a
+        # new stream per capture would keep each warm-up's activations reserved.
+        self.side = torch.cuda.Stream(self.device)
 
     def fits(self, batch: ForwardBatch) -> bool:
         b = batch.num_seqs
@@ -133,7 +136,7 @@ class DecodeGraphs:
         block_tables = torch.zeros((b, self.max_blocks), dtype=torch.int32, device=self.device)
         inputs = self._inputs(meta, block_tables, b)
         # Warm up off the capture: Triton compiles and cuBLAS picks its kernels here.
-        side = torch.cuda.Stream(self.device)
+        side = self.side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             warm = self.backend.run_model(inputs)
