@@ -396,7 +396,7 @@ def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: 
             dump_iterations(stats)
         ttft, tpot = run_executor_single(executor, prompts_for(1, prompt, cfg.vocab_size, 2)[0], output)
         row = Row(name, n, seconds, tokens, ttft_ms=ttft, tpot_ms=tpot, mean_batch=batch)
-        row.extra = {**summary, **host, "kv_tokens": kv_tokens}
+        row.extra = {**summary, **host, "kv_tokens": kv_tokens, "max_batch": args.max_batch}
         # The most sequences that fit at once: the batch limit, or our KV cache at full length.
         concurrency = min(args.max_batch, n, kv_tokens // (prompt + output))
         row.roofline_tok_s = roof.offline_tok_s(prompt, output, n, concurrency)
@@ -744,7 +744,8 @@ def table_from_json(path: str) -> tuple[list[str], list[list[str]]]:
         # Runs saved before kv_tokens was recorded: the H100's 13773 blocks of 32 tokens.
         kv_tokens = int(row.extra.get("kv_tokens", 13773 * 32))
         n = row.requests
-        row.roofline_tok_s = roof.offline_tok_s(prompt, output, n, min(512, n, kv_tokens // (prompt + output)))
+        max_batch = int(row.extra.get("max_batch", 512))  # runs saved before it was recorded ran at 512
+        row.roofline_tok_s = roof.offline_tok_s(prompt, output, n, min(max_batch, n, kv_tokens // (prompt + output)))
     env = saved["environment"]
     print(f"{env.get('gpu', 'cpu')} | torch {env['torch']} | triton {env['triton']} | transformers "
           f"{env['transformers']} | {env['date']}")  # fmt: skip
