@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from bench import SkipSection
+from bench.host_timing import HostTimer, summarize
 
 TITLE = "GPU: tokenwire (torch backend) vs transformers generate_batch, Llama-3.1-8B shape, random bf16"
 
@@ -299,6 +300,10 @@ def run_executor_single(executor: Any, prompt: list[int], output: int) -> tuple[
     return first * 1e3, total / max(stamps[-1][1] - stamps[0][1], 1) * 1e3
 
 
+def device_is_cuda(backend: Any) -> bool:
+    return getattr(getattr(backend, "device", None), "type", None) == "cuda"
+
+
 def iteration_summary(stats: list[Any]) -> dict[str, float]:
     """Iteration counts and mean latencies (ms) of generation-only and mixed iterations."""
     gen = [s.iter_latency_ms for s in stats if not s.num_context_requests]
@@ -329,7 +334,8 @@ def bench_tokenwire(args: argparse.Namespace, cfg: Any, weights: dict[str, torch
     from worker.backends.torch_backend import TorchBackend
 
     backend = TorchBackend(cfg, device, args.dtype, weights=weights, max_num_tokens=args.max_num_tokens,
-                           max_model_len=args.max_model_len, max_graph_batch=args.max_batch)  # fmt: skip
+                           max_model_len=args.max_model_len, max_graph_batch=args.max_batch,
+                           max_batch_size=args.max_batch)  # fmt: skip
     rows = bench_executor(args, cfg, backend, workloads, roof)
     del backend
     gc.collect()
@@ -351,11 +357,24 @@ def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: 
         iteration_stats_max=1_000_000,
     )  # fmt: skip
     t0 = time.perf_counter()
-    executor = Executor(EngineCore(backend, config))
+    single_device = not getattr(args, "tensor_parallel_size", 1) > 1  # --direct and --profile drive one backend
+    timer = HostTimer(backend) if args.profile and single_device else None  # before the core binds `launch`
+    core = EngineCore(backend, config)
+    if timer is not None:
+        timer.attach(core)
+    executor = Executor(core)
+    t_graphs = time.perf_counter()
     backend.capture_graphs()
     kv_tokens = executor.core.blocks.num_blocks * args.block_size
+    working = backend.working_memory() if hasattr(backend, "working_memory") else None
     log(f"executor up in {time.perf_counter() - t0:.1f} s: {executor.core.blocks.num_blocks} KV blocks of "
-        f"{args.block_size}, CUDA graphs captured")  # fmt: skip
+        f"{args.block_size} ({kv_tokens} tokens: max_batch {args.max_batch} x {kv_tokens // args.max_batch}); "
+        f"CUDA graphs captured in {time.perf_counter() - t_graphs:.1f} s"
+        + (f"; working memory {working.describe()}" if working else ""))  # fmt: skip
+    if device_is_cuda(backend):
+        log(f"GPU memory: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, "
+            f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved by torch, "
+            f"{torch.cuda.mem_get_info()[0] / 2**30:.2f} GiB free")  # fmt: skip
     # Warm-up: compiles the Triton kernels for prefill shapes, touches every path once.
     run_executor_offline(executor, prompts_for(4, 64, cfg.vocab_size, 99), 8)
     # ... and a prompt alone: its prefill keeps a single logits row, a shape of its own for the kernels.
@@ -364,8 +383,11 @@ def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: 
     for prompt, output, n, _ in workloads:
         name = f"{prompt}/{output}"
         executor.get_latest_iteration_stats()  # drains: what follows is this run's alone
+        if timer is not None:
+            timer.take()
         seconds, tokens = run_executor_offline(executor, prompts_for(n, prompt, cfg.vocab_size, 1), output)
         stats = executor.get_latest_iteration_stats()
+        host = summarize(timer.take()) if timer is not None else {}
         if tokens != n * output:
             raise RuntimeError(f"{name}: {tokens} output tokens, expected {n * output}")
         batch = mean_decode_batch(stats)
@@ -374,7 +396,7 @@ def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: 
             dump_iterations(stats)
         ttft, tpot = run_executor_single(executor, prompts_for(1, prompt, cfg.vocab_size, 2)[0], output)
         row = Row(name, n, seconds, tokens, ttft_ms=ttft, tpot_ms=tpot, mean_batch=batch)
-        row.extra = {**summary, "kv_tokens": kv_tokens}
+        row.extra = {**summary, **host, "kv_tokens": kv_tokens, "max_batch": args.max_batch}
         # The most sequences that fit at once: the batch limit, or our KV cache at full length.
         concurrency = min(args.max_batch, n, kv_tokens // (prompt + output))
         row.roofline_tok_s = roof.offline_tok_s(prompt, output, n, concurrency)
@@ -382,7 +404,6 @@ def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: 
         log(f"tokenwire {name}: {row.tok_s:,.0f} tok/s (mean decode batch {batch:.0f}), "
             f"TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms; iterations {row.extra}")  # fmt: skip
         rows.append(row)
-    single_device = not getattr(args, "tensor_parallel_size", 1) > 1  # --direct and --profile drive one backend
     if args.direct and single_device:
         for row, (prompt, output, n, _) in zip(rows, workloads, strict=True):
             prompts = np.asarray(prompts_for(n, prompt, cfg.vocab_size, 1))
@@ -441,12 +462,17 @@ def profile_steps(backend: Any, cfg: Any, num_blocks: int, block_size: int) -> N
         batch, sampling = synthetic_step(n, q, ctx, block_size, cfg.vocab_size), greedy(n)
         for _ in range(3):
             backend.sample(backend.forward(batch), sampling)
-        times = []
+        times, launches = [], []
         for _ in range(10):
             t0 = time.perf_counter()
-            backend.sample(backend.forward(batch), sampling)
+            handle = backend.launch(batch, sampling)
+            launches.append(time.perf_counter() - t0)
+            handle.result()
             times.append(time.perf_counter() - t0)
-        log(f"step: {n} seqs x {q} new tokens at context {ctx}: {np.median(times) * 1e3:.2f} ms")
+        # Host time to queue the step (upload, kernels or graph replay, sampling) against the
+        # whole step: a launch near the step's length leaves the GPU waiting on Python.
+        log(f"step: {n} seqs x {q} new tokens at context {ctx}: {np.median(times) * 1e3:.2f} ms, host launch "
+            f"{np.median(launches) * 1e3:.2f} ms")  # fmt: skip
     from torch.profiler import ProfilerActivity, profile
 
     out = os.environ.get("OUT", "/tmp")
@@ -591,6 +617,9 @@ def format_rows(rows: list[Row], roof: Roofline) -> tuple[list[str], list[list[s
     header = ["workload", "reqs", "tokenwire tok/s", "HF reqs", "HF CB tok/s", "vs HF", "roofline tok/s",
               "of roofline", "mean batch", "backend alone tok/s", "TTFT b1 ms", "TPOT b1 ms", "TPOT floor ms",
               "TPOT/floor"]  # fmt: skip
+    profiled = any("host_ms" in r.extra for r in rows)
+    if profiled:  # --profile: is the host on the critical path?
+        header += ["step ms", "host ms/step", "GPU wait ms/step", "steps host-bound"]
     out = []
     for r in rows:
         floor_ms = r.extra.get("tpot_floor_ms", roof.decode_floor(0) * 1e3)
@@ -603,6 +632,10 @@ def format_rows(rows: list[Row], roof: Roofline) -> tuple[list[str], list[list[s
             f"{r.extra['direct_tok_s']:,.0f}" if "direct_tok_s" in r.extra else "-",
             f"{r.ttft_ms:.1f}", f"{r.tpot_ms:.2f}", f"{floor_ms:.2f}", f"{r.tpot_ms / floor_ms:.2f}",
         ])  # fmt: skip
+        if profiled:
+            e = r.extra
+            out[-1] += ([f"{e['step_ms']:.2f}", f"{e['host_ms']:.2f}", f"{e['gpu_wait_ms']:.2f}",
+                         f"{e['host_bound_steps']:.0%}"] if "host_ms" in e else ["-"] * 4)  # fmt: skip
     return header, out
 
 
@@ -711,7 +744,8 @@ def table_from_json(path: str) -> tuple[list[str], list[list[str]]]:
         # Runs saved before kv_tokens was recorded: the H100's 13773 blocks of 32 tokens.
         kv_tokens = int(row.extra.get("kv_tokens", 13773 * 32))
         n = row.requests
-        row.roofline_tok_s = roof.offline_tok_s(prompt, output, n, min(512, n, kv_tokens // (prompt + output)))
+        max_batch = int(row.extra.get("max_batch", 512))  # runs saved before it was recorded ran at 512
+        row.roofline_tok_s = roof.offline_tok_s(prompt, output, n, min(max_batch, n, kv_tokens // (prompt + output)))
     env = saved["environment"]
     print(f"{env.get('gpu', 'cpu')} | torch {env['torch']} | triton {env['triton']} | transformers "
           f"{env['transformers']} | {env['date']}")  # fmt: skip
@@ -732,7 +766,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--direct", action="store_true", help="also drive the backend alone, without the executor")
     p.add_argument("--table-from", default="", help="print the table of a saved gpu_bench.json and exit")
-    p.add_argument("--profile", action="store_true", help="time single steps of the backend, kernel breakdown")
+    p.add_argument("--profile", action="store_true",
+                   help="per-step host time in the runs (prepare, launch, GPU wait; bench/host_timing.py), "
+                        "then single backend steps and their kernel breakdown")  # fmt: skip
     p.add_argument("--hf-budget", type=float, default=240.0, help="seconds for transformers before skipping")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="GPUs the model is split over, one process each (bench/tp_bench.py); no transformers run")

@@ -65,14 +65,15 @@ def create_backend(
         return NumpyBackend(model)
     from worker.backends.torch_backend import TorchBackend
 
-    # Generation steps above 512 sequences run without a graph: every bucket's captured
-    # logits buffer stays allocated, and 512 rows already saturate the GEMMs.
+    # Generation steps of every batch size run as CUDA graphs: the graphs share one
+    # logits buffer, so their memory grows with the largest batch, not the sum of buckets.
     return TorchBackend(
         model,
         device=device,
         dtype=dtype,
         max_num_tokens=max_num_tokens or 8192,
-        max_graph_batch=min(max_batch_size or 512, 512),
+        max_graph_batch=max_batch_size or 512,
+        max_batch_size=max_batch_size or 512,
         kv_cache_dtype=kv_cache_dtype,
     )
 

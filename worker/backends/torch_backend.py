@@ -14,6 +14,7 @@ non-blocking host-to-device copy; only sampled token ids and log probs come back
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch
 from worker.backends import paged_attention
 from worker.backends.base import ForwardBatch, SampleOutput, SamplingBatch
 from worker.backends.cuda_graphs import DecodeGraphs
+from worker.backends.memory_plan import WorkingMemory, gib, plan_working_memory
 from worker.backends.quant_linear import QuantLinear
 from worker.backends.torch_decoder_ops import TorchDecoderOps, TorchLinear
 from worker.backends.torch_sampler import sample_all
@@ -35,9 +37,7 @@ from worker.models.quantization import QuantizedWeight, check_mode
 from worker.parallel.group import TensorGroup
 from worker.parallel.sharded_ops import ShardedTorchDecoderOps
 
-# Working memory kept out of the KV cache: cuBLAS workspaces, the CUDA graph pool,
-# allocator slack. Activations are counted separately from max_num_tokens.
-_FIXED_RESERVE_BYTES = 1 << 30
+log = logging.getLogger(__name__)
 
 
 def _dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -87,6 +87,8 @@ class TorchBackend:
         tensor_group: TensorGroup | None = None,
         quantization: str | None = None,
         kv_cache_dtype: str | None = None,
+        max_batch_size: int | None = None,
+        free_memory: int | None = None,
     ) -> None:
         """`model` is a LoadedModel (worker.models) or a ModelConfig with `weights`
         given separately (Hugging Face names; a fused `...qkv_proj.weight` /
@@ -95,7 +97,11 @@ class TorchBackend:
         (a LoadedModel's own `quantize` applies when it is not given). `kv_cache_dtype`
         "fp8" keeps K and V as float8 e4m3 (unscaled): twice the tokens in the same memory.
         With `tensor_group`, this rank holds and runs its shard of the model
-        (worker/parallel), on the group's device."""
+        (worker/parallel), on the group's device. `max_batch_size` bounds the rows sampled
+        in one step (default `max_graph_batch`); with `max_num_tokens` and the graphs it
+        sizes the working memory kept out of the KV cache (memory_plan.py). `free_memory`:
+        bytes to plan the KV cache with instead of what the device reports free now (a
+        device shared with another process; tests)."""
         if tensor_group is not None:
             device = tensor_group.device
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -133,6 +139,8 @@ class TorchBackend:
         self._graphs: DecodeGraphs | None = None
         self._use_cuda_graphs = use_cuda_graphs and self.on_cuda
         self._max_graph_batch = max_graph_batch
+        self.max_batch_size = max_batch_size or max_graph_batch
+        self._free_memory = free_memory
         # The previous launch's sampled ids, still on the device: the next step's
         # placeholder tokens (-(k + 1) for row k) are read from here. Tensor-parallel
         # ranks other than 0 receive them from rank 0 (worker/parallel/ranks.py).
@@ -168,21 +176,28 @@ class TorchBackend:
         cfg = self.ops.config  # this rank's KV heads
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.ops.kv_dtype.itemsize
 
-    def activation_bytes(self) -> int:
-        """Peak working memory of one forward of max_num_tokens (plus logits and sampling)."""
-        cfg = self.ops.config
-        width = cfg.hidden_size * 4 + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * 2
-        width += cfg.intermediate_size * 3
-        per_token = width * self.dtype.itemsize
-        logits = self._max_graph_batch * self.config.vocab_size * 4 * 4  # logits, probs, sort keys, indices
-        return self.max_num_tokens * per_token + logits + _FIXED_RESERVE_BYTES
+    def working_memory(self) -> WorkingMemory:
+        """What one step may need beyond weights and KV cache, at this backend's limits."""
+        return plan_working_memory(
+            self.ops.config, self.config.vocab_size, self.dtype.itemsize, max_num_tokens=self.max_num_tokens,
+            max_batch_size=self.max_batch_size, graph_batch=self._max_graph_batch if self._use_cuda_graphs else 0,
+        )  # fmt: skip
 
     def free_memory_bytes(self) -> int:
-        if self.on_cuda:
+        if self._free_memory is not None:
+            free = self._free_memory
+        elif self.on_cuda:
             free, _total = torch.cuda.mem_get_info(self.device)
+            # Blocks torch's caching allocator holds but no tensor uses are ours to reuse.
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         else:
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return max(0, free - self.activation_bytes())
+        working = self.working_memory()
+        log.info("%s: %s free after the weights; working memory %s (%s; max_num_tokens=%d, max_batch_size=%d, "
+                 "graphs to %d); the rest, %s, is the KV cache's", self.name, gib(free), gib(working.total),
+                 working.describe(), self.max_num_tokens, self.max_batch_size,
+                 self._max_graph_batch if self._use_cuda_graphs else 0, gib(max(0, free - working.total)))
+        return max(0, free - working.total)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self._graphs = None

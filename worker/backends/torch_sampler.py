@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from worker.backends.base import SamplingBatch
+from worker.backends.memory_plan import SAMPLE_CHUNK_ROWS
 
 
 def _to(device: torch.device, a: object, dtype: torch.dtype) -> torch.Tensor:
@@ -95,8 +96,12 @@ def sample_all(
     chosen = logits.argmax(dim=-1)
     if not sampling.all_greedy:
         sampled = np.flatnonzero(sampling.temperature > 0)
-        on_device = _to(device, sampled, torch.int64)
-        chosen[on_device] = _sample_rows(logits[on_device], sampling, sampled)
+        # A few rows at a time: the float64 workspace per row is ~48 bytes per logit
+        # (memory_plan.py), 6 MB at a 128k vocabulary, too much to hold for a whole batch.
+        for start in range(0, sampled.size, SAMPLE_CHUNK_ROWS):
+            rows = sampled[start : start + SAMPLE_CHUNK_ROWS]
+            on_device = _to(device, rows, torch.int64)
+            chosen[on_device] = _sample_rows(logits[on_device], sampling, rows)
     log_probs = logits.gather(1, chosen[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
     return chosen, log_probs, (top_n(logits, sampling.top_n) if sampling.top_n else None)
 

@@ -227,7 +227,9 @@ class EngineCore:
                 raise ValueError(f"logits post-processor {name!r} is configured twice")
             self.processors[name] = fn
         self._guided: Any = None  # GuidedDecoder, made on the first guided request
-        log.info("engine core: backend=%s kv_blocks=%d x %d tokens", backend.name, num_blocks, kv.tokens_per_block)
+        log.info("engine core: backend=%s kv_blocks=%d x %d tokens (max_batch_size=%d sequences of up to %d "
+                 "tokens each)", backend.name, num_blocks, kv.tokens_per_block, self.config.max_batch_size,
+                 num_blocks * kv.tokens_per_block // self.config.max_batch_size)
 
         self._entries: dict[int, _Entry] = {}
         self._inflight: _InFlight | None = None
@@ -332,9 +334,19 @@ class EngineCore:
             per_token = self.backend.kv_bytes_per_token()
             if self.draft is not None:  # the draft model holds as many blocks as the target
                 per_token += self.draft.backend.kv_bytes_per_token()
-            tokens = int(kv.free_memory_fraction * self.backend.free_memory_bytes()) // per_token
+            free = self.backend.free_memory_bytes()
+            tokens = int(kv.free_memory_fraction * free) // per_token
             # More KV than every batch slot at full context is never used.
             tokens = min(tokens, self.config.max_batch_size * self.max_seq_len)
+            batch = self.config.max_batch_size
+            if tokens < batch * kv.tokens_per_block:  # the configured batch could never run
+                raise ValueError(
+                    f"KV cache: {free / (1 << 30):.2f} GiB left after weights and working memory holds "
+                    f"{tokens} tokens at free_memory_fraction={kv.free_memory_fraction}, less than one "
+                    f"{kv.tokens_per_block}-token block for each of max_batch_size={batch} sequences: lower "
+                    f"max_batch_size (to at most {tokens // kv.tokens_per_block}) or max_num_tokens (the working "
+                    "memory of one step grows with both; the backend's log line says by how much)"
+                )
         return max(1, tokens // kv.tokens_per_block)
 
     def _make_entry(self, request_id: int, request: Request) -> _Entry:

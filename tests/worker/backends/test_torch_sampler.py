@@ -83,3 +83,22 @@ def test_sampling_on_the_gpu_never_waits_for_the_device() -> None:
     np.testing.assert_array_equal(ids.cpu().numpy(), want.token_ids)
     np.testing.assert_allclose(log_probs.cpu().numpy(), want.log_probs, atol=1e-5)
     assert top is not None and top[0].shape == (rows, 3)
+
+
+def test_sampled_rows_in_chunks_pick_what_the_reference_picks() -> None:
+    """More sampled rows than the sampler takes at once (its workspace bound): every
+    chunk's rows pick the reference's tokens, the rows at chunk edges included."""
+    from worker.backends.memory_plan import SAMPLE_CHUNK_ROWS
+    from worker.backends.torch_sampler import sample_tokens
+
+    rng = np.random.default_rng(11)
+    rows, vocab = 2 * SAMPLE_CHUNK_ROWS + 7, 300
+    logits = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    sampling = random_batch(rng, rows, vocab)
+    sampling = replace(sampling, temperature=np.where(np.arange(rows) % 5 == 0, 0.0, 1.0).astype(np.float32))
+    want = sample(logits, sampling)
+    ids, log_probs = sample_tokens(torch.from_numpy(logits), sampling)
+    np.testing.assert_array_equal(ids.numpy(), want.token_ids)
+    np.testing.assert_allclose(log_probs.numpy(), want.log_probs, atol=1e-5)
+    last_chunk = np.arange(2 * SAMPLE_CHUNK_ROWS, rows)
+    assert (want.token_ids[last_chunk] != logits[last_chunk].argmax(axis=1)).any(), "the last chunk sampled nothing"

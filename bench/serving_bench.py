@@ -1,0 +1,373 @@
+"""Serving mode: requests arriving one by one as a Poisson process, as users see a
+service (vLLM's `benchmark_serving` reports the same figures).
+
+For each arrival rate: N requests of P prompt / O output tokens (greedy, EOS held
+off with min_tokens), sent at exponentially spaced times (fixed seed) and streamed;
+per request the time to first token (TTFT, from its send time), the inter-token
+latencies (ITL; a message carrying k tokens counts as k gaps of a k-th of its wait)
+and the end-to-end latency (E2E, send to last token); output tokens/s over the
+whole run, first send to last token. The rates are fractions of the saturation
+rate, measured first by sending all N requests at once ("burst"): the requests/s
+that run reached.
+
+Two paths on the same model and rates: in process (an Executor here, streamed
+responses read from its await loop) and through the service (one worker process,
+one gateway process, a private Redis, the ZeroMQ client here; bench/service_bench.py
+starts them). Models: `default` (SmolLM2-135M, both paths), `tiny` (a 2-layer random
+Llama with the default model's tokenizer, both paths: the CPU smoke run), `8b` (the
+Llama-3.1-8B shape with random bf16 weights made on the GPU, in process only: the
+service loads checkpoints from disk), or a checkpoint directory.
+
+    python -m bench.serving_bench                               # GPU: 8b in process, then default, both paths
+    python -m bench.serving_bench --model tiny --requests 24    # the CPU
+    python -m bench.serving_bench --model 8b --prompt 1000 --output 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench import SkipSection
+from bench.service_bench import _pct, _Stack, _Timeline
+
+TITLE = "serving: Poisson arrivals at rates up to saturation, in process and through the service"
+FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # of the burst's requests/s
+
+
+@dataclass(slots=True)
+class RateRun:
+    model: str
+    path: str
+    rate: float  # requests/s asked for; inf: all at once
+    seconds: float  # first send to last token
+    tokens: int
+    requests: int
+    ttft_ms: list[float]
+    itl_ms: list[float]
+    e2e_ms: list[float]
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+    def row(self) -> list[str]:
+        rate = "burst" if math.isinf(self.rate) else f"{self.rate:.2f}"
+        return [self.model, self.path, rate, f"{self.requests / self.seconds:.2f}", f"{self.tok_s:,.0f}",
+                *(f"{_pct(v, q):.1f}" for v in (self.ttft_ms, self.e2e_ms) for q in (50, 99)),
+                f"{_pct(self.itl_ms, 50):.2f}", f"{_pct(self.itl_ms, 99):.2f}"]  # fmt: skip
+
+
+HEADER = ["model", "path", "rate req/s", "achieved req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
+          "E2E p50 ms", "E2E p99 ms", "ITL p50 ms", "ITL p99 ms"]  # fmt: skip
+
+
+def arrivals(n: int, rate: float, seed: int) -> np.ndarray:
+    """Send offsets in seconds of n requests arriving as a Poisson process (the first at 0)."""
+    if math.isinf(rate):
+        return np.zeros(n)
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    # Ids clear of the special tokens at the start of a vocabulary; a new seed per run,
+    # so no run is served from another's prefix cache.
+    return np.random.default_rng(seed).integers(100, vocab - 10, (n, length)).tolist()
+
+
+def _collect(model: str, path: str, rate: float, sent: Sequence[float], lines: list[_Timeline]) -> RateRun:
+    end = max(t.last for t in lines if t.last is not None)
+    return RateRun(model, path, rate, end - min(sent), sum(t.tokens for t in lines), len(lines),
+                   [t.ttft * 1e3 for t in lines if t.ttft is not None], [g * 1e3 for t in lines for _, g in t.gaps],
+                   [(t.last - t.start) * 1e3 for t in lines if t.last is not None])  # fmt: skip
+
+
+# -- in process ----------------------------------------------------------------------------------
+
+
+def run_in_process(executor: Any, model: str, prompts: list[list[int]], output: int, rate: float,
+                   seed: int) -> RateRun:  # fmt: skip
+    """One thread: send each request when its time comes, and meanwhile read the streamed
+    responses (waiting no longer than the next send)."""
+    from worker.executor import Request, SamplingConfig
+
+    sampling = SamplingConfig(temperature=0.0, min_tokens=output)
+    offsets = arrivals(len(prompts), rate, seed)
+    lines: dict[int, _Timeline] = {}
+    sent: list[float] = []
+    start = time.perf_counter()
+    nxt, pending = 0, 0
+    while nxt < len(prompts) or pending:
+        now = time.perf_counter()
+        while nxt < len(prompts) and start + offsets[nxt] <= now:
+            rid = executor.enqueue_request(Request(input_token_ids=prompts[nxt], max_tokens=output, streaming=True,
+                                                   sampling_config=sampling))  # fmt: skip
+            lines[rid] = _Timeline(now)
+            sent.append(now)
+            nxt, pending = nxt + 1, pending + 1
+        wait = max(0.0, start + offsets[nxt] - time.perf_counter()) if nxt < len(prompts) else 60.0
+        for r in executor.await_responses(timeout=wait):
+            if r.has_error:
+                raise RuntimeError(f"request {r.request_id}: {r.error_msg}")
+            assert r.result is not None
+            lines[r.request_id].add(time.perf_counter(), len(r.result.output_token_ids[0]))
+            if r.result.is_final:
+                pending -= 1
+    return _collect(model, "in process", rate, sent, list(lines.values()))
+
+
+def _in_process_at(executor: Any, model: str, n: int, prompt: int, output: int, vocab: int, rate: float,
+                   i: int) -> RateRun:  # fmt: skip
+    return run_in_process(executor, model, prompts_for(n, prompt, vocab, 10 + i), output, rate, seed=i)
+
+
+# -- through the service --------------------------------------------------------------------------------
+
+
+async def _service_run(endpoint: str, model: str, prompts: list[list[int]], output: int, rate: float,
+                       seed: int) -> RateRun:  # fmt: skip
+    from clients.async_client import AsyncClient
+
+    async with AsyncClient([endpoint]) as client:
+        await client.generate([100, 101, 102], max_tokens=2, timeout=300)  # connected, and the worker is ready
+        offsets = arrivals(len(prompts), rate, seed)
+        lines: list[_Timeline] = []
+        sent: list[float] = []
+        start = time.perf_counter()
+
+        async def one(i: int) -> None:
+            await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
+            now = time.perf_counter()
+            line = _Timeline(now)
+            lines.append(line)
+            sent.append(now)
+            async for chunk in client.stream(prompts[i], max_tokens=output, min_tokens=output, temperature=0.0):
+                line.add(time.perf_counter(), len(chunk.token_ids))
+
+        await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    return _collect(model, "gateway + worker", rate, sent, lines)
+
+
+# -- models -------------------------------------------------------------------------------------------------
+
+
+def tiny_checkpoint(directory: Path) -> Path:
+    """A 2-layer random Llama (hidden 64) with the default model's tokenizer: real
+    tokenization and detokenization on the service path, next to no model time."""
+    from safetensors.numpy import save_file
+
+    from worker.models.default_model import resolve_model
+
+    default = resolve_model("SmolLM2-135M-Instruct")
+    vocab = json.loads((default / "config.json").read_text())["vocab_size"]
+    h, inter, layers, heads, kv_heads = 64, 128, 2, 4, 2
+    d = h // heads
+    rng = np.random.default_rng(0)
+
+    def rand(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+    w = {"model.embed_tokens.weight": rand(vocab, h), "model.norm.weight": np.ones(h, np.float32)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        w |= {p + "input_layernorm.weight": np.ones(h, np.float32),
+              p + "post_attention_layernorm.weight": np.ones(h, np.float32),
+              p + "self_attn.q_proj.weight": rand(heads * d, h), p + "self_attn.k_proj.weight": rand(kv_heads * d, h),
+              p + "self_attn.v_proj.weight": rand(kv_heads * d, h), p + "self_attn.o_proj.weight": rand(h, heads * d),
+              p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
+              p + "mlp.down_proj.weight": rand(h, inter)}  # fmt: skip
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(w, str(directory / "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": h,
+              "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "tie_word_embeddings": True, "torch_dtype": "float32"}  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default / name, directory / name)
+    return directory
+
+
+def executor_config(args: argparse.Namespace) -> Any:
+    from worker.executor import ExecutorConfig, KvCacheConfig
+
+    kv = KvCacheConfig(max_tokens=args.kv_tokens) if args.kv_tokens else KvCacheConfig()
+    return ExecutorConfig(max_batch_size=args.max_batch, max_num_tokens=args.max_num_tokens, kv_cache_config=kv,
+                          device=args.device)  # fmt: skip
+
+
+def executor_8b(args: argparse.Namespace) -> tuple[Any, int]:
+    """An Executor over the 8B shape with random bf16 weights on the GPU (bench/gpu_bench.py)."""
+    import torch
+
+    from bench.gpu_bench import LLAMA_8B, random_weights
+    from worker.backends.torch_backend import TorchBackend
+    from worker.executor import EngineCore, Executor
+    from worker.models.config import ModelConfig
+
+    if not torch.cuda.is_available():
+        raise SkipSection("the 8b shape needs a CUDA device")
+    cfg = ModelConfig.from_hf(LLAMA_8B)
+    device = torch.device(args.device or "cuda")
+    weights = random_weights(cfg, device, torch.bfloat16)
+    backend = TorchBackend(cfg, device, weights=weights, max_num_tokens=args.max_num_tokens, max_model_len=4096,
+                           max_graph_batch=args.max_batch, max_batch_size=args.max_batch)  # fmt: skip
+    executor = Executor(EngineCore(backend, executor_config(args)))
+    backend.capture_graphs()
+    return executor, cfg.vocab_size
+
+
+def release_device_memory() -> None:
+    gc.collect()
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -- the runs -----------------------------------------------------------------------------------------------
+
+
+def sweep(run: Callable[[float, int], RateRun], rates: Sequence[float] | None, log: Callable[[str], None]) -> tuple[
+        list[RateRun], list[float]]:  # fmt: skip
+    """The burst first (it sets the rates when none are given), then each rate."""
+    runs = [run(math.inf, 0)]
+    log(f"  burst: {runs[0].requests / runs[0].seconds:.2f} req/s, {runs[0].tok_s:,.0f} tok/s")
+    saturation = runs[0].requests / runs[0].seconds
+    chosen = list(rates) if rates else [f * saturation for f in FRACTIONS]
+    for i, rate in enumerate(chosen, start=1):
+        runs.append(run(rate, i))
+        r = runs[-1]
+        log(f"  {rate:.2f} req/s: {r.tok_s:,.0f} tok/s, TTFT p50 {_pct(r.ttft_ms, 50):.1f} ms, "
+            f"ITL p50 {_pct(r.itl_ms, 50):.2f} ms")  # fmt: skip
+    return runs, chosen
+
+
+def bench_model(args: argparse.Namespace, name: str, log: Callable[[str], None]) -> list[RateRun]:
+    from worker.executor import Executor, Request
+
+    n, p, o = args.requests, args.prompt, args.output
+    path: Path | None = None
+    tmp: tempfile.TemporaryDirectory[str] | None = None
+    if name == "8b":
+        executor, vocab = executor_8b(args)
+    else:
+        if name == "tiny":
+            tmp = tempfile.TemporaryDirectory(prefix="tokenwire-serving-")
+            path = tiny_checkpoint(Path(tmp.name))
+        else:
+            from worker.models.default_model import DefaultModelUnavailable, resolve_model
+
+            try:
+                path = resolve_model("SmolLM2-135M-Instruct" if name == "default" else name)
+            except DefaultModelUnavailable as e:
+                raise SkipSection(str(e)) from None
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        executor = Executor.from_model(path, executor_config(args))
+    label = name if name in ("tiny", "default", "8b") else Path(name).name
+    runs: list[RateRun] = []
+    try:
+        with executor:
+            warm = executor.enqueue_request(Request(input_token_ids=[100, 101, 102] * (p // 3 + 1), max_tokens=4))
+            while not any(r.result and r.result.is_final for r in executor.await_responses(warm, timeout=300)):
+                pass
+            log(f"{label}, in process: {n} requests x {p} / {o} tokens")
+            local, rates = sweep(partial(_in_process_at, executor, label, n, p, o, vocab), args.rates, log)
+            runs += local
+        del executor
+        release_device_memory()  # the worker process sizes its KV cache from what is free
+        if path is not None and "service" in args.paths:
+            log(f"{label}, gateway + worker: the same rates")
+            worker_args = ["--max-batch-size", str(args.max_batch), "--max-num-tokens", str(args.max_num_tokens)]
+            worker_args += ["--kv-tokens", str(args.kv_tokens)] if args.kv_tokens else []
+            worker_args += ["--device", args.device] if args.device else []
+            stack = _Stack(path, *worker_args)
+            try:
+                remote, _ = sweep(lambda rate, i: asyncio.run(_service_run(
+                    stack.gateway, label, prompts_for(n, p, vocab, 20 + i), o, rate, seed=i)),
+                    rates, log)  # fmt: skip
+                runs += remote
+            finally:
+                stack.close()
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    return runs
+
+
+def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
+    def log(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    runs: list[RateRun] = []
+    skipped = []
+    for name in args.model.split(","):
+        try:
+            runs += bench_model(args, name, log)
+        except SkipSection as e:  # the other models' rows still count
+            log(f"{name}: skipped: {e}")
+            skipped.append(f"{name}: {e}")
+    if not runs:
+        raise SkipSection("; ".join(skipped))
+    rows = [r.row() for r in runs]
+    rows.append([f"({args.requests} x {args.prompt}/{args.output} per rate)", *[""] * (len(HEADER) - 1)])
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "serving_bench.json"), "w") as f:
+            json.dump({"args": vars(args), "runs": [{k: getattr(r, k) for k in r.__slots__} for r in runs]}, f,
+                      default=str)  # fmt: skip
+    return HEADER, rows
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="8b,default",
+                   help="comma-separated: 8b (in process only), default, tiny, or a checkpoint directory")
+    p.add_argument("--paths", default="inprocess,service", help="inprocess, or inprocess,service")
+    p.add_argument("--requests", type=int, default=512, help="requests at each rate")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--output", type=int, default=128)
+    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=None,
+                   help="requests/s, comma-separated (default: 0.25, 0.5, 0.75, 1 x the burst's)")
+    p.add_argument("--max-batch", type=int, default=512)
+    p.add_argument("--max-num-tokens", type=int, default=8192)
+    p.add_argument("--kv-tokens", type=int, default=0, help="KV cache tokens (default: sized from free memory)")
+    p.add_argument("--device", default=None, help="torch device for the model (default: cuda when present)")
+    return p
+
+
+def table() -> tuple[list[str], list[list[str]]]:
+    """`make bench` section: on CUDA only (bench/run.py)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SkipSection("no CUDA device (on the CPU: python -m bench.serving_bench --model tiny)")
+    return run(parser().parse_args([]))
+
+
+def main() -> None:
+    from bench.run import format_table
+
+    print(format_table(*run(parser().parse_args())))
+
+
+if __name__ == "__main__":
+    main()

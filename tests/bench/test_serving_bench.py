@@ -1,0 +1,36 @@
+"""The serving benchmark's harness on a tiny checkpoint in process (numpy backend):
+Poisson send times at the asked rate, and every request's tokens, TTFT and E2E counted."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from bench.serving_bench import arrivals, prompts_for, run_in_process
+from tests.checkpoints import VOCAB_SIZE, make_checkpoint
+from worker.executor import Executor, ExecutorConfig, KvCacheConfig
+
+
+def test_arrivals_are_a_poisson_process_at_the_rate() -> None:
+    times = arrivals(20_000, 50.0, seed=1)
+    gaps = np.diff(times)
+    assert times[0] == 0.0 and (gaps >= 0).all()
+    assert abs(gaps.mean() - 1 / 50) < 0.001  # exponential gaps of mean 1 / rate
+    assert abs(gaps.std() - 1 / 50) < 0.001
+    assert (arrivals(5, math.inf, seed=1) == 0).all()  # a burst: all at once
+
+
+def test_in_process_run_counts_every_request(tmp_path: Path) -> None:
+    directory = make_checkpoint("llama_gqa", tmp_path / "llama_gqa")
+    config = ExecutorConfig(backend="numpy", max_batch_size=8, kv_cache_config=KvCacheConfig(max_tokens=4096))
+    n, prompt, output = 6, 12, 8
+    with Executor.from_model(directory, config) as executor:
+        run = run_in_process(executor, "tiny", prompts_for(n, prompt, VOCAB_SIZE, 0), output, rate=40.0, seed=3)
+    assert run.requests == n and run.tokens == n * output
+    assert len(run.ttft_ms) == n and len(run.e2e_ms) == n
+    assert len(run.itl_ms) == n * (output - 1)
+    assert all(e >= t for e, t in zip(sorted(run.e2e_ms), sorted(run.ttft_ms), strict=True))
+    # Six sends at 40 / s span about 0.125 s: the run lasts at least until the last send.
+    assert run.seconds >= float(arrivals(n, 40.0, seed=3)[-1])

@@ -1,0 +1,99 @@
+"""The Triton kernels run by Triton's interpreter on the CPU against their torch
+twins, in float32 (run with TRITON_INTERPRET=1 set before Triton is imported:
+test_kernels_interpreted.py starts this module in a process of its own).
+
+    TRITON_INTERPRET=1 python -m tests.worker.backends.interpreted_kernels
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker.backends import torch_ops
+from worker.backends.paged_attention import PREFILL_BLOCK_Q, paged_attention_torch, paged_attention_triton, tile_map
+
+ATOL = 1e-5
+
+
+def check_add_rmsnorm() -> None:
+    x, w = torch.randn(7, 256), torch.randn(256)
+    for residual in (None, torch.randn(7, 256)):
+        r1 = None if residual is None else residual.clone()
+        r2 = None if residual is None else residual.clone()
+        torch.testing.assert_close(torch_ops.add_rmsnorm_triton(x, r1, w, 1e-5),
+                                   torch_ops.add_rmsnorm_torch(x, r2, w, 1e-5), atol=ATOL, rtol=1e-5)  # fmt: skip
+        if r1 is not None and r2 is not None:
+            torch.testing.assert_close(r1, r2)
+
+
+def check_silu_mul() -> None:
+    gu = torch.randn(5, 2 * 384)
+    torch.testing.assert_close(torch_ops.silu_mul_triton(gu), torch_ops.silu_mul_torch(gu), atol=ATOL, rtol=1e-5)
+
+
+def check_rope_and_cache() -> None:
+    heads, kv_heads, dim, t = 4, 2, 32, 9
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim)
+    pos = torch.randint(0, 100, (t,), dtype=torch.int32)
+    cos_sin = torch.randn(128, dim)
+    slots = torch.randperm(8 * 4)[:t].to(torch.int32)
+    caches = [torch.zeros(8, 4, kv_heads, dim) for _ in range(4)]
+    q1 = torch_ops.rope_and_cache_triton(qkv.clone(), pos, cos_sin, caches[0], caches[1], slots, heads, kv_heads, dim)
+    q2 = torch_ops.rope_and_cache_torch(qkv.clone(), pos, cos_sin, caches[2], caches[3], slots, heads, kv_heads, dim)
+    torch.testing.assert_close(q1, q2, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(caches[0], caches[2], atol=ATOL, rtol=1e-5)
+    assert torch.equal(caches[1], caches[3])
+
+
+def check_paged_attention() -> None:
+    rng = np.random.default_rng(0)
+    heads, kv_heads, dim, block = 4, 2, 32, 16
+    for decode, splits in ((True, 1), (True, 2), (False, 1)):
+        ctx = rng.integers(1, 70, 3)
+        q_lens = np.ones(3, dtype=np.int64) if decode else np.minimum(ctx, rng.integers(1, 20, 3))
+        per_seq = -(-ctx // block)
+        num_blocks = int(per_seq.sum()) + 2
+        perm = rng.permutation(num_blocks)
+        tables = np.zeros((3, int(per_seq.max())), dtype=np.int32)
+        start = 0
+        for i, nb in enumerate(per_seq):
+            tables[i, :nb] = perm[start : start + nb]
+            start += nb
+        k, v = torch.randn(num_blocks, block, kv_heads, dim), torch.randn(num_blocks, block, kv_heads, dim)
+        query_start = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int64)
+        q = torch.randn(int(query_start[-1]), heads, dim)
+        block_q = 1 if decode else PREFILL_BLOCK_Q
+        tile_seq, tile_q0 = tile_map(query_start, block_q)
+        i32: dict[str, Any] = {"dtype": torch.int32}
+        out = torch.full_like(q, float("nan"))
+        paged_attention_triton(
+            q, k, v, torch.tensor(tables, **i32), torch.tensor(query_start, **i32), torch.tensor(ctx, **i32),
+            torch.tensor(tile_seq, **i32), torch.tensor(tile_q0, **i32), block_q, dim**-0.5, None, out=out,
+            splits=splits,
+        )  # fmt: skip
+        ref = paged_attention_torch(q, k, v, torch.tensor(tables, dtype=torch.int64), query_start, ctx, dim**-0.5)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+CHECKS: list[Callable[[], None]] = [check_add_rmsnorm, check_silu_mul, check_rope_and_cache, check_paged_attention]
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("set TRITON_INTERPRET=1: the kernels must run in Triton's interpreter", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    for check in CHECKS:
+        check()
+        print(f"{check.__name__}: ok", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
