@@ -163,6 +163,7 @@ class TorchDecoderOps:
         if step.prompt_rows is None:
             return F.embedding(step.tokens, table)
         x = F.embedding(step.tokens.clamp(max=table.shape[0] - 1), table)  # prompt-tuning ids are past the table
+        assert step.prompt_embeds is not None
         x[step.prompt_rows] = step.prompt_embeds
         return x
 
@@ -173,7 +174,8 @@ class TorchDecoderOps:
             return y
         a, b = self.lora_a[layer, role], self.lora_b[layer, role]
         if self.device.type == "cuda":
-            from worker.backends.lora_kernel import add_lora  # Triton: imported only where it runs
+            # Triton: imported only where it runs (worker/backends/lora_kernel.py, the lora-kernel branch).
+            from worker.backends.lora_kernel import add_lora  # type: ignore[import-not-found, unused-ignore]
 
             add_lora(y, x, a, b, slots)
         else:

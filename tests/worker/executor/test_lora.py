@@ -59,12 +59,13 @@ def test_one_batch_mixing_two_adapters_and_none_matches_peft(
     core = EngineCore.from_model(tiny_llama, config(backend, lora_adapters=adapters))
     assert core.lora_names() == ["a", "b"]
     wants = OutputConfig(return_generation_logits=True)
-    requests = [Request(p, 6, end_id=-1, lora_config=lora(n), output_config=wants) for p, n in zip(PROMPTS, names)]
+    requests = [Request(p, 6, end_id=-1, lora_config=lora(n), output_config=wants)
+                for p, n in zip(PROMPTS, names, strict=True)]
     got = drive(core, requests)
     for i, name in enumerate(names):
         want, want_logits = peft_greedy(tiny_llama, None if name is None else lora_adapters[name], PROMPTS[i], 6)
         assert final_tokens(got[i]) == want, name
-        logits = np.concatenate([r.result.generation_logits[0] for r in got[i] if r.result is not None])
+        logits = np.concatenate([np.asarray(r.result.generation_logits)[0] for r in got[i] if r.result is not None])
         np.testing.assert_allclose(logits, want_logits, atol=2e-3, rtol=1e-3)
     # The same batch on the ordinary path (sampled on the backend, overlapped) gives the same tokens.
     plain = drive(core, [replace(r, output_config=OutputConfig()) for r in requests])

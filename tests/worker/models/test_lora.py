@@ -57,10 +57,10 @@ def test_rank_above_max_rank_is_refused(tiny_llama: Path, lora_adapters: dict[st
 
 
 def test_missing_files_are_named(tiny_llama: Path, lora_adapters: dict[str, Path], tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="adapter_config.json is missing"):
+    with pytest.raises(CheckpointError, match=r"adapter_config\.json is missing"):
         load_lora_adapter(tmp_path, _config(tiny_llama), max_rank=16)
     shutil.copy(lora_adapters["a"] / "adapter_config.json", tmp_path)
-    with pytest.raises(CheckpointError, match="adapter_model.safetensors is missing"):
+    with pytest.raises(CheckpointError, match=r"adapter_model\.safetensors is missing"):
         load_lora_adapter(tmp_path, _config(tiny_llama), max_rank=16)
 
 
