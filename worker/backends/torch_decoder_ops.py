@@ -38,6 +38,14 @@ def _add_lora_cpu(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Te
         y.index_add_(0, rows, (x[rows] @ a[slot].T) @ b[slot].T)
 
 
+def _add_lora_gathered(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                       slots: torch.Tensor) -> None:
+    """The same by gathering each row's matrices: [T, R, in] of memory, for small float32 runs."""
+    s = slots.clamp(min=0)
+    delta = torch.bmm(b[s], torch.bmm(a[s], x.unsqueeze(2))).squeeze(2)
+    y.add_(delta * (slots >= 0).unsqueeze(1).to(y.dtype))
+
+
 class TorchDecoderOps:
     def __init__(
         self, config: ModelConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
@@ -173,13 +181,15 @@ class TorchDecoderOps:
         if slots is None:
             return y
         a, b = self.lora_a[layer, role], self.lora_b[layer, role]
-        if self.device.type == "cuda":
+        if self.device.type != "cuda":
+            _add_lora_cpu(y, x, a, b, slots)
+        elif self.dtype in (torch.bfloat16, torch.float16):
             # Triton: imported only where it runs (worker/backends/lora_kernel.py, the lora-kernel branch).
             from worker.backends.lora_kernel import add_lora  # type: ignore[import-not-found, unused-ignore]
 
             add_lora(y, x, a, b, slots)
-        else:
-            _add_lora_cpu(y, x, a, b, slots)
+        else:  # float32 on CUDA (tests against the CPU): no host sync, so CUDA graphs can capture it
+            _add_lora_gathered(y, x, a, b, slots)
         return y
 
     def add_rms_norm(

@@ -421,6 +421,8 @@ class EngineCore:
                                    else f"unknown LoRA adapter {name!r} (held: none; LoRA is off on this worker)")
         table = None
         if request.prompt_tuning_config is not None:
+            if self.config.parallel_config.tensor_parallel_size > 1:  # the vocab-parallel lookup has no rows for it
+                raise RequestError("prompt_tuning_config is not supported with tensor parallelism yet")
             table = np.ascontiguousarray(request.prompt_tuning_config.embedding_table, dtype=np.float32)
         if key is None and table is None:
             return None, None, None
