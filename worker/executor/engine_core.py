@@ -406,7 +406,7 @@ class EngineCore:
         busy = {s.adapter for s in self.scheduler.running if s.adapter is not None}
         try:
             return self.adapters.acquire(seq.adapter, busy) is not None
-        except ValueError as e:  # unregistered, or its files no longer load: this request alone fails
+        except (ValueError, OSError) as e:  # unregistered, or its files no longer load: this request alone fails
             self._adapter_errors[seq.request_id] = str(e)
             return False
 
