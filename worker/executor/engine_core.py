@@ -15,6 +15,11 @@ sequences that speculate get draft tokens (seq.draft) from their source, their
 generation step verifies them, and that step completes in the call that
 launched it, since how many tokens it keeps decides the next step.
 
+LoRA adapters (adapter_cache.py) are read from disk by `register_lora`, which the
+driver calls between steps (or `load_lora` on any thread, then `add_lora`); an adapter
+dropped from host memory is read again on the adapter cache's loader thread, its
+requests waiting meanwhile, so `step()` itself never waits on a file.
+
 Request ids are the caller's: the core answers under the id a request came with.
 """
 
