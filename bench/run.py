@@ -25,6 +25,7 @@ SECTIONS: dict[str, str] = {
     "jobs": "bench.jobs_bench",
     "service": "bench.service_bench",
     "gpu": "bench.gpu_bench",
+    "lora": "bench.lora_bench",
 }
 
 
