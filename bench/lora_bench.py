@@ -10,9 +10,10 @@
    normal A and B, scaled small.
 2. The kernel alone: `add_lora` on each projection of the model (fused qkv, o, fused gate_up,
    down; rank r per part, N slots) at T = 1, 64, 512, 8192 tokens against the base GEMM of
-   the same shape (torch.matmul), both replayed from CUDA graphs: the per-layer overhead.
-   Up to 512 tokens each token has its own random slot (decode); 8192 tokens come in runs
-   of 128 of one slot (prefill chunks of 128-token prompts).
+   the same shape (torch.matmul), both replayed from CUDA graphs: the per-layer overhead;
+   and with one `plan_lora` per step shared by the calls (the layer row counts the plan
+   once). Up to 512 tokens each token has its own random slot (decode); 8192 tokens come in
+   runs of 128 of one slot (prefill chunks of 128-token prompts).
 
     python -m bench.lora_bench                      # both, one H100 (about 5 minutes)
     python -m bench.lora_bench --skip-e2e           # the kernel table only
@@ -248,7 +249,7 @@ def fused_projections(cfg: Any, rank: int) -> dict[str, tuple[int, int, int]]:
 
 
 def bench_kernel(args: argparse.Namespace, cfg: Any, device: torch.device) -> list[list[str]]:
-    from worker.backends.lora_kernel import add_lora
+    from worker.backends.lora_kernel import add_lora, plan_lora
 
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     gen = torch.Generator(device=device).manual_seed(0)
@@ -261,7 +262,10 @@ def bench_kernel(args: argparse.Namespace, cfg: Any, device: torch.device) -> li
             slots = torch.randint(0, args.adapters, (-(-t // 128),), generator=gen, device=device)
             slots = slots.repeat_interleave(128)[:t]
             how = "runs of 128"
-        base_sum = lora_sum = 0.0
+        # The step's plan, made once (None where the batch is small enough to scan).
+        plan = plan_lora(slots, args.adapters) if device.type == "cuda" else None
+        plan_us = time_us(functools.partial(plan_lora, slots, args.adapters), device) if plan is not None else 0.0
+        base_sum = lora_sum = shared_sum = 0.0
         for name, (n_in, n_out, rank) in fused_projections(cfg, args.rank).items():
             x = torch.randn(t, n_in, generator=gen, device=device).to(dtype)
             w = (torch.randn(n_out, n_in, generator=gen, device=device) * 0.02).to(dtype)
@@ -270,17 +274,21 @@ def bench_kernel(args: argparse.Namespace, cfg: Any, device: torch.device) -> li
             y = torch.empty(t, n_out, device=device, dtype=dtype)
             base = time_us(functools.partial(torch.matmul, x, w.t(), out=y), device)
             lora = time_us(functools.partial(add_lora, y, x, a, b, slots), device)
-            base_sum, lora_sum = base_sum + base, lora_sum + lora
+            shared = time_us(functools.partial(add_lora, y, x, a, b, slots, plan=plan), device)
+            base_sum, lora_sum, shared_sum = base_sum + base, lora_sum + lora, shared_sum + shared
             rows.append([str(t), how, name, f"{n_in}->{n_out}", str(rank), f"{base:,.1f}", f"{lora:,.1f}",
-                         f"{lora / base:.1%}"])  # fmt: skip
+                         f"{lora / base:.1%}", f"{shared:,.1f}"])  # fmt: skip
             del x, w, a, b, y
+        shared_sum += plan_us
         rows.append([str(t), how, "layer (4 above)", "", "", f"{base_sum:,.1f}", f"{lora_sum:,.1f}",
-                     f"{lora_sum / base_sum:.1%}"])  # fmt: skip
-        log(f"kernel T={t}: layer base {base_sum:.1f} us, add_lora {lora_sum:.1f} us")
+                     f"{lora_sum / base_sum:.1%}", f"{shared_sum:,.1f} ({shared_sum / base_sum:.1%})"])  # fmt: skip
+        log(f"kernel T={t}: layer base {base_sum:.1f} us, add_lora {lora_sum:.1f} us, "
+            f"one plan shared {shared_sum:.1f} us (the plan {plan_us:.1f})")  # fmt: skip
     return rows
 
 
-KERNEL_HEADER = ["T", "slots", "projection", "in->out", "R", "base GEMM us", "add_lora us", "overhead"]
+KERNEL_HEADER = ["T", "slots", "projection", "in->out", "R", "base GEMM us", "add_lora us", "overhead",
+                 "plan shared us"]  # fmt: skip
 
 
 def e2e_table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:

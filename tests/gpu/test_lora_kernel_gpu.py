@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.backends.lora_kernel import add_lora, add_lora_reference, launch_config
+from worker.backends.lora_kernel import add_lora, add_lora_reference, launch_config, plan_lora
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,6 +44,10 @@ def operands(t: int, n_in: int, n_out: int, rank: int, dtype: torch.dtype, seed:
     }
 
 
+def apply(c: dict[str, torch.Tensor]) -> None:
+    add_lora(c["y"], c["x"], c["a"], c["b"], c["slots"])
+
+
 def check(c: dict[str, torch.Tensor], y0: torch.Tensor) -> float:
     """Relative error of c["y"] (after add_lora) against the reference applied to y0."""
     want = y0.clone()
@@ -65,7 +69,7 @@ def test_add_lora_matches_the_reference(t: int, rank: int) -> None:
     n_in, n_out = list(SHAPES.values())[(t + rank) % 3]
     c = operands(t, n_in, n_out, rank, torch.bfloat16, seed=t * 1000 + rank)
     y0 = c["y"].clone()
-    add_lora(**c)
+    apply(c)
     torch.cuda.synchronize()
     check(c, y0)
 
@@ -74,7 +78,7 @@ def test_add_lora_matches_the_reference(t: int, rank: int) -> None:
 def test_prefill_runs_of_one_slot(t: int) -> None:
     c = operands(t, *SHAPES["qkv"], 48, torch.bfloat16, seed=t, runs=True)
     y0 = c["y"].clone()
-    add_lora(**c)
+    apply(c)
     check(c, y0)
 
 
@@ -83,7 +87,7 @@ def test_prefill_runs_of_one_slot(t: int) -> None:
 def test_fp16_and_float32(dtype: torch.dtype, t: int) -> None:
     c = operands(t, 1024, 2048, 32, dtype, seed=t)
     y0 = c["y"].clone()
-    add_lora(**c)
+    apply(c)
     check(c, y0)
 
 
@@ -98,7 +102,7 @@ def test_a_rank_of_192_and_strided_rows() -> None:
     c["x"], c["y"] = wide_x[:, 64:], wide_y[:, 4096:]
     left = wide_y[:, :4096].clone()
     y0 = c["y"].clone()
-    add_lora(**c)
+    apply(c)
     check(c, y0)
     assert torch.equal(wide_y[:, :4096], left)
 
@@ -113,11 +117,11 @@ def test_replayed_in_a_cuda_graph_with_new_slots_and_inputs(t: int) -> None:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the capture: Triton compiles here
-        add_lora(**c)
+        apply(c)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        add_lora(**c)
+        apply(c)
     for seed in (1, 2, 3):
         new = operands(t, n_in, n_out, 48, torch.bfloat16, seed=10 * t + seed, runs=seed == 3)
         for name in ("y", "x", "slots"):
@@ -126,3 +130,35 @@ def test_replayed_in_a_cuda_graph_with_new_slots_and_inputs(t: int) -> None:
         graph.replay()
         torch.cuda.synchronize()
         check(c, y0)
+
+
+def test_one_plan_shared_by_every_projection_of_a_step_in_a_graph() -> None:
+    """What a step does: one plan_lora, then add_lora on qkv, gate_up and down with it, all
+    in one graph; replayed with new slots, every projection follows them."""
+    t = 512
+    ranks = {"qkv": 48, "gate_up": 32, "down": 16}
+    cases = {
+        name: operands(t, *SHAPES[name], rank, torch.bfloat16, seed=i) for i, (name, rank) in enumerate(ranks.items())
+    }
+    slots = cases["qkv"]["slots"]
+
+    def step() -> None:
+        plan = plan_lora(slots, NUM_SLOTS)
+        assert plan is not None
+        for c in cases.values():
+            add_lora(c["y"], c["x"], c["a"], c["b"], slots, plan=plan)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    slots.copy_(operands(t, 64, 64, 16, torch.bfloat16, seed=99)["slots"])
+    before = {name: c["y"].clone() for name, c in cases.items()}
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, c in cases.items():
+        check({**c, "slots": slots}, before[name])

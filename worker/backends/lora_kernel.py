@@ -21,14 +21,18 @@ A batch of at most SCAN_MAX_TOKENS tokens (decode at small batch) skips the plan
 g of shrink and expand serves slot g and scans the few tokens for its own, which saves a
 launch where launches are what a step costs.
 
+The plan depends on the slots alone, so a step may make it once (`plan_lora`) and pass it
+to each of its add_lora calls (4 per layer) instead of each call making its own.
+
 Why hand-written: no maintained library does batched multi-adapter LoRA for torch and
 installs from the registry onto the GPU host (which has torch and Triton, no compiler
 toolchain and no pip). Punica's BGMV/SGMV kernels (punica-ai/punica) are CUDA/CUTLASS built
 from source with nvcc against one torch, and the registry's `punica` is an unrelated
-package; vLLM's Triton `lora_shrink` / `lora_expand` (after Punica) and SGLang's ship
-inside those whole serving engines, which pin their own torch, and vLLM prepares their
-token grouping (sort, unique) on the host side outside its graphs; S-LoRA's kernels live
-in its research repository.
+package (LoRAX ships Punica's kernels compiled inside its own server); vLLM's Triton
+`lora_shrink` / `lora_expand` (after Punica) and SGLang's ship inside those whole serving
+engines, which pin their own torch (vLLM groups a step's tokens once, with torch.sort /
+unique into fixed buffers, while preparing the step's inputs outside its graphs);
+S-LoRA's kernels live in its research repository.
 
 `add_lora_reference` is the plain-torch version: the CPU path and the tests' oracle.
 """
@@ -50,11 +54,22 @@ except ImportError:  # the CPU host: the reference needs no Triton
 SCAN_MAX_TOKENS = 64
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:
-    """y [T, out] += LoRA of x [T, in] under each token's slot (int64 [T], -1: none), in place."""
+@dataclass(frozen=True, slots=True)
+class LoraPlan:
+    """A step's tokens grouped by slot, for every add_lora of the step to share."""
+
+    order: torch.Tensor  # int32 [T]: token indices, slot by slot (stable), slot -1 left out
+    tiles: torch.Tensor  # int32 [3, max_tiles]: slot (-1: unused) | first | end position in `order`
+    block_m: int  # tokens per tile
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+             plan: LoraPlan | None = None) -> None:  # fmt: skip
+    """y [T, out] += LoRA of x [T, in] under each token's slot (int64 [T], -1: none), in place.
+    `plan`: `plan_lora(slots, S)` made once for the step (optional; ignored on the CPU)."""
     check_shapes(y, x, a, b, slots)
     if triton is not None and x.is_cuda:
-        add_lora_triton(y, x, a, b, slots)
+        add_lora_triton(y, x, a, b, slots, plan=plan)
     else:
         add_lora_reference(y, x, a, b, slots)
 
@@ -93,11 +108,17 @@ class LaunchConfig:
     num_warps: int
 
 
+def tile_tokens(num_tokens: int) -> int:
+    """BLOCK_M: 16 rows fill a tensor-core tile for decode batches; prefill-sized batches take
+    64 so that each adapter's A and B are read by fewer tiles."""
+    return 16 if num_tokens <= 1024 else 64
+
+
 @functools.lru_cache(maxsize=1024)
 def launch_config(num_tokens: int, n_in: int, rank: int, num_slots: int, num_sms: int) -> LaunchConfig:
     """Tile sizes from the shapes alone (the same for every replay of a graph)."""
     grouped = num_tokens > SCAN_MAX_TOKENS
-    block_m = 16 if num_tokens <= 1024 else 64
+    block_m = tile_tokens(num_tokens)
     block_k = 128 if block_m == 16 else 64
     block_r = min(64, max(16, triton.next_power_of_2(rank)))
     # Programs with rows to do: one per tile, or one per slot present.
@@ -126,10 +147,36 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[index]
 
 
+def plan_lora(slots: torch.Tensor, num_slots: int) -> LoraPlan | None:
+    """The plan add_lora would make for these slots (None: a batch small enough to scan),
+    made on the device without a host read, so it may be captured in a graph with the calls
+    that use it."""
+    t = slots.shape[0]
+    if t <= SCAN_MAX_TOKENS or num_slots == 0:
+        return None
+    return _make_plan(slots, num_slots, tile_tokens(t))
+
+
+def _make_plan(slots: torch.Tensor, num_slots: int, block_m: int) -> LoraPlan:
+    if triton is None:
+        raise RuntimeError("the LoRA plan needs Triton (a CUDA host)")
+    t = slots.shape[0]
+    max_tiles = -(-t // block_m) + min(num_slots, t)  # sum over slots of cdiv(count, block_m), at most
+    order = torch.empty(t, dtype=torch.int32, device=slots.device)
+    tiles = torch.empty((3, max_tiles), dtype=torch.int32, device=slots.device)
+    slots_pad = max(16, triton.next_power_of_2(num_slots))
+    _plan_kernel[(1,)](
+        slots.contiguous(), order, tiles, t, num_slots, max_tiles,
+        BLOCK_M=block_m, SLOTS_PAD=slots_pad, BLOCK_T=max(16, min(512, 8192 // slots_pad)), num_warps=8,
+    )  # fmt: skip
+    return LoraPlan(order, tiles, block_m)
+
+
 def add_lora_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-                    config: LaunchConfig | None = None) -> None:  # fmt: skip
+                    config: LaunchConfig | None = None, plan: LoraPlan | None = None) -> None:  # fmt: skip
     """The Triton path (CUDA; or the CPU under TRITON_INTERPRET=1). Inner dimensions must be
-    contiguous; rows may be strided."""
+    contiguous; rows may be strided. `config` overrides the tile sizes (tests); a `plan`
+    given is used wherever the batch is planned."""
     if triton is None:
         raise RuntimeError("add_lora_triton needs Triton (a CUDA host)")
     t, n_in = x.shape
@@ -139,35 +186,31 @@ def add_lora_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
         return
     if x.stride(1) != 1 or y.stride(1) != 1 or a.stride(2) != 1 or b.stride(2) != 1:
         raise ValueError("add_lora: x, y, a and b need a contiguous last dimension")
+    slots = slots.contiguous()  # the kernels index it densely; a no-op for the engine's own buffer
     cfg = config or launch_config(t, n_in, rank, num_slots, _num_sms(x.device))
-    dev = x.device
     # float32 inputs (parity runs) get IEEE dots, not TF32.
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    block_m = cfg.block_m
     if cfg.grouped:
-        max_tiles = -(-t // cfg.block_m) + min(num_slots, t)
-        order = torch.empty(t, dtype=torch.int32, device=dev)
-        tiles = torch.empty((3, max_tiles), dtype=torch.int32, device=dev)  # slot | first row | end row
-        slots_pad = max(16, triton.next_power_of_2(num_slots))
-        _plan_kernel[(1,)](
-            slots, order, tiles, t, num_slots, max_tiles,
-            BLOCK_M=cfg.block_m, SLOTS_PAD=slots_pad, BLOCK_T=max(16, min(512, 8192 // slots_pad)), num_warps=8,
-        )  # fmt: skip
-        groups = max_tiles
+        if plan is None:
+            plan = _make_plan(slots, num_slots, cfg.block_m)
+        order, tiles, block_m = plan.order, plan.tiles, plan.block_m
+        max_tiles = groups = tiles.shape[1]
     else:
         order = tiles = slots  # unused
         max_tiles, groups = 0, num_slots
-    inter = (torch.zeros if cfg.split_k > 1 else torch.empty)((t, rank), dtype=torch.float32, device=dev)
+    inter = (torch.zeros if cfg.split_k > 1 else torch.empty)((t, rank), dtype=torch.float32, device=x.device)
     k_span = triton.cdiv(triton.cdiv(n_in, cfg.split_k), cfg.block_k) * cfg.block_k
     _shrink_kernel[(groups, triton.cdiv(rank, cfg.block_r), cfg.split_k)](
         x, a, inter, slots, order, tiles, t, n_in, rank, max_tiles, k_span,
         x.stride(0), a.stride(0), a.stride(1), inter.stride(0),
-        GROUPED=cfg.grouped, ATOMIC=cfg.split_k > 1, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r,
+        GROUPED=cfg.grouped, ATOMIC=cfg.split_k > 1, BLOCK_M=block_m, BLOCK_R=cfg.block_r,
         BLOCK_K=cfg.block_k, PRECISION=precision, num_warps=cfg.num_warps,
     )  # fmt: skip
     _expand_kernel[(groups, triton.cdiv(n_out, cfg.block_n))](
         y, b, inter, slots, order, tiles, t, n_out, rank, max_tiles,
         y.stride(0), b.stride(0), b.stride(1), inter.stride(0),
-        GROUPED=cfg.grouped, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        GROUPED=cfg.grouped, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         RANK_PAD=max(16, triton.next_power_of_2(rank)), PRECISION=precision, num_warps=cfg.num_warps,
     )  # fmt: skip
 
@@ -235,7 +278,8 @@ if triton is not None:
             acc += tl.dot(xt, at, input_precision=PRECISION)
         out = inter_ptr + rows.to(tl.int64)[:, None] * stride_inter + offs_r[None, :]
         if ATOMIC:
-            tl.atomic_add(out, acc, mask=row_ok[:, None] & r_ok[None, :])
+            # Only the sum matters, not the order of the adds: no memory ordering needed.
+            tl.atomic_add(out, acc, mask=row_ok[:, None] & r_ok[None, :], sem="relaxed")
         else:
             tl.store(out, acc, mask=row_ok[:, None] & r_ok[None, :])
 

@@ -8,8 +8,9 @@ TRITON_INTERPRET=1 before importing it:
     TRITON_INTERPRET=1 python -m tests.worker.backends.lora_interpreted < cases.json
 
 reads a JSON list of cases (keyword arguments of `lora_case`, plus "config": the
-LaunchConfig fields or null for the shapes' own) and prints, per case, how far the kernels'
-output is from the reference and whether anything they must not touch changed.
+LaunchConfig fields or null for the shapes' own; optional "strided" and "given_plan") and
+prints, per case, how far the kernels' output is from the reference and whether anything
+they must not touch changed.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ def lora_case(t: int, n_in: int, n_out: int, rank: int, num_slots: int, dtype: s
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     """The kernels on one case. With "strided", x and y are column slices of wider buffers
     (rows strided, as views of a fused output are) whose other columns must not change."""
-    from worker.backends.lora_kernel import LaunchConfig, add_lora_reference, add_lora_triton
+    from worker.backends.lora_kernel import LaunchConfig, add_lora_reference, add_lora_triton, plan_lora
 
     config = case.pop("config")
     strided = case.pop("strided", False)
+    given_plan = case.pop("given_plan", False)
     c = lora_case(**case)
     x, y = c["x"], c["y"]
     wide_y = y
@@ -64,7 +66,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     y0 = y.clone()
     want = y.clone()
     add_lora_reference(want, x, c["a"], c["b"], c["slots"])
-    add_lora_triton(y, x, c["a"], c["b"], c["slots"], None if config is None else LaunchConfig(**config))
+    plan = plan_lora(c["slots"], c["a"].shape[0]) if given_plan else None
+    add_lora_triton(y, x, c["a"], c["b"], c["slots"], None if config is None else LaunchConfig(**config), plan)
     minus_one = c["slots"] < 0
     outside = torch.ones_like(wide_y, dtype=torch.bool)
     if strided:

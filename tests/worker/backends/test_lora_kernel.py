@@ -86,7 +86,7 @@ def test_add_lora_on_the_cpu_is_the_reference() -> None:
     c = lora_case(9, 16, 24, 8, 2, "float32", seed=3)
     want = c["y"].clone()
     add_lora_reference(want, c["x"], c["a"], c["b"], c["slots"])
-    add_lora(**c)
+    add_lora(c["y"], c["x"], c["a"], c["b"], c["slots"])
     assert torch.equal(c["y"], want)
 
 
@@ -103,7 +103,7 @@ def test_add_lora_rejects_mismatched_operands(field: str, bad: torch.Tensor, mat
     c = lora_case(9, 16, 24, 8, 2, "float32")
     c[field] = bad
     with pytest.raises(ValueError, match=match):
-        add_lora(**c)
+        add_lora(c["y"], c["x"], c["a"], c["b"], c["slots"])
 
 
 # -- the Triton kernels, interpreted ----------------------------------------------------------------
@@ -132,6 +132,8 @@ CASES: dict[str, dict[str, Any]] = {
                                 "config": cfg(False, 16, 64, 16, 3, 32)},
     "prefill-runs-strided-rows": {"t": 200, "n_in": 96, "n_out": 80, "rank": 16, "num_slots": 4, "dtype": "float16",
                                   "runs": [[2, 90], [-1, 30], [0, 80]], "strided": True},
+    "planned-with-a-plan-made-apart": {"t": 150, "n_in": 256, "n_out": 96, "rank": 32, "num_slots": 5,
+                                       "dtype": "float16", "given_plan": True},
     "no-adapter-scan": {"t": 3, "n_in": 64, "n_out": 32, "rank": 16, "num_slots": 3, "dtype": "float16",
                         "no_adapter": 1.0},
     "no-adapter-planned": {"t": 100, "n_in": 64, "n_out": 32, "rank": 16, "num_slots": 3, "dtype": "float16",
