@@ -120,7 +120,7 @@ def launch_config(num_tokens: int, n_in: int, rank: int, num_slots: int, num_sms
     grouped = num_tokens > SCAN_MAX_TOKENS
     block_m = tile_tokens(num_tokens)
     block_k = 128 if block_m == 16 else 64
-    block_r = min(64, max(16, triton.next_power_of_2(rank)))
+    block_r = min(64, max(16, 1 << (rank - 1).bit_length()))  # a power of two, 16 to 64
     # Programs with rows to do: one per tile, or one per slot present.
     busy = -(-num_tokens // block_m) if grouped else min(num_slots, num_tokens)
     busy *= -(-rank // block_r)
