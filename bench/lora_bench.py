@@ -330,8 +330,9 @@ def run(args: argparse.Namespace) -> list[tuple[str, list[str], list[list[str]]]
                  f"(goal >= {GOAL:.2f}: {'met' if ratio >= GOAL else 'NOT met'})")  # fmt: skip
         tables.append((title, *e2e_table(runs)))
     out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "lora_bench.json"), "w") as f:
+    if out:  # named for what ran, so that the sections run apart keep both files
+        name = "lora_bench" + ("_kernel" if args.skip_e2e else "") + ("_e2e" if args.skip_kernel else "")
+        with open(os.path.join(out, f"{name}.json"), "w") as f:
             json.dump(summary, f, indent=1, default=str)
     return tables
 

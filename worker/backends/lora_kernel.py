@@ -216,8 +216,10 @@ def add_lora_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
 
 
 if triton is not None:
+    # The token count changes from step to step (and the tile count and split with it):
+    # not specialized on, so that a new count does not compile new kernels mid-run.
 
-    @triton.jit  # type: ignore[misc,unused-ignore]
+    @triton.jit(do_not_specialize=["T", "max_tiles"])  # type: ignore[misc,unused-ignore]
     def _plan_kernel(  # type: ignore[no-untyped-def]
         slots_ptr, order_ptr, tiles_ptr, T, S, max_tiles,
         BLOCK_M: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -283,7 +285,7 @@ if triton is not None:
         else:
             tl.store(out, acc, mask=row_ok[:, None] & r_ok[None, :])
 
-    @triton.jit  # type: ignore[misc,unused-ignore]
+    @triton.jit(do_not_specialize=["T", "max_tiles", "k_span"])  # type: ignore[misc,unused-ignore]
     def _shrink_kernel(  # type: ignore[no-untyped-def]
         x_ptr, a_ptr, inter_ptr, slots_ptr, order_ptr, tiles_ptr, T, K, R, max_tiles, k_span,
         stride_x, stride_as, stride_ar, stride_inter,
@@ -331,7 +333,7 @@ if triton is not None:
         y = tl.load(out, mask=mask, other=0.0)
         tl.store(out, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit  # type: ignore[misc,unused-ignore]
+    @triton.jit(do_not_specialize=["T", "max_tiles"])  # type: ignore[misc,unused-ignore]
     def _expand_kernel(  # type: ignore[no-untyped-def]
         y_ptr, b_ptr, inter_ptr, slots_ptr, order_ptr, tiles_ptr, T, N, R, max_tiles,
         stride_y, stride_bs, stride_bn, stride_inter,
