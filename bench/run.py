@@ -26,6 +26,7 @@ SECTIONS: dict[str, str] = {
     "service": "bench.service_bench",
     "gpu": "bench.gpu_bench",
     "serving": "bench.serving_bench",
+    "lora": "bench.lora_bench",
 }
 
 
