@@ -4,7 +4,7 @@ cache, on CUDA or the CPU.
 On CUDA: bf16 weights and KV cache, cuBLAS GEMMs over fused projections (qkv,
 gate_up), Triton kernels for attention over the paged cache (prefill chunks and
 generation alike) and for the fused elementwise stages (torch_decoder_ops.py), and
-CUDA graphs for generation-only steps (cuda_graphs.py). On the CPU (CI): the same
+CUDA graphs for generation steps, speculative verification included (cuda_graphs.py). On the CPU (CI): the same
 forward in float32 with plain torch ops.
 
 Every step's integer metadata travels in one pinned int32 buffer and one
@@ -84,6 +84,7 @@ class TorchBackend:
         max_model_len: int | None = None,
         use_cuda_graphs: bool = True,
         max_graph_batch: int = 512,
+        max_verify_graph_batch: int = 32,
         tensor_group: TensorGroup | None = None,
         quantization: str | None = None,
         kv_cache_dtype: str | None = None,
@@ -95,7 +96,8 @@ class TorchBackend:
         (a LoadedModel's own `quantize` applies when it is not given). `kv_cache_dtype`
         "fp8" keeps K and V as float8 e4m3 (unscaled): twice the tokens in the same memory.
         With `tensor_group`, this rank holds and runs its shard of the model
-        (worker/parallel), on the group's device."""
+        (worker/parallel), on the group's device. Speculative verification steps of
+        up to `max_verify_graph_batch` sequences run in CUDA graphs too (cuda_graphs.py)."""
         if tensor_group is not None:
             device = tensor_group.device
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -133,6 +135,7 @@ class TorchBackend:
         self._graphs: DecodeGraphs | None = None
         self._use_cuda_graphs = use_cuda_graphs and self.on_cuda
         self._max_graph_batch = max_graph_batch
+        self._max_verify_graph_batch = max_verify_graph_batch
         # The previous launch's sampled ids, still on the device: the next step's
         # placeholder tokens (-(k + 1) for row k) are read from here. Tensor-parallel
         # ranks other than 0 receive them from rank 0 (worker/parallel/ranks.py).
@@ -192,7 +195,9 @@ class TorchBackend:
         self.scratch_slot = num_blocks * block_size
         if self._use_cuda_graphs:
             max_blocks = -(-self.max_model_len // block_size)
-            self._graphs = DecodeGraphs(self, self._max_graph_batch, max_blocks)
+            self._graphs = DecodeGraphs(self, self._max_graph_batch, max_blocks, block_size=block_size,
+                                        max_verify_batch=self._max_verify_graph_batch,
+                                        max_tokens=self.max_num_tokens)
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.ops.copy_blocks(src, dst)
