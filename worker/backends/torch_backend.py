@@ -208,6 +208,11 @@ class TorchBackend:
         if self._graphs is not None:
             self._graphs.capture_all()
 
+    @property
+    def graph_shapes(self) -> list[tuple[int, int]]:
+        """The (batch bucket, query tokens per sequence) of every CUDA graph captured so far."""
+        return [] if self._graphs is None else sorted(self._graphs.graphs)
+
     def release_graphs(self) -> None:
         """Drop the captured graphs (before a tensor-parallel group they captured
         collectives of is torn down); forward runs eagerly after this."""
