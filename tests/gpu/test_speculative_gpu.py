@@ -95,6 +95,20 @@ def check_verification_graphs(backend: object) -> None:
     assert {b for b, _ in verify} <= set(buckets)
 
 
+def test_verification_graphs_captured_ahead_stay_bounded(tmp_path: Path) -> None:
+    model = make_checkpoint("llama_gqa", tmp_path / "llama")
+    backend = TorchBackend.from_checkpoint(model, device="cuda", dtype="float32", max_num_tokens=100,
+                                           max_graph_batch=16, max_verify_graph_batch=16)  # fmt: skip
+    backend.allocate_kv_cache(num_blocks=64, block_size=16)
+    backend.capture_verification_graphs(64)
+    shapes = [(b, q) for b, q in backend.graph_shapes if q > 1]
+    # Buckets 1, 2, 4, 8, 16 and q = 2 .. 9, less those past 100 tokens (16 x 7, 16 x 8, 16 x 9).
+    assert len(shapes) == 5 * (MAX_QUERY - 1) - 3
+    assert all(b * q <= 100 for b, q in shapes)
+    backend.capture_verification_graphs(64)
+    assert [(b, q) for b, q in backend.graph_shapes if q > 1] == shapes
+
+
 # bf16 inputs: bf16 P·V operands (test_paged_attention_gpu.py); float32: IEEE dots.
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 

@@ -174,6 +174,17 @@ class DecodeGraphs:
             for b in reversed(self.buckets):
                 self._get(b, 1)
 
+    def capture_verification(self, max_batch: int) -> None:
+        """Capture now every verification graph a step of up to `max_batch` sequences may use."""
+        if self.max_verify_batch < 1:
+            return
+        largest = self.bucket(min(max_batch, self.max_verify_batch))
+        with torch.inference_mode():
+            for b in reversed([s for s in self.buckets if s <= largest]):
+                for q in range(2, MAX_QUERY + 1):
+                    if b * q <= self.max_tokens:
+                        self._get(b, q)
+
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         key = self.key(batch)
         assert key is not None, "run() on a step that fits() no graph"

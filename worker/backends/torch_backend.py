@@ -208,6 +208,12 @@ class TorchBackend:
         if self._graphs is not None:
             self._graphs.capture_all()
 
+    def capture_verification_graphs(self, max_batch: int) -> None:
+        """Capture the speculative-verification CUDA graphs of up to `max_batch`
+        sequences now rather than on first use (benchmarks)."""
+        if self._graphs is not None:
+            self._graphs.capture_verification(max_batch)
+
     @property
     def graph_shapes(self) -> list[tuple[int, int]]:
         """The (batch bucket, query tokens per sequence) of every CUDA graph captured so far."""
