@@ -124,6 +124,7 @@ class _Graph:
     meta: torch.Tensor  # int32 [3 * b * q + b]: tokens | positions | slots | seq_lens
     block_tables: torch.Tensor  # int32 [b, table width]
     logits: torch.Tensor  # float32 [b * q, vocab], written by each replay
+    inputs: StepInputs  # holds the static tensors the graph reads (query starts, tile maps)
 
 
 class DecodeGraphs:
@@ -238,5 +239,5 @@ class DecodeGraphs:
             if q > 1:  # the graph's own logits are freed back to the pool for the next capture
                 assert self.verify_logits is not None
                 logits = self.verify_logits[: b * q].copy_(logits)
-        self.graphs[b, q] = _Graph(graph, meta, block_tables, logits)
+        self.graphs[b, q] = _Graph(graph, meta, block_tables, logits, inputs)
         return self.graphs[b, q]
