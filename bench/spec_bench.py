@@ -8,6 +8,8 @@ for B in the batch sizes. Modes, taking turns on the same prompts:
   draft-model  a draft model made of the target's first --draft-layers layers
                (a shallower copy of the same model: it shows the mechanics and
                costs; a distilled small model would accept far more)
+Verification steps run in CUDA graphs (worker/backends/cuda_graphs.py), captured
+before the runs with the decode graphs, for the target and the draft model.
 Per row: the decode time per output token of one request (wall time after every
 request's first token, divided by the tokens each request produced after its
 first, averaged over the requests), output tokens/s over the whole run, the
@@ -196,9 +198,20 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
     backend = create_backend(loaded, cfg.backend, cfg.device, cfg.dtype, max_num_tokens=cfg.max_num_tokens,
                              max_batch_size=max_batch)
     core = EngineCore(backend, cfg, tokenizer=loaded.tokenizer, draft=draft)
+    _capture_graphs([backend, draft.backend], max_batch)
     args.draft_name = args.draft_model or f"the first {layers} of {loaded.config.num_layers} layers"
     args.backend_name = backend.name
     return core, loaded.tokenizer
+
+
+def _capture_graphs(backends: list[Any], max_batch: int) -> None:
+    """Every CUDA graph a run may use (decode and verification steps), before any is timed."""
+    from worker.backends.torch_backend import TorchBackend
+
+    for backend in backends:
+        if isinstance(backend, TorchBackend):
+            backend.capture_graphs()
+            backend.capture_verification_graphs(max_batch)
 
 
 def measure(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:

@@ -178,9 +178,12 @@ def paged_attention_triton(
 ) -> torch.Tensor:
     """q [T, H, D]; caches [num_blocks, block_size, KVH, D]; int32 metadata on q's device.
 
-    tile_seq / tile_q0 come from `tile_map(query_start, block_q)`; a generation-only
-    batch uses block_q=1 with tile_seq = arange(B), tile_q0 = 0, and may spread each
-    sequence's keys over `splits` programs (a power of two; see decode_splits).
+    tile_seq / tile_q0 come from `tile_map(query_start, block_q)`. A generation batch
+    whose every sequence has the same q <= block_q query tokens (q = 1: decode; q > 1:
+    a verification step) uses tile_seq = arange(B), tile_q0 = 0, one tile per
+    sequence, and may spread each sequence's keys over `splits` programs (a power of
+    two; see decode_splits): a query row that sees no key of a split gets weight 0
+    in the merge.
     """
     if triton is None:
         raise RuntimeError("paged_attention_triton needs Triton (a CUDA host)")
@@ -189,8 +192,6 @@ def paged_attention_triton(
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    if block_q != 1:
-        splits = 1
     splits = triton.next_power_of_2(splits)
     if splits > 1:
         part_acc = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)

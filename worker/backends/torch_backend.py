@@ -4,7 +4,7 @@ cache, on CUDA or the CPU.
 On CUDA: bf16 weights and KV cache, cuBLAS GEMMs over fused projections (qkv,
 gate_up), Triton kernels for attention over the paged cache (prefill chunks and
 generation alike) and for the fused elementwise stages (torch_decoder_ops.py), and
-CUDA graphs for generation-only steps (cuda_graphs.py). On the CPU (CI): the same
+CUDA graphs for generation steps, speculative verification included (cuda_graphs.py). On the CPU (CI): the same
 forward in float32 with plain torch ops.
 
 Every step's integer metadata travels in one pinned int32 buffer and one
@@ -25,7 +25,7 @@ import torch
 
 from worker.backends import paged_attention
 from worker.backends.base import ForwardBatch, SampleOutput, SamplingBatch
-from worker.backends.cuda_graphs import DecodeGraphs
+from worker.backends.cuda_graphs import MAX_QUERY, DecodeGraphs
 from worker.backends.memory_plan import WorkingMemory, gib, plan_working_memory
 from worker.backends.quant_linear import QuantLinear
 from worker.backends.torch_decoder_ops import TorchDecoderOps, TorchLinear
@@ -85,6 +85,7 @@ class TorchBackend:
         max_model_len: int | None = None,
         use_cuda_graphs: bool = True,
         max_graph_batch: int = 512,
+        max_verify_graph_batch: int = 32,
         tensor_group: TensorGroup | None = None,
         quantization: str | None = None,
         kv_cache_dtype: str | None = None,
@@ -102,7 +103,8 @@ class TorchBackend:
         in one step (default `max_graph_batch`); with `max_num_tokens` and the graphs it
         sizes the working memory kept out of the KV cache (memory_plan.py). `free_memory`:
         bytes to plan the KV cache with instead of what the device reports free now (a
-        device shared with another process; tests)."""
+        device shared with another process; tests). Speculative verification steps of
+        up to `max_verify_graph_batch` sequences run in CUDA graphs too (cuda_graphs.py)."""
         if tensor_group is not None:
             device = tensor_group.device
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -143,6 +145,7 @@ class TorchBackend:
         self._max_graph_batch = max_graph_batch
         self.max_batch_size = max_batch_size or max_graph_batch
         self._free_memory = free_memory
+        self._max_verify_graph_batch = max_verify_graph_batch
         # The previous launch's sampled ids, still on the device: the next step's
         # placeholder tokens (-(k + 1) for row k) are read from here. Tensor-parallel
         # ranks other than 0 receive them from rank 0 (worker/parallel/ranks.py).
@@ -182,8 +185,16 @@ class TorchBackend:
         """What one step may need beyond weights and KV cache, at this backend's limits."""
         return plan_working_memory(
             self.ops.config, self.config.vocab_size, self.dtype.itemsize, max_num_tokens=self.max_num_tokens,
-            max_batch_size=self.max_batch_size, graph_batch=self._max_graph_batch if self._use_cuda_graphs else 0,
+            max_batch_size=self.max_batch_size, graph_batch=self._graph_rows(),
         )  # fmt: skip
+
+    def _graph_rows(self) -> int:
+        """The most logits rows one CUDA graph computes: a decode batch, or a verification
+        graph's sequences times its query tokens (cuda_graphs.py); 0 without graphs."""
+        if not self._use_cuda_graphs:
+            return 0
+        verify = min(self._max_verify_graph_batch, self._max_graph_batch) * MAX_QUERY
+        return max(self._max_graph_batch, min(verify, self.max_num_tokens))
 
     def free_memory_bytes(self) -> int:
         if self._free_memory is not None:
@@ -209,7 +220,9 @@ class TorchBackend:
         self.scratch_slot = num_blocks * block_size
         if self._use_cuda_graphs:
             max_blocks = -(-self.max_model_len // block_size)
-            self._graphs = DecodeGraphs(self, self._max_graph_batch, max_blocks)
+            self._graphs = DecodeGraphs(self, self._max_graph_batch, max_blocks, block_size=block_size,
+                                        max_verify_batch=self._max_verify_graph_batch,
+                                        max_tokens=self.max_num_tokens)
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.ops.copy_blocks(src, dst)
@@ -232,6 +245,17 @@ class TorchBackend:
         (benchmarks: no capture inside a timed run)."""
         if self._graphs is not None:
             self._graphs.capture_all()
+
+    def capture_verification_graphs(self, max_batch: int) -> None:
+        """Capture the speculative-verification CUDA graphs of up to `max_batch`
+        sequences now rather than on first use (benchmarks)."""
+        if self._graphs is not None:
+            self._graphs.capture_verification(max_batch)
+
+    @property
+    def graph_shapes(self) -> list[tuple[int, int]]:
+        """The (batch bucket, query tokens per sequence) of every CUDA graph captured so far."""
+        return [] if self._graphs is None else sorted(self._graphs.graphs)
 
     def release_graphs(self) -> None:
         """Drop the captured graphs (before a tensor-parallel group they captured

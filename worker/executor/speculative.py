@@ -22,12 +22,20 @@ at those output positions, so row j's token is the token ordinary decoding picks
 at position num_generated + j from the same prefix whenever d1 .. dj were
 accepted: greedy and seeded sampling give token-identical output with speculation
 on or off. Where it can differ: the verification forward computes k + 1
-positions in one pass (a different reduction order than k + 1 single-token
-steps, like any chunked prefill), so logits may differ in the last bits, which
-flips a choice only on an exact near-tie (argmax ties, or a draw within rounding
-of a CDF boundary). Rows of one step never influence each other, so requests
-whose sampling depends on earlier tokens of the same step do not speculate:
-see `off_reason`.
+positions in one pass, a different reduction order than k + 1 single-token steps
+(cuBLAS picks other kernels for k + 1 rows than for one; the attention splits its
+keys differently), like any chunked prefill. What holds, measured:
+- float32 (the CPU backends, and CUDA with dtype float32): token-identical, greedy
+  and seeded (tests/worker/executor/test_speculative.py, tests/gpu/test_speculative_gpu.py);
+- bf16 on CUDA: the logits differ by bf16 rounding, so a choice flips only at a
+  near-tie. tests/gpu/test_speculative_gpu.py asserts that every greedy divergence
+  on the tiny checkpoint is where the float32 logits of the two tokens lie within
+  2 % of the largest logit; bench/spec_bench.py's "identical" column counts the
+  default model's requests whose output equals ordinary decoding's.
+Exact bf16 equality would need batch-invariant GEMM and attention kernels (one
+reduction order whatever the number of rows); tokenwire has none.
+Rows of one step never influence each other, so requests whose sampling depends
+on earlier tokens of the same step do not speculate: see `off_reason`.
 """
 
 from __future__ import annotations
