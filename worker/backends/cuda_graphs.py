@@ -169,9 +169,9 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], _Graph] = {}
         # [max(max_batch, bucket(max_verify_batch) * MAX_QUERY), vocab], made at the first capture
         self.logits: torch.Tensor | None = None
-        # One stream for every warm-up: the allocator caches freed blocks per stream, so a
-        # new stream per capture would keep each warm-up's activations reserved.
-        self.side = torch.cuda.Stream(self.device)
+        # One stream for every warm-up (made at the first): the allocator caches freed blocks
+        # per stream, so a new stream per capture would keep each warm-up's activations reserved.
+        self.side: torch.cuda.Stream | None = None
 
     def bucket(self, b: int) -> int:
         return next(s for s in self.buckets if s >= b)
@@ -258,6 +258,8 @@ class DecodeGraphs:
             lora_slots = torch.full((b * q,), -1, dtype=torch.int64, device=self.device)
         inputs = graph_inputs(meta, block_tables, b, q, self.backend.decode_splits(b), lora_slots=lora_slots)
         # Warm up off the capture: Triton compiles and cuBLAS picks its kernels here.
+        if self.side is None:
+            self.side = torch.cuda.Stream(self.device)
         side = self.side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
