@@ -140,7 +140,8 @@ def start_executor(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.
 
     t0 = time.perf_counter()
     backend = TorchBackend(cfg, device, args.dtype, weights=weights, max_num_tokens=args.max_num_tokens,
-                           max_model_len=args.max_model_len, max_graph_batch=args.max_batch)  # fmt: skip
+                           max_model_len=args.max_model_len, max_graph_batch=args.max_batch,
+                           max_batch_size=args.max_batch)  # fmt: skip
     config = ExecutorConfig(
         max_batch_size=args.max_batch,
         max_num_tokens=args.max_num_tokens,
