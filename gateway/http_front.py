@@ -254,13 +254,26 @@ class HttpFront:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = self._sse(call, first, submit, model, chat, prompt_tokens, include_usage, text)
             return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        # A whole response is awaited here, not in a body iterator that ASGI would end: a client
+        # that goes away meanwhile is watched for, and its request cancelled.
+        whole = asyncio.ensure_future(self._whole(call, submit))
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            choices = await self._whole(call, submit)
-        except api.ApiError as e:
-            return JSONResponse(e.body(), e.status)
+            await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
+            whole.cancel()
             await self.bridge.cancel(submit.request_id)
             raise
+        finally:
+            gone.cancel()
+        if not whole.done():
+            whole.cancel()
+            await self.bridge.cancel(submit.request_id)
+            return Response(status_code=499)  # nobody reads it: the client is gone
+        try:
+            choices = whole.result()
+        except api.ApiError as e:
+            return JSONResponse(e.body(), e.status)
         return JSONResponse(api.whole_response(chat, submit.request_id, model, choices, prompt_tokens, text))
 
     async def _body(self, request: Request, chat: bool) -> api.CompletionRequest | api.ChatRequest:
@@ -368,6 +381,12 @@ class HttpFront:
                 with contextlib.suppress(Exception):
                     await self.bridge.cancel(request_id)
             self.bridge.forget(request_id)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has closed its connection (its body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _event(obj: dict[str, Any]) -> bytes:

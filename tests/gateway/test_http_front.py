@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import time
 import urllib.request
@@ -156,6 +157,28 @@ def test_back_pressure_and_disconnect_cancels(service, client):
             stats = service.request_stats(first.id)
         assert stats["finish_reason"] == "cancelled"
     service.wait_idle(service.workers[0])
+
+
+def test_a_client_gone_from_a_whole_response_cancels_its_request(service):
+    worker = service.workers[0]
+    service.wait_idle(worker)
+    pattern = service.keys.request_stats("cmpl-*")
+    before = set(service.redis.scan_iter(pattern))
+    body = json.dumps({"model": MODEL, "prompt": "long whole", "max_tokens": 6000, "temperature": 0.0,
+                       "min_tokens": 6000}).encode()  # fmt: skip
+    port = int(service.http_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        deadline = time.monotonic() + 10
+        while service.load(worker).num_active_requests == 0:  # it runs at the worker
+            assert time.monotonic() < deadline, "the request never reached the worker"
+            time.sleep(0.05)
+    # The connection closed with no response read: the worker's request ends long before its 6,000 tokens.
+    service.wait_idle(worker, timeout=10)
+    (key,) = set(service.redis.scan_iter(pattern)) - before
+    stats = service.request_stats(key.decode().rsplit(":", 1)[1])
+    assert stats["finish_reason"] == "cancelled" and int(stats["output_tokens"]) < 6000
 
 
 def _get(url: str) -> tuple[int, bytes]:
