@@ -240,7 +240,8 @@ class HttpFront:
     async def _generate(self, request: Request, chat: bool) -> Response:
         try:
             body = await self._body(request, chat)
-            model, submit, prompt_tokens = self._submit(body, chat)
+            # On a thread: a long prompt's tokenizing would hold up every other HTTP client.
+            model, submit, prompt_tokens = await asyncio.to_thread(self._submit, body, chat)
         except api.ApiError as e:
             return JSONResponse(e.body(), e.status)
         assert self.bridge is not None
@@ -298,19 +299,19 @@ class HttpFront:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         tokenizer = self.gateway.tokenizers.get(model) if model is not None else None
         prompt_ids: list[int] | None = None
+        max_seq_len = served.get(model) if model else None
         try:
             # Tokenized here when the tokenizer is known (usage counts need the length, and the
             # gateway's I/O thread is spared the work); else the gateway does it once a worker is ready.
             if tokenizer is not None:
                 if isinstance(body, api.ChatRequest):
                     messages = [{**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in body.messages]
-                    prompt = self.gateway.tokenizers.render_chat(model, messages)
-                    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+                    prompt_ids = self.gateway.tokenizers.prompt_ids(model, None, messages, max_seq_len)
                 elif isinstance(body.prompt, str):
-                    prompt_ids = tokenizer.encode(body.prompt).ids
+                    prompt_ids = self.gateway.tokenizers.prompt_ids(model, body.prompt, None, max_seq_len)
                 else:
                     prompt_ids = list(body.prompt)  # type: ignore[arg-type]
-            submit = api.submit_for(body, request_id, model, prompt_ids, served.get(model) if model else None)
+            submit = api.submit_for(body, request_id, model, prompt_ids, max_seq_len)
         except ValidationError as e:
             raise api.invalid(e) from e
         except (ValueError, ChatTemplateError) as e:
