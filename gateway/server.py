@@ -29,7 +29,7 @@ from gateway.client_batch import ClientBatch
 from gateway.discovery import Discovery
 from gateway.tokenizer_store import PromptError, Tokenizers
 from gateway.workers import WorkerLink, least_loaded
-from ops.curve import CurveConfig, CurveServer, connect_as_client
+from ops.curve import CurveConfig, CurveServer, connect_as_client, routing_id
 from ops.metrics import GatewayMetrics, outcome
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
@@ -514,7 +514,10 @@ class Gateway:
 
     def _connect(self, info: protocol.WorkerInfo) -> None:
         sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.gateway_id.encode())
+        # Under CURVE the worker knows this socket by a secret routing id: a peer that takes the
+        # gateway's name is refused and logged there, and cannot silently collide with this socket.
+        identity = routing_id(self.gateway_id) if self.config.curve is not None else self.gateway_id.encode()
+        sock.setsockopt(zmq.IDENTITY, identity)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)

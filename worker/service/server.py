@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import zmq
 
 import protocol
-from ops.curve import CurveConfig, CurveServer, IdentityKeys
+from ops.curve import CurveConfig, CurveServer, IdentityKeys, identity_name
 from ops.metrics import WorkerMetrics, outcome
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
@@ -282,9 +282,10 @@ class WorkerService:
             self._enqueue_taken()
 
     def _receive_authenticated(self, identity_keys: IdentityKeys) -> list[bytes]:
-        """One message, or [] where its sender took over another key's gateway id: that
-        gateway is then gone (its connection ended, or the id would not be free), and
-        nothing more is sent under its id, which would reach the taker."""
+        """One message, or [] where its sender used the name of another key's gateway
+        (refused and logged). Where it took that gateway's whole routing id, the
+        gateway's connection had ended (libzmq keeps a live one): the gateway is then
+        gone, and nothing more is sent under its id, which would reach the taker."""
         parts = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
         if len(parts) != 2:
             return []
@@ -305,7 +306,7 @@ class WorkerService:
         if peer is None:
             interval = msg.heartbeat_interval_s if isinstance(msg, protocol.Hello) else self.config.heartbeat_interval_s
             peer = self.gateways[gateway] = _Gateway(interval)
-            log.info("gateway %r connected", gateway)
+            log.info("gateway %r connected", identity_name(gateway))
         peer.last_seen = time.monotonic()
         if isinstance(msg, protocol.Submit):
             try:
@@ -395,7 +396,7 @@ class WorkerService:
 
     def _gateway_gone(self, gateway: bytes, why: str) -> None:
         orphans = self.table.of_gateway(gateway)
-        log.warning("gateway %r %s: aborting its %d requests", gateway, why, len(orphans))
+        log.warning("gateway %r %s: aborting its %d requests", identity_name(gateway), why, len(orphans))
         for entry in orphans:
             self.engine.cancel_request(entry.exec_id)
         del self.gateways[gateway]
@@ -408,8 +409,9 @@ class WorkerService:
         for gateway, peer in list(self.gateways.items()):
             if now - peer.last_seen > self.config.missed_heartbeats * peer.heartbeat_interval_s:
                 self._gateway_gone(gateway, f"silent for {now - peer.last_seen:.1f} s")
-                if self._identity_keys is not None:
-                    self._identity_keys.forget(gateway)
+                name = identity_name(gateway)
+                if self._identity_keys is not None and all(identity_name(g) != name for g in self.gateways):
+                    self._identity_keys.forget(name)
         load = self.load()
         # The line `systemctl status` shows, kept current.
         self.notifier.status(
@@ -515,7 +517,7 @@ class WorkerService:
     def _record_finished(self, entry: Active, wire: protocol.Response, stats: ex.RequestStats | None) -> None:
         fields = {
             "request_id": entry.name,
-            "gateway": entry.gateway.decode(errors="replace"),
+            "gateway": identity_name(entry.gateway).decode(errors="replace"),
             "worker": self.worker_id,
             "prompt_tokens": str(entry.prompt_tokens),
             "output_tokens": str(entry.output_tokens),
