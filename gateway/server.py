@@ -30,6 +30,7 @@ from gateway.discovery import Discovery
 from gateway.tokenizer_store import PromptError, Tokenizers
 from gateway.workers import WorkerLink, least_loaded
 from ops.curve import CurveConfig, CurveServer, connect_as_client, routing_id
+from ops.drain import Drain
 from ops.metrics import GatewayMetrics, outcome
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
@@ -123,9 +124,7 @@ class Gateway:
         self.gateway_id = config.gateway_id or f"gw-{socket.gethostname()}-{os.getpid()}"
         self.tokenizers = Tokenizers(config.tokenizer_sha256)
         self.stop = threading.Event()
-        # SIGTERMs received (request_drain); the first drains, a second ends the rest now.
-        self._drain_requests = 0
-        self._drain_deadline: float | None = None
+        self.drain = Drain(config.drain_timeout_s)
         self.discovery = Discovery(
             config.redis_url,
             self.keys,
@@ -197,9 +196,9 @@ class Gateway:
                     next_tick = now + interval
                 if self.waiting:
                     self._dispatch_waiting(now)
-                if self._drain_requests and self._drain_deadline is None:
+                if self.drain.begin(len(self.requests), self.notifier):
                     self._start_drain()
-                if self._drain_deadline is not None and self._drained():
+                if self.drain.draining and self._drained():
                     break
         finally:
             self.notifier.stopping(f"gateway {self.gateway_id} stopping")
@@ -219,17 +218,13 @@ class Gateway:
 
     def request_drain(self) -> None:
         """From a signal handler: the first call drains, a second ends the rest at once."""
-        self._drain_requests += 1
+        self.drain.request()
 
     @property
     def draining(self) -> bool:
-        return self._drain_deadline is not None
+        return self.drain.draining
 
     def _start_drain(self) -> None:
-        bound = self.config.drain_timeout_s
-        self._drain_deadline = time.monotonic() + bound
-        log.info("draining: %d requests in flight get up to %.1f s to finish", len(self.requests), bound)
-        self.notifier.stopping(f"draining: {len(self.requests)} requests in flight, {bound:g} s bound")
         # Not yet at a worker: their clients can send them elsewhere at once.
         waiting, self.waiting = self.waiting, deque()
         for req in waiting:
@@ -240,10 +235,9 @@ class Gateway:
         if not self.requests:
             log.info("drained: every request finished")
             return True
-        assert self._drain_deadline is not None
-        if self._drain_requests < 2 and time.monotonic() < self._drain_deadline:
+        why = self.drain.cut()
+        if why is None:
             return False
-        why = "a second SIGTERM" if self._drain_requests >= 2 else f"its {self.config.drain_timeout_s:g} s bound passed"
         for req in list(self.requests.values()):
             if req.worker is not None:
                 self._cancel_at_worker(req, req.worker)

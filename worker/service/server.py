@@ -24,6 +24,7 @@ import zmq
 
 import protocol
 from ops.curve import CurveConfig, CurveServer, IdentityKeys, identity_name
+from ops.drain import Drain
 from ops.metrics import WorkerMetrics, outcome
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
@@ -74,9 +75,7 @@ class WorkerService:
         self.engine = engine
         self.config = config
         self.notifier = notifier or Notifier(address="")
-        # SIGTERMs received (request_drain); the first drains, a second ends the rest now.
-        self._drain_requests = 0
-        self._drain_deadline: float | None = None
+        self.drain = Drain(config.drain_timeout_s)
         self.limits = protocol.DEFAULT_LIMITS
         self.keys = protocol.Keys(config.redis_prefix)
         self.ctx = zmq.Context()
@@ -186,9 +185,9 @@ class WorkerService:
                 if self.engine_failure:
                     self._end_all(ErrorCode.INTERNAL, f"worker failed: {self.engine_failure}")
                     break
-                if self._drain_requests and self._drain_deadline is None:
+                if self.drain.begin(len(self.table), self.notifier):
                     self._start_drain()
-                if self._drain_deadline is not None and self._drained():
+                if self.drain.draining and self._drained():
                     break
         finally:
             self.stop.set()
@@ -197,7 +196,7 @@ class WorkerService:
             self._redis_stop.set()
             self.redis.join(timeout=5)
             # A drained worker's last results and errors must leave before the socket goes.
-            self.router.close(2000 if self._drain_deadline is not None else 0)
+            self.router.close(2000 if self.drain.draining else 0)
             self._pump_out.close(0)
             if self._curve is not None:
                 self._curve.stop()
@@ -207,19 +206,15 @@ class WorkerService:
 
     def request_drain(self) -> None:
         """From a signal handler: the first call drains, a second ends the rest at once."""
-        self._drain_requests += 1
+        self.drain.request()
 
     @property
     def draining(self) -> bool:
-        return self._drain_deadline is not None
+        return self.drain.draining
 
     def _start_drain(self) -> None:
-        bound = self.config.drain_timeout_s
-        self._drain_deadline = time.monotonic() + bound
-        log.info("draining: %d requests in flight get up to %.1f s to finish", len(self.table), bound)
-        self.notifier.stopping(f"draining: {len(self.table)} requests in flight, {bound:g} s bound")
         self.redis.leave.set()
-        drain = protocol.encode(protocol.Drain(sender_id=self.sender_id, deadline_s=bound))
+        drain = protocol.encode(protocol.Drain(sender_id=self.sender_id, deadline_s=self.drain.timeout_s))
         for gateway in self.gateways:
             self.router.send_multipart([gateway, drain])
 
@@ -229,10 +224,9 @@ class WorkerService:
         if not len(self.table):
             log.info("drained: every request finished")
             return True
-        assert self._drain_deadline is not None
-        if self._drain_requests < 2 and time.monotonic() < self._drain_deadline:
+        why = self.drain.cut()
+        if why is None:
             return False
-        why = "a second SIGTERM" if self._drain_requests >= 2 else f"its {self.config.drain_timeout_s:g} s bound passed"
         ended = self._end_all(ErrorCode.DRAINING, f"worker draining: {self.worker_id} is shutting down ({why})")
         log.warning("drain ended by %s: %d requests ended with the draining error", why, ended)
         return True
