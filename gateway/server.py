@@ -362,7 +362,7 @@ class Gateway:
         req = state.requests.get(request_id)
         if req is None:
             return  # finished already: nothing to do
-        self.metrics.client_cancelled("cancel")
+        self.metrics.client_cancelled(req, "cancel")
         if req.worker is not None:
             req.worker.socket.send(protocol.encode(protocol.Cancel(request_id=req.wire_id)))
         else:  # still waiting for a worker: end it here
@@ -394,7 +394,7 @@ class Gateway:
         req.stream.tokenizer = req.stream.tokenizer or tokenizer
         req.worker = link
         if not req.dispatches:
-            self.metrics.dispatched(time.monotonic() - req.created)
+            self.metrics.dispatched(time.monotonic() - req.created, req.model)
         req.dispatches += 1
         link.requests.add(req.wire_id)
         link.sent_since_load += 1
@@ -752,7 +752,7 @@ class Gateway:
         if state.requests:
             log.info("client %s silent: cancelling its %d requests", client.hex(), len(state.requests))
         for req in list(state.requests.values()):
-            self.metrics.client_cancelled("gone")
+            self.metrics.client_cancelled(req, "gone")
             if req.worker is not None:
                 self._cancel_at_worker(req, req.worker)
             self.metrics.ended(req, None)

@@ -14,6 +14,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from tests.integration.test_metrics import scrape
 from tests.procs import free_port, stack
 
 openai = pytest.importorskip("openai")
@@ -164,9 +165,11 @@ def test_a_client_gone_from_a_whole_response_cancels_its_request(service):
     service.wait_idle(worker)
     pattern = service.keys.request_stats("cmpl-*")
     before = set(service.redis.scan_iter(pattern))
+    port = int(service.http_url.rsplit(":", 1)[1])
+    cancels = ("tokenwire_gateway_client_cancels_total", frozenset({("model", MODEL), ("how", "cancel")}))
+    cancels_before = scrape(port).get(cancels, 0.0)
     body = json.dumps({"model": MODEL, "prompt": "long whole", "max_tokens": 6000, "temperature": 0.0,
                        "min_tokens": 6000}).encode()  # fmt: skip
-    port = int(service.http_url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
@@ -179,6 +182,7 @@ def test_a_client_gone_from_a_whole_response_cancels_its_request(service):
     (key,) = set(service.redis.scan_iter(pattern)) - before
     stats = service.request_stats(key.decode().rsplit(":", 1)[1])
     assert stats["finish_reason"] == "cancelled" and int(stats["output_tokens"]) < 6000
+    assert scrape(port)[cancels] == cancels_before + 1  # counted as a client's cancel, by model
 
 
 def _get(url: str) -> tuple[int, bytes]:

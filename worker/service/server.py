@@ -522,6 +522,8 @@ class WorkerService:
         else:
             fields["finish_reason"] = "error"
             fields["error"] = wire.error_msg or ""
+        if stats is not None and stats.queue_time_ms is not None:
+            self.metrics.queued(stats.queue_time_ms / 1e3)
         for name, key in (("queue_time_ms", "queue_time_ms"), ("time_to_first_token_ms", "ttft_ms")):
             value = getattr(stats, name, None)
             if value is not None:
