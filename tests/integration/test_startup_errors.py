@@ -6,11 +6,12 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.procs import REPO, free_port
+from tests.procs import REPO, Worker, free_port
 
 
 def _run(args: list[str], timeout: float = 60) -> list[str]:
@@ -51,6 +52,35 @@ def test_worker_model_that_cannot_load(redis_url, tmp_path):
 def test_worker_port_in_use(service_model, redis_url, busy_port):
     (line,) = _worker(service_model, redis_url, "--bind", f"tcp://127.0.0.1:{busy_port}")
     assert f"cannot listen at tcp://127.0.0.1:{busy_port}: Address already in use" in line
+
+
+def test_a_worker_holds_its_port_while_its_model_loads(service_model, redis_url, tmp_path):
+    """Bound before the model loads, and kept: a second worker on the port fails at once
+    with one line, not after its own load (minutes on a GPU) with a traceback."""
+    first = Worker("first", service_model, redis_url, tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # until the first worker's port takes connections
+            try:
+                socket.create_connection(("127.0.0.1", first.port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and first.alive, first.log()
+                time.sleep(0.01)
+        bound = time.monotonic()
+        first.wait_log("serving")
+        # Its engine process started and loaded the model after the port was bound: a second or
+        # more, not the milliseconds from a bind after the load to serving.
+        assert time.monotonic() - bound > 0.3
+        (line,) = _worker(service_model, redis_url, "--bind", first.endpoint, "--metrics-port", str(free_port()))
+        assert f"cannot listen at {first.endpoint}: Address already in use" in line
+    finally:
+        first.stop()
+
+
+def test_worker_metrics_port_in_use(service_model, redis_url, busy_port):
+    (line,) = _worker(service_model, redis_url, "--metrics-port", str(busy_port))
+    assert f"cannot serve /metrics at 127.0.0.1:{busy_port}: Address already in use" in line
 
 
 @pytest.mark.parametrize("which", ["--bind", "--http-port", "--metrics-port"])

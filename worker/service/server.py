@@ -70,34 +70,76 @@ class _Gateway:
     last_seen: float = field(default_factory=time.monotonic)
 
 
+class ListenError(RuntimeError):
+    """A socket the worker cannot listen on; the text is the one line to show."""
+
+
+@dataclass(slots=True)
+class Listener:
+    """The worker's listening sockets, bound before its model loads (minutes, on a GPU)
+    so that a port in use fails start-up at once, and stays the worker's: the ROUTER
+    gateways connect to (a CURVE server where configured) and /metrics."""
+
+    ctx: zmq.Context
+    router: zmq.Socket
+    curve: CurveServer | None
+    metrics: WorkerMetrics
+
+    @classmethod
+    def open(cls, bind: str, curve: CurveConfig | None, metrics_host: str = "", metrics_port: int = 0) -> Listener:
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.SNDHWM, 0)  # bounded by the executor's admitted work
+        router.setsockopt(zmq.RCVHWM, 0)
+        router.setsockopt(zmq.LINGER, 0)
+        server = None
+        if curve is None:
+            router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a gateway reconnecting under its id takes over
+        else:
+            # No handover: a second connection under a live gateway's id would get that gateway's
+            # results. libzmq keeps the first connection and drops what the second sends.
+            server = CurveServer("worker", curve.keypair, curve.allowed)
+            server.start(ctx)
+            server.serve(router)
+        listener = cls(ctx, router, server, WorkerMetrics())
+        try:
+            router.bind(bind)
+        except zmq.ZMQError as e:
+            listener.close()
+            raise ListenError(
+                f"cannot listen at {bind}: {e.strerror} (is another worker running there? see --bind)"
+            ) from None
+        if metrics_port:
+            try:
+                listener.metrics.serve(metrics_host, metrics_port)
+            except OSError as e:
+                listener.close()
+                raise ListenError(f"cannot serve /metrics at {metrics_host}:{metrics_port}: {e.strerror}") from None
+        return listener
+
+    def close(self) -> None:
+        """Only where the service never ran: WorkerService.serve closes them itself."""
+        self.router.close(0)
+        if self.curve is not None:
+            self.curve.stop()
+        self.ctx.term()
+
+
 class WorkerService:
-    def __init__(self, engine: EngineProcess, config: ServiceConfig, notifier: Notifier | None = None) -> None:
+    def __init__(self, engine: EngineProcess, config: ServiceConfig, notifier: Notifier | None = None,
+                 listener: Listener | None = None) -> None:  # fmt: skip
         self.engine = engine
         self.config = config
         self.notifier = notifier or Notifier(address="")
         self.drain = Drain(config.drain_timeout_s)
         self.limits = protocol.DEFAULT_LIMITS
         self.keys = protocol.Keys(config.redis_prefix)
-        self.ctx = zmq.Context()
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.SNDHWM, 0)  # bounded by the executor's admitted work
-        self.router.setsockopt(zmq.RCVHWM, 0)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self._curve: CurveServer | None = None
-        # Under CURVE, a gateway id belongs to the key that first used it: a peer that takes the
-        # id with another key once the gateway's connection ended is refused (and logged) until
-        # the gateway is declared gone.
-        self._identity_keys: IdentityKeys | None = None
-        if config.curve is None:
-            self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a gateway reconnecting under its id takes over
-        else:
-            # No handover: a second connection under a live gateway's id would get that gateway's
-            # results. libzmq keeps the first connection and drops what the second sends.
-            self._curve = CurveServer("worker", config.curve.keypair, config.curve.allowed)
-            self._curve.start(self.ctx)
-            self._curve.serve(self.router)
-            self._identity_keys = IdentityKeys("worker")
-        self.router.bind(config.bind)
+        listener = listener or Listener.open(config.bind, config.curve)
+        self.ctx, self.router, self._curve = listener.ctx, listener.router, listener.curve
+        self.metrics = listener.metrics
+        # Under CURVE, a gateway's name belongs to the key that first used it: a peer that uses the
+        # name with another key is refused (and logged) until the gateway is declared gone.
+        self._identity_keys = IdentityKeys("worker") if config.curve is not None else None
         address = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.address = config.advertise or address.replace("0.0.0.0", socket.gethostname())
         port = address.rsplit(":", 1)[-1]
@@ -139,7 +181,6 @@ class WorkerService:
         self._pump_out = self.ctx.socket(zmq.PAIR)
         self._pump_out.bind(_PUMP_ENDPOINT)
         self._pump = threading.Thread(target=self._pump_results, name="worker-pump", daemon=True)
-        self.metrics = WorkerMetrics()
         self.metrics.watch(self.load, lambda: self.redis.connected, lambda: len(self.gateways), lambda: self.draining)
 
     def load(self) -> protocol.WorkerLoad:
