@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import REPO, Worker, free_port
+from tests.procs import REPO, Gateway, Worker, free_port
 
 
 def _run(args: list[str], timeout: float = 60) -> list[str]:
@@ -99,3 +99,26 @@ def test_up_reports_a_child_that_cannot_start(service_model, redis_url, busy_por
     assert len(errors) == 1, lines
     assert "the gateway exited with status 1" in errors[0] and "Address already in use" in errors[0]
     assert "tokenwire is up" not in "\n".join(lines)
+
+
+def test_a_redis_that_refuses_the_password_is_reported(service_model, tmp_path):
+    """Issue 22, finding 7: a refused password was not reported; the gateway sat without workers."""
+    port = free_port()
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--requirepass", "right-one", "--save", "",
+                               "--appendonly", "no"], stdout=subprocess.DEVNULL)  # fmt: skip
+    wrong = tmp_path / "password"
+    wrong.write_text("wrong-one\n")
+    url = f"redis://127.0.0.1:{port}/0"
+    procs = [Gateway("gw", url, tmp_path, "--redis-password-file", str(wrong)),
+             Worker("w", service_model, url, tmp_path, "--redis-password-file", str(wrong))]  # fmt: skip
+    try:
+        for p in procs:
+            p.wait_log("redis: cannot reach it (", timeout=30)
+            assert "password" in p.log().split("redis: cannot reach it (")[1].split(")")[0]
+            assert "wrong-one" not in p.log()
+    finally:
+        for p in procs:
+            p.stop()
+        server.terminate()
+        server.wait()
+
