@@ -44,9 +44,10 @@ log = logging.getLogger(__name__)
 INPROC_ENDPOINT = "inproc://gateway-clients"
 # How often one request may be handed to a new worker after its worker was lost.
 _MAX_DISPATCHES = 3
-# Text prompts (or chats) up to this many characters are tokenized on the socket loop: well
-# under a millisecond. Longer ones go to a pool, so that one client's burst of large prompts
+# Text prompts (or chats) up to this many characters are tokenized on the socket loop: a
+# millisecond or so. Longer ones go to a pool, so that one client's burst of large prompts
 # never delays the loop (heartbeats, every other stream) nor other clients' short prompts.
+# The pool is first come, first served: large prompts wait behind each other, not beside.
 INLINE_TEXT_CHARS = 2048
 _TOKENIZER_THREADS = 2
 
