@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 from tests.integration.test_metrics import scrape
-from tests.procs import free_port, stack
+from tests.procs import Gateway, free_port, stack
 
 openai = pytest.importorskip("openai")
 
@@ -199,6 +199,30 @@ def test_models_health_metrics(service, client):
     status, metrics = _get(f"{service.http_url}/metrics")
     assert status == 200
     assert b"tokenwire_gateway_requests_total" in metrics
+
+
+def test_health_is_503_with_the_reason_without_workers_or_redis(service, tmp_path):
+    """200 only when Redis answers and a worker is ready (checked above); else 503 and why."""
+    ports = [free_port(), free_port()]
+    gateways = [  # the stack's Redis with a prefix no worker uses; a Redis that is not there
+        Gateway("lonely", service.redis_url, tmp_path, "--http-port", str(ports[0]), "--redis-prefix", "nobody"),
+        Gateway("cut-off", f"redis://127.0.0.1:{free_port()}/0", tmp_path, "--http-port", str(ports[1])),
+    ]
+    try:
+        for gateway, port, reason in zip(gateways, ports, ("no worker is ready", "Redis does not answer"),
+                                         strict=True):  # fmt: skip
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    status, body = _get(f"http://127.0.0.1:{port}/health")
+                    break
+                except OSError:  # not listening yet
+                    assert time.monotonic() < deadline and gateway.alive, gateway.log()
+                    time.sleep(0.1)
+            assert (status, json.loads(body)) == (503, {"status": "unavailable", "reason": reason})
+    finally:
+        for gateway in gateways:
+            gateway.stop()
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
