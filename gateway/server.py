@@ -49,7 +49,8 @@ _MAX_DISPATCHES = 3
 # never delays the loop (heartbeats, every other stream) nor other clients' short prompts.
 # The pool is first come, first served: large prompts wait behind each other, not beside.
 INLINE_TEXT_CHARS = 2048
-_TOKENIZER_THREADS = 2
+# At most half the cores: encoding releases the GIL but not the CPU, and the loop needs one.
+_TOKENIZER_THREADS = max(1, min(2, (os.cpu_count() or 2) // 2))
 
 
 def _text_chars(msg: protocol.Submit) -> int:
