@@ -3,6 +3,7 @@ what is wrong, no traceback; also through `tokenwire up`."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -56,24 +57,32 @@ def test_worker_port_in_use(service_model, redis_url, busy_port):
 
 def test_a_worker_holds_its_port_while_its_model_loads(service_model, redis_url, tmp_path):
     """Bound before the model loads, and kept: a second worker on the port fails at once
-    with one line, not after its own load (minutes on a GPU) with a traceback."""
-    first = Worker("first", service_model, redis_url, tmp_path)
+    with one line, not after its own load (minutes on a GPU) with a traceback. The load is
+    held here by a config.json that is a FIFO: reading it waits until the test writes it."""
+    model = tmp_path / "held-model"
+    model.mkdir()
+    for item in service_model.iterdir():
+        if item.name != "config.json":
+            (model / item.name).symlink_to(item)
+    os.mkfifo(model / "config.json")
+    first = Worker("first", model, redis_url, tmp_path)
     try:
         deadline = time.monotonic() + 30
-        while True:  # until the first worker's port takes connections
+        while True:  # the port takes connections while the load waits on config.json
             try:
                 socket.create_connection(("127.0.0.1", first.port), timeout=1).close()
                 break
             except OSError:
                 assert time.monotonic() < deadline and first.alive, first.log()
-                time.sleep(0.01)
-        bound = time.monotonic()
-        first.wait_log("serving")
-        # Its engine process started and loaded the model after the port was bound: a second or
-        # more, not the milliseconds from a bind after the load to serving.
-        assert time.monotonic() - bound > 0.3
+                time.sleep(0.05)
         (line,) = _worker(service_model, redis_url, "--bind", first.endpoint, "--metrics-port", str(free_port()))
         assert f"cannot listen at {first.endpoint}: Address already in use" in line
+        writer = os.open(model / "config.json", os.O_WRONLY)  # the loader is waiting to read it
+        (tmp_path / "config.json").write_bytes((service_model / "config.json").read_bytes())
+        os.replace(tmp_path / "config.json", model / "config.json")  # later reads find a plain file
+        os.write(writer, (service_model / "config.json").read_bytes())
+        os.close(writer)
+        first.wait_log("serving")
     finally:
         first.stop()
 
