@@ -24,7 +24,10 @@ the CPU time per token of the gateway process and of the client (this process):
 on a machine whose cores the worker, the gateway and the client share, tokens/s
 is their sum's ceiling, and the CPU figures say whose share is what.
 
-Sizes: TOKENWIRE_BENCH_SERVICE_REQUESTS, _PROMPT, _OUTPUT (_REPEATS above); the defaults are the
+The first echo workload runs again with CURVE on: CURVE's cost where the transport bounds the rate.
+
+Sizes: TOKENWIRE_BENCH_SERVICE_REQUESTS, _PROMPT, _OUTPUT (_REPEATS above), _ECHO ("64x1024,256x512":
+the echo workloads, streams x tokens); the defaults are the
 issue's workload, 64 x 128 / 128 (about three minutes for the six runs on a 2-core
 CPU). All processes share this machine's cores, so the service path's figures
 include the gateway's and the client's use of the cores the model runs on.
@@ -57,7 +60,11 @@ REQUESTS = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_REQUESTS", "64"))
 PROMPT = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_PROMPT", "128"))
 OUTPUT = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_OUTPUT", "128"))
 REPEATS = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_REPEATS", "3"))
-ECHO_WORKLOADS = ((64, 1024), (256, 512))  # (concurrent streams, tokens each)
+# (concurrent streams, tokens each), as "64x1024,256x512"
+ECHO_WORKLOADS = tuple(
+    (int(n), int(t)) for n, t in
+    (w.split("x") for w in os.environ.get("TOKENWIRE_BENCH_SERVICE_ECHO", "64x1024,256x512").split(","))
+)  # fmt: skip
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -295,21 +302,16 @@ def compare(model: Path, prompt_sets: list[list[list[int]]]) -> tuple[Run, Run, 
     return tuple(min(r, key=lambda run: run.seconds) for r in runs)  # type: ignore[return-value]
 
 
-def echo_transport(model: Path) -> list[Run]:
-    runs = []
+def _echo_stack(model: Path, curve: bool = False) -> _Stack:
     most = max(n for n, _ in ECHO_WORKLOADS)
     kv_tokens = most * (3 + max(t for _, t in ECHO_WORKLOADS)) + 1024
-    stack = _Stack(
-        model,
-        "--backend",
-        "echo",
-        "--max-batch-size",
-        str(most),
-        "--max-num-tokens",
-        "65536",
-        "--kv-tokens",
-        str(kv_tokens),
-    )
+    return _Stack(model, "--backend", "echo", "--max-batch-size", str(most), "--max-num-tokens", "65536",
+                  "--kv-tokens", str(kv_tokens), curve=curve)  # fmt: skip
+
+
+def echo_transport(model: Path) -> list[Run]:
+    runs = []
+    stack = _echo_stack(model)
     gateway_pid = stack.procs[2].pid
     try:
         # Up and warm (the gateway has loaded the worker's tokenizer) before any CPU time counts.
@@ -334,7 +336,28 @@ def echo_transport(model: Path) -> list[Run]:
         runs.append(_collect(name, start, end, lines))
     finally:
         stack.close()
+    runs.append(_echo_with_curve(model))
     return runs
+
+
+def _echo_with_curve(model: Path) -> Run:
+    """The first echo workload with CURVE on between client, gateway and worker: where the
+    transport, not a model, bounds the rate, this is CURVE's cost (compare the plain row)."""
+    stack = _echo_stack(model, curve=True)
+    try:
+        asyncio.run(_stream_all(stack.gateway, [[100, 200, 300]], 2, greedy=False, curve=stack.client_curve))
+        streams, tokens = ECHO_WORKLOADS[0]
+        prompts = [[100 + i, 200 + i, 300 + i] for i in range(streams)]
+        gateway_cpu, client_cpu = _cpu_seconds(stack.procs[2].pid), time.process_time()
+        start, end, lines = asyncio.run(_stream_all(stack.gateway, prompts, tokens, greedy=False,
+                                                    curve=stack.client_curve))  # fmt: skip
+        gateway_us = (_cpu_seconds(stack.procs[2].pid) - gateway_cpu) * 1e6 / (streams * tokens)
+        client_us = (time.process_time() - client_cpu) * 1e6 / (streams * tokens)
+        name = (f"TRANSPORT TEST echo worker, CURVE on, {streams} streams x {tokens} "
+                f"(CPU µs/token: gateway {gateway_us:.1f}, client {client_us:.1f})")  # fmt: skip
+        return _collect(name, start, end, lines)
+    finally:
+        stack.close()
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -240,7 +240,8 @@ class HttpFront:
     async def _generate(self, request: Request, chat: bool) -> Response:
         try:
             body = await self._body(request, chat)
-            model, submit, prompt_tokens = self._submit(body, chat)
+            # On a thread: a long prompt's tokenizing would hold up every other HTTP client.
+            model, submit, prompt_tokens = await asyncio.to_thread(self._submit, body, chat)
         except api.ApiError as e:
             return JSONResponse(e.body(), e.status)
         assert self.bridge is not None
@@ -254,13 +255,26 @@ class HttpFront:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = self._sse(call, first, submit, model, chat, prompt_tokens, include_usage, text)
             return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        # A whole response is awaited here, not in a body iterator that ASGI would end: a client
+        # that goes away meanwhile is watched for, and its request cancelled.
+        whole = asyncio.ensure_future(self._whole(call, submit))
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            choices = await self._whole(call, submit)
-        except api.ApiError as e:
-            return JSONResponse(e.body(), e.status)
+            await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
+            whole.cancel()
             await self.bridge.cancel(submit.request_id)
             raise
+        finally:
+            gone.cancel()
+        if not whole.done():
+            whole.cancel()
+            await self.bridge.cancel(submit.request_id)
+            return Response(status_code=499)  # nobody reads it: the client is gone
+        try:
+            choices = whole.result()
+        except api.ApiError as e:
+            return JSONResponse(e.body(), e.status)
         return JSONResponse(api.whole_response(chat, submit.request_id, model, choices, prompt_tokens, text))
 
     async def _body(self, request: Request, chat: bool) -> api.CompletionRequest | api.ChatRequest:
@@ -285,19 +299,19 @@ class HttpFront:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         tokenizer = self.gateway.tokenizers.get(model) if model is not None else None
         prompt_ids: list[int] | None = None
+        max_seq_len = served.get(model) if model else None
         try:
             # Tokenized here when the tokenizer is known (usage counts need the length, and the
             # gateway's I/O thread is spared the work); else the gateway does it once a worker is ready.
             if tokenizer is not None:
                 if isinstance(body, api.ChatRequest):
                     messages = [{**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in body.messages]
-                    prompt = self.gateway.tokenizers.render_chat(model, messages)
-                    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+                    prompt_ids = self.gateway.tokenizers.prompt_ids(model, None, messages, max_seq_len)
                 elif isinstance(body.prompt, str):
-                    prompt_ids = tokenizer.encode(body.prompt).ids
+                    prompt_ids = self.gateway.tokenizers.prompt_ids(model, body.prompt, None, max_seq_len)
                 else:
                     prompt_ids = list(body.prompt)  # type: ignore[arg-type]
-            submit = api.submit_for(body, request_id, model, prompt_ids, served.get(model) if model else None)
+            submit = api.submit_for(body, request_id, model, prompt_ids, max_seq_len)
         except ValidationError as e:
             raise api.invalid(e) from e
         except (ValueError, ChatTemplateError) as e:
@@ -368,6 +382,12 @@ class HttpFront:
                 with contextlib.suppress(Exception):
                     await self.bridge.cancel(request_id)
             self.bridge.forget(request_id)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has closed its connection (its body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _event(obj: dict[str, Any]) -> bytes:

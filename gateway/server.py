@@ -19,17 +19,18 @@ import socket
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import zmq
-from tokenizers import Tokenizer
 
 import protocol
 from gateway.client_batch import ClientBatch
 from gateway.discovery import Discovery
-from gateway.tokenizer_store import Tokenizers
+from gateway.tokenizer_store import PromptError, Tokenizers
 from gateway.workers import WorkerLink, least_loaded
-from ops.curve import CurveConfig, CurveServer, connect_as_client
+from ops.curve import CurveConfig, CurveServer, connect_as_client, routing_id
+from ops.drain import Drain
 from ops.metrics import GatewayMetrics, outcome
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
@@ -43,6 +44,19 @@ log = logging.getLogger(__name__)
 INPROC_ENDPOINT = "inproc://gateway-clients"
 # How often one request may be handed to a new worker after its worker was lost.
 _MAX_DISPATCHES = 3
+# Text prompts (or chats) up to this many characters are tokenized on the socket loop: a
+# millisecond or so. Longer ones go to a pool, so that one client's burst of large prompts
+# never delays the loop (heartbeats, every other stream) nor other clients' short prompts.
+# The pool is first come, first served: large prompts wait behind each other, not beside.
+INLINE_TEXT_CHARS = 2048
+# At most half the cores: encoding releases the GIL but not the CPU, and the loop needs one.
+_TOKENIZER_THREADS = max(1, min(2, (os.cpu_count() or 2) // 2))
+
+
+def _text_chars(msg: protocol.Submit) -> int:
+    if msg.messages:
+        return sum(len(m.content) for m in msg.messages)
+    return len(msg.prompt or "")
 
 
 @dataclass(slots=True)
@@ -112,9 +126,7 @@ class Gateway:
         self.gateway_id = config.gateway_id or f"gw-{socket.gethostname()}-{os.getpid()}"
         self.tokenizers = Tokenizers(config.tokenizer_sha256)
         self.stop = threading.Event()
-        # SIGTERMs received (request_drain); the first drains, a second ends the rest now.
-        self._drain_requests = 0
-        self._drain_deadline: float | None = None
+        self.drain = Drain(config.drain_timeout_s)
         self.discovery = Discovery(
             config.redis_url,
             self.keys,
@@ -133,6 +145,11 @@ class Gateway:
         self.waiting: deque[_Request] = deque()  # accepted, no worker yet
         self.poller = zmq.Poller()
         self.poller.register(self.frontend, zmq.POLLIN)
+        self._pool = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="gateway-tokenize")
+        self._tokenized: queue.SimpleQueue[tuple[_Request, Future[list[int]]]] = queue.SimpleQueue()
+        self._wake_read, self._wake_write = os.pipe()  # the pool's wake-ups for the poll below
+        os.set_blocking(self._wake_read, False)
+        self.poller.register(self._wake_read, zmq.POLLIN)
         self._sockets: dict[zmq.Socket, WorkerLink] = {}
         self.notifier = Notifier(address="")  # the process's own under systemd (gateway/__main__.py)
         self.metrics = GatewayMetrics()
@@ -168,7 +185,9 @@ class Gateway:
                 events = dict(self.poller.poll(50))
                 if self.frontend in events:
                     self._from_clients()
-                for sock in [s for s in events if s is not self.frontend]:
+                if self._wake_read in events:
+                    self._from_pool()
+                for sock in [s for s in events if s is not self.frontend and s != self._wake_read]:
                     link = self._sockets.get(sock)
                     if link is not None:
                         self._from_worker(link)
@@ -179,13 +198,16 @@ class Gateway:
                     next_tick = now + interval
                 if self.waiting:
                     self._dispatch_waiting(now)
-                if self._drain_requests and self._drain_deadline is None:
+                if self.drain.begin(len(self.requests), self.notifier):
                     self._start_drain()
-                if self._drain_deadline is not None and self._drained():
+                if self.drain.draining and self._drained():
                     break
         finally:
             self.notifier.stopping(f"gateway {self.gateway_id} stopping")
             self.stop.set()
+            self._pool.shutdown(wait=True, cancel_futures=True)  # a running encoding writes to the pipe
+            os.close(self._wake_read)
+            os.close(self._wake_write)
             self.discovery.join(timeout=5)
             for link in list(self.workers.values()):
                 link.socket.close(0)
@@ -198,17 +220,13 @@ class Gateway:
 
     def request_drain(self) -> None:
         """From a signal handler: the first call drains, a second ends the rest at once."""
-        self._drain_requests += 1
+        self.drain.request()
 
     @property
     def draining(self) -> bool:
-        return self._drain_deadline is not None
+        return self.drain.draining
 
     def _start_drain(self) -> None:
-        bound = self.config.drain_timeout_s
-        self._drain_deadline = time.monotonic() + bound
-        log.info("draining: %d requests in flight get up to %.1f s to finish", len(self.requests), bound)
-        self.notifier.stopping(f"draining: {len(self.requests)} requests in flight, {bound:g} s bound")
         # Not yet at a worker: their clients can send them elsewhere at once.
         waiting, self.waiting = self.waiting, deque()
         for req in waiting:
@@ -219,10 +237,9 @@ class Gateway:
         if not self.requests:
             log.info("drained: every request finished")
             return True
-        assert self._drain_deadline is not None
-        if self._drain_requests < 2 and time.monotonic() < self._drain_deadline:
+        why = self.drain.cut()
+        if why is None:
             return False
-        why = "a second SIGTERM" if self._drain_requests >= 2 else f"its {self.config.drain_timeout_s:g} s bound passed"
         for req in list(self.requests.values()):
             if req.worker is not None:
                 self._cancel_at_worker(req, req.worker)
@@ -347,7 +364,7 @@ class Gateway:
         req = state.requests.get(request_id)
         if req is None:
             return  # finished already: nothing to do
-        self.metrics.client_cancelled("cancel")
+        self.metrics.client_cancelled(req, "cancel")
         if req.worker is not None:
             req.worker.socket.send(protocol.encode(protocol.Cancel(request_id=req.wire_id)))
         else:  # still waiting for a worker: end it here
@@ -364,21 +381,22 @@ class Gateway:
             self.waiting.append(req)
             return
         req.model = req.model or (link.models[0] if link.models else None)
-        tokenizer = self.tokenizers.get(req.model) if req.model is not None else None
-        prompt, messages = req.submit.prompt, req.submit.messages
-        try:  # a chat's text is the template's, special tokens and all
-            prompt = self.tokenizers.render_chat(req.model, [m.model_dump() for m in messages]) if messages else prompt
-        except ChatTemplateError as e:
-            return self._fail(req, ErrorCode.INVALID_REQUEST, str(e))
-        problem = None if prompt is None else self._tokenize(req, prompt, tokenizer, link, not messages)
-        problem = problem or self._check_fits(req.submit, link)
+        if req.submit.input_token_ids is None:  # text, or a chat: token ids first
+            if _text_chars(req.submit) > INLINE_TEXT_CHARS:
+                return self._tokenize_in_pool(req, link.max_seq_len)
+            try:
+                self._set_prompt_ids(req, self._prompt_ids(req, link.max_seq_len))
+            except (PromptError, ChatTemplateError) as e:
+                return self._fail(req, ErrorCode.INVALID_REQUEST, str(e))
+        problem = self._check_fits(req.submit, link)
         if problem:
             self._fail(req, ErrorCode.INVALID_REQUEST, problem)
             return
+        tokenizer = self.tokenizers.get(req.model) if req.model is not None else None
         req.stream.tokenizer = req.stream.tokenizer or tokenizer
         req.worker = link
         if not req.dispatches:
-            self.metrics.dispatched(time.monotonic() - req.created)
+            self.metrics.dispatched(time.monotonic() - req.created, req.model)
         req.dispatches += 1
         link.requests.add(req.wire_id)
         link.sent_since_load += 1
@@ -387,23 +405,46 @@ class Gateway:
         update = {"request_id": req.wire_id, "client_request_id": named, "model": req.model, "stop": None}
         link.socket.send(protocol.encode(req.submit.model_copy(update=update), self.limits))
 
-    def _tokenize(self, req: _Request, prompt: str, tokenizer: Tokenizer | None, link: WorkerLink,
-                  add_special_tokens: bool) -> str | None:
-        """Replace the text prompt (or messages) by its token ids; what is wrong, or None."""
-        if tokenizer is None or req.model is None:
-            return f"no tokenizer for model {req.model!r} (its worker sent none): send input_token_ids"
-        # Tokenizing runs on the socket loop: a prompt that cannot fit the context is refused
-        # before it costs that loop (and every other client) seconds.
-        if link.max_seq_len is not None and self.tokenizers.too_long(req.model, prompt, link.max_seq_len):
-            return (
-                f"the prompt ({len(prompt)} characters) is longer than any text the model's context of "
-                f"{link.max_seq_len} tokens can hold"
-            )
-        ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
-        if not ids:
-            return "the prompt encodes to no tokens"
+    def _prompt_ids(self, req: _Request, max_seq_len: int | None) -> list[int]:
+        messages = req.submit.messages
+        chat = [m.model_dump() for m in messages] if messages else None
+        return self.tokenizers.prompt_ids(req.model, req.submit.prompt, chat, max_seq_len)
+
+    @staticmethod
+    def _set_prompt_ids(req: _Request, ids: list[int]) -> None:
         req.submit = req.submit.model_copy(update={"prompt": None, "messages": None, "input_token_ids": ids})
-        return None
+
+    # -- tokenization of long prompts, off the socket loop -----------------------------------
+
+    def _tokenize_in_pool(self, req: _Request, max_seq_len: int | None) -> None:
+        """Tokenize `req`'s long text on the pool; `_from_pool` dispatches it when done.
+        Meanwhile it is at no worker, so a cancel or its client going away ends it here."""
+
+        def done(future: Future[list[int]]) -> None:
+            self._tokenized.put((req, future))
+            os.write(self._wake_write, b"\0")  # a byte per result: the loop wakes, whatever it polls
+
+        self._pool.submit(self._prompt_ids, req, max_seq_len).add_done_callback(done)
+
+    def _from_pool(self) -> None:
+        os.read(self._wake_read, 4096)
+        while True:
+            try:
+                req, future = self._tokenized.get_nowait()
+            except queue.Empty:
+                return
+            if self.requests.get(req.wire_id) is not req:
+                continue  # cancelled, or its client went away, meanwhile
+            try:
+                self._set_prompt_ids(req, future.result())
+            except (PromptError, ChatTemplateError) as e:
+                self._fail(req, ErrorCode.INVALID_REQUEST, str(e))
+                continue
+            except Exception as e:  # a bug on one prompt must not stop the gateway
+                log.exception("request %s: tokenizing failed", req.request_id)
+                self._fail(req, ErrorCode.INTERNAL, f"the gateway failed to tokenize the prompt: {e}")
+                continue
+            self._dispatch(req)  # to the least loaded worker now: the one chosen before may be gone
 
     @staticmethod
     def _check_fits(msg: protocol.Submit, link: WorkerLink) -> str | None:
@@ -469,7 +510,10 @@ class Gateway:
 
     def _connect(self, info: protocol.WorkerInfo) -> None:
         sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.gateway_id.encode())
+        # Under CURVE the worker knows this socket by a secret routing id: a peer that takes the
+        # gateway's name is refused and logged there, and cannot silently collide with this socket.
+        identity = routing_id(self.gateway_id) if self.config.curve is not None else self.gateway_id.encode()
+        sock.setsockopt(zmq.IDENTITY, identity)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
@@ -710,7 +754,7 @@ class Gateway:
         if state.requests:
             log.info("client %s silent: cancelling its %d requests", client.hex(), len(state.requests))
         for req in list(state.requests.values()):
-            self.metrics.client_cancelled("gone")
+            self.metrics.client_cancelled(req, "gone")
             if req.worker is not None:
                 self._cancel_at_worker(req, req.worker)
             self.metrics.ended(req, None)

@@ -21,6 +21,10 @@ from protocol.chat_template import ChatTemplateError, render_chat
 log = logging.getLogger(__name__)
 
 
+class PromptError(ValueError):
+    """A prompt that cannot become token ids; the text says why."""
+
+
 class Tokenizers:
     def __init__(self, pinned: Mapping[str, str] | None = None) -> None:
         self._by_name: dict[str, Tokenizer] = {}
@@ -59,6 +63,29 @@ class Tokenizers:
         """Whether `text` surely encodes to more than `max_tokens` tokens, told without
         encoding it: no token stands for more characters than its vocabulary string has bytes."""
         return len(text) > max_tokens * self._longest.get(model, len(text))
+
+    def prompt_ids(self, model: str | None, prompt: str | None, messages: Iterable[Mapping[str, Any]] | None,
+                   max_seq_len: int | None) -> list[int]:  # fmt: skip
+        """The token ids of a text prompt, or of a chat rendered with `model`'s template;
+        PromptError (or ChatTemplateError) saying what is wrong. Any thread may call it:
+        it only reads, and the encoding releases the GIL."""
+        tokenizer = self.get(model) if model is not None else None
+        if tokenizer is None or model is None:
+            raise PromptError(f"no tokenizer for model {model!r} (its worker sent none): send input_token_ids")
+        # A chat's text is the template's, special tokens and all.
+        text = self.render_chat(model, messages) if messages else prompt or ""
+        # Refused before it costs seconds of encoding when it cannot fit the context.
+        if max_seq_len is not None and self.too_long(model, text, max_seq_len):
+            raise PromptError(
+                f"the prompt ({len(text)} characters) is longer than any text the model's context of "
+                f"{max_seq_len} tokens can hold"
+            )
+        # encode_batch, not encode: encode holds the GIL for the whole encoding (seconds for MBs of
+        # text), which would stall every other thread of the process, the gateway's socket loop first.
+        ids: list[int] = tokenizer.encode_batch([text], add_special_tokens=not messages)[0].ids
+        if not ids:
+            raise PromptError("the prompt encodes to no tokens")
+        return ids
 
     def add_chat(self, model: str, ready: protocol.Ready) -> None:
         """Keep the chat template (and its special tokens) of a worker's Ready."""

@@ -12,6 +12,7 @@ worker accepts, workers a gateway connects to).
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,11 +180,29 @@ def connect_as_client(sock: zmq.Socket, keypair: KeyPair, server_public: bytes) 
     sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
 
 
+# Under CURVE a gateway's routing identity is its name, this separator and a secret made
+# per socket. libzmq silently ignores a second connection under an identity in use, so a
+# taker who knew the whole identity would be refused unseen; knowing only the name (it is in
+# Redis), a taker connects under another identity, and its messages reach IdentityKeys.
+_SECRET_SEPARATOR = b"\0"
+
+
+def routing_id(name: str) -> bytes:
+    """A routing identity for a CURVE client socket: `name` and a secret suffix."""
+    return name.encode() + _SECRET_SEPARATOR + secrets.token_hex(8).encode()
+
+
+def identity_name(identity: bytes) -> bytes:
+    """The name part of a routing identity (all of it, if it has no secret suffix):
+    what logs and stats show, never the secret."""
+    return identity.partition(_SECRET_SEPARATOR)[0]
+
+
 class IdentityKeys:
-    """The CURVE key that first spoke under each ROUTER routing identity. A message
-    under a known identity from another key is an identity takeover: refused.
-    Frames must be received with copy=False so that their User-Id (the peer's
-    z85 key, set by the ZAP handler) can be read."""
+    """The CURVE key that first spoke under each routing identity's name. A message
+    under a known name from another key is an identity takeover: refused, and
+    logged. Frames must be received with copy=False so that their User-Id (the
+    peer's z85 key, set by the ZAP handler) can be read."""
 
     def __init__(self, role: str) -> None:
         self.role = role
@@ -191,15 +210,16 @@ class IdentityKeys:
 
     def admit(self, identity: bytes, frame: zmq.Frame) -> bool:
         key = str(frame.get("User-Id"))
-        first = self._keys.setdefault(identity, key)
+        name = identity_name(identity)
+        first = self._keys.setdefault(name, key)
         if first == key:
             return True
         log.warning(
-            "%s: refused an identity takeover: %r is bound to key %s, a peer with key %s used it",
-            self.role, identity.decode(errors="replace"), first, key,
-        )
+            "%s: refused an identity takeover: %r is bound to key %s, a peer with key %s at %s used it",
+            self.role, name.decode(errors="replace"), first, key, frame.get("Peer-Address"),
+        )  # fmt: skip
         return False
 
-    def forget(self, identity: bytes) -> None:
-        """The identity's peer is gone for good (it said goodbye or timed out)."""
-        self._keys.pop(identity, None)
+    def forget(self, name: bytes) -> None:
+        """The named peer is gone for good: none of its sockets is heard from any more."""
+        self._keys.pop(name, None)

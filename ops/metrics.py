@@ -4,8 +4,8 @@ the gateway's HTTP front.
 
 Counters and histograms are updated where the events happen (cheap, any thread);
 gauges read the process's state when scraped. No gauge computes a rate: that is
-`rate()` over the counters, in whatever window the reader wants. Requests are
-counted by `model` and outcome.
+`rate()` over the counters, in whatever window the reader wants. Every request
+series (counts, tokens, latency histograms) has a `model` label.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def outcome(response: protocol.Response) -> str:
 
 
 class BatchHistogram:
-    """A Prometheus histogram fed a whole delivery's values at once.
+    """A Prometheus histogram fed a whole delivery's values at once, by model.
 
     prometheus-client's Histogram takes a lock and walks its buckets for each
     value, about 1 us; a worker streaming 64 requests observes 64 gaps per step,
@@ -47,39 +47,45 @@ class BatchHistogram:
         self.name = name
         self.documentation = documentation
         self._bounds = sorted(buckets)
-        self._counts = [0] * (len(self._bounds) + 1)  # the last: above every bound (+Inf)
-        self._sum = 0.0
+        # By model: a count per bucket (the last: above every bound, +Inf), and the sum.
+        self._by_model: dict[str, tuple[list[int], list[float]]] = {}
         self._lock = threading.Lock()
         registry.register(self)
 
-    def observe(self, values: Iterable[float]) -> None:
-        bounds, counts = self._bounds, self._counts
+    def observe(self, values: Iterable[float], model: str = "") -> None:
+        bounds = self._bounds
         with self._lock:
+            counts, total = self._by_model.get(model) or self._by_model.setdefault(
+                model, ([0] * (len(bounds) + 1), [0.0]))
             for v in values:
                 counts[bisect_left(bounds, v)] += 1  # buckets are "less or equal"
-                self._sum += v
+                total[0] += v
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         with self._lock:
-            counts, total = list(self._counts), self._sum
-        cumulative, running = [], 0
-        for bound, n in zip([*map(str, self._bounds), "+Inf"], counts, strict=True):
-            running += n
-            cumulative.append((bound, running))
-        family = HistogramMetricFamily(self.name, self.documentation)
-        family.add_metric([], cumulative, total)
+            snapshot = [(model, list(counts), total[0]) for model, (counts, total) in self._by_model.items()]
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model"])
+        for model, counts, total in snapshot:
+            cumulative, running = [], 0
+            for bound, n in zip([*map(str, self._bounds), "+Inf"], counts, strict=True):
+                running += n
+                cumulative.append((bound, running))
+            family.add_metric([model], cumulative, total)
         yield family
 
 
 class _Streams:
     """Per-request timing: TTFT from when it arrived, inter-token latency per chunk
-    (the gap since the previous chunk over the tokens in it), end to end."""
+    (the gap since the previous chunk over the tokens in it), end to end; each by
+    the model `model_of` names for the request."""
 
-    def __init__(self, ttft: BatchHistogram, itl: BatchHistogram, e2e: BatchHistogram, tokens: Counter) -> None:
+    def __init__(self, ttft: BatchHistogram, itl: BatchHistogram, e2e: BatchHistogram, tokens: Counter,
+                 model_of: Callable[[object], str]) -> None:  # fmt: skip
         self._ttft = ttft
         self._itl = itl
         self._e2e = e2e
         self._tokens = tokens
+        self._model_of = model_of
         self._lock = threading.Lock()
         self._started: dict[object, float] = {}
         self._last: dict[object, float] = {}
@@ -90,35 +96,37 @@ class _Streams:
 
     def tokens(self, chunks: list[tuple[object, int]]) -> None:
         """(stream, new tokens) for each chunk of one delivery: taken together, so a
-        batch of 64 streams costs one lock and one counter update, not 64."""
+        batch of 64 streams costs one lock and one update per model, not 64."""
         now = time.monotonic()
-        firsts: list[float] = []
-        gaps: list[float] = []
-        total = 0
+        firsts: dict[str, list[float]] = {}
+        gaps: dict[str, list[float]] = {}
+        totals: dict[str, int] = {}
+        model_of = self._model_of
         with self._lock:
             for key, n in chunks:
                 if n <= 0:
                     continue
-                total += n
+                model = model_of(key)
+                totals[model] = totals.get(model, 0) + n
                 last = self._last.get(key)
                 self._last[key] = now
                 if last is not None:
-                    gaps.append((now - last) / n)
+                    (gaps.get(model) or gaps.setdefault(model, [])).append((now - last) / n)
                 elif (started := self._started.get(key)) is not None:
-                    firsts.append(now - started)
-        if total:
-            self._tokens.inc(total)
-        if gaps:
-            self._itl.observe(gaps)
-        if firsts:
-            self._ttft.observe(firsts)
+                    (firsts.get(model) or firsts.setdefault(model, [])).append(now - started)
+        for model, total in totals.items():
+            self._tokens.labels(model).inc(total)
+        for model, values in gaps.items():
+            self._itl.observe(values, model)
+        for model, values in firsts.items():
+            self._ttft.observe(values, model)
 
     def end(self, key: object, observe: bool = True) -> None:
         with self._lock:
             started = self._started.pop(key, None)
             self._last.pop(key, None)
         if observe and started is not None:
-            self._e2e.observe([time.monotonic() - started])
+            self._e2e.observe([time.monotonic() - started], self._model_of(key))
 
 
 class _Metrics:
@@ -129,16 +137,20 @@ class _Metrics:
         self.model = ""  # the worker's model: its requests' `model` label
         self.requests = Counter(f"{p}_requests", "Requests that ended, by model and outcome", ["model", "outcome"],
                                 registry=r)  # fmt: skip
-        self.generated_tokens = Counter(f"{p}_generated_tokens", "Output tokens streamed", registry=r)
+        self.generated_tokens = Counter(f"{p}_generated_tokens", "Output tokens streamed", ["model"], registry=r)
         self.ttft = BatchHistogram(f"{p}_time_to_first_token_seconds", "From a request's arrival to its first token",
                                    TTFT_BUCKETS, r)
         self.itl = BatchHistogram(f"{p}_inter_token_latency_seconds", "Gap between a stream's chunks, per token",
                                   ITL_BUCKETS, r)
         self.e2e = BatchHistogram(f"{p}_e2e_request_latency_seconds", "From a request's arrival to its end",
                                   E2E_BUCKETS, r)
-        self.streams = _Streams(self.ttft, self.itl, self.e2e, self.generated_tokens)
+        self.streams = _Streams(self.ttft, self.itl, self.e2e, self.generated_tokens, self.model_of)
         self.redis_connected = Gauge(f"{p}_redis_connected", "1 while Redis answers", registry=r)
         self._server: object = None
+
+    def model_of(self, key: object) -> str:
+        """The `model` label of a request's series."""
+        return self.model
 
     def gauge(self, name: str, doc: str, read: Callable[[], float]) -> None:
         Gauge(name, doc, registry=self.registry).set_function(read)
@@ -151,8 +163,11 @@ class _Metrics:
 class WorkerMetrics(_Metrics):
     def __init__(self) -> None:
         super().__init__("worker")
-        self.prompt_tokens = Counter("tokenwire_worker_prompt_tokens", "Prompt tokens of requests taken",
-                                     registry=self.registry)
+        self.prompt_tokens = Counter("tokenwire_worker_prompt_tokens", "Prompt tokens of requests taken", ["model"],
+                                     registry=self.registry)  # fmt: skip
+        self.queue_time = BatchHistogram("tokenwire_worker_queue_time_seconds",
+                                         "From a request's arrival at the executor to its first scheduling",
+                                         TTFT_BUCKETS, self.registry)  # fmt: skip
         # Speculative decoding, counted when a request ends: the acceptance rate is
         # rate(accepted) / rate(draft).
         self.draft_tokens = Counter("tokenwire_worker_draft_tokens", "Draft tokens verified (speculative decoding)",
@@ -180,8 +195,12 @@ class WorkerMetrics(_Metrics):
                    lambda: float(draining()))
 
     def started(self, key: object, prompt_tokens: int, received_at: float) -> None:
-        self.prompt_tokens.inc(prompt_tokens)
+        self.prompt_tokens.labels(self.model).inc(prompt_tokens)
         self.streams.start(key, received_at)
+
+    def queued(self, seconds: float) -> None:
+        """A request that ran waited this long in the executor's queue."""
+        self.queue_time.observe([seconds], self.model)
 
     def finished(self, key: object, how: str) -> None:
         self.requests.labels(self.model, how).inc()
@@ -191,6 +210,7 @@ class WorkerMetrics(_Metrics):
         if drafted:
             self.draft_tokens.inc(drafted)
             self.accepted_draft_tokens.inc(accepted)
+
     def rejected(self) -> None:
         """A request refused before it started (draining, a bad submit)."""
         self.requests.labels(self.model, "rejected").inc()
@@ -202,8 +222,9 @@ class GatewayMetrics(_Metrics):
         self.queue_time = BatchHistogram("tokenwire_gateway_queue_time_seconds",
                                          "From a request's arrival to its dispatch to a worker", TTFT_BUCKETS,
                                          self.registry)  # fmt: skip
-        self.client_cancels = Counter("tokenwire_gateway_client_cancels", "Requests their clients stopped, by how",
-                                      ["how"], registry=self.registry)  # fmt: skip
+        self.client_cancels = Counter("tokenwire_gateway_client_cancels",
+                                      "Requests their clients stopped, by model and how", ["model", "how"],
+                                      registry=self.registry)  # fmt: skip
 
     def watch(
         self,
@@ -221,21 +242,25 @@ class GatewayMetrics(_Metrics):
         self.gauge("tokenwire_gateway_clients_connected", "Clients heard from within their heartbeat bound", clients)
         self.redis_connected.set_function(lambda: float(redis_connected()))
 
+    def model_of(self, key: object) -> str:
+        """A gateway's request names its model once it is routed (see gateway.server._Request)."""
+        return getattr(key, "model", None) or ""
+
     def accepted(self, key: object) -> None:
         self.streams.start(key)
 
-    def dispatched(self, waited_s: float) -> None:
-        self.queue_time.observe([waited_s])
+    def dispatched(self, waited_s: float, model: str | None) -> None:
+        self.queue_time.observe([waited_s], model or "")
 
-    def client_cancelled(self, how: str) -> None:
+    def client_cancelled(self, key: object, how: str) -> None:
         """A client stopped a request: "cancel" (it said so) or "gone" (it went silent)."""
-        self.client_cancels.labels(how).inc()
+        self.client_cancels.labels(self.model_of(key), how).inc()
 
     def ended(self, key: object, how: str | None) -> None:
         """A request's last message went out: `how` it ended (completed, cancelled,
         error, error_<code>); None: it ended unseen (its client went away). key None:
         refused before it was accepted. A key with a `model` names its model."""
         if how is not None:
-            self.requests.labels(getattr(key, "model", None) or "", how).inc()
+            self.requests.labels(self.model_of(key), how).inc()
         if key is not None:
             self.streams.end(key, how is not None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import time
 import urllib.request
@@ -13,7 +14,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from tests.procs import free_port, stack
+from tests.integration.test_metrics import scrape
+from tests.procs import Gateway, free_port, stack
 
 openai = pytest.importorskip("openai")
 
@@ -158,6 +160,31 @@ def test_back_pressure_and_disconnect_cancels(service, client):
     service.wait_idle(service.workers[0])
 
 
+def test_a_client_gone_from_a_whole_response_cancels_its_request(service):
+    worker = service.workers[0]
+    service.wait_idle(worker)
+    pattern = service.keys.request_stats("cmpl-*")
+    before = set(service.redis.scan_iter(pattern))
+    port = int(service.http_url.rsplit(":", 1)[1])
+    cancels = ("tokenwire_gateway_client_cancels_total", frozenset({("model", MODEL), ("how", "cancel")}))
+    cancels_before = scrape(port).get(cancels, 0.0)
+    body = json.dumps({"model": MODEL, "prompt": "long whole", "max_tokens": 6000, "temperature": 0.0,
+                       "min_tokens": 6000}).encode()  # fmt: skip
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        deadline = time.monotonic() + 10
+        while service.load(worker).num_active_requests == 0:  # it runs at the worker
+            assert time.monotonic() < deadline, "the request never reached the worker"
+            time.sleep(0.05)
+    # The connection closed with no response read: the worker's request ends long before its 6,000 tokens.
+    service.wait_idle(worker, timeout=10)
+    (key,) = set(service.redis.scan_iter(pattern)) - before
+    stats = service.request_stats(key.decode().rsplit(":", 1)[1])
+    assert stats["finish_reason"] == "cancelled" and int(stats["output_tokens"]) < 6000
+    assert scrape(port)[cancels] == cancels_before + 1  # counted as a client's cancel, by model
+
+
 def _get(url: str) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=10) as r:
@@ -172,6 +199,30 @@ def test_models_health_metrics(service, client):
     status, metrics = _get(f"{service.http_url}/metrics")
     assert status == 200
     assert b"tokenwire_gateway_requests_total" in metrics
+
+
+def test_health_is_503_with_the_reason_without_workers_or_redis(service, tmp_path):
+    """200 only when Redis answers and a worker is ready (checked above); else 503 and why."""
+    ports = [free_port(), free_port()]
+    gateways = [  # the stack's Redis with a prefix no worker uses; a Redis that is not there
+        Gateway("lonely", service.redis_url, tmp_path, "--http-port", str(ports[0]), "--redis-prefix", "nobody"),
+        Gateway("cut-off", f"redis://127.0.0.1:{free_port()}/0", tmp_path, "--http-port", str(ports[1])),
+    ]
+    try:
+        for gateway, port, reason in zip(gateways, ports, ("no worker is ready", "Redis does not answer"),
+                                         strict=True):  # fmt: skip
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    status, body = _get(f"http://127.0.0.1:{port}/health")
+                    break
+                except OSError:  # not listening yet
+                    assert time.monotonic() < deadline and gateway.alive, gateway.log()
+                    time.sleep(0.1)
+            assert (status, json.loads(body)) == (503, {"status": "unavailable", "reason": reason})
+    finally:
+        for gateway in gateways:
+            gateway.stop()
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")

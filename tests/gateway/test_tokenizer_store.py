@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from gateway.tokenizer_store import Tokenizers
+from gateway.tokenizer_store import PromptError, Tokenizers
 from tests.checkpoints import build_tokenizer
 
 TEXT = "The quick brown fox"
@@ -71,3 +71,16 @@ def test_a_broken_tokenizer_is_refused_and_the_old_one_kept(tokenizer_json, capl
     assert store.get("other") is None
     assert "differs from the one held" in caplog.text  # for tiny: one is held already
     assert caplog.text.count("does not load") == 1
+
+
+def test_prompt_ids_of_text_and_chats_and_what_is_refused(tokenizer_json: bytes) -> None:
+    store = Tokenizers()
+    assert store.add("m", tokenizer_json)
+    original = build_tokenizer()
+    assert store.prompt_ids("m", TEXT, None, 512) == original.encode(TEXT).ids
+    with pytest.raises(PromptError, match="longer than any text the model's context of 4 tokens can hold"):
+        store.prompt_ids("m", "x" * 1000, None, 4)  # refused without encoding it
+    with pytest.raises(PromptError, match="encodes to no tokens"):
+        store.prompt_ids("m", "", None, 512)
+    with pytest.raises(PromptError, match="no tokenizer for model 'other'"):
+        store.prompt_ids("other", TEXT, None, 512)

@@ -77,9 +77,12 @@ def test_curve_refuses_each_intruder_while_authenticated_traffic_flows(
             wrong = _dealer(ctx, root, "stranger", "worker", worker.endpoint, b"gw-stranger")
             worker.wait_log("worker: refused a CURVE peer with an unknown public key", timeout=10)
 
-            # An allowed gateway key taking over the live gateway's routing identity: libzmq keeps
-            # the first connection (no handover under CURVE), so the thief hears nothing.
+            # An allowed gateway key taking the live gateway's name (its id, as Redis shows it): the
+            # gateway's socket has a secret routing id, so the thief's messages reach the worker,
+            # which refuses them and says why.
             thief = _dealer(ctx, root, "other-gateway", "worker", worker.endpoint, gateway.gateway_id.encode())
+            worker.wait_log(f"worker: refused an identity takeover: '{gateway.gateway_id}'", timeout=10)
+            assert f"gateway {gateway.gateway_id.encode()!r} lost its id" not in worker.log()
             # ... and under the id of a gateway whose connection ended: refused and logged.
             gone = _dealer(ctx, root, "gateway", "worker", worker.endpoint, b"gw-gone")
             worker.wait_log("gateway b'gw-gone' connected", timeout=10)

@@ -14,6 +14,7 @@ from tests.procs import HEARTBEAT_S, Stack, free_port
 
 LONG = {"max_tokens": 6000, "min_tokens": 6000, "temperature": 0.0}
 SHORT = {"max_tokens": 8, "min_tokens": 8, "temperature": 0.0}
+MODEL = "tiny-llama-long"
 
 
 def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -54,7 +55,7 @@ def test_metrics_match_the_requests_sent(long_model, redis_url, tmp_path):
             assert value(g, "tokenwire_gateway_workers", state="ready") == 1
             assert value(g, "tokenwire_gateway_redis_connected") == 1
             assert value(g, "tokenwire_gateway_clients_connected") == 1
-            assert value(g, "tokenwire_gateway_generated_tokens_total") > 0
+            assert value(g, "tokenwire_gateway_generated_tokens_total", model=MODEL) > 0
 
             short = [client.submit([9, 10, i + 11], **SHORT) for i in range(16)]
             results = [f.result(timeout=60) for f in short]
@@ -70,26 +71,30 @@ def test_metrics_match_the_requests_sent(long_model, redis_url, tmp_path):
         worker_tokens = sum(int(s.request_stats(i)["output_tokens"]) for i in ids)
 
         w, g = scrape(wport), scrape(gport)
-        assert value(w, "tokenwire_worker_requests_total", model="tiny-llama-long", outcome="completed") == 16
-        assert value(w, "tokenwire_worker_requests_total", model="tiny-llama-long", outcome="cancelled") == 4
-        assert value(w, "tokenwire_worker_prompt_tokens_total") == 4 * 4 + 16 * 3
-        assert value(w, "tokenwire_worker_generated_tokens_total") == worker_tokens
-        assert value(w, "tokenwire_worker_time_to_first_token_seconds_count") == 20
-        assert value(w, "tokenwire_worker_inter_token_latency_seconds_count") > 0
+        model = MODEL  # every request series carries it, histograms too
+        assert value(w, "tokenwire_worker_requests_total", model=model, outcome="completed") == 16
+        assert value(w, "tokenwire_worker_requests_total", model=model, outcome="cancelled") == 4
+        assert value(w, "tokenwire_worker_prompt_tokens_total", model=model) == 4 * 4 + 16 * 3
+        assert value(w, "tokenwire_worker_generated_tokens_total", model=model) == worker_tokens
+        assert value(w, "tokenwire_worker_time_to_first_token_seconds_count", model=model) == 20
+        assert value(w, "tokenwire_worker_inter_token_latency_seconds_count", model=model) > 0
+        assert value(w, "tokenwire_worker_queue_time_seconds_count", model=model) == 20
+        assert value(w, "tokenwire_worker_queue_time_seconds_bucket", model=model, le="+Inf") == 20
         assert value(w, "tokenwire_worker_active_requests") == 0
         assert value(w, "tokenwire_worker_kv_blocks_used") == 0
 
-        model = "tiny-llama-long"
         assert value(g, "tokenwire_gateway_requests_total", model=model, outcome="completed") == 16
         assert value(g, "tokenwire_gateway_requests_total", model=model, outcome="cancelled") == 4
         assert value(g, "tokenwire_gateway_requests_total", model=model, outcome="error_invalid_request") == 1
-        assert value(g, "tokenwire_gateway_generated_tokens_total") == sent_tokens
-        assert value(g, "tokenwire_gateway_time_to_first_token_seconds_count") == 20
-        assert value(g, "tokenwire_gateway_e2e_request_latency_seconds_count") == 21
-        assert value(w, "tokenwire_worker_e2e_request_latency_seconds_count") == 20
-        assert value(g, "tokenwire_gateway_queue_time_seconds_count") == 20  # the bad one never went out
-        assert value(g, "tokenwire_gateway_client_cancels_total", how="cancel") == 4
-        assert "tokenwire_gateway_tokens_per_second" not in {n for n, _ in g}
+        assert value(g, "tokenwire_gateway_generated_tokens_total", model=model) == sent_tokens
+        assert value(g, "tokenwire_gateway_time_to_first_token_seconds_count", model=model) == 20
+        assert value(g, "tokenwire_gateway_inter_token_latency_seconds_count", model=model) > 0
+        assert value(g, "tokenwire_gateway_e2e_request_latency_seconds_count", model=model) == 21
+        assert value(w, "tokenwire_worker_e2e_request_latency_seconds_count", model=model) == 20
+        assert value(g, "tokenwire_gateway_queue_time_seconds_count", model=model) == 20  # the bad one never went out
+        assert value(g, "tokenwire_gateway_client_cancels_total", model=model, how="cancel") == 4
+        # No computed rates: those are rate() over the counters.
+        assert not [n for n, _ in [*g, *w] if "per_second" in n or "_rate" in n]
         assert value(g, "tokenwire_gateway_requests_in_flight") == 0
     finally:
         s.close()

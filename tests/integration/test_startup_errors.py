@@ -3,14 +3,16 @@ what is wrong, no traceback; also through `tokenwire up`."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.procs import REPO, free_port
+from tests.procs import REPO, Gateway, Worker, free_port
 
 
 def _run(args: list[str], timeout: float = 60) -> list[str]:
@@ -53,6 +55,43 @@ def test_worker_port_in_use(service_model, redis_url, busy_port):
     assert f"cannot listen at tcp://127.0.0.1:{busy_port}: Address already in use" in line
 
 
+def test_a_worker_holds_its_port_while_its_model_loads(service_model, redis_url, tmp_path):
+    """Bound before the model loads, and kept: a second worker on the port fails at once
+    with one line, not after its own load (minutes on a GPU) with a traceback. The load is
+    held here by a config.json that is a FIFO: reading it waits until the test writes it."""
+    model = tmp_path / "held-model"
+    model.mkdir()
+    for item in service_model.iterdir():
+        if item.name != "config.json":
+            (model / item.name).symlink_to(item)
+    os.mkfifo(model / "config.json")
+    first = Worker("first", model, redis_url, tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # the port takes connections while the load waits on config.json
+            try:
+                socket.create_connection(("127.0.0.1", first.port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and first.alive, first.log()
+                time.sleep(0.05)
+        (line,) = _worker(service_model, redis_url, "--bind", first.endpoint, "--metrics-port", str(free_port()))
+        assert f"cannot listen at {first.endpoint}: Address already in use" in line
+        writer = os.open(model / "config.json", os.O_WRONLY)  # the loader is waiting to read it
+        (tmp_path / "config.json").write_bytes((service_model / "config.json").read_bytes())
+        os.replace(tmp_path / "config.json", model / "config.json")  # later reads find a plain file
+        os.write(writer, (service_model / "config.json").read_bytes())
+        os.close(writer)
+        first.wait_log("serving")
+    finally:
+        first.stop()
+
+
+def test_worker_metrics_port_in_use(service_model, redis_url, busy_port):
+    (line,) = _worker(service_model, redis_url, "--metrics-port", str(busy_port))
+    assert f"cannot serve /metrics at 127.0.0.1:{busy_port}: Address already in use" in line
+
+
 @pytest.mark.parametrize("which", ["--bind", "--http-port", "--metrics-port"])
 def test_gateway_port_in_use(redis_url, busy_port, which):
     value = f"tcp://127.0.0.1:{busy_port}" if which == "--bind" else str(busy_port)
@@ -69,3 +108,26 @@ def test_up_reports_a_child_that_cannot_start(service_model, redis_url, busy_por
     assert len(errors) == 1, lines
     assert "the gateway exited with status 1" in errors[0] and "Address already in use" in errors[0]
     assert "tokenwire is up" not in "\n".join(lines)
+
+
+def test_a_redis_that_refuses_the_password_is_reported(service_model, tmp_path):
+    """Issue 22, finding 7: a refused password was not reported; the gateway sat without workers."""
+    port = free_port()
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--requirepass", "right-one", "--save", "",
+                               "--appendonly", "no"], stdout=subprocess.DEVNULL)  # fmt: skip
+    wrong = tmp_path / "password"
+    wrong.write_text("wrong-one\n")
+    url = f"redis://127.0.0.1:{port}/0"
+    procs = [Gateway("gw", url, tmp_path, "--redis-password-file", str(wrong)),
+             Worker("w", service_model, url, tmp_path, "--redis-password-file", str(wrong))]  # fmt: skip
+    try:
+        for p in procs:
+            p.wait_log("redis: cannot reach it (", timeout=30)
+            assert "password" in p.log().split("redis: cannot reach it (")[1].split(")")[0]
+            assert "wrong-one" not in p.log()
+    finally:
+        for p in procs:
+            p.stop()
+        server.terminate()
+        server.wait()
+

@@ -143,6 +143,34 @@ def test_an_identity_takeover_by_another_key_is_refused(
     ctx.term()
 
 
+def test_a_peer_taking_a_secret_identitys_name_is_refused_while_the_owner_is_connected(
+    server: tuple[zmq.Socket, str], keys: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="tokenwire.curve")
+    router, endpoint = server
+    bound = curve.IdentityKeys("test-server")
+    ctx = zmq.Context()
+    owner_id = curve.routing_id("gw-1")
+    assert curve.identity_name(owner_id) == b"gw-1" and owner_id != curve.routing_id("gw-1")
+    owner = _client(ctx, endpoint, keys, "client", identity=owner_id)
+    owner.send(b"mine")
+    frames = _received(router)
+    assert frames is not None and frames[0].bytes == owner_id and bound.admit(frames[0].bytes, frames[1])
+    for identity in (b"gw-1", b"gw-1\0guess"):  # the name alone, or with a guessed secret
+        thief = _client(ctx, endpoint, keys, "other", identity=identity)
+        thief.send(b"now mine")
+        frames = _received(router)  # it reaches the application: it does not collide with the owner's id
+        assert frames is not None and frames[0].bytes == identity
+        assert not bound.admit(frames[0].bytes, frames[1])
+        thief.close(0)
+    _wait_for(caplog, "refused an identity takeover: 'gw-1' is bound to key")
+    owner.send(b"still mine")
+    frames = _received(router)
+    assert frames is not None and frames[0].bytes == owner_id and bound.admit(frames[0].bytes, frames[1])
+    owner.close(0)
+    ctx.term()
+
+
 def test_generate_refuses_to_overwrite_a_key_pair(keys: Path) -> None:
     with pytest.raises(curve.CurveError, match="exists"):
         curve.generate(keys / "pairs", "server")

@@ -11,6 +11,7 @@ import configparser
 import os
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,15 @@ def test_hardening_keeps_the_exposure_score_low(units: Path, name: str, threshol
         cwd=units, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr
+
+
+def test_the_units_config_turns_curve_on_for_every_service() -> None:
+    """Issue 22: CURVE on by default in production: each unit reads tokenwire.toml, which
+    gives every service its key pair, and the servers their allow lists."""
+    config = tomllib.loads((UNITS.parent / "tokenwire.toml").read_text())
+    for name in SERVICES:
+        assert "--config /etc/tokenwire/tokenwire.toml" in _unit(name)["Service"]["ExecStart"], name
+    for section in ("worker", "gateway", "jobs_consumer"):
+        assert config[section]["curve_secret_key_file"].startswith("/etc/tokenwire/curve/"), section
+    assert config["worker"]["curve_allowed_keys_dir"] and config["gateway"]["curve_allowed_keys_dir"]
+    assert config["gateway"]["curve_worker_keys_dir"] and not config["gateway"].get("curve_allow_any", False)

@@ -687,9 +687,12 @@ class EngineCore:
     def _host_step(self, forward: ForwardBatch, sampling: SamplingBatch | None, samplers: list[Sequence],
                    extra: list[tuple[Sequence, int, int]], errors: dict[int, str]) -> _Ready:
         logits = self.backend.logits_to_host(self.backend.forward(forward))
+        # The context rows follow the sampling rows, each sequence's in the order of `extra`.
+        at = len(samplers)
+        for seq, _, count in extra:
+            seq.context_logits.extend(logits[at : at + count].copy())
+            at += count
         num_rows = len(samplers)
-        for seq, a, count in extra:
-            seq.context_logits.extend(logits[num_rows + a : num_rows + a + count].copy())
         if sampling is None:
             self._last_sampled = None
             return _Ready(None)

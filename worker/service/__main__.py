@@ -122,37 +122,13 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     return SpeculativeConfig(DraftSource(source), args.num_draft_tokens)
 
 
-def ports_in_use(args: argparse.Namespace) -> str | None:
-    """What of the worker's addresses cannot be bound, checked before the model loads
-    (minutes, on a GPU) so a port in use is reported at once."""
-    import socket
-
-    import zmq
-
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    try:
-        sock.bind(args.bind)
-    except zmq.ZMQError as e:
-        return f"cannot listen at {args.bind}: {e.strerror} (is another worker running there? see --bind)"
-    finally:
-        sock.close(0)
-        ctx.term()
-    if args.metrics_port:
-        try:
-            socket.create_server((args.metrics_host, args.metrics_port)).close()
-        except OSError as e:
-            return f"cannot serve /metrics at {args.metrics_host}:{args.metrics_port}: {e.strerror}"
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
     from ops.config import apply_config
     from ops.logs import setup_logging
     from ops.process import exit_on_thread_crash, settle_gc
     from ops.sd_notify import Notifier
     from worker.service.engine import EngineConfig, EngineFailed, EngineProcess
-    from worker.service.server import ServiceConfig, WorkerService
+    from worker.service.server import Listener, ListenError, ServiceConfig, WorkerService
 
     apply_config(args)
     args.redis = redis_url(args.redis, DEFAULT_REDIS, args.redis_password_file)
@@ -160,9 +136,10 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("worker", args.log_level, args.log_format)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     exit_on_thread_crash()
-    problem = ports_in_use(args)
-    if problem:
-        logging.getLogger(__name__).critical("%s", problem)
+    try:  # bound before the model loads (minutes, on a GPU): a port in use is reported at once
+        listener = Listener.open(args.bind, curve, args.metrics_host, args.metrics_port)
+    except ListenError as e:
+        logging.getLogger(__name__).critical("%s", e)
         return 1
     notifier = Notifier()
     notifier.status(f"loading {args.model}")
@@ -188,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         engine = EngineProcess(engine_config)
     except EngineFailed as e:
         logging.getLogger(__name__).critical("%s", e)
+        listener.close()
         return 1
     try:
         service = WorkerService(
@@ -209,13 +187,12 @@ def run(args: argparse.Namespace) -> int:
                 curve=curve,
             ),
             notifier,
+            listener,
         )
         service.metrics.model = service.config.model_name
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: service.request_drain())
         settle_gc()
-        if args.metrics_port:
-            service.metrics.serve(args.metrics_host, args.metrics_port)
         service.serve()
     finally:
         engine.shutdown()

@@ -93,6 +93,9 @@ class WorkerRedis(threading.Thread):
             except redis.RedisError as e:
                 if self.connected:
                     log.warning("redis: lost (%s); serving on, retrying with backoff", e)
+                else:  # repeated, as the retries back off: never registered, no gateway finds this worker
+                    log.warning("redis: cannot reach it (%s); not registered, so no gateway can find this worker; "
+                                "retrying in %.1f s", e, backoff)  # fmt: skip
                 self.connected = False
                 next_heartbeat = 0.0  # re-register as soon as it is back
                 self.stop.wait(backoff)

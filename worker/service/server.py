@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import zmq
 
 import protocol
-from ops.curve import CurveConfig, CurveServer, IdentityKeys
+from ops.curve import CurveConfig, CurveServer, IdentityKeys, identity_name
+from ops.drain import Drain
 from ops.metrics import WorkerMetrics, outcome
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
@@ -69,36 +70,76 @@ class _Gateway:
     last_seen: float = field(default_factory=time.monotonic)
 
 
-class WorkerService:
-    def __init__(self, engine: EngineProcess, config: ServiceConfig, notifier: Notifier | None = None) -> None:
-        self.engine = engine
-        self.config = config
-        self.notifier = notifier or Notifier(address="")
-        # SIGTERMs received (request_drain); the first drains, a second ends the rest now.
-        self._drain_requests = 0
-        self._drain_deadline: float | None = None
-        self.limits = protocol.DEFAULT_LIMITS
-        self.keys = protocol.Keys(config.redis_prefix)
-        self.ctx = zmq.Context()
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.SNDHWM, 0)  # bounded by the executor's admitted work
-        self.router.setsockopt(zmq.RCVHWM, 0)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self._curve: CurveServer | None = None
-        # Under CURVE, a gateway id belongs to the key that first used it: a peer that takes the
-        # id with another key once the gateway's connection ended is refused (and logged) until
-        # the gateway is declared gone.
-        self._identity_keys: IdentityKeys | None = None
-        if config.curve is None:
-            self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a gateway reconnecting under its id takes over
+class ListenError(RuntimeError):
+    """A socket the worker cannot listen on; the text is the one line to show."""
+
+
+@dataclass(slots=True)
+class Listener:
+    """The worker's listening sockets, bound before its model loads (minutes, on a GPU)
+    so that a port in use fails start-up at once, and stays the worker's: the ROUTER
+    gateways connect to (a CURVE server where configured) and /metrics."""
+
+    ctx: zmq.Context
+    router: zmq.Socket
+    curve: CurveServer | None
+    metrics: WorkerMetrics
+
+    @classmethod
+    def open(cls, bind: str, curve: CurveConfig | None, metrics_host: str = "", metrics_port: int = 0) -> Listener:
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.SNDHWM, 0)  # bounded by the executor's admitted work
+        router.setsockopt(zmq.RCVHWM, 0)
+        router.setsockopt(zmq.LINGER, 0)
+        server = None
+        if curve is None:
+            router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a gateway reconnecting under its id takes over
         else:
             # No handover: a second connection under a live gateway's id would get that gateway's
             # results. libzmq keeps the first connection and drops what the second sends.
-            self._curve = CurveServer("worker", config.curve.keypair, config.curve.allowed)
-            self._curve.start(self.ctx)
-            self._curve.serve(self.router)
-            self._identity_keys = IdentityKeys("worker")
-        self.router.bind(config.bind)
+            server = CurveServer("worker", curve.keypair, curve.allowed)
+            server.start(ctx)
+            server.serve(router)
+        listener = cls(ctx, router, server, WorkerMetrics())
+        try:
+            router.bind(bind)
+        except zmq.ZMQError as e:
+            listener.close()
+            raise ListenError(
+                f"cannot listen at {bind}: {e.strerror} (is another worker running there? see --bind)"
+            ) from None
+        if metrics_port:
+            try:
+                listener.metrics.serve(metrics_host, metrics_port)
+            except OSError as e:
+                listener.close()
+                raise ListenError(f"cannot serve /metrics at {metrics_host}:{metrics_port}: {e.strerror}") from None
+        return listener
+
+    def close(self) -> None:
+        """Only where the service never ran: WorkerService.serve closes them itself."""
+        self.router.close(0)
+        if self.curve is not None:
+            self.curve.stop()
+        self.ctx.term()
+
+
+class WorkerService:
+    def __init__(self, engine: EngineProcess, config: ServiceConfig, notifier: Notifier | None = None,
+                 listener: Listener | None = None) -> None:  # fmt: skip
+        self.engine = engine
+        self.config = config
+        self.notifier = notifier or Notifier(address="")
+        self.drain = Drain(config.drain_timeout_s)
+        self.limits = protocol.DEFAULT_LIMITS
+        self.keys = protocol.Keys(config.redis_prefix)
+        listener = listener or Listener.open(config.bind, config.curve)
+        self.ctx, self.router, self._curve = listener.ctx, listener.router, listener.curve
+        self.metrics = listener.metrics
+        # Under CURVE, a gateway's name belongs to the key that first used it: a peer that uses the
+        # name with another key is refused (and logged) until the gateway is declared gone.
+        self._identity_keys = IdentityKeys("worker") if config.curve is not None else None
         address = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.address = config.advertise or address.replace("0.0.0.0", socket.gethostname())
         port = address.rsplit(":", 1)[-1]
@@ -140,7 +181,6 @@ class WorkerService:
         self._pump_out = self.ctx.socket(zmq.PAIR)
         self._pump_out.bind(_PUMP_ENDPOINT)
         self._pump = threading.Thread(target=self._pump_results, name="worker-pump", daemon=True)
-        self.metrics = WorkerMetrics()
         self.metrics.watch(self.load, lambda: self.redis.connected, lambda: len(self.gateways), lambda: self.draining)
 
     def load(self) -> protocol.WorkerLoad:
@@ -186,9 +226,9 @@ class WorkerService:
                 if self.engine_failure:
                     self._end_all(ErrorCode.INTERNAL, f"worker failed: {self.engine_failure}")
                     break
-                if self._drain_requests and self._drain_deadline is None:
+                if self.drain.begin(len(self.table), self.notifier):
                     self._start_drain()
-                if self._drain_deadline is not None and self._drained():
+                if self.drain.draining and self._drained():
                     break
         finally:
             self.stop.set()
@@ -197,7 +237,7 @@ class WorkerService:
             self._redis_stop.set()
             self.redis.join(timeout=5)
             # A drained worker's last results and errors must leave before the socket goes.
-            self.router.close(2000 if self._drain_deadline is not None else 0)
+            self.router.close(2000 if self.drain.draining else 0)
             self._pump_out.close(0)
             if self._curve is not None:
                 self._curve.stop()
@@ -207,19 +247,15 @@ class WorkerService:
 
     def request_drain(self) -> None:
         """From a signal handler: the first call drains, a second ends the rest at once."""
-        self._drain_requests += 1
+        self.drain.request()
 
     @property
     def draining(self) -> bool:
-        return self._drain_deadline is not None
+        return self.drain.draining
 
     def _start_drain(self) -> None:
-        bound = self.config.drain_timeout_s
-        self._drain_deadline = time.monotonic() + bound
-        log.info("draining: %d requests in flight get up to %.1f s to finish", len(self.table), bound)
-        self.notifier.stopping(f"draining: {len(self.table)} requests in flight, {bound:g} s bound")
         self.redis.leave.set()
-        drain = protocol.encode(protocol.Drain(sender_id=self.sender_id, deadline_s=bound))
+        drain = protocol.encode(protocol.Drain(sender_id=self.sender_id, deadline_s=self.drain.timeout_s))
         for gateway in self.gateways:
             self.router.send_multipart([gateway, drain])
 
@@ -229,10 +265,9 @@ class WorkerService:
         if not len(self.table):
             log.info("drained: every request finished")
             return True
-        assert self._drain_deadline is not None
-        if self._drain_requests < 2 and time.monotonic() < self._drain_deadline:
+        why = self.drain.cut()
+        if why is None:
             return False
-        why = "a second SIGTERM" if self._drain_requests >= 2 else f"its {self.config.drain_timeout_s:g} s bound passed"
         ended = self._end_all(ErrorCode.DRAINING, f"worker draining: {self.worker_id} is shutting down ({why})")
         log.warning("drain ended by %s: %d requests ended with the draining error", why, ended)
         return True
@@ -282,9 +317,10 @@ class WorkerService:
             self._enqueue_taken()
 
     def _receive_authenticated(self, identity_keys: IdentityKeys) -> list[bytes]:
-        """One message, or [] where its sender took over another key's gateway id: that
-        gateway is then gone (its connection ended, or the id would not be free), and
-        nothing more is sent under its id, which would reach the taker."""
+        """One message, or [] where its sender used the name of another key's gateway
+        (refused and logged). Where it took that gateway's whole routing id, the
+        gateway's connection had ended (libzmq keeps a live one): the gateway is then
+        gone, and nothing more is sent under its id, which would reach the taker."""
         parts = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
         if len(parts) != 2:
             return []
@@ -305,7 +341,7 @@ class WorkerService:
         if peer is None:
             interval = msg.heartbeat_interval_s if isinstance(msg, protocol.Hello) else self.config.heartbeat_interval_s
             peer = self.gateways[gateway] = _Gateway(interval)
-            log.info("gateway %r connected", gateway)
+            log.info("gateway %r connected", identity_name(gateway))
         peer.last_seen = time.monotonic()
         if isinstance(msg, protocol.Submit):
             try:
@@ -395,7 +431,7 @@ class WorkerService:
 
     def _gateway_gone(self, gateway: bytes, why: str) -> None:
         orphans = self.table.of_gateway(gateway)
-        log.warning("gateway %r %s: aborting its %d requests", gateway, why, len(orphans))
+        log.warning("gateway %r %s: aborting its %d requests", identity_name(gateway), why, len(orphans))
         for entry in orphans:
             self.engine.cancel_request(entry.exec_id)
         del self.gateways[gateway]
@@ -408,8 +444,9 @@ class WorkerService:
         for gateway, peer in list(self.gateways.items()):
             if now - peer.last_seen > self.config.missed_heartbeats * peer.heartbeat_interval_s:
                 self._gateway_gone(gateway, f"silent for {now - peer.last_seen:.1f} s")
-                if self._identity_keys is not None:
-                    self._identity_keys.forget(gateway)
+                name = identity_name(gateway)
+                if self._identity_keys is not None and all(identity_name(g) != name for g in self.gateways):
+                    self._identity_keys.forget(name)
         load = self.load()
         # The line `systemctl status` shows, kept current.
         self.notifier.status(
@@ -515,7 +552,7 @@ class WorkerService:
     def _record_finished(self, entry: Active, wire: protocol.Response, stats: ex.RequestStats | None) -> None:
         fields = {
             "request_id": entry.name,
-            "gateway": entry.gateway.decode(errors="replace"),
+            "gateway": identity_name(entry.gateway).decode(errors="replace"),
             "worker": self.worker_id,
             "prompt_tokens": str(entry.prompt_tokens),
             "output_tokens": str(entry.output_tokens),
@@ -526,6 +563,8 @@ class WorkerService:
         else:
             fields["finish_reason"] = "error"
             fields["error"] = wire.error_msg or ""
+        if stats is not None and stats.queue_time_ms is not None:
+            self.metrics.queued(stats.queue_time_ms / 1e3)
         for name, key in (("queue_time_ms", "queue_time_ms"), ("time_to_first_token_ms", "ttft_ms")):
             value = getattr(stats, name, None)
             if value is not None:

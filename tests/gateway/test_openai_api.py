@@ -1,0 +1,65 @@
+"""gateway.openai_api: OpenAI's request bodies become the Submit the gateway routes,
+each parameter where tokenwire keeps it; bad ones are a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from gateway import openai_api as api
+
+
+def test_every_chat_parameter_reaches_the_submit() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = api.ChatRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9, "n": 2, "stop": "!", "seed": 3,
+        "logprobs": True, "top_logprobs": 2, "presence_penalty": 0.5, "frequency_penalty": 0.25, "user": "u",
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True,
+    })  # fmt: skip
+    submit = api.submit_for(body, "chatcmpl-1", "m", None, 2048)
+    s = submit.sampling_config
+    assert (submit.max_tokens, submit.num_return_sequences, submit.stop) == (7, 2, ["!"])
+    assert (s.temperature, s.top_p, s.seed, s.top_k, s.min_p) == (0.5, 0.9, 3, 5, 0.1)
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, 0.25, 1.2)
+    assert submit.output_config.return_log_probs and submit.output_config.top_n_log_probs == 2
+    assert submit.end_id == -1
+    assert submit.guided_decoding_params is not None
+    assert json.loads(submit.guided_decoding_params.guide or "") == schema
+    assert [m.content for m in submit.messages or []] == ["hi"]  # rendered by the gateway, not here
+
+
+def test_completion_defaults_and_json_object() -> None:
+    body = api.CompletionRequest.model_validate({"model": "m", "prompt": [[5, 6, 7]], "logprobs": 0})
+    submit = api.submit_for(body, "cmpl-1", "m", None, 2048)
+    assert submit.input_token_ids == [5, 6, 7] and submit.max_tokens == 16  # OpenAI's default
+    assert submit.output_config.return_log_probs and submit.output_config.top_n_log_probs == 0
+    chat = api.ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                           "response_format": {"type": "json_object"}})  # fmt: skip
+    submit = api.submit_for(chat, "chatcmpl-2", "m", [1, 2, 3], 100)
+    assert submit.max_tokens == 97  # a chat may fill the context
+    assert submit.guided_decoding_params is not None and submit.guided_decoding_params.guide_type == "json"
+
+
+@pytest.mark.parametrize(("raw", "param"), [
+    ({"prompt": "x", "temperature": 3}, "temperature"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "", "max_tokens": 4}, None),
+    ({"prompt": "x", "no_such_option": 1}, None),
+])  # fmt: skip
+def test_bad_parameters_are_400s_naming_the_field(raw: dict[str, object], param: str | None) -> None:
+    try:
+        body = api.CompletionRequest.model_validate(raw)
+        api.submit_for(body, "cmpl-1", "m", None, 2048)
+    except (ValidationError, ValueError) as e:
+        error = api.invalid(e)
+    else:
+        raise AssertionError(f"{raw} was accepted")
+    assert error.status == 400 and error.type == "invalid_request_error"
+    if param is not None:
+        assert error.param == param and param in error.message
+    else:
+        assert "prompt" in error.message or "no_such_option" in error.message
