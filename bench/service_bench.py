@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -201,6 +202,27 @@ class _Stack:
             [py, "-m", "gateway", "--bind", self.gateway, "--redis", self.redis,
              "--no-worker-timeout", "300", "--http-port", str(self.http_port), *gateway_curve],
             env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+        self._wait_healthy(300.0)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        """Until the gateway's /health says 200 (Redis answers and a worker is ready): the
+        clients fail fast, so they must not race the model's load."""
+        deadline = time.monotonic() + timeout_s
+        url = f"http://127.0.0.1:{self.http_port}/health"
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in self.procs):
+                tail = (Path(self.dir.name) / "log").read_text(errors="replace")[-2000:]
+                self.close()
+                raise RuntimeError(f"the service stack ended while starting:\n{tail}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:  # not listening yet, or 503 until a worker is ready
+                pass
+            time.sleep(0.5)
+        self.close()
+        raise RuntimeError(f"the service stack was not healthy within {timeout_s:.0f} s")
 
     def _curve_args(self, root: Path) -> tuple[list[str], list[str]]:
         from ops import curve
