@@ -75,6 +75,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     quantization: str | None = None  # fp8 | int4: quantize a float checkpoint on load
+    # LoRA adapters registered at start (name, PEFT directory), and the adapter cache's bounds;
+    # LoRA is on (device slots set aside before the KV cache is sized) when either is given.
+    lora_adapters: tuple[tuple[str, str], ...] = ()
+    peft_cache_config: ex.PeftCacheConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +96,17 @@ class EngineInfo:
     chat_template: str | None = None
     bos_token: str | None = None
     eos_token: str | None = None
+    lora_adapters: tuple[str, ...] = ()  # registered at start
+
+
+@dataclass(frozen=True, slots=True)
+class LoraReply:
+    """The engine's answer to a LoRA load or unload (`token` names the ask): the adapters
+    it holds now, and what went wrong, if anything did."""
+
+    token: int
+    adapters: tuple[str, ...]
+    error: str | None = None
 
 
 # -- the worker's side ----------------------------------------------------------------
@@ -99,8 +114,8 @@ class EngineInfo:
 
 class EngineProcess:
     """Starts the engine and waits for its model; then the worker's API on it:
-    `enqueue_requests`, `cancel_request` (any thread), `await_step` (one thread),
-    `load`, `get_latest_iteration_stats`."""
+    `enqueue_requests`, `cancel_request`, `load_lora`, `unload_lora` (any thread),
+    `await_step` (one thread), `load`, `get_latest_iteration_stats`."""
 
     def __init__(self, config: EngineConfig) -> None:
         ctx = multiprocessing.get_context("spawn")  # CUDA does not survive fork
@@ -145,12 +160,26 @@ class EngineProcess:
         with self._send_lock:
             self._send(("cancel", request_id))
 
-    def await_step(self, timeout: float) -> StepOutput | None:
-        """The engine's next step output, or None after `timeout` seconds."""
+    def load_lora(self, token: int, name: str, path: str) -> None:
+        """Register a LoRA adapter; the engine answers with a LoraReply under `token`
+        (from `await_step`). Requests enqueued after this call see it."""
+        with self._send_lock:
+            self._send(("lora_load", (token, name, path)))
+
+    def unload_lora(self, token: int, name: str) -> None:
+        with self._send_lock:
+            self._send(("lora_unload", (token, name)))
+
+    def await_step(self, timeout: float) -> StepOutput | LoraReply | None:
+        """The engine's next step output (or answer to a LoRA load or unload), or None
+        after `timeout` seconds."""
         if not self._from.poll(timeout):
             return None
+        message = pickle.loads(self._recv())
+        if isinstance(message, LoraReply):
+            return message
         step: StepOutput
-        step, self._load = pickle.loads(self._recv())
+        step, self._load = message
         if step.iteration_stats:
             with self._stats_lock:
                 self._iterations.extend(step.iteration_stats)
@@ -223,6 +252,8 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
         draft_model=None if config.backend == "echo" else config.draft_model,
         parallel_config=ParallelConfig(config.tensor_parallel_size, config.pipeline_parallel_size),
         quantization=config.quantization,
+        lora_adapters=dict(config.lora_adapters),
+        peft_cache_config=config.peft_cache_config,
     )
     block = executor_config.kv_cache_config.tokens_per_block
     if config.kv_tokens is not None and config.kv_tokens < block:
@@ -270,6 +301,7 @@ def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, tu
         chat_template=core.chat_template,
         bos_token=_token_text(tokenizer, core.model_config.bos_token_id),
         eos_token=_token_text(tokenizer, (core.model_config.eos_token_ids or (None,))[0]),
+        lora_adapters=tuple(core.lora_names()),
     )))  # fmt: skip
     settle_gc()
     hang_at = None if config.test_hang_loop_after_s is None else time.monotonic() + config.test_hang_loop_after_s
@@ -295,6 +327,8 @@ def _serve(core: EngineCore, inbox: Connection, outbox: Connection, turned: ctyp
                 core.add_requests(body)
             elif kind == "cancel":
                 core.abort(body)
+            elif kind in ("lora_load", "lora_unload"):
+                _send(outbox, _change_lora(core, kind, body))
             else:  # stop
                 return
             timeout = 0.0
@@ -311,6 +345,23 @@ def _serve(core: EngineCore, inbox: Connection, outbox: Connection, turned: ctyp
         if out or now - last_sent >= _IDLE_LOAD_S:
             _send(outbox, (out, core.load()))
             last_sent = now
+
+
+def _change_lora(core: EngineCore, kind: str, body: tuple[Any, ...]) -> LoraReply:
+    """Load or unload an adapter between steps; a bad adapter is an answer, not a failure."""
+    token, name, *path = body
+    try:
+        if kind == "lora_load":
+            core.register_lora(name, path[0])
+        else:
+            core.unregister_lora(name)
+    except Exception as e:  # whatever the adapter or the ask, the engine serves on
+        if not isinstance(e, ValueError | OSError | KeyError):
+            log.exception("LoRA adapter %r: %s failed", name, kind)
+        why = str(e) if isinstance(e, ValueError | OSError) else f"{type(e).__name__}: {e}"
+        return LoraReply(token, tuple(core.lora_names()), f"LoRA adapter {name!r}: {why}")
+    log.info("LoRA adapter %r %s", name, "loaded" if kind == "lora_load" else "unloaded")
+    return LoraReply(token, tuple(core.lora_names()))
 
 
 def _send(outbox: Connection, message: object) -> None:
