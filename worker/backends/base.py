@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from worker.models.config import ModelConfig
+from worker.models.lora import LoraAdapter
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,13 @@ class ForwardBatch:
     block_tables: np.ndarray  # int64 [B, max_blocks] physical block ids, padded with 0
     slot_mapping: np.ndarray  # int64 [T] flat KV slot (block * block_size + offset) per token
     logits_indices: np.ndarray  # int64 [S] rows of T whose logits are wanted
+    # LoRA: the device adapter slot of each token, -1 for none (LoraBackend.load_lora_slot);
+    # None when no token of the step has an adapter.
+    lora_slots: np.ndarray | None = None  # int64 [T]
+    # Prompt tuning: rows of T whose embedding is given instead of looked up (their
+    # token ids are >= vocab_size and stand for nothing in the vocabulary).
+    prompt_rows: np.ndarray | None = None  # int64 [P]
+    prompt_embeds: np.ndarray | None = None  # float32 [P, hidden]
 
     @property
     def num_tokens(self) -> int:
@@ -133,6 +141,22 @@ class Backend(Protocol):
 
     def logits_to_host(self, logits: Any) -> np.ndarray:
         """float32 copy of logits, for post-processors and requested logits outputs."""
+        ...
+
+
+@runtime_checkable
+class LoraBackend(Backend, Protocol):
+    """A backend that runs LoRA adapters: `num_slots` device slots, each holding one
+    adapter of rank up to `max_rank` on every projection; a step's tokens pick their
+    slot (ForwardBatch.lora_slots), so one forward mixes adapters."""
+
+    def enable_lora(self, num_slots: int, max_rank: int) -> None:
+        """Allocate the slots (zero: no adapter); before the KV cache is sized."""
+        ...
+
+    def load_lora_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Write an adapter's weights into a slot (None: clear it). Ordered after the
+        steps already launched, so a slot can be rewritten while they run."""
         ...
 
 

@@ -17,6 +17,7 @@ from worker.backends.numpy_sampler import sample
 from worker.models import llama
 from worker.models.config import ModelConfig
 from worker.models.loaded_model import LoadedModel
+from worker.models.lora import LoraAdapter
 from worker.models.rope import Rope
 
 # Host RAM is shared with everything else on the machine, so the KV cache is offered
@@ -57,6 +58,14 @@ class NumpyBackend:
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.ops.copy_blocks(src, dst)
 
+    # --- LoRA (LoraBackend) -----------------------------------------------------------
+
+    def enable_lora(self, num_slots: int, max_rank: int) -> None:
+        self.ops.lora_slots = [None] * num_slots  # host arrays: a slot holds the adapter itself
+
+    def load_lora_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
+        self.ops.lora_slots[slot] = adapter
+
     # --- forward ----------------------------------------------------------------------
 
     def step(self, batch: ForwardBatch) -> NumpyStep:
@@ -65,7 +74,8 @@ class NumpyBackend:
         cfg = self.config
         cos, sin = self.rope.step_cos_sin(batch.positions, batch.query_start, batch.context_lens)
         attention = plan(batch, self.ops.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        return NumpyStep(batch.token_ids, batch.slot_mapping, batch.logits_indices, cos, sin, attention)
+        return NumpyStep(batch.token_ids, batch.slot_mapping, batch.logits_indices, cos, sin, attention,
+                         batch.lora_slots, batch.prompt_rows, batch.prompt_embeds)
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         if not self.ops.k_cache:

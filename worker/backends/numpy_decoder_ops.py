@@ -15,6 +15,7 @@ import numpy as np
 from worker.backends.numpy_attention import AttentionPlan, paged_attention_numpy
 from worker.models.config import ModelConfig
 from worker.models.llama import LinearRole
+from worker.models.lora import LoraAdapter
 from worker.models.quantization import Fp8Inputs, QuantizedWeight, fake_quantize_inputs, fp8_inputs, reference_parts
 
 
@@ -35,6 +36,9 @@ class NumpyStep:
     cos: np.ndarray  # [T, head_dim // 2]
     sin: np.ndarray  # [T, head_dim // 2]
     attention: AttentionPlan
+    lora_slots: np.ndarray | None = None  # [T] adapter slot per token, -1: none; None: no adapter
+    prompt_rows: np.ndarray | None = None  # [P] rows whose embedding is given
+    prompt_embeds: np.ndarray | None = None  # [P, hidden]
 
 
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -59,6 +63,7 @@ class NumpyDecoderOps:
         self.k_cache: list[np.ndarray] = []
         self.v_cache: list[np.ndarray] = []
         self.block_size = 0
+        self.lora_slots: list[LoraAdapter | None] = []  # the adapter in each slot
 
     # -- the KV pool ------------------------------------------------------------------------
 
@@ -96,7 +101,26 @@ class NumpyDecoderOps:
     # -- one step ---------------------------------------------------------------------------
 
     def embedding(self, table: np.ndarray, step: NumpyStep) -> np.ndarray:
-        return table[step.token_ids]
+        if step.prompt_rows is None:
+            return table[step.token_ids]
+        x = table[np.minimum(step.token_ids, table.shape[0] - 1)]  # prompt-tuning ids are past the table
+        x[step.prompt_rows] = step.prompt_embeds
+        return x
+
+    def lora(self, y: np.ndarray, x: np.ndarray, layer: int, role: LinearRole, step: NumpyStep,
+             logits_rows: bool) -> np.ndarray:
+        """The reference: one (x @ A.T) @ B.T per adapter the rows use."""
+        if step.lora_slots is None:
+            return y
+        slots = step.lora_slots[step.logits_indices] if logits_rows else step.lora_slots
+        for slot in np.unique(slots[slots >= 0]).tolist():
+            adapter = self.lora_slots[slot]
+            w = None if adapter is None else adapter.weights.get((layer, role))
+            if w is not None:
+                rows = np.flatnonzero(slots == slot)
+                a, b = w.a.reshape(-1, w.a.shape[2]), w.b.reshape(w.b.shape[0], -1)
+                y[rows] += (x[rows] @ a.T) @ b.T
+        return y
 
     def add_rms_norm(
         self, x: np.ndarray, residual: np.ndarray | None, weight: np.ndarray, eps: float

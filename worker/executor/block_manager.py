@@ -35,6 +35,12 @@ def chain_hash(prev_hash: int, token_ids: Seq[int]) -> int:
     return hash((prev_hash, tuple(token_ids)))
 
 
+def first_hash(salt: int | None) -> int:
+    """What a sequence's first block chains from: blocks computed under another salt
+    (LoRA adapter, prompt-tuning table) never match."""
+    return NO_HASH if salt is None else hash(("salt", salt))
+
+
 class OutOfBlocksError(RuntimeError):
     pass
 
@@ -62,13 +68,13 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def cached_prefix(self, token_ids: Seq[int]) -> list[int]:
+    def cached_prefix(self, token_ids: Seq[int], salt: int | None = None) -> list[int]:
         """Block ids that hold a prefix of token_ids, never the whole sequence:
         the last token is always recomputed, since its logits are needed."""
         if not self.enable_reuse:
             return []
         hits: list[int] = []
-        prev = NO_HASH
+        prev = first_hash(salt)
         bs = self.block_size
         for start in range(0, len(token_ids) - 1 - bs + 1, bs):
             chunk = token_ids[start : start + bs]
@@ -82,11 +88,12 @@ class BlockManager:
 
     # -- allocation ------------------------------------------------------------
 
-    def allocate_prompt(self, table: BlockTable, token_ids: Seq[int], num_tokens: int) -> int:
+    def allocate_prompt(self, table: BlockTable, token_ids: Seq[int], num_tokens: int,
+                        salt: int | None = None) -> int:
         """Give an empty table blocks for num_tokens tokens, reusing cached prefix
         blocks. Returns how many leading tokens are already in the cache."""
         assert not table.block_ids, "allocate_prompt needs an empty block table"
-        hits = self.cached_prefix(token_ids)
+        hits = self.cached_prefix(token_ids, salt)
         need_new = self.blocks_for(num_tokens) - len(hits)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         if need_new > self.num_free - revived:
@@ -158,13 +165,14 @@ class BlockManager:
         table.block_ids.clear()
         table.num_hashed = 0
 
-    def register_full_blocks(self, table: BlockTable, token_ids: Seq[int], num_computed: int) -> None:
+    def register_full_blocks(self, table: BlockTable, token_ids: Seq[int], num_computed: int,
+                             salt: int | None = None) -> None:
         """Hash the blocks that are now completely computed, for reuse by others."""
         if not self.enable_reuse:
             return
         bs = self.block_size
         full = min(num_computed // bs, len(table.block_ids))
-        prev = self.blocks[table.block_ids[table.num_hashed - 1]].hash if table.num_hashed else NO_HASH
+        prev = self.blocks[table.block_ids[table.num_hashed - 1]].hash if table.num_hashed else first_hash(salt)
         for i in range(table.num_hashed, full):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(prev, chunk)

@@ -20,6 +20,7 @@ Request ids are the caller's: the core answers under the id a request came with.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Iterable
@@ -29,14 +30,23 @@ from typing import Any
 
 import numpy as np
 
-from worker.backends.base import AsyncBackend, Backend, ForwardBatch, SampleOutput, SamplingBatch, StepHandle
+from worker.backends.base import (
+    AsyncBackend,
+    Backend,
+    ForwardBatch,
+    LoraBackend,
+    SampleOutput,
+    SamplingBatch,
+    StepHandle,
+)
 from worker.backends.numpy_sampler import process_logits
 from worker.backends.numpy_sampler import sample as sample_on_host
 from worker.executor import beam_search
+from worker.executor.adapter_cache import AdapterCache
 from worker.executor.beam_search import BeamSearch
 from worker.executor.block_manager import BlockManager
 from worker.executor.draft_model import DraftModel
-from worker.executor.inputs import build_forward_batch, build_sampling_batch
+from worker.executor.inputs import build_forward_batch, build_sampling_batch, with_peft_inputs
 from worker.executor.log_probs import normalized_log_probs
 from worker.executor.logits_processors import apply_processors, load_processors
 from worker.executor.penalties import needs_known_tokens
@@ -57,6 +67,7 @@ from worker.executor.types import (
     ExecutorConfig,
     FinishReason,
     IterationStats,
+    PeftCacheConfig,
     Request,
     RequestState,
     RequestStats,
@@ -64,6 +75,7 @@ from worker.executor.types import (
     Result,
 )
 from worker.executor.validation import RequestError, normalize_word_list, validate_request
+from worker.models.lora import LoraAdapter
 
 log = logging.getLogger(__name__)
 
@@ -210,12 +222,16 @@ class EngineCore:
         self.max_seq_len = self.model_config.max_position_embeddings
 
         kv = self.config.kv_cache_config
+        # LoRA slots take device memory before the KV cache is sized.
+        self.adapters = self._adapter_cache() if self.config.lora_enabled else None
         num_blocks = self._num_kv_blocks()
         self.backend.allocate_kv_cache(num_blocks, kv.tokens_per_block)
         if draft is not None:
             draft.allocate(num_blocks, kv.tokens_per_block)
         self.blocks = BlockManager(num_blocks, kv.tokens_per_block, kv.enable_block_reuse)
         self.scheduler = Scheduler(self.config, self.blocks)
+        self.scheduler.adapter_ready = self._adapter_ready
+        self._adapter_errors: dict[int, str] = {}  # request id -> why its adapter could not be loaded
         asynchronous = isinstance(backend, AsyncBackend)
         self._launch_step = backend.launch if isinstance(backend, AsyncBackend) else self._launch_sync
         overlap = self.config.overlap_scheduling
@@ -235,6 +251,10 @@ class EngineCore:
         self._iter = 0
         self._num_drafted = 0  # draft tokens verified since the last iteration record
         self._num_accepted = 0
+        # The configured adapters are read here, as the model is by from_model: a core is
+        # ready to serve them once built.
+        for name, path in self.config.lora_adapters.items():
+            self.register_lora(name, path)
 
     @classmethod
     def from_model(cls, path: str | Path, config: ExecutorConfig | None = None) -> EngineCore:
@@ -252,6 +272,31 @@ class EngineCore:
             draft = DraftModel.load(cfg.draft_model, cfg.backend, cfg.device, cfg.dtype,
                                     cfg.max_num_tokens, cfg.max_batch_size)
         return cls(backend, cfg, tokenizer=loaded.tokenizer, chat_template=loaded.chat_template, draft=draft)
+
+    # -- LoRA adapters (called by the driver between steps) -------------------------------
+
+    def register_lora(self, name: str, path: str) -> None:
+        """Read, check and register a PEFT adapter under `name` (replacing one of that
+        name for new requests). CheckpointError names what is wrong with it."""
+        self.add_lora(name, path, self._lora_cache().load(path))
+
+    def add_lora(self, name: str, path: str, adapter: LoraAdapter) -> None:
+        """Register an adapter already read from `path` (a driver reads it off its engine thread)."""
+        self._lora_cache().add(name, path, adapter)
+
+    def load_lora(self, path: str) -> LoraAdapter:
+        """Read and check an adapter against the model; no state changes (safe from any thread)."""
+        return self._lora_cache().load(path)
+
+    def unregister_lora(self, name: str) -> None:
+        """New requests can no longer name it; queued ones fail, running ones finish under it."""
+        key = self._lora_cache().remove(name)
+        for seq in list(self.scheduler.waiting):
+            if seq.adapter == key and seq.request_id in self._entries:
+                self._fail_request(seq.request_id, f"LoRA adapter {name!r} was unloaded")
+
+    def lora_names(self) -> list[str]:
+        return [] if self.adapters is None else self.adapters.names()
 
     # -- what the driver calls ----------------------------------------------------------
 
@@ -304,6 +349,9 @@ class EngineCore:
         try:
             self._propose()
             batch = self.scheduler.schedule()
+            for request_id, message in self._adapter_errors.items():
+                self._fail_request(request_id, message)
+            self._adapter_errors.clear()
             if batch and self._inflight is not None and (_on_host(batch, self.config.normalize_log_probs)
                                                        or _needs_known_tokens(batch)):
                 self._complete_inflight()  # this batch samples from the tokens in flight
@@ -337,8 +385,51 @@ class EngineCore:
             tokens = min(tokens, self.config.max_batch_size * self.max_seq_len)
         return max(1, tokens // kv.tokens_per_block)
 
+    def _adapter_cache(self) -> AdapterCache:
+        if self.config.parallel_config.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not supported with tensor parallelism (tensor_parallel_size > 1) yet")
+        if not isinstance(self.backend, LoraBackend):
+            raise ValueError(f"the {self.backend.name} backend does not run LoRA adapters")
+        peft = self.config.peft_cache_config or PeftCacheConfig()
+        cache = AdapterCache(peft, self.model_config, self.backend)
+        self.backend.enable_lora(peft.max_device_adapters, peft.max_rank)
+        return cache
+
+    def _lora_cache(self) -> AdapterCache:
+        if self.adapters is None:
+            raise ValueError("LoRA is off on this executor: set ExecutorConfig.peft_cache_config to enable it")
+        return self.adapters
+
+    def _adapter_ready(self, seq: Sequence) -> bool:
+        """Scheduler hook: put seq's adapter in a device slot if it can go there now."""
+        assert self.adapters is not None and seq.adapter is not None
+        busy = {s.adapter for s in self.scheduler.running if s.adapter is not None}
+        try:
+            return self.adapters.acquire(seq.adapter, busy) is not None
+        except ValueError as e:  # unregistered, or its files no longer load: this request alone fails
+            self._adapter_errors[seq.request_id] = str(e)
+            return False
+
+    def _peft_of(self, request: Request) -> tuple[tuple[str, int] | None, np.ndarray | None, int | None]:
+        """(adapter key, prompt table, prefix-cache salt) of a request."""
+        key = None
+        if request.lora_config is not None:
+            name = request.lora_config.name
+            key = None if self.adapters is None else self.adapters.key(name)
+            if key is None:
+                raise RequestError(self.adapters.unknown(name) if self.adapters is not None
+                                   else f"unknown LoRA adapter {name!r} (held: none; LoRA is off on this worker)")
+        table = None
+        if request.prompt_tuning_config is not None:
+            table = np.ascontiguousarray(request.prompt_tuning_config.embedding_table, dtype=np.float32)
+        if key is None and table is None:
+            return None, None, None
+        digest = None if table is None else hashlib.sha256(table.tobytes()).hexdigest() + str(table.shape)
+        return key, table, hash((key, digest))
+
     def _make_entry(self, request_id: int, request: Request) -> _Entry:
         validate_request(request, self.model_config, self.config, self.max_seq_len, self.processors)
+        adapter, prompt_table, salt = self._peft_of(request)
         cfg = request.sampling_config
         beam = cfg.beam_width > 1
         width = cfg.beam_width if beam else request.num_return_sequences
@@ -383,6 +474,9 @@ class EngineCore:
                 sequence_index=i,
                 family=family,
                 embedding_bias=bias,
+                adapter=adapter,
+                prompt_table=prompt_table,
+                cache_salt=salt,
             )
             if grammar is not None:
                 seq.matcher = self._guided.matcher(grammar, end_id)
@@ -520,6 +614,9 @@ class EngineCore:
             rows.append(len(group))
         forward = build_forward_batch(batch, self.blocks.block_size, rows,
                                       [(a, c) for _, a, c in extra])
+        if any(seq.adapter is not None or seq.prompt_table is not None for seq in batch.seqs):
+            slots = [-1 if seq.adapter is None else self._lora_cache().slot(seq.adapter) for seq in batch.seqs]
+            forward = with_peft_inputs(forward, batch, slots, self.model_config.vocab_size)
         sampling = build_sampling_batch(samplers, offsets if verify else None) if samplers else None
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed += n
@@ -681,7 +778,7 @@ class EngineCore:
     def _register_blocks(self, seq: Sequence) -> None:
         """Offer seq's computed full blocks to the prefix cache."""
         known = len(seq.token_ids) - seq.num_pending
-        self.blocks.register_full_blocks(seq.blocks, seq.token_ids, min(seq.num_computed, known))
+        self.blocks.register_full_blocks(seq.blocks, seq.token_ids, min(seq.num_computed, known), seq.cache_salt)
 
     def _finish_reason(self, seq: Sequence, length: int) -> FinishReason:
         """Why the sequence ends at token_ids[:length], if it does."""

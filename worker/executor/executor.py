@@ -3,7 +3,8 @@ shutdown) as a thread and queues around one `EngineCore`.
 
 The loop thread owns the core: it takes new requests and cancels, runs
 `core.step()` and publishes what the step produced. Callers only touch the
-queues guarded by `self._lock`.
+queues guarded by `self._lock`. LoRA adapters are read from disk on the caller's
+thread; the loop registers them between steps.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future
 from pathlib import Path
-from typing import overload
+from typing import Any, overload
 
 from worker.executor.engine_core import EngineCore
 from worker.executor.types import ExecutorConfig, IterationStats, Request, RequestStats, Response
@@ -33,6 +35,7 @@ class Executor:
         self._lock = threading.Condition()
         self._incoming: list[tuple[int, Request]] = []
         self._cancels: list[int] = []
+        self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []  # run by the loop between steps
         self._responses: list[Response] = []
         self._iteration_stats: deque[IterationStats] = deque(maxlen=self.config.iteration_stats_max)
         self._request_stats: deque[RequestStats] = deque(maxlen=self.config.iteration_stats_max)
@@ -113,6 +116,28 @@ class Executor:
             self._cancels.append(request_id)
             self._lock.notify_all()
 
+    def register_lora(self, name: str, path: str) -> None:
+        """Read, check and register a PEFT adapter (CheckpointError names what is wrong)."""
+        adapter = self.core.load_lora(path)
+        self._on_loop(lambda: self.core.add_lora(name, path, adapter))
+
+    def unregister_lora(self, name: str) -> None:
+        self._on_loop(lambda: self.core.unregister_lora(name))
+
+    def lora_names(self) -> list[str]:
+        names: list[str] = self._on_loop(self.core.lora_names)
+        return names
+
+    def _on_loop(self, call: Callable[[], Any]) -> Any:
+        """Run `call` on the loop thread between steps; its result or exception comes back."""
+        done: Future[Any] = Future()
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("executor is shut down")
+            self._calls.append((call, done))
+            self._lock.notify_all()
+        return done.result()
+
     def get_latest_iteration_stats(self) -> list[IterationStats]:
         with self._lock:
             stats = list(self._iteration_stats)
@@ -152,12 +177,20 @@ class Executor:
         core = self.core
         while True:
             with self._lock:
-                while not (self._shutdown or self._incoming or self._cancels or core.has_work):
+                while not (self._shutdown or self._incoming or self._cancels or self._calls or core.has_work):
                     self._lock.wait()
                 if self._shutdown:
+                    for _, done in self._calls:
+                        done.set_exception(RuntimeError("executor is shut down"))
                     return
                 incoming, self._incoming = self._incoming, []
                 cancels, self._cancels = self._cancels, []
+                calls, self._calls = self._calls, []
+            for call, done in calls:
+                try:
+                    done.set_result(call())
+                except Exception as e:  # the caller's to handle: the loop goes on
+                    done.set_exception(e)
             core.add_requests(incoming)
             for request_id in cancels:
                 core.abort(request_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 
@@ -96,6 +97,29 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, rows: list[int] 
         block_tables=block_tables,
         slot_mapping=slot_mapping,
         logits_indices=logits_indices,
+    )
+
+
+def with_peft_inputs(forward: ForwardBatch, batch: ScheduledBatch, slots: list[int], vocab_size: int) -> ForwardBatch:
+    """The step's LoRA slot of each token (`slots[i]`: sequence i's, -1 for none) and the
+    embeddings of its prompt-tuning tokens (ids >= vocab_size, rows of their sequence's table)."""
+    counts = np.diff(forward.query_start)
+    lora_slots = np.repeat(np.asarray(slots, dtype=np.int64), counts) if max(slots) >= 0 else None
+    rows: list[np.ndarray] = []
+    embeds: list[np.ndarray] = []
+    for seq, start, end in zip(batch.seqs, forward.query_start.tolist(), forward.query_start[1:].tolist(),
+                               strict=False):
+        if seq.prompt_table is not None:
+            ids = forward.token_ids[start:end]
+            virtual = np.flatnonzero(ids >= vocab_size)
+            rows.append(virtual + start)
+            embeds.append(seq.prompt_table[ids[virtual] - vocab_size])
+    found = sum(len(r) for r in rows) > 0
+    return replace(
+        forward,
+        lora_slots=lora_slots,
+        prompt_rows=np.concatenate(rows) if found else None,
+        prompt_embeds=np.concatenate(embeds) if found else None,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from worker.executor.block_manager import BlockManager, OutOfBlocksError
@@ -67,6 +68,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # kept sorted by _order
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        # LoRA: whether a waiting sequence's adapter has its device slot now (the engine's
+        # adapter cache puts it there); one that does not yet is passed over.
+        self.adapter_ready: Callable[[Sequence], bool] = lambda seq: True
 
     @property
     def has_work(self) -> bool:
@@ -135,8 +139,12 @@ class Scheduler:
         # still take is counted once, then kept up to date as each is admitted.
         guaranteed = self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
         reserved = self._reserved() if guaranteed and self.waiting else 0
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
-            seq = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[i]
+            if seq.adapter is not None and not self.adapter_ready(seq):
+                i += 1  # its LoRA adapter is loading or every slot is busy: the others go on
+                continue
             # A sequence preempted with a token still being sampled waits for it:
             # its recompute and its prefix lookup need the real id.
             if seq.num_pending or not self._admit(seq, reserved):
@@ -146,7 +154,7 @@ class Scheduler:
                 self.blocks.free(seq.blocks)
                 seq.num_computed = 0
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             self.running.append(seq)
             if guaranteed:
                 reserved += self._reservation(seq)
@@ -172,7 +180,7 @@ class Scheduler:
         wants_logits = seq.request.output_config.return_context_logits and (
             len(seq.context_logits) < seq.num_prompt_tokens)
         lookup = seq.token_ids[:1] if wants_logits else seq.token_ids
-        hits = self.blocks.cached_prefix(lookup)
+        hits = self.blocks.cached_prefix(lookup, seq.cache_salt)
         revived = sum(1 for b in hits if self.blocks.blocks[b].ref_count == 0)
         need_now = self.blocks.blocks_for(seq.num_tokens) - len(hits) + revived
         if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
@@ -184,7 +192,7 @@ class Scheduler:
                 return False
         elif need_now > self.blocks.num_free:
             return False
-        cached = self.blocks.allocate_prompt(seq.blocks, lookup, seq.num_tokens)
+        cached = self.blocks.allocate_prompt(seq.blocks, lookup, seq.num_tokens, seq.cache_salt)
         seq.num_computed = cached
         if seq.state is RequestState.QUEUED:
             seq.num_cached_prompt = cached

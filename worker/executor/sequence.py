@@ -62,6 +62,14 @@ class Sequence:
     spec: SpecState | None = None
     draft: list[int] = field(default_factory=list)
     speculation_off_reason: str | None = None  # why a request that asked to speculate does not
+    # LoRA: the registration of the request's adapter (adapter_cache.AdapterKey), None for the base model.
+    adapter: tuple[str, int] | None = None
+    # Prompt tuning: the request's embedding table, float32 [rows, hidden] (token id t >= vocab
+    # stands for row t - vocab).
+    prompt_table: np.ndarray | None = None
+    # What the prefix cache keys this sequence's blocks by beside their tokens (the adapter,
+    # the prompt table): KV computed under one never serves another. None: the base model's.
+    cache_salt: int | None = None
     context_logits: list[np.ndarray] = field(default_factory=list)  # one row per prompt token, when asked
     generation_logits: list[np.ndarray] = field(default_factory=list)  # one row per generated token
     finish_reason: FinishReason = FinishReason.NOT_FINISHED

@@ -85,6 +85,8 @@ def off_reason(request: Request, config: SpeculativeConfig, has_draft_model: boo
         ("generation logits", out.return_generation_logits),
         ("context logits", out.return_context_logits),
         ("top-p decay", cfg.top_p_decay is not None),
+        # Prompt lookup would propose table rows' ids as tokens, a draft model cannot read them.
+        ("prompt tuning", request.prompt_tuning_config is not None),
         ("no draft model loaded", config.source is DraftSource.DRAFT_MODEL and not has_draft_model),
         ("no draft tokens given", config.source is DraftSource.DRAFT_TOKENS and not config.draft_tokens),
     )

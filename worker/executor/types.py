@@ -12,6 +12,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 class FinishReason(enum.IntEnum):
     NOT_FINISHED = 0
@@ -140,6 +142,22 @@ class SpeculativeConfig:
     min_ngram: int = 1
 
 
+@dataclass(frozen=True, slots=True)
+class LoraConfig:
+    """The LoRA adapter a request runs under, by the name it was registered with
+    (ExecutorConfig.lora_adapters, EngineCore.register_lora)."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PromptTuningConfig:
+    """A request's own prompt embeddings: a prompt token id t >= vocab_size takes row
+    t - vocab_size of the table as its embedding instead of the vocabulary's."""
+
+    embedding_table: np.ndarray  # float [rows, hidden]
+
+
 @dataclass(slots=True)
 class Request:
     input_token_ids: list[int]
@@ -160,6 +178,8 @@ class Request:
     logits_post_processor_name: str | None = None
     guided_decoding_params: GuidedDecodingParams | None = None
     speculative_config: SpeculativeConfig | None = None  # None: the executor's default
+    lora_config: LoraConfig | None = None  # None: the base model
+    prompt_tuning_config: PromptTuningConfig | None = None
 
 
 @dataclass(slots=True)
@@ -239,6 +259,17 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PeftCacheConfig:
+    """How many LoRA adapters are held, and how large they may be. Device slots are
+    allocated at start, before the KV cache is sized, each for an adapter of rank up
+    to `max_rank` on every projection of every layer."""
+
+    max_device_adapters: int = 8  # adapters resident on the device at once (one slot each)
+    max_host_adapters: int = 32  # adapters kept loaded in host memory; others are re-read from disk
+    max_rank: int = 64  # the largest rank an adapter may have
+
+
+@dataclass(frozen=True, slots=True)
 class ExecutorConfig:
     max_batch_size: int = 64
     max_num_tokens: int = 2048  # tokens per iteration (context chunks + generation)
@@ -276,6 +307,13 @@ class ExecutorConfig:
     # a smaller model sharing the target's tokenizer, loaded on the same backend.
     draft_model: str | None = None
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    # LoRA: on when either is set. Adapters (name -> PEFT directory) are registered at start.
+    peft_cache_config: PeftCacheConfig | None = None
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.peft_cache_config is not None or bool(self.lora_adapters)
 
 
 @dataclass(slots=True)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
+
 from worker.executor.types import ExecutorConfig, PackedWordList, Request, WordList
 from worker.models.config import ModelConfig
 
@@ -40,8 +42,12 @@ def validate_request(request: Request, model: ModelConfig, config: ExecutorConfi
     prompt = request.input_token_ids
     if not prompt:
         raise RequestError("input_token_ids is empty: a prompt needs at least one token")
-    bad = [t for t in prompt if not 0 <= t < model.vocab_size]
+    table = _prompt_table_rows(request, model)
+    bad = [t for t in prompt if not 0 <= t < model.vocab_size + table]
     if bad:
+        if table:
+            raise RequestError(f"input_token_ids: token id {bad[0]} is outside the vocabulary and the prompt-tuning "
+                               f"table [0, {model.vocab_size} + {table})")
         raise RequestError(f"input_token_ids: token id {bad[0]} is outside the vocabulary [0, {model.vocab_size})")
     if request.max_tokens < 1:
         raise RequestError(f"max_tokens must be >= 1, got {request.max_tokens}")
@@ -87,6 +93,30 @@ def validate_request(request: Request, model: ModelConfig, config: ExecutorConfi
     if request.embedding_bias is not None and len(request.embedding_bias) != model.vocab_size:
         raise RequestError(
             f"embedding_bias has {len(request.embedding_bias)} values; the vocabulary has {model.vocab_size} tokens")
+
+
+def _prompt_table_rows(request: Request, model: ModelConfig) -> int:
+    """Rows of the request's prompt-tuning table (0 without one), checked against the model."""
+    config = request.prompt_tuning_config
+    if config is None:
+        return 0
+    table = config.embedding_table
+    if not isinstance(table, np.ndarray) or table.ndim != 2 or table.dtype.kind != "f":
+        shape = getattr(table, "shape", None)
+        raise RequestError(f"prompt_tuning_config.embedding_table must be a float array [rows, hidden], got "
+                           f"{type(table).__name__} {shape}")
+    if table.shape[1] != model.hidden_size:
+        raise RequestError(f"prompt_tuning_config.embedding_table is {table.shape[1]} wide; the model's hidden "
+                           f"size is {model.hidden_size}")
+    if not np.isfinite(table).all():
+        raise RequestError("prompt_tuning_config.embedding_table holds a NaN or infinite value")
+    cfg = request.sampling_config
+    # These read the prompt's token ids as vocabulary entries, which table rows are not.
+    if cfg.repetition_penalty not in (None, 1.0) or cfg.presence_penalty or cfg.frequency_penalty \
+            or cfg.no_repeat_ngram_size:
+        raise RequestError("repetition / presence / frequency penalties and no_repeat_ngram_size are not "
+                           "supported with prompt tuning")
+    return int(table.shape[0])
 
 
 def _check_decoding(request: Request, model: ModelConfig) -> None:

@@ -6,10 +6,11 @@ torch_decoder_ops.py in worker/backends are the two implementations.
     x = embedding(tokens)                                        # [T, hidden]
     for each layer:
         h, residual = add_rms_norm(x, residual, input_norm)      # residual += x; h = norm(residual)
-        q = rope_and_cache(linear(h, qkv), layer)                # the new K and V go to the pool
+        q = rope_and_cache(proj(h, qkv), layer)                  # the new K and V go to the pool
         attn = attention(q, layer, window)                       # [T, heads * head_dim]
-        h, residual = add_rms_norm(linear(attn, o), residual, post_norm)
-        x = linear(silu_mul(linear(h, gate_up)), down)
+        h, residual = add_rms_norm(proj(attn, o), residual, post_norm)
+        x = proj(silu_mul(proj(h, gate_up)), down)
+    where proj(x, w) = lora(linear(x, w), x): each token's LoRA adapter, if any, adds its delta
     h, _ = add_rms_norm(x, residual, final_norm)
     logits = lm_head(h)                                          # [S, vocab] float32
 
@@ -70,7 +71,8 @@ class DecoderOps(Protocol[T, L, S_contra]):
     # -- one step ----------------------------------------------------------------------
 
     def embedding(self, table: T, step: S_contra) -> T:
-        """The rows [T, hidden] of the step's tokens."""
+        """The rows [T, hidden] of the step's tokens; prompt-tuning rows take the step's
+        given embeddings (ForwardBatch.prompt_rows)."""
 
     def add_rms_norm(self, x: T, residual: T | None, weight: T, eps: float) -> tuple[T, T]:
         """residual += x (residual := x when None), then RMSNorm of the sum:
@@ -78,6 +80,12 @@ class DecoderOps(Protocol[T, L, S_contra]):
 
     def linear(self, x: T, weight: L) -> T:
         """x [N, in] -> [N, out]."""
+
+    def lora(self, y: T, x: T, layer: int, role: LinearRole, step: S_contra, logits_rows: bool) -> T:
+        """y [N, out] = linear(x [N, in]) plus each row's LoRA delta, x @ A.T @ B.T of the
+        adapter in the row's slot (ForwardBatch.lora_slots); y as it is when the step runs
+        no adapter. `logits_rows`: the N rows are the step's logits rows (past the last
+        attention) rather than all its tokens."""
 
     def rope_and_cache(self, qkv: T, layer: int, step: S_contra) -> T:
         """Rotary embedding of q and k [T, heads and kv_heads, head_dim] at the step's
@@ -166,13 +174,17 @@ def forward(model: DecoderWeights[T, L], ops: DecoderOps[T, L, S], step: S) -> T
     x = ops.embedding(model.embed, step)
     residual: T | None = None
     last = len(model.layers) - 1
+    rows = False  # whether the activations are down to the logits rows
     for i, layer in enumerate(model.layers):
         h, residual = ops.add_rms_norm(x, residual, layer.input_norm, eps)
-        q = ops.rope_and_cache(ops.linear(h, layer.qkv), i, step)
+        q = ops.rope_and_cache(ops.lora(ops.linear(h, layer.qkv), h, i, "qkv", step, rows), i, step)
         attn = ops.attention(q, i, layer.window, step)
         if i == last:  # past the last attention, only the rows whose logits are wanted matter
             attn, residual = ops.logits_rows(attn, step), ops.logits_rows(residual, step)
-        h, residual = ops.add_rms_norm(ops.linear(attn, layer.o), residual, layer.post_norm, eps)
-        x = ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down)
+            rows = True
+        o = ops.lora(ops.linear(attn, layer.o), attn, i, "o", step, rows)
+        h, residual = ops.add_rms_norm(o, residual, layer.post_norm, eps)
+        act = ops.silu_mul(ops.lora(ops.linear(h, layer.gate_up), h, i, "gate_up", step, rows))
+        x = ops.lora(ops.linear(act, layer.down), act, i, "down", step, rows)
     h, _ = ops.add_rms_norm(x, residual, model.final_norm, eps)
     return ops.lm_head(h, model.lm_head)
