@@ -39,8 +39,7 @@ def change_lora(address: str, msg: protocol.LoraLoad | protocol.LoraUnload, *, t
     """Send a load or unload to the worker at `address` and wait for its answer: the
     adapters it holds now. `curve`: this side's key pair (one the worker accepts, as a
     gateway's) and the worker's public key. Raises LoraControlError, or TimeoutError."""
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IDENTITY, f"lora-control-{uuid.uuid4().hex}".encode())  # never a gateway's id
     if curve is not None:

@@ -350,16 +350,19 @@ def _serve(core: EngineCore, inbox: Connection, outbox: Connection, turned: ctyp
 def _change_lora(core: EngineCore, kind: str, body: tuple[Any, ...]) -> LoraReply:
     """Load or unload an adapter between steps; a bad adapter is an answer, not a failure."""
     token, name, *path = body
+    if not core.config.lora_enabled:
+        return LoraReply(token, (), "LoRA is off on this worker: start it with --lora NAME=DIR or --max-loras N")
     try:
         if kind == "lora_load":
             core.register_lora(name, path[0])
         else:
             core.unregister_lora(name)
     except Exception as e:  # whatever the adapter or the ask, the engine serves on
-        if not isinstance(e, ValueError | OSError | KeyError):
+        if not isinstance(e, ValueError | OSError):
             log.exception("LoRA adapter %r: %s failed", name, kind)
         why = str(e) if isinstance(e, ValueError | OSError) else f"{type(e).__name__}: {e}"
-        return LoraReply(token, tuple(core.lora_names()), f"LoRA adapter {name!r}: {why}")
+        return LoraReply(token, tuple(core.lora_names()), f"cannot load LoRA adapter {name!r}: {why}"
+                         if kind == "lora_load" else why)  # fmt: skip
     log.info("LoRA adapter %r %s", name, "loaded" if kind == "lora_load" else "unloaded")
     return LoraReply(token, tuple(core.lora_names()))
 
