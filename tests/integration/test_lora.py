@@ -146,7 +146,7 @@ def test_adapters_load_and_unload_at_run_time(service: Stack, client: Client, ll
 
     # A bad adapter is refused with the reason, and the worker serves on.
     bad = protocol.LoraLoad(request_id="load-bad", name="bad", path=str(adapters["c"].parent / "missing"))
-    with pytest.raises(LoraControlError, match="cannot load LoRA adapter 'bad': .*adapter_config.json is missing"):
+    with pytest.raises(LoraControlError, match=r"cannot load LoRA adapter 'bad': .*adapter_config\.json is missing"):
         change_lora(worker0.endpoint, bad, timeout_s=60)
 
     assert tokenwire(["lora", "unload", "c", "--worker", "worker0", "--redis", service.redis_url]) == 0

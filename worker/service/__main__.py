@@ -145,6 +145,8 @@ def lora_options(args: argparse.Namespace) -> tuple[tuple[tuple[str, str], ...],
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise SystemExit(f"--lora {spec!r}: give NAME=DIR")
+        if not Path(path).is_dir():  # said now, not after the model loads (minutes, on a GPU)
+            raise SystemExit(f"--lora {spec!r}: {path} is not a directory (a PEFT adapter's)")
         adapters.append((name, path))
     names = [name for name, _ in adapters]
     if len(set(names)) != len(names):
