@@ -109,6 +109,17 @@ def test_the_openai_model_field_may_name_an_adapter(service: Stack, llm: LLM):
     assert "LoRA adapters: ['a', 'b']" in json.load(info.value)["error"]["message"]
 
 
+def test_tokenwire_generate_takes_an_adapter(service: Stack, llm: LLM, capsys: pytest.CaptureFixture[str]):
+    prompt = "The quick brown fox"
+    args = ["generate", prompt, "--gateway", service.gateways[0].endpoint, "--max-tokens", "8", "--temperature", "0"]
+    assert tokenwire([*args, "--lora", "b"]) == 0
+    under_b = llm.generate(prompt, lora="b", max_tokens=8, temperature=0.0)[0]
+    assert under_b.text and under_b.text != llm.generate(prompt, max_tokens=8, temperature=0.0)[0].text
+    assert capsys.readouterr().out == under_b.text + "\n"
+    assert tokenwire([*args, "--lora", "zzz"]) == 1
+    assert "unknown LoRA adapter 'zzz'" in capsys.readouterr().err
+
+
 def test_an_unknown_adapter_fails_that_request_alone(service: Stack, client: Client, llm: LLM):
     with pytest.raises(RequestError, match="unknown LoRA adapter 'zzz'") as info:
         client.generate(PROMPT, lora="zzz", timeout=30, **FIXED)
