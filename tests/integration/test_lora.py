@@ -200,3 +200,24 @@ def _wait_registry(service: Stack, worker_id: str, adapters: list[str], timeout:
             return
         assert time.monotonic() < deadline, f"registry: {held}"
         time.sleep(0.05)
+
+
+def test_loads_reach_a_curve_worker_with_a_key_it_accepts(service_model: Path, adapters: dict[str, Path],
+                                                          redis_server_factory: Any, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]):  # fmt: skip
+    from tests.integration.test_curve import _keys
+
+    root = _keys(tmp_path / "keys")
+    s = Stack(service_model, redis_server_factory().url, tmp_path)  # a Redis of its own: the module's stack is up
+    try:
+        worker = s.worker("--curve-secret-key-file", str(root / "pairs" / "worker.key_secret"),
+                          "--curve-allowed-keys-dir", str(root / "gateways"), "--max-loras", "2")  # fmt: skip
+        worker.wait_log("serving")
+        _wait_registry(s, worker.worker_id, [])
+        load = ["lora", "load", "c", str(adapters["c"]), "--worker", worker.worker_id, "--redis", s.redis_url]
+        assert tokenwire([*load, "--timeout", "2"]) == 1  # no key: the handshake never completes
+        assert "did not answer" in capsys.readouterr().err
+        assert tokenwire([*load, "--curve-secret-key-file", str(root / "pairs" / "other-gateway.key_secret")]) == 0
+        assert "loaded c; holds c" in capsys.readouterr().out
+    finally:
+        s.close()
