@@ -40,3 +40,17 @@ def default_model_dir(default_gguf: Path) -> Path:
     from worker.models.default_model import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two random PEFT adapters of tiny_llama, of different ranks and target modules:
+    "a" rank 4 on q, v and down; "b" rank 8 (rsLoRA scaling) on k, o, gate and up."""
+    from tests.worker.peft_adapters import make_adapter
+
+    root = tmp_path_factory.mktemp("lora_adapters")
+    return {
+        "a": make_adapter(tiny_llama, root / "a", 4, ["q_proj", "v_proj", "down_proj"], seed=1),
+        "b": make_adapter(tiny_llama, root / "b", 8, ["k_proj", "o_proj", "gate_proj", "up_proj"], seed=2,
+                          use_rslora=True),
+    }

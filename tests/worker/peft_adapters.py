@@ -24,7 +24,7 @@ def make_adapter(checkpoint: Path, directory: Path, r: int, target_modules: list
         for name, param in peft_model.named_parameters():
             if "lora_A" in name or "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    peft_model.save_pretrained(directory)
+    peft_model.save_pretrained(str(directory))
     return directory
 
 
@@ -39,7 +39,7 @@ def peft_model(checkpoint: Path, adapter: Path | None) -> Any:
 
     key = (checkpoint, adapter)
     if key not in _MODELS:
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        model: Any = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
         if adapter is not None:
             model = PeftModel.from_pretrained(model, adapter)
         model.generation_config.eos_token_id = None

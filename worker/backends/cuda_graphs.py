@@ -26,6 +26,7 @@ class GraphedBackend(Protocol):
     device: torch.device
     staging: PinnedStaging
     scratch_slot: int  # the KV slot that padded rows write to
+    lora_enabled: bool  # graphs run each row's LoRA adapter (slot -1: none, and for padded rows)
 
     def run_model(self, inp: StepInputs) -> torch.Tensor: ...
 
@@ -46,6 +47,7 @@ class _Graph:
     meta: torch.Tensor  # int32 [4 * b]: tokens | positions | slots | seq_lens
     block_tables: torch.Tensor  # int32 [b, max_blocks]
     logits: torch.Tensor  # float32 [b, vocab], written by each replay
+    lora_slots: torch.Tensor | None  # int64 [b] each row's LoRA slot, with LoRA on
 
 
 class DecodeGraphs:
@@ -67,6 +69,7 @@ class DecodeGraphs:
             and batch.logits_indices.shape[0] == b
             and b <= self.max_batch
             and batch.block_tables.shape[1] <= self.max_blocks
+            and batch.prompt_rows is None  # given embeddings run eagerly
         )
 
     def bucket(self, b: int) -> int:
@@ -85,7 +88,8 @@ class DecodeGraphs:
         width = batch.block_tables.shape[1]
         # One pinned staging area, one host-to-device copy, then two device-side scatters.
         staging = self.backend.staging
-        host_t = staging.host(4 * b + n * width)
+        lora = b if g.lora_slots is not None else 0
+        host_t = staging.host(4 * b + n * width + lora)
         host = host_t.numpy()
         meta = host[: 4 * b].reshape(4, b)
         meta[0, :n] = batch.token_ids
@@ -95,15 +99,22 @@ class DecodeGraphs:
         meta[0:2, n:] = 0
         meta[2, n:] = self.backend.scratch_slot
         meta[3, n:] = 0
-        host[4 * b :] = batch.block_tables.reshape(-1)
+        host[4 * b : 4 * b + n * width] = batch.block_tables.reshape(-1)
+        if g.lora_slots is not None:  # after the block tables; padded rows run no adapter
+            host[4 * b + n * width :] = -1
+            if batch.lora_slots is not None:
+                host[4 * b + n * width : 4 * b + n * width + n] = batch.lora_slots
         staged = staging.upload(host_t)
         g.meta.copy_(staged[: 4 * b])
         self.backend.resolve_pending(g.meta[:n], batch.token_ids)
-        g.block_tables[:n, :width].copy_(staged[4 * b :].view(n, width))
+        g.block_tables[:n, :width].copy_(staged[4 * b : 4 * b + n * width].view(n, width))
+        if g.lora_slots is not None:
+            g.lora_slots.copy_(staged[4 * b + n * width :])
         g.graph.replay()
         return g.logits[:n]
 
-    def _inputs(self, meta: torch.Tensor, block_tables: torch.Tensor, b: int) -> StepInputs:
+    def _inputs(self, meta: torch.Tensor, block_tables: torch.Tensor, b: int,
+                lora_slots: torch.Tensor | None) -> StepInputs:
         return StepInputs(
             tokens=meta[:b],
             positions=meta[b : 2 * b],
@@ -118,6 +129,8 @@ class DecodeGraphs:
             logits_indices=None,
             query_start_host=np.arange(b + 1),
             seq_lens_host=np.zeros(b, dtype=np.int64),
+            lora_slots=lora_slots,
+            lora_logits_slots=lora_slots,
         )
 
     def _get(self, b: int) -> _Graph:
@@ -127,7 +140,8 @@ class DecodeGraphs:
         meta = torch.zeros(4 * b, dtype=torch.int32, device=self.device)
         meta[2 * b : 3 * b] = self.backend.scratch_slot
         block_tables = torch.zeros((b, self.max_blocks), dtype=torch.int32, device=self.device)
-        inputs = self._inputs(meta, block_tables, b)
+        lora_slots = torch.full((b,), -1, dtype=torch.int64, device=self.device) if self.backend.lora_enabled else None
+        inputs = self._inputs(meta, block_tables, b, lora_slots)
         # Warm up off the capture: Triton compiles and cuBLAS picks its kernels here.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -137,5 +151,5 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self.backend.run_model(inputs)
-        self.graphs[b] = _Graph(graph, meta, block_tables, logits)
+        self.graphs[b] = _Graph(graph, meta, block_tables, logits, lora_slots)
         return self.graphs[b]

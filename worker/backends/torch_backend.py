@@ -31,6 +31,7 @@ from worker.backends.torch_sampler import sample_all
 from worker.backends.torch_step import PinnedStaging, StepInputs
 from worker.models import llama
 from worker.models.config import CheckpointError, ModelConfig
+from worker.models.lora import LoraAdapter
 from worker.models.quantization import QuantizedWeight, check_mode
 from worker.parallel.group import TensorGroup
 from worker.parallel.sharded_ops import ShardedTorchDecoderOps
@@ -132,6 +133,7 @@ class TorchBackend:
         self.staging = PinnedStaging(self.device)
         self._graphs: DecodeGraphs | None = None
         self._use_cuda_graphs = use_cuda_graphs and self.on_cuda
+        self.lora_enabled = False  # LoRA slots allocated: decode graphs take each row's slot
         self._max_graph_batch = max_graph_batch
         # The previous launch's sampled ids, still on the device: the next step's
         # placeholder tokens (-(k + 1) for row k) are read from here. Tensor-parallel
@@ -196,6 +198,19 @@ class TorchBackend:
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.ops.copy_blocks(src, dst)
+
+    # -- LoRA (LoraBackend) ------------------------------------------------------------------
+
+    def enable_lora(self, num_slots: int, max_rank: int) -> None:
+        if isinstance(self.ops, ShardedTorchDecoderOps):
+            raise ValueError("LoRA adapters are not supported with tensor parallelism (tensor_parallel_size > 1) yet")
+        self.ops.allocate_lora(num_slots, max_rank)
+        self.lora_enabled = True
+        self._graphs = None  # graphs captured before had no LoRA ops; allocate_kv_cache makes new ones
+
+    def load_lora_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
+        with torch.inference_mode():
+            self.ops.load_lora_slot(slot, adapter)
 
     def capture_graphs(self) -> None:
         """Capture every generation-step CUDA graph now rather than on first use
@@ -283,6 +298,14 @@ class TorchBackend:
         t, b, s = batch.num_tokens, batch.num_seqs, batch.logits_indices.shape[0]
         views = [dev[start : start + n] for start, n in zip(starts, sizes, strict=False)]
         self.resolve_pending(views[0], batch.token_ids)
+        lora_slots = lora_logits_slots = prompt_rows = prompt_embeds = None
+        if batch.lora_slots is not None and self.lora_enabled:
+            lora_slots = torch.from_numpy(batch.lora_slots).to(self.device, non_blocking=True)
+            lora_logits_slots = lora_slots if s == t and s == b else lora_slots[views[8].long()]
+        if batch.prompt_rows is not None:
+            prompt_rows = torch.from_numpy(batch.prompt_rows).to(self.device)
+            assert batch.prompt_embeds is not None
+            prompt_embeds = torch.from_numpy(batch.prompt_embeds).to(self.device, self.dtype)
         return StepInputs(
             tokens=views[0],
             positions=views[1],
@@ -297,6 +320,10 @@ class TorchBackend:
             logits_indices=None if (s == t and s == b) else views[8],
             query_start_host=batch.query_start,
             seq_lens_host=batch.context_lens,
+            lora_slots=lora_slots,
+            lora_logits_slots=lora_logits_slots,
+            prompt_rows=prompt_rows,
+            prompt_embeds=prompt_embeds,
         )
 
     def decode_splits(self, num_seqs: int) -> int:

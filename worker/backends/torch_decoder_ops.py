@@ -20,6 +20,7 @@ from worker.backends import paged_attention, quant_linear, torch_ops
 from worker.backends.torch_step import StepInputs
 from worker.models.config import ModelConfig
 from worker.models.llama import LinearRole
+from worker.models.lora import ROLES, LoraAdapter, role_shape
 from worker.models.quantization import Fp8Weight, Int4Weight, QuantizedWeight, fp8_inputs, reference_parts
 from worker.models.rope import Rope
 
@@ -28,6 +29,21 @@ from worker.models.rope import Rope
 class TorchLinear:
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None  # [out]
+
+
+def _add_lora_cpu(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:
+    """y[t] += (x[t] @ a[s].T) @ b[s].T for s = slots[t] >= 0: one pair of GEMMs per slot used."""
+    for slot in slots[slots >= 0].unique().tolist():
+        rows = (slots == slot).nonzero().squeeze(1)
+        y.index_add_(0, rows, (x[rows] @ a[slot].T) @ b[slot].T)
+
+
+def _add_lora_gathered(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                       slots: torch.Tensor) -> None:
+    """The same by gathering each row's matrices: [T, R, in] of memory, for small float32 runs."""
+    s = slots.clamp(min=0)
+    delta = torch.bmm(b[s], torch.bmm(a[s], x.unsqueeze(2))).squeeze(2)
+    y.add_(delta * (slots >= 0).unsqueeze(1).to(y.dtype))
 
 
 class TorchDecoderOps:
@@ -56,6 +72,10 @@ class TorchDecoderOps:
             )  # fmt: skip
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
+        # LoRA slots per (layer, role): A [slots, parts * max_rank, in] and B [slots, out,
+        # parts * max_rank], each part's rank zero-padded to max_rank (lora_kernel.add_lora).
+        self.lora_a: dict[tuple[int, LinearRole], torch.Tensor] = {}
+        self.lora_b: dict[tuple[int, LinearRole], torch.Tensor] = {}
 
     # -- the KV pool ------------------------------------------------------------------------
 
@@ -77,6 +97,28 @@ class TorchDecoderOps:
                 k, v = k.view(torch.uint8), v.view(torch.uint8)
             k[d] = k[s]
             v[d] = v[s]
+
+    # -- LoRA slots -------------------------------------------------------------------------
+
+    def allocate_lora(self, num_slots: int, max_rank: int) -> None:
+        for layer in range(self.config.num_layers):
+            for role in ROLES:
+                width, outs = role_shape(self.config, role)
+                rank = len(outs) * max_rank
+                self.lora_a[layer, role] = torch.zeros((num_slots, rank, width), dtype=self.dtype, device=self.device)
+                self.lora_b[layer, role] = torch.zeros((num_slots, sum(outs), rank), dtype=self.dtype,
+                                                       device=self.device)  # fmt: skip
+
+    def load_lora_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
+        for key, a in self.lora_a.items():
+            b = self.lora_b[key]
+            a[slot].zero_()
+            b[slot].zero_()
+            w = None if adapter is None else adapter.weights.get(key)
+            if w is not None:
+                parts, rank, width = w.a.shape
+                a[slot].view(parts, -1, width)[:, :rank] = self._tensor(w.a)
+                b[slot].view(b.shape[1], parts, -1)[:, :, :rank] = self._tensor(w.b)
 
     # -- weights ----------------------------------------------------------------------------
 
@@ -126,7 +168,29 @@ class TorchDecoderOps:
     # -- one step ---------------------------------------------------------------------------
 
     def embedding(self, table: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        return F.embedding(step.tokens, table)
+        if step.prompt_rows is None:
+            return F.embedding(step.tokens, table)
+        x = F.embedding(step.tokens.clamp(max=table.shape[0] - 1), table)  # prompt-tuning ids are past the table
+        assert step.prompt_embeds is not None
+        x[step.prompt_rows] = step.prompt_embeds
+        return x
+
+    def lora(self, y: torch.Tensor, x: torch.Tensor, layer: int, role: LinearRole, step: StepInputs,
+             logits_rows: bool) -> torch.Tensor:
+        slots = step.lora_logits_slots if logits_rows else step.lora_slots
+        if slots is None:
+            return y
+        a, b = self.lora_a[layer, role], self.lora_b[layer, role]
+        if self.device.type != "cuda":
+            _add_lora_cpu(y, x, a, b, slots)
+        elif self.dtype in (torch.bfloat16, torch.float16):
+            # Triton: imported only where it runs (worker/backends/lora_kernel.py, the lora-kernel branch).
+            from worker.backends.lora_kernel import add_lora  # type: ignore[import-not-found, unused-ignore]
+
+            add_lora(y, x, a, b, slots)
+        else:  # float32 on CUDA (tests against the CPU): no host sync, so CUDA graphs can capture it
+            _add_lora_gathered(y, x, a, b, slots)
+        return y
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float

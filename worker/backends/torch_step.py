@@ -27,6 +27,12 @@ class StepInputs:
     # Host copies for the CPU attention path.
     query_start_host: np.ndarray
     seq_lens_host: np.ndarray
+    # LoRA: each token's adapter slot (-1: none), and each logits row's; None: no adapter.
+    lora_slots: torch.Tensor | None = None  # int64 [T]
+    lora_logits_slots: torch.Tensor | None = None  # int64 [S]
+    # Prompt tuning: rows whose embedding is given (ForwardBatch.prompt_rows).
+    prompt_rows: torch.Tensor | None = None  # int64 [P]
+    prompt_embeds: torch.Tensor | None = None  # [P, hidden], the compute dtype
 
 
 class PinnedStaging:

@@ -15,6 +15,11 @@ sequences that speculate get draft tokens (seq.draft) from their source, their
 generation step verifies them, and that step completes in the call that
 launched it, since how many tokens it keeps decides the next step.
 
+LoRA adapters (adapter_cache.py) are read from disk by `register_lora`, which the
+driver calls between steps (or `load_lora` on any thread, then `add_lora`); an adapter
+dropped from host memory is read again on the adapter cache's loader thread, its
+requests waiting meanwhile, so `step()` itself never waits on a file.
+
 Request ids are the caller's: the core answers under the id a request came with.
 """
 
@@ -406,7 +411,7 @@ class EngineCore:
         busy = {s.adapter for s in self.scheduler.running if s.adapter is not None}
         try:
             return self.adapters.acquire(seq.adapter, busy) is not None
-        except ValueError as e:  # unregistered, or its files no longer load: this request alone fails
+        except (ValueError, OSError) as e:  # unregistered, or its files no longer load: this request alone fails
             self._adapter_errors[seq.request_id] = str(e)
             return False
 
@@ -421,6 +426,8 @@ class EngineCore:
                                    else f"unknown LoRA adapter {name!r} (held: none; LoRA is off on this worker)")
         table = None
         if request.prompt_tuning_config is not None:
+            if self.config.parallel_config.tensor_parallel_size > 1:  # the vocab-parallel lookup has no rows for it
+                raise RequestError("prompt_tuning_config is not supported with tensor parallelism yet")
             table = np.ascontiguousarray(request.prompt_tuning_config.embedding_table, dtype=np.float32)
         if key is None and table is None:
             return None, None, None

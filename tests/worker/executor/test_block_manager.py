@@ -47,6 +47,20 @@ def test_prefix_reuse_shares_full_blocks_and_recomputes_the_last_token() -> None
     bm.check_invariants([a, b, other])
 
 
+def test_blocks_hashed_under_one_salt_are_never_found_under_another() -> None:
+    """The salt is the LoRA adapter or prompt-tuning table: its KV differs for the same tokens."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    tokens = list(range(9))
+    t = BlockTable()
+    bm.allocate_prompt(t, tokens, 9, salt=11)
+    bm.register_full_blocks(t, tokens, 9, salt=11)
+    assert bm.cached_prefix(tokens, salt=11) == t.block_ids[:2]
+    assert bm.cached_prefix(tokens) == [] and bm.cached_prefix(tokens, salt=12) == []
+    u = BlockTable()
+    assert bm.allocate_prompt(u, tokens, 9, salt=12) == 0
+    bm.check_invariants([t, u])
+
+
 def test_freed_blocks_stay_cached_until_needed_and_evict_lru() -> None:
     bm = BlockManager(num_blocks=4, block_size=2)
     old, new = [1, 2, 3], [7, 8, 9]
