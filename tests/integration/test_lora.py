@@ -169,6 +169,24 @@ def test_adapters_load_and_unload_at_run_time(service: Stack, client: Client, ll
     assert client.generate(PROMPT, lora="a", timeout=30, **FIXED).token_ids == expected(llm, "a")
 
 
+def test_a_request_sent_right_after_a_load_runs_under_it(service: Stack, llm: LLM, adapters: dict[str, Path]):
+    llm.load_lora("c", adapters["c"])
+    wire = WireClient(service.workers[1].endpoint)
+    try:  # no wait for the load's answer: the worker keeps the order they were sent in
+        wire.send(protocol.LoraLoad(request_id="load-now", name="c-now", path=str(adapters["c"])))
+        wire.send(protocol.Submit(request_id="right-after", input_token_ids=PROMPT, max_tokens=8, end_id=-1,
+                                  sampling_config=protocol.SamplingConfig(temperature=0.0),
+                                  lora_config=protocol.LoraConfig(name="c-now")))  # fmt: skip
+        wire.wait(["right-after"], timeout=60)
+        (response,) = wire.responses["right-after"]
+        assert response.result is not None, response.error_msg
+        assert response.result.output_token_ids[0] == expected(llm, "c")
+        assert [m.adapters for m in wire.other if isinstance(m, protocol.LoraAdapters)] == [["b", "c-now"]]
+    finally:
+        wire.close()
+    assert change_lora(service.workers[1].endpoint, protocol.LoraUnload(request_id="u", name="c-now")) == ["b"]
+
+
 def test_a_job_runs_under_its_adapter(service: Stack, llm: LLM):
     consumer = Consumer("lora-consumer", service.gateways[0].endpoint, service.redis_url, service.log_dir)
     try:

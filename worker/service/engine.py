@@ -6,7 +6,9 @@ takes GIL time from it. With the worker's socket, result-pump and Redis threads
 beside it, the executor held 79% of the GIL and an H200's 64-stream decode step
 took 1.9-3.1 ms against 1.5-2.5 ms in process. The engine process has one
 thread: it reads what waits in its pipe without blocking, runs `core.step()` and
-sends the step's output, so nothing waits for the GIL to pass a step on.
+sends the step's output, so nothing waits for the GIL to pass a step on. (A LoRA adapter
+loaded at run time is read on a second thread, for as long as that takes: the steps of
+the requests running meanwhile go on.)
 
 Requests cross as pickled executor dataclasses under ids the worker assigns (the
 core answers under the caller's ids: no id maps); a step crosses as the core's
@@ -19,6 +21,7 @@ import collections
 import contextlib
 import ctypes
 import fcntl
+import functools
 import logging
 import multiprocessing
 import os
@@ -26,7 +29,8 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -37,6 +41,7 @@ from worker.executor.engine_core import StepOutput
 
 if TYPE_CHECKING:
     from worker.executor import EngineCore
+    from worker.models.lora import LoraAdapter
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +51,7 @@ _IDLE_LOAD_S = 0.5
 LOOP_STUCK_AFTER_S = 2.0
 _ITERATION_STATS_S = 0.1  # iteration stats cross in batches, not every step
 _PIPE_BYTES = 1 << 20  # Linux's pipe-max-size for unprivileged processes
+_READ_POLL_S = 0.01  # an idle engine reading a LoRA adapter looks this often whether it is done
 
 
 class EngineFailed(RuntimeError):
@@ -319,19 +325,16 @@ def _serve(core: EngineCore, inbox: Connection, outbox: Connection, turned: ctyp
     stats cross in batches; an idle engine still reports its load now and then."""
     stats: list[ex.IterationStats] = []
     last_sent = last_stats = time.monotonic()
+    asked = _Asked(core, outbox)
     while True:
-        timeout = 0.0 if core.has_work else _IDLE_LOAD_S
+        timeout = 0.0 if core.has_work else _READ_POLL_S if asked.reading else _IDLE_LOAD_S
         while inbox.poll(timeout):
             kind, body = _receive(inbox)
-            if kind == "submit":
-                core.add_requests(body)
-            elif kind == "cancel":
-                core.abort(body)
-            elif kind in ("lora_load", "lora_unload"):
-                _send(outbox, _change_lora(core, kind, body))
-            else:  # stop
+            if kind == "stop":
                 return
+            asked.waiting.append((kind, body))
             timeout = 0.0
+        asked.apply()
         now = time.monotonic()
         if hang_at is not None and now >= hang_at:
             log.warning("--test-hang-loop-after: the engine loop hangs now")
@@ -347,23 +350,58 @@ def _serve(core: EngineCore, inbox: Connection, outbox: Connection, turned: ctyp
             last_sent = now
 
 
-def _change_lora(core: EngineCore, kind: str, body: tuple[Any, ...]) -> LoraReply:
-    """Load or unload an adapter between steps; a bad adapter is an answer, not a failure."""
-    token, name, *path = body
+class _Asked:
+    """What the worker sent, applied to the core in the pipe's order. A LoRA load reads its
+    adapter on a thread (a large one takes a second or more) while the core keeps stepping;
+    what came after the load waits until it is registered, so a request sent after it can
+    run under the new adapter."""
+
+    def __init__(self, core: EngineCore, outbox: Connection) -> None:
+        self.core = core
+        self.outbox = outbox
+        self.waiting: collections.deque[tuple[str, Any]] = collections.deque()
+        self.reading: tuple[int, str, str, Future[LoraAdapter]] | None = None  # token, name, path, the read
+        self._reader: ThreadPoolExecutor | None = None
+
+    def apply(self) -> None:
+        if self.reading is not None:
+            if not self.reading[3].done():
+                return
+            token, name, path, read = self.reading
+            self.reading = None
+            _send(self.outbox, _lora_reply(self.core, token, "load", name,
+                                           lambda: self.core.add_lora(name, path, read.result())))  # fmt: skip
+        while self.waiting and self.reading is None:
+            kind, body = self.waiting.popleft()
+            if kind == "submit":
+                self.core.add_requests(body)
+            elif kind == "cancel":
+                self.core.abort(body)
+            elif kind == "lora_load" and self.core.config.lora_enabled:
+                token, name, path = body
+                self._reader = self._reader or ThreadPoolExecutor(1, thread_name_prefix="lora-read")
+                self.reading = (token, name, path, self._reader.submit(self.core.load_lora, path))
+            elif kind == "lora_load":
+                _send(self.outbox, _lora_reply(self.core, body[0], "load", body[1], lambda: None))
+            else:  # lora_unload
+                token, name = body
+                _send(self.outbox, _lora_reply(self.core, token, "unload", name,
+                                               functools.partial(self.core.unregister_lora, name)))  # fmt: skip
+
+
+def _lora_reply(core: EngineCore, token: int, verb: str, name: str, change: Callable[[], None]) -> LoraReply:
+    """Make a change to the adapters and say how it went: a bad adapter is an answer, not a failure."""
     if not core.config.lora_enabled:
         return LoraReply(token, (), "LoRA is off on this worker: start it with --lora NAME=DIR or --max-loras N")
     try:
-        if kind == "lora_load":
-            core.register_lora(name, path[0])
-        else:
-            core.unregister_lora(name)
+        change()
     except Exception as e:  # whatever the adapter or the ask, the engine serves on
         if not isinstance(e, ValueError | OSError):
-            log.exception("LoRA adapter %r: %s failed", name, kind)
+            log.exception("LoRA adapter %r: %s failed", name, verb)
         why = str(e) if isinstance(e, ValueError | OSError) else f"{type(e).__name__}: {e}"
         return LoraReply(token, tuple(core.lora_names()), f"cannot load LoRA adapter {name!r}: {why}"
-                         if kind == "lora_load" else why)  # fmt: skip
-    log.info("LoRA adapter %r %s", name, "loaded" if kind == "lora_load" else "unloaded")
+                         if verb == "load" else why)  # fmt: skip
+    log.info("LoRA adapter %r %sed", name, verb)
     return LoraReply(token, tuple(core.lora_names()))
 
 
