@@ -28,7 +28,7 @@ import protocol
 from gateway.client_batch import ClientBatch
 from gateway.discovery import Discovery
 from gateway.tokenizer_store import Tokenizers
-from gateway.workers import WorkerLink, least_loaded, serves
+from gateway.workers import WorkerLink, adapter_models, least_loaded, serves
 from ops.curve import CurveConfig, CurveServer, connect_as_client
 from ops.metrics import GatewayMetrics, outcome
 from ops.sd_notify import Notifier
@@ -320,11 +320,16 @@ class Gateway:
                 f"flight (limit {self.config.max_inflight}); retry later or use another gateway",
             )
         ready = [w for w in self.workers.values() if w.ready]
-        model = msg.model
+        model, lora = msg.model, msg.lora
+        if model is not None and lora is None and ready and not any(model in w.models for w in ready):
+            # As over HTTP (and in vLLM), `model` may name a LoRA adapter: run it under that adapter.
+            base = adapter_models(ready).get(model)
+            if base is not None:
+                msg = msg.model_copy(update={"model": base, "lora_config": protocol.LoraConfig(name=model)})
+                model, lora = base, model
         if model is not None and ready and not any(model in w.models for w in ready):
             served = sorted({m for w in ready for m in w.models})
             return refuse(ErrorCode.UNKNOWN_MODEL, f"no worker serves model {model!r}; served: {served}")
-        lora = msg.lora
         if lora is not None and ready and not any(serves(w, model, lora) for w in ready):
             held = sorted({a for w in ready if serves(w, model, None) for a in w.lora_adapters})
             return refuse(ErrorCode.UNKNOWN_MODEL, f"unknown LoRA adapter {lora!r}: no worker "

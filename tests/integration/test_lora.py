@@ -141,6 +141,12 @@ def test_an_unknown_adapter_fails_that_request_alone(service: Stack, client: Cli
     assert client.generate(PROMPT, lora="a", timeout=30, **FIXED).token_ids == expected(llm, "a")
 
 
+def test_the_model_may_name_an_adapter_over_zeromq_too(client: Client, llm: LLM):
+    assert client.generate(PROMPT, model="b", timeout=30, **FIXED).token_ids == expected(llm, "b")
+    with pytest.raises(RequestError, match="no worker serves model 'zzz'"):
+        client.generate(PROMPT, model="zzz", timeout=30, **FIXED)
+
+
 def test_adapters_load_and_unload_at_run_time(service: Stack, client: Client, llm: LLM, adapters: dict[str, Path],
                                               capsys: pytest.CaptureFixture[str]):  # fmt: skip
     worker0 = service.workers[0]
