@@ -27,6 +27,7 @@ COMMANDS: tuple[str, ...] = (
     "clients.cli_processes",
     "clients.cli_requests",
     "clients.cli_jobs",
+    "clients.cli_lora",
     "clients.cli_config",
     "clients.cli_keys",
 )

@@ -73,6 +73,7 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--model", default=None)
+    p.add_argument("--lora", default=None, metavar="NAME", help="run under this LoRA adapter (a worker holds it)")
     p.add_argument("--priority", type=float, default=0.5, help="0..1, the workers' scheduling priority")
     p.add_argument("--deadline", type=float, default=None, help="seconds from now; later it ends expired")
     p.set_defaults(handler=submit)
@@ -149,7 +150,7 @@ def submit(args: argparse.Namespace) -> int:
         try:
             job_id = q.submit(
                 args.prompt, job_id=args.job_id, max_tokens=args.max_tokens, temperature=args.temperature,
-                seed=args.seed, model=args.model, priority=args.priority, deadline_s=args.deadline,
+                seed=args.seed, model=args.model, lora=args.lora, priority=args.priority, deadline_s=args.deadline,
             )  # fmt: skip
         except ValueError as e:  # pydantic's ValidationError included: it names the field
             return _fail(str(e))

@@ -30,6 +30,7 @@ def register(subparsers: Subparsers) -> None:
         "--chat", action="store_true", help="send the prompt as a user message, in the model's chat template"
     )
     gen.add_argument("--model", default=None)
+    gen.add_argument("--lora", default=None, metavar="NAME", help="run under this LoRA adapter (a worker holds it)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=None, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=None)
@@ -72,6 +73,7 @@ def generate(args: argparse.Namespace) -> int:
         min_p=args.min_p,
         seed=args.seed,
         stop=args.stop or [],
+        lora=args.lora,
     )
     # A chat is the prompt as one user turn; the gateway applies the model's template.
     prompt, messages = (None, [{"role": "user", "content": args.prompt}]) if args.chat else (args.prompt, None)

@@ -4,6 +4,14 @@
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
     async for partial in llm.generate_async(prompt, streaming=True): ...
 
+LoRA adapters (Hugging Face PEFT directories) are registered by name, at start or later,
+and chosen per request:
+
+    llm = LLM(model_dir, lora={"sql": "adapters/sql"}, max_loras=8, max_lora_rank=16)
+    llm.generate(prompt, SamplingParams(lora="sql"))
+    llm.load_lora("chat", "adapters/chat"); llm.unload_lora("sql")
+    llm.generate(prompt, lora_request=LoRARequest("chat", 1, "adapters/chat"))  # vLLM's form
+
 TensorRT-LLM's high-level API (seed 004) runs under its own names too:
 `LLM(ModelConfig(model_dir=..., max_beam_width=4), kv_cache_config=KvCacheConfig(...),
 capacity_scheduling_policy=..., tokenizer=...)`, `llm.get_default_sampling_config()`,
@@ -23,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +39,15 @@ from typing import TYPE_CHECKING, Any
 from tokenizers import Tokenizer
 
 import protocol
-from clients.llm_config import KvCacheConfig, ModelConfig, ParallelConfig, QuantAlgo, QuantConfig, SamplingConfig
+from clients.llm_config import (
+    KvCacheConfig,
+    LoRARequest,
+    ModelConfig,
+    ParallelConfig,
+    QuantAlgo,
+    QuantConfig,
+    SamplingConfig,
+)
 from clients.model_source import resolve_source
 from clients.params import CompletionOutput, RequestOutput, SamplingParams, sampling_params
 from clients.wire import Accumulator, Prompt
@@ -48,6 +64,7 @@ __all__ = [
     "FinishReason",
     "GenerationError",
     "KvCacheConfig",
+    "LoRARequest",
     "ModelConfig",
     "ParallelConfig",
     "QuantAlgo",
@@ -153,11 +170,12 @@ class RequestHandle:
 def executor_request(prompt_ids: list[int], p: SamplingParams, streaming: bool) -> Request:
     """The executor's Request for a prompt and its options (SamplingParams.request_fields)."""
     from worker.executor import GuidedDecodingParams, OutputConfig, Request, SamplingConfig
-    from worker.executor.types import DraftSource, SpeculativeConfig
+    from worker.executor.types import DraftSource, LoraConfig, SpeculativeConfig
 
     fields = p.request_fields()
     guide = fields.pop("guided_decoding_params")
     spec = fields.pop("speculative_config")
+    lora = fields.pop("lora_config")
     return Request(
         input_token_ids=prompt_ids,
         # Stop strings are matched on text as it streams, so such requests stream internally.
@@ -167,6 +185,7 @@ def executor_request(prompt_ids: list[int], p: SamplingParams, streaming: bool) 
         guided_decoding_params=None if guide is None else GuidedDecodingParams(**guide),
         speculative_config=(None if spec is None
                             else SpeculativeConfig(**{**spec, "source": DraftSource(spec["source"])})),
+        lora_config=None if lora is None else LoraConfig(**lora),
         **fields,
     )
 
@@ -193,6 +212,8 @@ class LLM:
                  kv_cache_config: KvCacheConfig | None = None,
                  capacity_scheduling_policy: CapacitySchedulerPolicy | None = None,
                  tensor_parallel_size: int | None = None, quantization: QuantAlgo | str | None = None,
+                 lora: Mapping[str, str | Path] | None = None, enable_lora: bool = False,
+                 max_loras: int | None = None, max_cpu_loras: int | None = None, max_lora_rank: int | None = None,
                  async_mode: bool = False) -> None:  # fmt: skip
         """`model`: a checkpoint directory (one `save` wrote included), a .gguf file, a
         Hugging Face hub id, the default model's name (None), or a ModelConfig naming
@@ -201,7 +222,13 @@ class LLM:
         override. `tokenizer`: a `tokenizers.Tokenizer`, or any object with `encode`
         and `decode` (default: the model's); `skip_tokenizer_init`: none at all
         (prompts are token ids, outputs have no text). Every LLM serves
-        `generate_async`: `async_mode` is accepted for the seed's code."""
+        `generate_async`: `async_mode` is accepted for the seed's code.
+
+        LoRA: `lora` maps adapter names to PEFT directories, registered at start;
+        `enable_lora` makes room for adapters loaded later (`load_lora`, `lora_request=`)
+        when none is given at start. `max_loras`: adapters resident on the device at once
+        (more stay in host memory, at most `max_cpu_loras`); `max_lora_rank`: the largest
+        rank accepted (None: the executor's defaults, PeftCacheConfig)."""
         from worker.executor import Executor, ExecutorConfig, ParallelConfig, SchedulerConfig
 
         model_config = model if isinstance(model, ModelConfig) else ModelConfig(model_dir=model)
@@ -225,6 +252,8 @@ class LLM:
             cfg = replace(cfg, parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp))
         if capacity_scheduling_policy is not None:
             cfg = replace(cfg, scheduler_config=SchedulerConfig(capacity_scheduling_policy))
+        if lora or enable_lora or max_loras or max_cpu_loras or max_lora_rank:
+            cfg = _with_lora(cfg, lora or {}, max_loras, max_cpu_loras, max_lora_rank)
         self.model_path = resolve_source(model_config.model_dir or _default_model_name())
         self.executor: Executor = Executor.from_model(self.model_path, cfg)
         self.tokenizer: Any = None if skip_tokenizer_init else (tokenizer or self.executor.tokenizer)
@@ -245,6 +274,19 @@ class LLM:
             return list(self.tokenizer.encode(prompt, add_special_tokens=True).ids)
         ids = self.tokenizer.encode(prompt)
         return [int(t) for t in getattr(ids, "ids", ids)]
+
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Register a LoRA adapter (a PEFT directory) under `name`, for requests to name in
+        SamplingParams.lora; raises CheckpointError saying what is wrong with it."""
+        self.executor.register_lora(name, str(path))
+
+    def unload_lora(self, name: str) -> None:
+        """Forget an adapter: requests naming it from now on fail."""
+        self.executor.unregister_lora(name)
+
+    def lora_names(self) -> list[str]:
+        """The adapters registered, by name."""
+        return self.executor.lora_names()
 
     def get_default_sampling_config(self) -> SamplingConfig:
         """A fresh SamplingConfig (SamplingParams) with this LLM's defaults, to change and pass as `sampling_config`."""
@@ -273,10 +315,16 @@ class LLM:
                            bos_token=bos, eos_token=eos)  # fmt: skip
 
     def generate_async(self, prompt: Prompt, params: SamplingParams | None = None, /, streaming: bool = False,
-                       sampling_config: SamplingParams | None = None, **options: Any) -> RequestHandle:  # fmt: skip
+                       sampling_config: SamplingParams | None = None, lora_request: LoRARequest | None = None,
+                       **options: Any) -> RequestHandle:  # fmt: skip
         """Start one request; `options`: SamplingParams fields, over `params` (or
-        `sampling_config`, the seed's name for it)."""
+        `sampling_config`, the seed's name for it). `lora_request`: the adapter to run
+        under, registered first if this LLM does not hold it yet."""
         p = sampling_params(_one_of(params, sampling_config), options)
+        if lora_request is not None:
+            if lora_request.lora_name not in self.lora_names():
+                self.load_lora(lora_request.lora_name, lora_request.lora_path)
+            p = replace(p, lora=lora_request.lora_name)
         prompt_ids = self.encode(prompt)
         request = executor_request(prompt_ids, p, streaming)
         with self._lock:  # the dispatcher looks the handle up under this lock
@@ -287,12 +335,12 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, /,
                  timeout: float | None = None, sampling_config: SamplingParams | None = None,
-                 **options: Any) -> list[RequestOutput]:  # fmt: skip
+                 lora_request: LoRARequest | None = None, **options: Any) -> list[RequestOutput]:  # fmt: skip
         """Generate for one prompt or many (all enqueued at once, batched by the executor)."""
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
         batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
         params = _one_of(params, sampling_config)
-        handles = [self.generate_async(p, params, **options) for p in batch]
+        handles = [self.generate_async(p, params, lora_request=lora_request, **options) for p in batch]
         return [h.result(timeout) for h in handles]
 
     def _dispatch(self) -> None:
@@ -321,6 +369,18 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _with_lora(cfg: ExecutorConfig, adapters: Mapping[str, str | Path], max_loras: int | None,
+               max_cpu_loras: int | None, max_lora_rank: int | None) -> ExecutorConfig:
+    """`cfg` with LoRA on: the adapters to register at start and the adapter cache's bounds."""
+    from worker.executor.types import PeftCacheConfig
+
+    bounds = {"max_device_adapters": max_loras, "max_host_adapters": max_cpu_loras, "max_rank": max_lora_rank}
+    peft = replace(cfg.peft_cache_config or PeftCacheConfig(),
+                   **{name: value for name, value in bounds.items() if value is not None})  # fmt: skip
+    return replace(cfg, peft_cache_config=peft,
+                   lora_adapters={**cfg.lora_adapters, **{name: str(path) for name, path in adapters.items()}})
 
 
 def _one_of(params: SamplingParams | None, sampling_config: SamplingParams | None) -> SamplingParams | None:

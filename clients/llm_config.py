@@ -1,8 +1,9 @@
 """The high-level API's configuration types under TensorRT-LLM's names (seed 004):
 ModelConfig (with its quant_config and parallel_config), KvCacheConfig,
-QuantAlgo, and SamplingConfig, which is SamplingParams itself under the seed's
-name. Standard library only: the executor's types are applied where the LLM
-builds its executor (clients/llm.py)."""
+QuantAlgo, SamplingConfig, which is SamplingParams itself under the seed's
+name, and LoRARequest (the name TensorRT-LLM's and vLLM's LLM APIs give it).
+Standard library only: the executor's types are applied where the LLM builds its
+executor (clients/llm.py)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,18 @@ class KvCacheConfig:
         fields = {"max_tokens": self.max_tokens, "free_memory_fraction": self.free_gpu_memory_fraction,
                   "enable_block_reuse": self.enable_block_reuse, "tokens_per_block": self.tokens_per_block}
         return {name: value for name, value in fields.items() if value is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """A LoRA adapter for `LLM.generate(..., lora_request=...)`: registered under
+    `lora_name` from `lora_path` (a Hugging Face PEFT directory) the first time it is
+    used. `lora_int_id` is accepted for code written against vLLM or TensorRT-LLM:
+    tokenwire names adapters by `lora_name` alone."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str | Path = ""
 
 
 class SamplingConfig(SamplingParams):

@@ -97,6 +97,8 @@ class SamplingParams:
     # -- scheduling
     priority: float = 0.5  # 0.0 lowest .. 1.0 highest
     speculative: Speculation | None = None  # None: the worker's default (speculation changes no output)
+    # -- adapters
+    lora: str | None = None  # the LoRA adapter to run under, by the name its worker (or LLM) registered
 
     def request_fields(self) -> dict[str, Any]:
         """These options as the executor's Request and the wire's Submit name them
@@ -115,6 +117,7 @@ class SamplingParams:
             "logits_post_processor_name": self.logits_post_processor,
             "guided_decoding_params": self._guide(),
             "speculative_config": None if self.speculative is None else asdict(self.speculative),
+            "lora_config": None if self.lora is None else {"name": self.lora},
         }
 
     def _guide(self) -> dict[str, str | None] | None:

@@ -43,6 +43,7 @@ from starlette.routing import Route
 
 import protocol
 from gateway import openai_api as api
+from gateway.workers import adapter_models
 from protocol.chat_template import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -229,6 +230,8 @@ class HttpFront:
         now = int(time.time())
         data = [{"id": m, "object": "model", "created": now, "owned_by": "tokenwire", "max_model_len": n}
                 for m, n in sorted(self._ready_models().items())]  # fmt: skip
+        data += [{"id": a, "object": "model", "created": now, "owned_by": "tokenwire", "parent": m}  # LoRA, as vLLM
+                 for a, m in sorted(adapter_models(list(self.gateway.workers.values())).items())]  # fmt: skip
         return JSONResponse({"object": "list", "data": data})
 
     async def completions(self, request: Request) -> Response:
@@ -246,7 +249,7 @@ class HttpFront:
             return JSONResponse(e.body(), e.status)
         assert self.bridge is not None
         call = await self.bridge.submit(submit)
-        tokenizer = self.gateway.tokenizers.get(model)
+        tokenizer = self.gateway.tokenizers.get(submit.model or model)  # a LoRA adapter's: its model's
         text = api.TokenText(tokenizer)
         if body.stream:
             first = await call.events.get()  # an error before any output is still an HTTP error
@@ -293,8 +296,13 @@ class HttpFront:
         """The model, the Submit, and the prompt's length where it is known here."""
         served = self._ready_models()
         model = body.model or (min(served) if served else None)
+        # As in vLLM, `model` may name a LoRA adapter: the request runs on its model, under it.
+        adapters = adapter_models(list(self.gateway.workers.values()))
+        lora = model if model not in served and model in adapters else None
+        model = adapters[lora] if lora is not None else model
         if model is not None and served and model not in served:
-            raise api.ApiError(404, f"the model {model!r} does not exist; served: {sorted(served)}",
+            raise api.ApiError(404, f"the model {model!r} does not exist; served: {sorted(served)}"
+                               + (f", LoRA adapters: {sorted(adapters)}" if adapters else ""),
                                "not_found_error", "model_not_found", "model")  # fmt: skip
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         tokenizer = self.gateway.tokenizers.get(model) if model is not None else None
@@ -311,12 +319,12 @@ class HttpFront:
                     prompt_ids = self.gateway.tokenizers.prompt_ids(model, body.prompt, None, max_seq_len)
                 else:
                     prompt_ids = list(body.prompt)  # type: ignore[arg-type]
-            submit = api.submit_for(body, request_id, model, prompt_ids, max_seq_len)
+            submit = api.submit_for(body, request_id, model, prompt_ids, max_seq_len, lora)
         except ValidationError as e:
             raise api.invalid(e) from e
         except (ValueError, ChatTemplateError) as e:
             raise api.invalid(e) from e
-        return model or "", submit, None if prompt_ids is None else len(prompt_ids)
+        return lora or model or "", submit, None if prompt_ids is None else len(prompt_ids)
 
     async def _whole(self, call: _Call, submit: protocol.Submit) -> list[api.Choice]:
         choices = [api.Choice(i) for i in range(submit.num_return_sequences)]

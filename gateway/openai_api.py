@@ -160,9 +160,10 @@ def submit_for(
     model: str | None,
     prompt_ids: list[int] | None,
     max_seq_len: int | None,
+    lora: str | None = None,
 ) -> protocol.Submit:
-    """The Submit for `body`, with `prompt_ids` when the caller tokenized it; raises
-    ValueError (or ValidationError) for a bad parameter."""
+    """The Submit for `body`, with `prompt_ids` when the caller tokenized it, under the LoRA
+    adapter `lora` if given; raises ValueError (or ValidationError) for a bad parameter."""
     chat = isinstance(body, ChatRequest)
     max_tokens = (body.max_completion_tokens if isinstance(body, ChatRequest) else None) or body.max_tokens
     if max_tokens is None:
@@ -196,6 +197,7 @@ def submit_for(
         "stop": body.stops(),
         "num_return_sequences": body.n,
         "guided_decoding_params": _guide(body.response_format) if isinstance(body, ChatRequest) else None,
+        "lora_config": None if lora is None else {"name": lora},
     }
     if prompt_ids is not None:
         fields["input_token_ids"] = prompt_ids

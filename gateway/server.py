@@ -28,7 +28,7 @@ import protocol
 from gateway.client_batch import ClientBatch
 from gateway.discovery import Discovery
 from gateway.tokenizer_store import PromptError, Tokenizers
-from gateway.workers import WorkerLink, least_loaded
+from gateway.workers import WorkerLink, adapter_models, least_loaded, serves
 from ops.curve import CurveConfig, CurveServer, connect_as_client, routing_id
 from ops.drain import Drain
 from ops.metrics import GatewayMetrics, outcome
@@ -293,6 +293,7 @@ class Gateway:
         elif isinstance(msg, protocol.Hello):
             state.heartbeat_interval_s = msg.heartbeat_interval_s
             models = sorted({m for w in self.workers.values() if w.ready for m in w.models})
+            adapters = sorted({a for w in self.workers.values() if w.ready for a in w.lora_adapters})
             self._reply(
                 client,
                 protocol.Ready(
@@ -300,6 +301,7 @@ class Gateway:
                     role="gateway",
                     heartbeat_interval_s=self.config.heartbeat_interval_s,
                     models=models,
+                    lora_adapters=adapters,
                 ),
             )
         elif isinstance(msg, protocol.Heartbeat):
@@ -335,14 +337,24 @@ class Gateway:
                 f"flight (limit {self.config.max_inflight}); retry later or use another gateway",
             )
         ready = [w for w in self.workers.values() if w.ready]
-        model = msg.model
+        model, lora = msg.model, msg.lora
+        if model is not None and lora is None and ready and not any(model in w.models for w in ready):
+            # As over HTTP (and in vLLM), `model` may name a LoRA adapter: run it under that adapter.
+            base = adapter_models(ready).get(model)
+            if base is not None:
+                msg = msg.model_copy(update={"model": base, "lora_config": protocol.LoraConfig(name=model)})
+                model, lora = base, model
         if model is not None and ready and not any(model in w.models for w in ready):
             served = sorted({m for w in ready for m in w.models})
             return refuse(ErrorCode.UNKNOWN_MODEL, f"no worker serves model {model!r}; served: {served}")
+        if lora is not None and ready and not any(serves(w, model, lora) for w in ready):
+            held = sorted({a for w in ready if serves(w, model, None) for a in w.lora_adapters})
+            return refuse(ErrorCode.UNKNOWN_MODEL, f"unknown LoRA adapter {lora!r}: no worker "
+                          f"{'' if model is None else f'of model {model!r} '}holds it; held: {held}")  # fmt: skip
         if model is None and msg.input_token_ids is None:
             # Text is tokenized for one model: the one most ready workers serve. With none
             # ready yet, the first worker to take the request settles it.
-            names = [m for w in ready for m in w.models[:1]]
+            names = [m for w in ready if serves(w, None, lora) for m in w.models[:1]]
             model = max(set(names), key=names.count) if names else None
         # Its tokenizer comes with the worker it is dispatched to.
         stream = OutputStream(None, msg.stop or [], msg.num_return_sequences, msg.sampling_config.beam_width > 1)
@@ -376,7 +388,7 @@ class Gateway:
     # -- routing -----------------------------------------------------------------------------
 
     def _dispatch(self, req: _Request) -> None:
-        link = least_loaded(list(self.workers.values()), req.model)
+        link = least_loaded(list(self.workers.values()), req.model, req.submit.lora)
         if link is None:
             self.waiting.append(req)
             return
@@ -450,9 +462,14 @@ class Gateway:
     def _check_fits(msg: protocol.Submit, link: WorkerLink) -> str | None:
         ids = msg.input_token_ids or []
         if link.vocab_size is not None:
-            bad = [t for t in ids if t >= link.vocab_size]
+            # Prompt tuning: ids past the vocabulary name rows of the request's table.
+            table = msg.prompt_tuning_config
+            limit = link.vocab_size + (0 if table is None else table.rows)
+            bad = [t for t in ids if t >= limit]
             if bad:
-                return f"input_token_ids: token id {bad[0]} is out of the vocabulary (size {link.vocab_size})"
+                table_rows = "" if table is None else f" and the prompt table's {table.rows} rows"
+                return (f"input_token_ids: token id {bad[0]} is out of the vocabulary (size {link.vocab_size})"
+                        f"{table_rows}")
         if link.max_seq_len is not None and len(ids) + msg.max_tokens > link.max_seq_len:
             return (
                 f"prompt ({len(ids)} tokens) + max_tokens ({msg.max_tokens}) exceeds the model's "
@@ -466,10 +483,11 @@ class Gateway:
             if self.requests.get(req.wire_id) is not req:
                 continue  # cancelled or its client went away meanwhile
             if now - req.created > self.config.no_worker_timeout_s:
+                adapter = "" if req.submit.lora is None else f" holding LoRA adapter {req.submit.lora!r}"
                 self._fail(
                     req,
                     ErrorCode.UNAVAILABLE,
-                    f"no worker for model {req.model or '(any)'} became available within "
+                    f"no worker for model {req.model or '(any)'}{adapter} became available within "
                     f"{self.config.no_worker_timeout_s:g} s",
                 )
             elif any(w.ready for w in self.workers.values()):
@@ -559,6 +577,9 @@ class Gateway:
                 link.update_load(msg.load)
             elif isinstance(msg, protocol.ErrorReply):
                 self._worker_error(link, msg)
+            elif isinstance(msg, protocol.LoraAdapters):
+                link.lora_adapters = frozenset(msg.adapters)
+                log.info("worker %s holds LoRA adapters %s", link.worker_id, sorted(msg.adapters))
             elif isinstance(msg, protocol.Drain):
                 # It finishes what it has (results keep coming on this link) but takes nothing new.
                 link.draining = True
@@ -573,6 +594,7 @@ class Gateway:
                 link.ready = True
                 link.heartbeat_interval_s = msg.heartbeat_interval_s
                 link.models = list(msg.models)
+                link.lora_adapters = frozenset(msg.lora_adapters)
                 link.vocab_size = msg.vocab_size
                 link.max_seq_len = msg.max_seq_len
                 link.update_load(msg.load)

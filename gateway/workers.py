@@ -21,6 +21,7 @@ class WorkerLink:
     draining: bool = False  # it said Drain: its requests finish here, new ones go elsewhere
     heartbeat_interval_s: float = 1.0
     models: list[str] = field(default_factory=list)
+    lora_adapters: frozenset[str] = frozenset()  # as its Ready and LoraAdapters messages said
     vocab_size: int | None = None
     max_seq_len: int | None = None
     load: protocol.WorkerLoad | None = None
@@ -45,10 +46,27 @@ class WorkerLink:
         return busy, -load.free_num_blocks
 
 
-def least_loaded(workers: list[WorkerLink], model: str | None) -> WorkerLink | None:
-    """The least-loaded ready worker serving `model` (any model when None); ties at random."""
-    candidates = [w for w in workers if w.ready and not w.draining and (model is None or model in w.models)]
+def serves(link: WorkerLink, model: str | None, lora: str | None) -> bool:
+    """Whether the worker serves `model` (any when None) and holds the LoRA adapter `lora` (if any)."""
+    return (model is None or model in link.models) and (lora is None or lora in link.lora_adapters)
+
+
+def least_loaded(workers: list[WorkerLink], model: str | None, lora: str | None = None) -> WorkerLink | None:
+    """The least-loaded ready worker serving `model` (any model when None) and holding the
+    LoRA adapter `lora` (when given); ties at random."""
+    candidates = [w for w in workers if w.ready and not w.draining and serves(w, model, lora)]
     if not candidates:
         return None
     best = min(w.score() for w in candidates)
     return random.choice([w for w in candidates if w.score() == best])
+
+
+def adapter_models(workers: list[WorkerLink]) -> dict[str, str]:
+    """LoRA adapter name -> the model of a ready worker that holds it (the first one's,
+    should workers of different models hold adapters of one name)."""
+    found: dict[str, str] = {}
+    for w in workers:
+        if w.ready and not w.draining and w.models:
+            for name in w.lora_adapters:
+                found.setdefault(name, w.models[0])
+    return found

@@ -3,12 +3,32 @@ limits, and the names of Redis keys. Imports nothing else of tokenwire."""
 
 from protocol.base import Message, WireModel
 from protocol.codec import KINDS, VERSION, decode, encode, encode_payload, unpack
-from protocol.control import Cancel, Drain, ErrorCode, ErrorReply, Heartbeat, Hello, Ready
+from protocol.control import (
+    Cancel,
+    Drain,
+    ErrorCode,
+    ErrorReply,
+    Heartbeat,
+    Hello,
+    LoraAdapters,
+    LoraLoad,
+    LoraUnload,
+    Ready,
+)
 from protocol.errors import ProtocolError
 from protocol.keys import CANCEL_TTL_S, DEFAULT_PREFIX, Keys
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.records import IterationStats, RequestStats, WorkerInfo, WorkerLoad
-from protocol.request import ChatMessage, GuidedDecodingParams, OutputConfig, SamplingConfig, SpeculativeConfig, Submit
+from protocol.request import (
+    ChatMessage,
+    GuidedDecodingParams,
+    LoraConfig,
+    OutputConfig,
+    PromptTuningConfig,
+    SamplingConfig,
+    SpeculativeConfig,
+    Submit,
+)
 from protocol.results import FinishReason, Logits, Response, Result, ResultBatch, StreamedTokens
 
 __all__ = [
@@ -30,8 +50,13 @@ __all__ = [
     "Keys",
     "Limits",
     "Logits",
+    "LoraAdapters",
+    "LoraConfig",
+    "LoraLoad",
+    "LoraUnload",
     "Message",
     "OutputConfig",
+    "PromptTuningConfig",
     "ProtocolError",
     "Ready",
     "RequestStats",

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 
 from protocol.base import Message
-from protocol.control import Cancel, Drain, ErrorReply, Heartbeat, Hello, Ready
+from protocol.control import Cancel, Drain, ErrorReply, Heartbeat, Hello, LoraAdapters, LoraLoad, LoraUnload, Ready
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.packed import WIRE_CONTEXT, Unpacking
@@ -38,6 +38,9 @@ KINDS: dict[str, type[Message]] = {
         WorkerInfo,
         IterationStats,
         RequestStats,
+        LoraLoad,
+        LoraUnload,
+        LoraAdapters,
     )
 }
 

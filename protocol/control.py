@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
@@ -82,6 +82,9 @@ class Ready(Message):
     chat_template: str | None = None
     bos_token: str | None = None
     eos_token: str | None = None
+    # The LoRA adapters a worker holds (requests name them in lora_config); a LoraAdapters
+    # message says when that changes.
+    lora_adapters: list[Name] = Field(default_factory=list)
 
 
 class Drain(Message):
@@ -92,3 +95,35 @@ class Drain(Message):
 
     sender_id: Name
     deadline_s: float | None = Field(None, ge=0.0)
+
+
+class LoraLoad(Message):
+    """Register a LoRA adapter on the worker that receives it: `path` is a Hugging Face
+    PEFT directory on the worker's host. Answered by LoraAdapters with this `request_id`,
+    or an ErrorReply with it saying what is wrong with the adapter."""
+
+    kind: ClassVar[str] = "lora_load"
+
+    request_id: Name  # names the answer
+    name: Name
+    path: Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class LoraUnload(Message):
+    """Forget a LoRA adapter; requests naming it afterwards fail. Answered as LoraLoad."""
+
+    kind: ClassVar[str] = "lora_unload"
+
+    request_id: Name
+    name: Name
+
+
+class LoraAdapters(Message):
+    """The LoRA adapters a worker holds now: to every gateway when they change, and
+    (with `request_id`) to the sender of a LoraLoad or LoraUnload, as its answer."""
+
+    kind: ClassVar[str] = "lora_adapters"
+
+    sender_id: Name
+    adapters: list[Name] = Field(default_factory=list)
+    request_id: Name | None = None

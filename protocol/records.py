@@ -36,6 +36,7 @@ class WorkerInfo(Message):
     max_batch_size: int | None = Field(None, ge=1)
     state: Literal["serving", "draining"] = "serving"
     curve_public_key: Name | None = None  # z85; a gateway with CURVE on connects only to pinned keys
+    lora_adapters: list[Name] = Field(default_factory=list)  # the LoRA adapters it holds
 
 
 class IterationStats(Message):

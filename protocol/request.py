@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from protocol.base import Message, Name, Uint64, WireModel
 from protocol.packed import Floats, TokenIds
+from protocol.results import Logits
 
 
 class SamplingConfig(WireModel):
@@ -62,6 +63,31 @@ class SpeculativeConfig(WireModel):
     min_ngram: int = Field(1, ge=1)
 
 
+class LoraConfig(WireModel):
+    """The LoRA adapter a request runs under, by the name its worker registered it as."""
+
+    name: Name
+
+
+class PromptTuningConfig(WireModel):
+    """A request's prompt embedding table, float32 [rows, hidden]: a prompt token id
+    `t >= vocab_size` takes row `t - vocab_size` as its embedding. The worker checks
+    the width against its model's hidden size."""
+
+    embedding_table: Logits
+
+    @model_validator(mode="after")
+    def _two_dimensional(self) -> Self:
+        shape = self.embedding_table.shape
+        if len(shape) != 2 or 0 in shape:
+            raise ValueError(f"embedding_table must be [rows, hidden] with rows, hidden >= 1; got shape {shape}")
+        return self
+
+    @property
+    def rows(self) -> int:
+        return self.embedding_table.shape[0]
+
+
 class ChatMessage(WireModel):
     """One turn of a chat, as OpenAI's and Hugging Face's chat templates take it."""
 
@@ -104,6 +130,13 @@ class Submit(Message):
     # cancel flag, its stats) and in logs.
     client_request_id: Name | None = None
     speculative_config: SpeculativeConfig | None = None  # None: the worker's default
+    lora_config: LoraConfig | None = None  # None: the base model
+    prompt_tuning_config: PromptTuningConfig | None = None
+
+    @property
+    def lora(self) -> str | None:
+        """The LoRA adapter's name, if any."""
+        return None if self.lora_config is None else self.lora_config.name
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -116,4 +149,6 @@ class Submit(Message):
                 f"num_return_sequences ({self.num_return_sequences}) must not exceed "
                 f"sampling_config.beam_width ({beams}) in beam search"
             )
+        if self.prompt_tuning_config is not None and self.input_token_ids is None:
+            raise ValueError("prompt_tuning_config needs input_token_ids: its rows are named by token ids")
         return self

@@ -56,6 +56,7 @@ SAMPLES: dict[str, Any] = {
     "priority": 0.75,
     "speculative": Speculation(source="draft_tokens", num_draft_tokens=5, draft_tokens=[3, 4], max_ngram=4,
                                min_ngram=2),
+    "lora": "sql",
 }
 # Options of the Submit and the Request that are not request options, and why.
 NOT_OPTIONS = {
@@ -70,6 +71,7 @@ NOT_OPTIONS = {
     "pad_id",  # unused by the executor
     "return_all_generated_tokens",  # the APIs accumulate streamed tokens themselves
     "output_config.exclude_input_from_output",  # outputs hold generated tokens; the prompt's are on RequestOutput
+    "prompt_tuning_config",  # embeddings for the prompt's ids past the vocabulary: part of the prompt (a Submit's)
 }
 
 

@@ -131,3 +131,15 @@ def test_a_redis_that_refuses_the_password_is_reported(service_model, tmp_path):
         server.terminate()
         server.wait()
 
+
+def test_worker_lora_option_without_a_name(service_model, redis_url):
+    (line,) = _worker(service_model, redis_url, "--lora", "adapters/sql")
+    assert "--lora 'adapters/sql': give NAME=DIR" in line
+
+
+def test_worker_lora_adapter_that_cannot_load(service_model, redis_url, tmp_path):
+    (line,) = _worker(service_model, redis_url, "--lora", f"sql={tmp_path / 'nothing'}")
+    assert f"--lora 'sql={tmp_path / 'nothing'}': {tmp_path / 'nothing'} is not a directory" in line
+    # One the model must check: after it loads, still one line of error.
+    lines = _worker(service_model, redis_url, "--lora", f"sql={tmp_path}")
+    assert lines[-1].endswith(f"CheckpointError: LoRA adapter {tmp_path}: adapter_config.json is missing")

@@ -7,7 +7,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 import protocol as p
-from protocol.packed import INT32_MAX
+from protocol.packed import INT32_MAX, pack_floats
 
 names = st.text(min_size=1, max_size=40)
 token_ids = st.lists(st.integers(0, INT32_MAX), min_size=1, max_size=50)
@@ -89,7 +89,17 @@ def submits(draw: st.DrawFn) -> p.Submit:
         logits_post_processor_name=draw(_maybe(names)),
         guided_decoding_params=draw(_maybe(guided_params)),
         client_request_id=draw(_maybe(names)),
+        lora_config=draw(_maybe(st.builds(p.LoraConfig, name=names))),
+        prompt_tuning_config=None if by_prompt else draw(_maybe(prompt_tables())),
     )
+
+
+@st.composite
+def prompt_tables(draw: st.DrawFn) -> p.PromptTuningConfig:
+    rows, hidden = draw(st.integers(1, 4)), draw(st.integers(1, 8))
+    data = draw(st.lists(st.floats(-4.0, 4.0, width=32), min_size=rows * hidden, max_size=rows * hidden))
+    table = p.Logits(shape=[rows, hidden], data=pack_floats(data))
+    return p.PromptTuningConfig(embedding_table=table)
 
 
 @st.composite
@@ -191,7 +201,12 @@ MESSAGES: dict[str, st.SearchStrategy[p.Message]] = {
         max_seq_len=_maybe(st.integers(1, 1 << 20)),
         load=_maybe(worker_loads),
         tokenizer_json=_maybe(st.binary(max_size=64)),
+        lora_adapters=st.lists(names, max_size=3),
     ),
+    "lora_load": st.builds(p.LoraLoad, request_id=names, name=names, path=names),
+    "lora_unload": st.builds(p.LoraUnload, request_id=names, name=names),
+    "lora_adapters": st.builds(p.LoraAdapters, sender_id=names, adapters=st.lists(names, max_size=4),
+                               request_id=_maybe(names)),
     "drain": st.builds(p.Drain, sender_id=names, deadline_s=_maybe(st.floats(0.0, 1e6))),
     "worker_info": st.builds(
         p.WorkerInfo,
@@ -202,6 +217,7 @@ MESSAGES: dict[str, st.SearchStrategy[p.Message]] = {
         pid=st.integers(1, 1 << 22),
         device=_maybe(names),
         started_at=timestamps,
+        lora_adapters=st.lists(names, max_size=3),
     ),
     "iteration_stats": st.builds(
         p.IterationStats,

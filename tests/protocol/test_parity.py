@@ -45,6 +45,7 @@ def as_plain(value: Any) -> Any:
         (p.OutputConfig, ex.OutputConfig, set()),
         (p.GuidedDecodingParams, ex.GuidedDecodingParams, set()),
         (p.SpeculativeConfig, ex.SpeculativeConfig, set()),
+        (p.LoraConfig, ex.LoraConfig, set()),
         (p.Submit, ex.Request, {"request_id", "model", "prompt", "messages", "stop", "client_request_id"}),
         (p.Result, ex.Result, {"text"}),
         (p.Response, ex.Response, set()),

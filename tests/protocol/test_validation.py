@@ -55,6 +55,8 @@ def submit(**fields: Any) -> dict[str, Any]:
         ({"end_id": -2}, "end_id", "greater than or equal to -1"),
         ({"bogus": 1}, "bogus", "Extra inputs are not permitted"),
         ({"guided_decoding_params": {"guide_type": "xml"}}, "guided_decoding_params.guide_type", "'json'"),
+        ({"lora_config": {"name": ""}}, "lora_config.name", "at least 1 character"),
+        ({"lora_config": {}}, "lora_config.name", "Field required"),
     ],
 )
 def test_submit_field_rules(fields: dict[str, Any], where: str, rule: str):

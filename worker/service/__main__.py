@@ -14,7 +14,7 @@ from ops.curve_options import add_curve_options, curve_config
 from ops.secrets import add_redis_password_option, redis_url
 
 if TYPE_CHECKING:
-    from worker.executor.types import SpeculativeConfig
+    from worker.executor.types import PeftCacheConfig, SpeculativeConfig
 
 DEFAULT_BIND = "tcp://127.0.0.1:5600"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -56,6 +56,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "activations) or int4 (group-wise round-to-nearest W4A16, not AWQ); quantized checkpoints "
         "(compressed-tensors, AWQ) need no flag",
     )
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="a LoRA adapter (Hugging Face PEFT directory) requests may name; repeatable. "
+        "More can be loaded at run time (tokenwire lora load) when any LoRA option is given",
+    )
+    p.add_argument("--max-loras", type=POSITIVE_INT, default=None,
+                   help="LoRA adapters resident on the device at once (default: the executor's, 8)")
+    p.add_argument("--max-cpu-loras", type=POSITIVE_INT, default=None,
+                   help="LoRA adapters kept in host memory (default: the executor's, 32)")
+    p.add_argument("--max-lora-rank", type=POSITIVE_INT, default=None,
+                   help="the largest LoRA rank accepted (default: the executor's, 64)")
     p.add_argument("--max-batch-size", type=POSITIVE_INT, default=64)
     p.add_argument("--max-num-tokens", type=POSITIVE_INT, default=2048)
     p.add_argument("--max-beam-width", type=POSITIVE_INT, default=4, help="widest beam search accepted")
@@ -122,6 +136,29 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     return SpeculativeConfig(DraftSource(source), args.num_draft_tokens)
 
 
+def lora_options(args: argparse.Namespace) -> tuple[tuple[tuple[str, str], ...], PeftCacheConfig | None]:
+    """The adapters of --lora NAME=DIR, and the adapter cache's bounds (None: LoRA off)."""
+    from worker.executor.types import PeftCacheConfig
+
+    adapters = []
+    for spec in args.lora:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--lora {spec!r}: give NAME=DIR")
+        if not Path(path).is_dir():  # said now, not after the model loads (minutes, on a GPU)
+            raise SystemExit(f"--lora {spec!r}: {path} is not a directory (a PEFT adapter's)")
+        adapters.append((name, path))
+    names = [name for name, _ in adapters]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"--lora: each adapter name once; got {names}")
+    bounds = {"max_device_adapters": args.max_loras, "max_host_adapters": args.max_cpu_loras,
+              "max_rank": args.max_lora_rank}  # fmt: skip
+    given = {key: value for key, value in bounds.items() if value is not None}
+    if not adapters and not given:
+        return (), None
+    return tuple(adapters), PeftCacheConfig(**given)
+
+
 def run(args: argparse.Namespace) -> int:
     from ops.config import apply_config
     from ops.logs import setup_logging
@@ -141,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
     except ListenError as e:
         logging.getLogger(__name__).critical("%s", e)
         return 1
+    lora_adapters, peft_cache_config = lora_options(args)
     notifier = Notifier()
     notifier.status(f"loading {args.model}")
     engine_config = EngineConfig(
@@ -160,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         quantization=args.quantization,
+        lora_adapters=lora_adapters,
+        peft_cache_config=peft_cache_config,
     )
     try:
         engine = EngineProcess(engine_config)

@@ -36,7 +36,15 @@ def to_request(msg: protocol.Submit) -> ex.Request:
         logits_post_processor_name=msg.logits_post_processor_name,
         guided_decoding_params=None if guided is None else ex.GuidedDecodingParams(guided.guide_type, guided.guide),
         speculative_config=None if msg.speculative_config is None else _speculative(msg.speculative_config),
+        lora_config=None if msg.lora_config is None else ex.LoraConfig(msg.lora_config.name),
+        prompt_tuning_config=None if msg.prompt_tuning_config is None else _prompt_table(msg.prompt_tuning_config),
     )
+
+
+def _prompt_table(cfg: protocol.PromptTuningConfig) -> ex.PromptTuningConfig:
+    table = cfg.embedding_table
+    rows = np.frombuffer(table.data, dtype="<f4").reshape(table.shape).astype(np.float32)  # a writable native copy
+    return ex.PromptTuningConfig(rows)
 
 
 def _speculative(cfg: protocol.SpeculativeConfig) -> ex.SpeculativeConfig:

@@ -6,7 +6,9 @@ takes GIL time from it. With the worker's socket, result-pump and Redis threads
 beside it, the executor held 79% of the GIL and an H200's 64-stream decode step
 took 1.9-3.1 ms against 1.5-2.5 ms in process. The engine process has one
 thread: it reads what waits in its pipe without blocking, runs `core.step()` and
-sends the step's output, so nothing waits for the GIL to pass a step on.
+sends the step's output, so nothing waits for the GIL to pass a step on. (A LoRA adapter
+loaded at run time is read on a second thread, for as long as that takes: the steps of
+the requests running meanwhile go on.)
 
 Requests cross as pickled executor dataclasses under ids the worker assigns (the
 core answers under the caller's ids: no id maps); a step crosses as the core's
@@ -19,6 +21,7 @@ import collections
 import contextlib
 import ctypes
 import fcntl
+import functools
 import logging
 import multiprocessing
 import os
@@ -26,7 +29,8 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -37,6 +41,7 @@ from worker.executor.engine_core import StepOutput
 
 if TYPE_CHECKING:
     from worker.executor import EngineCore
+    from worker.models.lora import LoraAdapter
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +51,7 @@ _IDLE_LOAD_S = 0.5
 LOOP_STUCK_AFTER_S = 2.0
 _ITERATION_STATS_S = 0.1  # iteration stats cross in batches, not every step
 _PIPE_BYTES = 1 << 20  # Linux's pipe-max-size for unprivileged processes
+_READ_POLL_S = 0.01  # an idle engine reading a LoRA adapter looks this often whether it is done
 
 
 class EngineFailed(RuntimeError):
@@ -75,6 +81,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     quantization: str | None = None  # fp8 | int4: quantize a float checkpoint on load
+    # LoRA adapters registered at start (name, PEFT directory), and the adapter cache's bounds;
+    # LoRA is on (device slots set aside before the KV cache is sized) when either is given.
+    lora_adapters: tuple[tuple[str, str], ...] = ()
+    peft_cache_config: ex.PeftCacheConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +102,17 @@ class EngineInfo:
     chat_template: str | None = None
     bos_token: str | None = None
     eos_token: str | None = None
+    lora_adapters: tuple[str, ...] = ()  # registered at start
+
+
+@dataclass(frozen=True, slots=True)
+class LoraReply:
+    """The engine's answer to a LoRA load or unload (`token` names the ask): the adapters
+    it holds now, and what went wrong, if anything did."""
+
+    token: int
+    adapters: tuple[str, ...]
+    error: str | None = None
 
 
 # -- the worker's side ----------------------------------------------------------------
@@ -99,8 +120,8 @@ class EngineInfo:
 
 class EngineProcess:
     """Starts the engine and waits for its model; then the worker's API on it:
-    `enqueue_requests`, `cancel_request` (any thread), `await_step` (one thread),
-    `load`, `get_latest_iteration_stats`."""
+    `enqueue_requests`, `cancel_request`, `load_lora`, `unload_lora` (any thread),
+    `await_step` (one thread), `load`, `get_latest_iteration_stats`."""
 
     def __init__(self, config: EngineConfig) -> None:
         ctx = multiprocessing.get_context("spawn")  # CUDA does not survive fork
@@ -145,12 +166,26 @@ class EngineProcess:
         with self._send_lock:
             self._send(("cancel", request_id))
 
-    def await_step(self, timeout: float) -> StepOutput | None:
-        """The engine's next step output, or None after `timeout` seconds."""
+    def load_lora(self, token: int, name: str, path: str) -> None:
+        """Register a LoRA adapter; the engine answers with a LoraReply under `token`
+        (from `await_step`). Requests enqueued after this call see it."""
+        with self._send_lock:
+            self._send(("lora_load", (token, name, path)))
+
+    def unload_lora(self, token: int, name: str) -> None:
+        with self._send_lock:
+            self._send(("lora_unload", (token, name)))
+
+    def await_step(self, timeout: float) -> StepOutput | LoraReply | None:
+        """The engine's next step output (or answer to a LoRA load or unload), or None
+        after `timeout` seconds."""
         if not self._from.poll(timeout):
             return None
+        message = pickle.loads(self._recv())
+        if isinstance(message, LoraReply):
+            return message
         step: StepOutput
-        step, self._load = pickle.loads(self._recv())
+        step, self._load = message
         if step.iteration_stats:
             with self._stats_lock:
                 self._iterations.extend(step.iteration_stats)
@@ -223,6 +258,8 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
         draft_model=None if config.backend == "echo" else config.draft_model,
         parallel_config=ParallelConfig(config.tensor_parallel_size, config.pipeline_parallel_size),
         quantization=config.quantization,
+        lora_adapters=dict(config.lora_adapters),
+        peft_cache_config=config.peft_cache_config,
     )
     block = executor_config.kv_cache_config.tokens_per_block
     if config.kv_tokens is not None and config.kv_tokens < block:
@@ -270,6 +307,7 @@ def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, tu
         chat_template=core.chat_template,
         bos_token=_token_text(tokenizer, core.model_config.bos_token_id),
         eos_token=_token_text(tokenizer, (core.model_config.eos_token_ids or (None,))[0]),
+        lora_adapters=tuple(core.lora_names()),
     )))  # fmt: skip
     settle_gc()
     hang_at = None if config.test_hang_loop_after_s is None else time.monotonic() + config.test_hang_loop_after_s
@@ -287,17 +325,16 @@ def _serve(core: EngineCore, inbox: Connection, outbox: Connection, turned: ctyp
     stats cross in batches; an idle engine still reports its load now and then."""
     stats: list[ex.IterationStats] = []
     last_sent = last_stats = time.monotonic()
+    asked = _Asked(core, outbox)
     while True:
-        timeout = 0.0 if core.has_work else _IDLE_LOAD_S
+        timeout = 0.0 if core.has_work else _READ_POLL_S if asked.reading else _IDLE_LOAD_S
         while inbox.poll(timeout):
             kind, body = _receive(inbox)
-            if kind == "submit":
-                core.add_requests(body)
-            elif kind == "cancel":
-                core.abort(body)
-            else:  # stop
+            if kind == "stop":
                 return
+            asked.waiting.append((kind, body))
             timeout = 0.0
+        asked.apply()
         now = time.monotonic()
         if hang_at is not None and now >= hang_at:
             log.warning("--test-hang-loop-after: the engine loop hangs now")
@@ -311,6 +348,61 @@ def _serve(core: EngineCore, inbox: Connection, outbox: Connection, turned: ctyp
         if out or now - last_sent >= _IDLE_LOAD_S:
             _send(outbox, (out, core.load()))
             last_sent = now
+
+
+class _Asked:
+    """What the worker sent, applied to the core in the pipe's order. A LoRA load reads its
+    adapter on a thread (a large one takes a second or more) while the core keeps stepping;
+    what came after the load waits until it is registered, so a request sent after it can
+    run under the new adapter."""
+
+    def __init__(self, core: EngineCore, outbox: Connection) -> None:
+        self.core = core
+        self.outbox = outbox
+        self.waiting: collections.deque[tuple[str, Any]] = collections.deque()
+        self.reading: tuple[int, str, str, Future[LoraAdapter]] | None = None  # token, name, path, the read
+        self._reader: ThreadPoolExecutor | None = None
+
+    def apply(self) -> None:
+        if self.reading is not None:
+            if not self.reading[3].done():
+                return
+            token, name, path, read = self.reading
+            self.reading = None
+            _send(self.outbox, _lora_reply(self.core, token, "load", name,
+                                           lambda: self.core.add_lora(name, path, read.result())))  # fmt: skip
+        while self.waiting and self.reading is None:
+            kind, body = self.waiting.popleft()
+            if kind == "submit":
+                self.core.add_requests(body)
+            elif kind == "cancel":
+                self.core.abort(body)
+            elif kind == "lora_load" and self.core.config.lora_enabled:
+                token, name, path = body
+                self._reader = self._reader or ThreadPoolExecutor(1, thread_name_prefix="lora-read")
+                self.reading = (token, name, path, self._reader.submit(self.core.load_lora, path))
+            elif kind == "lora_load":
+                _send(self.outbox, _lora_reply(self.core, body[0], "load", body[1], lambda: None))
+            else:  # lora_unload
+                token, name = body
+                _send(self.outbox, _lora_reply(self.core, token, "unload", name,
+                                               functools.partial(self.core.unregister_lora, name)))  # fmt: skip
+
+
+def _lora_reply(core: EngineCore, token: int, verb: str, name: str, change: Callable[[], None]) -> LoraReply:
+    """Make a change to the adapters and say how it went: a bad adapter is an answer, not a failure."""
+    if not core.config.lora_enabled:
+        return LoraReply(token, (), "LoRA is off on this worker: start it with --lora NAME=DIR or --max-loras N")
+    try:
+        change()
+    except Exception as e:  # whatever the adapter or the ask, the engine serves on
+        if not isinstance(e, ValueError | OSError):
+            log.exception("LoRA adapter %r: %s failed", name, verb)
+        why = str(e) if isinstance(e, ValueError | OSError) else f"{type(e).__name__}: {e}"
+        return LoraReply(token, tuple(core.lora_names()), f"cannot load LoRA adapter {name!r}: {why}"
+                         if verb == "load" else why)  # fmt: skip
+    log.info("LoRA adapter %r %sed", name, verb)
+    return LoraReply(token, tuple(core.lora_names()))
 
 
 def _send(outbox: Connection, message: object) -> None:

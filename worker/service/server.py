@@ -11,6 +11,7 @@ Threads of the worker process, none of which shares a GIL with the executor:
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -34,7 +35,7 @@ from worker.executor.engine_core import StepOutput
 from worker.service.active import Active, ActiveTable
 from worker.service.admission import too_large
 from worker.service.convert import WireBatch, to_request, to_wire_response
-from worker.service.engine import EngineFailed, EngineProcess
+from worker.service.engine import EngineFailed, EngineProcess, LoraReply
 from worker.service.redis_link import WorkerRedis
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,12 @@ class WorkerService:
         # The Redis thread outlives the pump: it writes the stats of the last requests to finish.
         self._redis_stop = threading.Event()
         self.engine_failure = ""  # why the engine process ended under us, if it did
+        # LoRA adapters: those held (as of the engine's last answer), the loads and unloads asked
+        # by token -> (peer, its request id), and the engine's answers, from the pump to this thread.
+        self.lora_adapters: list[str] = list(engine.info.lora_adapters)
+        self._lora_asks: dict[int, tuple[bytes, str]] = {}
+        self._lora_tokens = itertools.count(1)
+        self._lora_replies: collections.deque[LoraReply] = collections.deque()
         info = protocol.WorkerInfo(
             worker_id=self.worker_id,
             address=self.address,
@@ -164,6 +171,7 @@ class WorkerService:
             started_at=time.time(),
             max_batch_size=engine.info.max_batch_size,
             curve_public_key=config.curve.keypair.public.decode() if config.curve is not None else None,
+            lora_adapters=self.lora_adapters,
         )
         self.redis = WorkerRedis(
             config.redis_url,
@@ -218,6 +226,8 @@ class WorkerService:
                     self._forward_results()
                 if self.router in events:
                     self._receive()
+                while self._lora_replies:
+                    self._answer_lora(self._lora_replies.popleft())
                 if time.monotonic() >= next_tick:
                     self._tick()
                     next_tick = time.monotonic() + interval
@@ -356,6 +366,14 @@ class WorkerService:
                         request_id=msg.request_id,
                     ),
                 )
+        elif isinstance(msg, protocol.LoraLoad | protocol.LoraUnload):
+            self._enqueue_taken()  # the submits before it run as they were sent: without a new adapter, or with an old
+            token = next(self._lora_tokens)
+            self._lora_asks[token] = (gateway, msg.request_id)
+            if isinstance(msg, protocol.LoraLoad):
+                self.engine.load_lora(token, msg.name, msg.path)
+            else:
+                self.engine.unload_lora(token, msg.name)
         elif isinstance(msg, protocol.Cancel):
             self._enqueue_taken()  # it may cancel a submit of this same turn
             entry = self.table.find(gateway, msg.request_id)
@@ -379,6 +397,7 @@ class WorkerService:
                     chat_template=info.chat_template,
                     bos_token=info.bos_token,
                     eos_token=info.eos_token,
+                    lora_adapters=self.lora_adapters,
                 ),
             )
         elif isinstance(msg, protocol.Heartbeat | protocol.Drain):
@@ -429,6 +448,29 @@ class WorkerService:
                 self.table.add(entry)
                 self.metrics.started(exec_id, entry.prompt_tokens, entry.received)
 
+    def _answer_lora(self, reply: LoraReply) -> None:
+        """The engine's answer to a LoRA load or unload: to the peer that asked, and
+        the adapters now held to every other gateway and to the registry."""
+        asker = self._lora_asks.pop(reply.token, None)
+        adapters = list(reply.adapters)
+        if adapters != self.lora_adapters:
+            self.lora_adapters = adapters
+            self.redis.info = self.redis.info.model_copy(update={"lora_adapters": adapters})  # one reference swap
+            notice = protocol.LoraAdapters(sender_id=self.sender_id, adapters=adapters)
+            for gateway in self.gateways:
+                if asker is None or gateway != asker[0]:
+                    self._send(gateway, notice)
+        if asker is None:
+            return
+        gateway, request_id = asker
+        if reply.error is not None:
+            log.warning("%s", reply.error)
+            self._send(gateway, protocol.ErrorReply(code=ErrorCode.INVALID_REQUEST, message=reply.error,
+                                                    request_id=request_id))  # fmt: skip
+        else:
+            self._send(gateway, protocol.LoraAdapters(sender_id=self.sender_id, adapters=adapters,
+                                                      request_id=request_id))  # fmt: skip
+
     def _gateway_gone(self, gateway: bytes, why: str) -> None:
         orphans = self.table.of_gateway(gateway)
         log.warning("gateway %r %s: aborting its %d requests", identity_name(gateway), why, len(orphans))
@@ -473,7 +515,9 @@ class WorkerService:
                     log.critical("%s: the worker stops", e)
                     self.engine_failure = str(e)
                     return
-                if step is not None:
+                if isinstance(step, LoraReply):
+                    self._lora_replies.append(step)  # answered by the I/O thread, which owns the socket
+                elif step is not None:
                     try:
                         self._deliver(step, out, exec_stats)
                     except Exception:  # keep pumping: one bad response must not hang every stream
