@@ -262,11 +262,13 @@ def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def run_executor_offline(executor: Any, prompts: list[list[int]], output: int) -> tuple[float, int]:
     from worker.executor import Request
 
+    return run_requests_offline(executor, [Request(input_token_ids=p, max_tokens=output, end_id=-1) for p in prompts])
+
+
+def run_requests_offline(executor: Any, requests: list[Any]) -> tuple[float, int]:
+    """(seconds, output tokens) for `requests` enqueued at once, until the last one ends."""
     t0 = time.perf_counter()
-    ids = executor.enqueue_requests(
-        [Request(input_token_ids=p, max_tokens=output, end_id=-1) for p in prompts]
-    )  # fmt: skip
-    pending, tokens = set(ids), 0
+    pending, tokens = set(executor.enqueue_requests(requests)), 0
     while pending:
         for r in executor.await_responses(timeout=60.0):
             if r.has_error:

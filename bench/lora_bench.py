@@ -49,6 +49,7 @@ from bench.gpu_bench import (
     mean_decode_batch,
     prompts_for,
     random_weights,
+    run_requests_offline,
     sync,
 )
 
@@ -110,20 +111,6 @@ class Run:
         return self.output_tokens / self.seconds
 
 
-def run_offline(executor: Any, requests: list[Any]) -> tuple[float, int]:
-    """(seconds, output tokens) for `requests` enqueued at once, until the last one ends."""
-    t0 = time.perf_counter()
-    pending, tokens = set(executor.enqueue_requests(requests)), 0
-    while pending:
-        for r in executor.await_responses(timeout=60.0):
-            if r.has_error:
-                raise RuntimeError(f"request {r.request_id}: {r.error_msg}")
-            if r.result is not None and r.result.is_final:
-                tokens += sum(len(t) for t in r.result.output_token_ids)
-                pending.discard(r.request_id)
-    return time.perf_counter() - t0, tokens
-
-
 def requests_for(prompts: list[list[int]], output: int, adapters: list[str]) -> list[Any]:
     """One request per prompt; request i under adapters[i % len(adapters)], or none."""
     from worker.executor import LoraConfig, Request
@@ -160,7 +147,7 @@ def start_executor(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.
 
 def measure(executor: Any, name: str, prompts: list[list[int]], output: int, adapters: list[str]) -> Run:
     executor.get_latest_iteration_stats()  # drains: what follows is this run's alone
-    seconds, tokens = run_offline(executor, requests_for(prompts, output, adapters))
+    seconds, tokens = run_requests_offline(executor, requests_for(prompts, output, adapters))
     if tokens != len(prompts) * output:
         raise RuntimeError(f"{name}: {tokens} output tokens, expected {len(prompts) * output}")
     stats = executor.get_latest_iteration_stats()
@@ -182,7 +169,7 @@ def bench_e2e(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.Tenso
 
     runs: list[Run] = []
     plain = start_executor(args, cfg, weights, device, {})
-    run_offline(plain, requests_for(warm, 8, []))  # warm-up: Triton compiles for prefill shapes
+    run_requests_offline(plain, requests_for(warm, 8, []))  # warm-up: Triton compiles for prefill shapes
     best_plain = min((measure(plain, "no LoRA (plain executor)", prompts, output, [])
                       for _ in range(args.repeats)), key=lambda r: r.seconds)  # fmt: skip
     runs.append(best_plain)
@@ -194,7 +181,7 @@ def bench_e2e(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.Tenso
 
     executor = start_executor(args, cfg, weights, device, {n: str(adapter_root / n) for n in names})
     # Warm-up: every adapter to the device, and the kernels compiled, before anything is timed.
-    run_offline(executor, requests_for(warm, 8, names) + requests_for(warm[:4], 8, []))
+    run_requests_offline(executor, requests_for(warm, 8, names) + requests_for(warm[:4], 8, []))
     taken: dict[str, list[Run]] = {"none": [], "adapters": []}
     for _ in range(args.repeats):  # taking turns, so that drift hits both alike
         taken["none"].append(measure(executor, "LoRA on, requests without adapter", prompts, output, []))

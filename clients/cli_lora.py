@@ -6,10 +6,14 @@ import argparse
 import sys
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from clients.cli import Subparsers
 from clients.cli_table import format_table
 from ops.secrets import add_redis_password_option, redact, redis_url
+
+if TYPE_CHECKING:
+    from protocol import WorkerInfo
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
@@ -53,15 +57,8 @@ def register(subparsers: Subparsers) -> None:
 
 
 def list_adapters(args: argparse.Namespace) -> int:
-    import redis
-
-    from clients.lora_control import registered_workers
-
-    try:
-        workers = registered_workers(redis_url(args.redis, DEFAULT_REDIS, args.redis_password_file),
-                                     args.redis_prefix)  # fmt: skip
-    except redis.RedisError as e:
-        print(f"error: could not read Redis at {redact(args.redis)}: {e}", file=sys.stderr)
+    workers = _registered(args)
+    if workers is None:
         return 1
     if not workers:
         print("no live workers registered")
@@ -69,6 +66,19 @@ def list_adapters(args: argparse.Namespace) -> int:
     rows = [[w.worker_id, ",".join(w.models), ",".join(w.lora_adapters) or "-"] for w in workers]
     print(format_table(["worker", "models", "LoRA adapters"], rows))
     return 0
+
+
+def _registered(args: argparse.Namespace) -> list[WorkerInfo] | None:
+    """The live workers in the registry, or None (said on stderr) when Redis cannot be read."""
+    import redis
+
+    from clients.lora_control import registered_workers
+
+    try:
+        return registered_workers(redis_url(args.redis, DEFAULT_REDIS, args.redis_password_file), args.redis_prefix)
+    except redis.RedisError as e:
+        print(f"error: could not read Redis at {redact(args.redis)}: {e}", file=sys.stderr)
+        return None
 
 
 def load(args: argparse.Namespace) -> int:
@@ -85,10 +95,9 @@ def unload(args: argparse.Namespace) -> int:
 
 def _change(args: argparse.Namespace, msg: object) -> int:
     """The load or unload on each target worker; 1 if any refused it or did not answer."""
-    import redis
 
     import protocol
-    from clients.lora_control import LoraControlError, change_lora, registered_workers
+    from clients.lora_control import LoraControlError, change_lora
     from ops.curve import CurveError, load_keypair
 
     assert isinstance(msg, protocol.LoraLoad | protocol.LoraUnload)
@@ -97,11 +106,8 @@ def _change(args: argparse.Namespace, msg: object) -> int:
     except CurveError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    try:
-        workers = registered_workers(redis_url(args.redis, DEFAULT_REDIS, args.redis_password_file),
-                                     args.redis_prefix)  # fmt: skip
-    except redis.RedisError as e:
-        print(f"error: could not read Redis at {redact(args.redis)}: {e}", file=sys.stderr)
+    workers = _registered(args)
+    if workers is None:
         return 1
     chosen = [w for w in workers if (not args.worker or w.worker_id in args.worker)
               and (args.model is None or args.model in w.models)]  # fmt: skip
