@@ -559,7 +559,8 @@ class EngineCore:
             assert seq.spec is not None
             cfg = seq.spec.config
             if cfg.source is DraftSource.PROMPT_LOOKUP:
-                seq.draft = prompt_lookup(seq.spec.tokens_array(seq.token_ids), k, cfg.max_ngram, cfg.min_ngram)
+                seq.draft = prompt_lookup(seq.token_ids, seq.spec.packed_tokens(seq.token_ids), k, cfg.max_ngram,
+                                          cfg.min_ngram)
             elif cfg.source is DraftSource.DRAFT_TOKENS:
                 seq.draft = external_drafts(seq.spec, seq.generated, k)
             else:
