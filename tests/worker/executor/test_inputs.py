@@ -56,13 +56,13 @@ def test_generation_fast_path_builds_what_the_general_path_builds(seed: int) -> 
             np.testing.assert_array_equal(a, b, err_msg=name)
 
 
-def test_generation_steps_take_the_fast_path_and_others_do_not() -> None:
+def test_a_verification_step_and_a_context_chunk_feed_their_own_tokens() -> None:
     rng = random.Random(0)
     seq = sequence(rng, 0)
     batch = ScheduledBatch()
     batch.add(seq, 3, [5, 6])
     assert build_forward_batch(batch, 4).token_ids.tolist() == [seq.token_ids[-1], 5, 6]
-    # A chunk of more than the last token is a context step: the general path, same arrays.
+    # A chunk of more than the last token is a context step (the general path).
     seq.num_computed -= 2
     chunk = ScheduledBatch()
     chunk.add(seq, 3)
