@@ -214,8 +214,9 @@ class DecodeGraphs:
                     if b * q <= self.max_tokens:
                         self._get(b, q)
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        key = self.key(batch)
+    def run(self, batch: ForwardBatch, key: tuple[int, int] | None = None) -> torch.Tensor:
+        """Replay the graph of `key` (self.key(batch), which the caller may have found already)."""
+        key = key or self.key(batch)
         assert key is not None, "run() on a step that fits() no graph"
         b, q = key
         g = self._get(b, q)

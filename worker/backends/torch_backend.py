@@ -271,8 +271,10 @@ class TorchBackend:
         if not self.ops.k_cache:
             raise RuntimeError("allocate_kv_cache() must run before forward()")
         with torch.inference_mode():
-            if self._graphs is not None and self._graphs.fits(batch):
-                return self._graphs.run(batch)
+            key = None if self._graphs is None else self._graphs.key(batch)
+            if key is not None:
+                assert self._graphs is not None
+                return self._graphs.run(batch, key)
             return self.run_model(self._upload(batch))
 
     def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> SampleOutput:

@@ -559,7 +559,8 @@ class EngineCore:
             assert seq.spec is not None
             cfg = seq.spec.config
             if cfg.source is DraftSource.PROMPT_LOOKUP:
-                seq.draft = prompt_lookup(seq.spec.tokens_array(seq.token_ids), k, cfg.max_ngram, cfg.min_ngram)
+                seq.draft = prompt_lookup(seq.token_ids, seq.spec.packed_tokens(seq.token_ids), k, cfg.max_ngram,
+                                          cfg.min_ngram)
             elif cfg.source is DraftSource.DRAFT_TOKENS:
                 seq.draft = external_drafts(seq.spec, seq.generated, k)
             else:
@@ -759,12 +760,12 @@ class EngineCore:
             # Python numbers once per step, not a numpy scalar per row.
             tokens, log_probs = out.token_ids.tolist(), out.log_probs.tolist()
             for row, (seq, pos) in enumerate(zip(step.samplers, step.positions, strict=True)):
+                if pos == _VERIFIED:
+                    continue  # a verification row: its sequence's rows are kept together below
                 if seq.is_finished:
                     continue  # cancelled, or finished a step earlier: a token nobody wants
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                if pos == _VERIFIED:
-                    continue
                 if pos < 0:
                     assert out.top_tokens is not None and out.top_log_probs is not None
                     seq.candidates = (out.top_tokens[row], out.top_log_probs[row])
@@ -785,6 +786,8 @@ class EngineCore:
                 self._respond(seq)
             for seq, first, drafts in step.verify:
                 if not seq.is_finished:
+                    if seq.first_token_time is None:
+                        seq.first_token_time = now
                     end = first + len(drafts) + 1
                     top = None if out.top_tokens is None or out.top_log_probs is None else (
                         out.top_tokens[first:end], out.top_log_probs[first:end])

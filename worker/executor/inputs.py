@@ -39,6 +39,55 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, rows: list[int] 
     `extra_logits`: (first token, count) ranges of the packed batch whose logits
     are wanted too (context logits), after the sampling rows. A sequence with
     drafts (batch.drafts) gets a logits row for its last token and each draft."""
+    if not extra_logits and all(n == 1 + len(d) and s.num_computed + 1 == s.num_tokens
+                                for s, n, d in zip(batch.seqs, batch.num_new_tokens, batch.drafts, strict=True)):
+        return generation_forward_batch(batch, block_size, rows)
+    return packed_forward_batch(batch, block_size, rows, extra_logits)
+
+
+def generation_forward_batch(batch: ScheduledBatch, block_size: int, rows: list[int] | None = None) -> ForwardBatch:
+    """build_forward_batch of a step in which every sequence computes its last token
+    and its drafts (decode and speculative verification): a few dozen tokens, built
+    as Python lists and converted once, since the host's time per step adds to every
+    verification step (the general path's ~50 numpy calls on tiny arrays cost more)."""
+    tokens: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start = [0]
+    context_lens: list[int] = []
+    logits: list[int] = []
+    tables: list[list[int]] = []
+    for i, (seq, drafts) in enumerate(zip(batch.seqs, batch.drafts, strict=True)):
+        first, a = seq.num_computed, query_start[-1]
+        end = first + 1 + len(drafts)
+        ids = seq.blocks.block_ids
+        tokens.append(seq.token_ids[first])
+        tokens += drafts
+        positions += range(first, end)
+        slots += [ids[p // block_size] * block_size + p % block_size for p in range(first, end)]
+        query_start.append(a + end - first)
+        context_lens.append(end)
+        if drafts:
+            logits += range(a, a + len(drafts) + 1)
+        else:
+            logits += [a] * (1 if rows is None else rows[i])
+        tables.append(ids)
+    width = max(map(len, tables))
+    return ForwardBatch(
+        token_ids=np.array(tokens, dtype=np.int64),
+        positions=np.array(positions, dtype=np.int64),
+        query_start=np.array(query_start, dtype=np.int64),
+        context_lens=np.array(context_lens, dtype=np.int64),
+        block_tables=np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64).reshape(len(tables),
+                                                                                                  width),
+        slot_mapping=np.array(slots, dtype=np.int64),
+        logits_indices=np.array(logits, dtype=np.int64),
+    )
+
+
+def packed_forward_batch(batch: ScheduledBatch, block_size: int, rows: list[int] | None = None,
+                         extra_logits: list[tuple[int, int]] | None = None) -> ForwardBatch:
+    """build_forward_batch of any step: context chunks and generation tokens mixed."""
     seqs = batch.seqs
     counts = np.asarray(batch.num_new_tokens, dtype=np.int64)
     starts = np.fromiter((s.num_computed for s in seqs), dtype=np.int64, count=len(seqs))
@@ -127,34 +176,47 @@ def build_sampling_batch(seqs: list[Sequence], offsets: list[int] | None = None)
     """Sampling arrays for the sequences that sample this step, in batch order.
     `offsets[row]`: how many output positions past the sequence's next one the row
     decides (verification rows of speculative decoding: 0 .. k), so each row draws
-    the uniform number of its own output position."""
+    the uniform number of its own output position. Greedy rows read no draw: theirs is 0."""
     n = len(seqs)
-    params = np.array([s.sampling_params for s in seqs], dtype=np.float64).reshape(n, 4)
-    seeds = np.fromiter((s.seed for s in seqs), dtype=np.uint64, count=n)
-    index = np.fromiter((s.sequence_index for s in seqs), dtype=np.uint64, count=n)
-    steps = np.fromiter((s.num_generated for s in seqs), dtype=np.uint64, count=n)
-    if offsets is not None:
-        steps += np.asarray(offsets, dtype=np.uint64)
+    # A sequence's verification rows come one after another and all but their draws
+    # depend on the sequence alone: the work below is per run of rows, not per row.
+    run_seqs: list[Sequence] = []
+    run_rows: list[int] = []
+    for seq in seqs:
+        if run_seqs and run_seqs[-1] is seq:
+            run_rows[-1] += 1
+        else:
+            run_seqs.append(seq)
+            run_rows.append(1)
+    m = len(run_seqs)
+    params = np.array([s.sampling_params for s in run_seqs], dtype=np.float64).reshape(m, 4)
     ban_rows: list[int] = []
     ban_tokens: list[int] = []
     bias_rows: list[int] = []
     penalty_rows: list[int] = []
     mask_rows: list[int] = []
     top_n = 0
-    for row, seq in enumerate(seqs):
-        for token in banned_tokens(seq):
-            ban_rows.append(row)
-            ban_tokens.append(token)
+    row = 0
+    for u, (seq, count) in enumerate(zip(run_seqs, run_rows, strict=True)):
+        rows = range(row, row + count)
+        row += count
+        banned = banned_tokens(seq)
+        for r in rows:
+            ban_rows += [r] * len(banned)
+            ban_tokens += banned
         if seq.embedding_bias is not None:
-            bias_rows.append(row)
+            bias_rows += rows
         cfg = seq.request.sampling_config
         if uses_penalties(cfg):
-            penalty_rows.append(row)
+            penalty_rows += rows
         if cfg.top_p_decay is not None:
-            params[row, 2] = decayed_top_p(seq, params[row, 2])
+            params[u, 2] = decayed_top_p(seq, params[u, 2])
         if seq.matcher is not None:
-            mask_rows.append(row)
+            mask_rows += rows
         top_n = max(top_n, seq.request.output_config.top_n_log_probs, 2 * cfg.beam_width if cfg.beam_width > 1 else 0)
+    if m < n:
+        params = np.repeat(params, run_rows, axis=0)
+    temperature = params[:, 0].astype(np.float32)
     extra: dict[str, object] = {}
     if bias_rows:
         extra["bias_rows"] = np.asarray(bias_rows, dtype=np.int64)
@@ -167,16 +229,36 @@ def build_sampling_batch(seqs: list[Sequence], offsets: list[int] | None = None)
         extra["mask_rows"] = np.asarray(mask_rows, dtype=np.int64)
         extra["token_mask"] = fill_masks([seqs[r].matcher for r in mask_rows])
     return SamplingBatch(
-        temperature=params[:, 0].astype(np.float32),
+        temperature=temperature,
         top_k=params[:, 1].astype(np.int64),
         top_p=params[:, 2].astype(np.float32),
         min_p=params[:, 3].astype(np.float32),
-        uniform=uniform_draws(seeds, index, steps),
+        uniform=_draws(run_seqs, run_rows, temperature, offsets),
         ban_rows=np.asarray(ban_rows, dtype=np.int64),
         ban_tokens=np.asarray(ban_tokens, dtype=np.int64),
         top_n=top_n,
         **extra,  # type: ignore[arg-type]
     )
+
+
+def _draws(run_seqs: list[Sequence], run_rows: list[int], temperature: np.ndarray,
+           offsets: list[int] | None) -> np.ndarray:
+    """Each sampled row's uniform draw (uniform_draws); 0 for greedy rows, which
+    never read theirs (the hashing is most of a greedy step's sampling inputs)."""
+    uniform = np.zeros(temperature.shape[0], dtype=np.float64)
+    sampled = np.flatnonzero(temperature > 0)
+    if not sampled.size:
+        return uniform
+    m = len(run_seqs)
+    seeds = np.fromiter((s.seed for s in run_seqs), dtype=np.uint64, count=m)
+    index = np.fromiter((s.sequence_index for s in run_seqs), dtype=np.uint64, count=m)
+    steps = np.fromiter((s.num_generated for s in run_seqs), dtype=np.uint64, count=m)
+    if m < temperature.shape[0]:
+        seeds, index, steps = (np.repeat(a, run_rows) for a in (seeds, index, steps))
+    if offsets is not None:
+        steps += np.asarray(offsets, dtype=np.uint64)
+    uniform[sampled] = uniform_draws(seeds[sampled], index[sampled], steps[sampled])
+    return uniform
 
 
 def _penalties(seqs: list[Sequence], rows: list[int]) -> dict[str, np.ndarray]:

@@ -40,15 +40,16 @@ on earlier tokens of the same step do not speculate: see `off_reason`.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from worker.executor.penalties import needs_known_tokens
 from worker.executor.sequence import Sequence
 from worker.executor.types import DraftSource, Request, SpeculativeConfig
 
 MAX_DRAFT_TOKENS = 16
+_INT32 = "i"  # prompt lookup's packed token ids
+_INT32_BYTES = array(_INT32).itemsize
 
 
 @dataclass(slots=True)
@@ -62,21 +63,19 @@ class SpecState:
     # whether the output stopped following them.
     checked: int = 0
     diverged: bool = False
-    # PROMPT_LOOKUP: the tokens so far as an array, extended as they grow (converting
-    # a long list on every step would cost more than the search).
-    array: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # PROMPT_LOOKUP: the tokens so far packed as int32 bytes, extended as they grow
+    # (prompt_lookup searches them with bytes.rfind; repacking on every step would
+    # cost more than the search).
+    packed: bytearray = field(default_factory=bytearray)
     filled: int = 0
 
-    def tokens_array(self, tokens: list[int]) -> np.ndarray:
-        """`tokens` (which only ever grow) as an array."""
+    def packed_tokens(self, tokens: list[int]) -> bytearray:
+        """`tokens` (which only ever grow) as native int32 bytes."""
         n = len(tokens)
-        if n > len(self.array):
-            grown = np.zeros(2 * n, dtype=np.int64)
-            grown[: self.filled] = self.array[: self.filled]
-            self.array = grown
-        self.array[self.filled : n] = tokens[self.filled : n]
-        self.filled = n
-        return self.array[:n]
+        if n > self.filled:
+            self.packed += array(_INT32, tokens[self.filled : n]).tobytes()
+            self.filled = n
+        return self.packed
 
 
 def off_reason(request: Request, config: SpeculativeConfig, has_draft_model: bool) -> str | None:
@@ -136,27 +135,32 @@ def max_drafts(seq: Sequence, max_seq_len: int) -> int:
     return max(0, min(seq.spec.config.num_draft_tokens, room))
 
 
-def prompt_lookup(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> list[int]:
+def pack(tokens: list[int]) -> bytes:
+    """Token ids as native int32 bytes, prompt_lookup's `packed`."""
+    return array(_INT32, tokens).tobytes()
+
+
+def prompt_lookup(tokens: list[int], packed: bytes | bytearray, k: int, max_ngram: int, min_ngram: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the longest
-    suffix n-gram (max_ngram down to min_ngram) of `tokens`."""
+    suffix n-gram (max_ngram down to min_ngram) of `tokens`; `packed`: the same
+    tokens as pack() gives them. Each n-gram is one bytes.rfind, a C search, rather
+    than numpy calls per token of the n-gram: the host's time per verification step
+    adds to it."""
     length = len(tokens)
     if k <= 0 or length < min_ngram + 1:
         return []
-    # Where an earlier token equals the last one, then, one token further back at a
-    # time, where the match goes on: the positions ending the longest match.
-    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
-    best = ends if min_ngram <= 1 else ends[:0]
-    for j in range(1, max_ngram):
-        ends = ends[ends >= j]
-        ends = ends[tokens[ends - j] == tokens[length - 1 - j]]
-        if not ends.size:
-            break
-        if j + 1 >= min_ngram:
-            best = ends
-    if not best.size:
-        return []
-    start = int(best[-1]) + 1
-    return [int(t) for t in tokens[start : start + k]]
+    width = _INT32_BYTES
+    # An earlier occurrence ends before the last token.
+    limit = (length - 1) * width
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = packed[(length - n) * width : length * width]
+        at = packed.rfind(suffix, 0, limit)
+        while at > 0 and at % width:  # a match across token boundaries: look further back
+            at = packed.rfind(suffix, 0, at + len(suffix) - 1)
+        if at >= 0:
+            start = at // width + n
+            return tokens[start : start + k]
+    return []
 
 
 def external_drafts(state: SpecState, generated: list[int], k: int) -> list[int]:

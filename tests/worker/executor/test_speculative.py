@@ -30,7 +30,7 @@ from worker.executor import (
     SpeculativeConfig,
     StepOutput,
 )
-from worker.executor.speculative import SpecState, external_drafts, num_accepted, prompt_lookup
+from worker.executor.speculative import SpecState, external_drafts, num_accepted, pack, prompt_lookup
 
 Spec = Callable[[int], SpeculativeConfig | None]  # request index -> its speculative config
 
@@ -143,7 +143,7 @@ def run(model: Path, reqs: list[Request], draft: Path | None = None, check: bool
 
 def test_prompt_lookup_continues_the_latest_occurrence_of_the_longest_suffix() -> None:
     def lookup(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
-        return prompt_lookup(np.asarray(tokens), k, max_ngram, min_ngram)
+        return prompt_lookup(tokens, pack(tokens), k, max_ngram, min_ngram)
 
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
     assert lookup(tokens, 2, 3, 1) == [7, 8]  # the latest earlier [1, 2, 3]
@@ -153,15 +153,44 @@ def test_prompt_lookup_continues_the_latest_occurrence_of_the_longest_suffix() -
     assert lookup([4, 5, 6, 1, 2, 6], 3, 3, 2) == []  # ... which is below min_ngram
     assert lookup([4, 5, 4], 5, 2, 1) == [5, 4]  # runs into the end of the tokens
     assert lookup([4], 5, 3, 1) == []
+    # 256 and 1 as int32 bytes overlap ([0 1 0 0][1 0 0 0]): only whole tokens match.
+    assert lookup([256, 1, 0, 7, 1], 2, 1, 1) == [0, 7]
+    assert lookup([256, 0, 0, 7, 1], 2, 1, 1) == []
 
 
-def test_the_lookup_array_follows_the_growing_tokens() -> None:
+def _reference_lookup(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """The latest end e < len - 1 of the longest suffix n-gram, by brute force."""
+    for n in range(max_ngram, min_ngram - 1, -1):
+        suffix = tokens[len(tokens) - n :] if n <= len(tokens) else None
+        for e in range(len(tokens) - 2, n - 2, -1):
+            if suffix is not None and tokens[e - n + 1 : e + 1] == suffix:
+                return tokens[e + 1 : e + 1 + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_prompt_lookup_on_growing_tokens_matches_a_brute_force_search(seed: int) -> None:
+    rng = random.Random(seed)
+    config = SpeculativeConfig(max_ngram=rng.randint(1, 4), min_ngram=1)
+    config.min_ngram = rng.randint(1, config.max_ngram)
+    state = SpecState(config)
+    # Few distinct ids (repeats), ids whose bytes overlap, and large ones.
+    alphabet = rng.sample([0, 1, 2, 3, 256, 257, 65536, 65537, 50000, 2**31 - 1], rng.randint(2, 10))
+    tokens = [rng.choice(alphabet) for _ in range(rng.randint(1, 5))]
+    for _ in range(300):
+        k = rng.randint(0, 8)
+        got = prompt_lookup(tokens, state.packed_tokens(tokens), k, config.max_ngram, config.min_ngram)
+        assert got == _reference_lookup(tokens, k, config.max_ngram, config.min_ngram), tokens
+        tokens += [rng.choice(alphabet) for _ in range(rng.randint(1, 3))]
+
+
+def test_the_packed_tokens_follow_the_growing_tokens() -> None:
     state = SpecState(SpeculativeConfig())
     tokens = list(range(5))
-    assert state.tokens_array(tokens).tolist() == tokens
+    assert bytes(state.packed_tokens(tokens)) == pack(tokens)
     for t in range(5, 40):
         tokens.append(t % 7)
-        assert state.tokens_array(tokens).tolist() == tokens
+        assert bytes(state.packed_tokens(tokens)) == pack(tokens)
 
 
 def test_acceptance_is_the_longest_prefix_the_target_sampled_itself() -> None:
