@@ -47,6 +47,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -295,6 +296,20 @@ def _other_start(prompts: list[list[int]]) -> list[list[int]]:
     return [[100 + (p[0] + 1 - 100) % 1000, *p[1:]] for p in prompts]
 
 
+def _two_stacks(model: Path, *worker_args: str) -> tuple[_Stack, _Stack]:
+    """Two stacks, CURVE off and on, started at once: neither loads its model (and
+    takes its share of the accelerator) after the other."""
+    with ThreadPoolExecutor(2) as pool:
+        starts = [pool.submit(_Stack, model, *worker_args, curve=curve) for curve in (False, True)]
+    try:
+        return starts[0].result(), starts[1].result()
+    except BaseException:
+        for start in starts:
+            if start.exception() is None:
+                start.result().close()
+        raise
+
+
 def compare(model: Path, prompt_sets: list[list[list[int]]]) -> tuple[list[Run], list[Run], list[Run], list[Run]]:
     """The paths on each set of prompts in turn, in process first, so that a change
     in the machine's pace during the section weighs on all: every run of each path
@@ -304,8 +319,7 @@ def compare(model: Path, prompt_sets: list[list[list[int]]]) -> tuple[list[Run],
     from worker.executor import Executor, ExecutorConfig, KvCacheConfig, Request
 
     config = ExecutorConfig(max_batch_size=max(64, REQUESTS), kv_cache_config=KvCacheConfig(max_tokens=_kv_tokens()))
-    stack = _Stack(model, "--max-batch-size", str(max(64, REQUESTS)))
-    curve_stack = _Stack(model, "--max-batch-size", str(max(64, REQUESTS)), curve=True)
+    stack, curve_stack = _two_stacks(model, "--max-batch-size", str(max(64, REQUESTS)))
     local, remote, http, curve = [], [], [], []
     try:
         with Executor.from_model(model, config) as ex:
