@@ -15,10 +15,10 @@ The same stack's HTTP front (OpenAI's /v1/completions, server-sent events, a
 plain asyncio HTTP/1.1 client here so the figures are the server's, not an SDK's)
 takes its turn after the ZeroMQ client on each set, with prompts that differ in
 their first token (the worker's prefix cache must not serve the second path).
-A second stack, the same but with CURVE on between client, gateway and worker,
-takes its turn right before or after the first (each in turn goes first: the
-first set, the stack without CURVE) on each set (its own worker: same prompts):
-the cost of CURVE, also shown set by set (an order effect would show there).
+A second stack, the same but with CURVE on between client, gateway and worker
+(its own worker: same prompts; both stacks start at once), runs right next to
+the first on each set, the two taking turns at going first: the cost of CURVE,
+also shown set by set (an order effect would show there).
 (b) TRANSPORT TEST: a worker started with `--backend echo` (its backend returns
 immediately, no model runs) behind one gateway, to find how many streamed
 tokens/s one gateway process routes (detokenizing as usual). Each row also says
