@@ -15,8 +15,10 @@ The same stack's HTTP front (OpenAI's /v1/completions, server-sent events, a
 plain asyncio HTTP/1.1 client here so the figures are the server's, not an SDK's)
 takes its turn after the ZeroMQ client on each set, with prompts that differ in
 their first token (the worker's prefix cache must not serve the second path).
-A second stack, the same but with CURVE on between client, gateway and worker,
-takes its turn last on each set (its own worker: same prompts): the cost of CURVE.
+A second stack, the same but with CURVE on between client, gateway and worker
+(its own worker: same prompts; both stacks start at once), runs right next to
+the first on each set, the two taking turns at going first: the cost of CURVE,
+also shown set by set (an order effect would show there).
 (b) TRANSPORT TEST: a worker started with `--backend echo` (its backend returns
 immediately, no model runs) behind one gateway, to find how many streamed
 tokens/s one gateway process routes (detokenizing as usual). Each row also says
@@ -45,6 +47,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -85,6 +88,10 @@ class Run:
                 f"{_pct(self.ttft_ms, 50):.1f}", f"{_pct(self.ttft_ms, 99):.1f}",
                 f"{_pct(self.itl_ms, 50):.2f}", f"{_pct(self.itl_ms, 99):.2f}",
                 f"{_pct(self.decode_itl_ms, 50):.2f}", f"{_pct(self.decode_itl_ms, 99):.2f}"]  # fmt: skip
+
+
+def _tps(run: Run) -> float:
+    return run.tokens / run.seconds
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -289,16 +296,30 @@ def _other_start(prompts: list[list[int]]) -> list[list[int]]:
     return [[100 + (p[0] + 1 - 100) % 1000, *p[1:]] for p in prompts]
 
 
-def compare(model: Path, prompt_sets: list[list[list[int]]]) -> tuple[Run, Run, Run, Run]:
+def _two_stacks(model: Path, *worker_args: str) -> tuple[_Stack, _Stack]:
+    """Two stacks, CURVE off and on, started at once: neither loads its model (and
+    takes its share of the accelerator) after the other."""
+    with ThreadPoolExecutor(2) as pool:
+        starts = [pool.submit(_Stack, model, *worker_args, curve=curve) for curve in (False, True)]
+    try:
+        return starts[0].result(), starts[1].result()
+    except BaseException:
+        for start in starts:
+            if start.exception() is None:
+                start.result().close()
+        raise
+
+
+def compare(model: Path, prompt_sets: list[list[list[int]]]) -> tuple[list[Run], list[Run], list[Run], list[Run]]:
     """The paths on each set of prompts in turn, in process first, so that a change
-    in the machine's pace during the section weighs on all; the fastest run of
-    each path counts. One warm Executor here and one stack throughout, and a second
-    stack with CURVE on (idle while the others run)."""
+    in the machine's pace during the section weighs on all: every run of each path
+    (in process, the stack, its HTTP front, the CURVE stack), one per set. One warm
+    Executor here and one stack throughout, and a second stack with CURVE on (idle
+    while the others run)."""
     from worker.executor import Executor, ExecutorConfig, KvCacheConfig, Request
 
     config = ExecutorConfig(max_batch_size=max(64, REQUESTS), kv_cache_config=KvCacheConfig(max_tokens=_kv_tokens()))
-    stack = _Stack(model, "--max-batch-size", str(max(64, REQUESTS)))
-    curve_stack = _Stack(model, "--max-batch-size", str(max(64, REQUESTS)), curve=True)
+    stack, curve_stack = _two_stacks(model, "--max-batch-size", str(max(64, REQUESTS)))
     local, remote, http, curve = [], [], [], []
     try:
         with Executor.from_model(model, config) as ex:
@@ -306,22 +327,25 @@ def compare(model: Path, prompt_sets: list[list[list[int]]]) -> tuple[Run, Run, 
             while not any(r.result and r.result.is_final for r in ex.await_responses(timeout=120)):
                 pass
             settle_gc()  # as the worker and the gateway do once loaded
-            for prompts in prompt_sets:
+            for i, prompts in enumerate(prompt_sets):
                 local.append(_in_process_run(ex, prompts))
-                start, end, lines = asyncio.run(_stream_all(stack.gateway, prompts, OUTPUT, greedy=True))
-                remote.append(_collect("gateway + worker (loopback)", start, end, lines))
+                # CURVE off and on back to back, taking turns at going first, so that neither
+                # always follows the other's work (or the HTTP run's) and an order effect evens out.
+                for with_curve in (False, True) if i % 2 == 0 else (True, False):
+                    if with_curve:
+                        start, end, lines = asyncio.run(_stream_all(curve_stack.gateway, prompts, OUTPUT, greedy=True,
+                                                                    curve=curve_stack.client_curve))  # fmt: skip
+                        curve.append(_collect("gateway + worker (loopback), CURVE on", start, end, lines))
+                    else:
+                        start, end, lines = asyncio.run(_stream_all(stack.gateway, prompts, OUTPUT, greedy=True))
+                        remote.append(_collect("gateway + worker (loopback)", start, end, lines))
                 start, end, lines = asyncio.run(_http_stream_all(stack.http_port, model.name, _other_start(prompts),
                                                                  OUTPUT, greedy=True))  # fmt: skip
                 http.append(_collect("HTTP+SSE front, gateway + worker (loopback)", start, end, lines))
-                start, end, lines = asyncio.run(
-                    _stream_all(curve_stack.gateway, prompts, OUTPUT, greedy=True, curve=curve_stack.client_curve)
-                )
-                curve.append(_collect("gateway + worker (loopback), CURVE on", start, end, lines))
     finally:
         stack.close()
         curve_stack.close()
-    runs = (local, remote, http, curve)
-    return tuple(min(r, key=lambda run: run.seconds) for r in runs)  # type: ignore[return-value]
+    return local, remote, http, curve
 
 
 def _echo_stack(model: Path, curve: bool = False) -> _Stack:
@@ -404,12 +428,14 @@ def table() -> tuple[list[str], list[list[str]]]:
     # New prompts for each repeat (the same sets for both paths): a repeated prompt
     # would be served from the prefix cache.
     prompt_sets = [_prompts(vocab, seed) for seed in range(REPEATS)]
-    local, remote, http, curve = compare(model, prompt_sets)
+    runs = compare(model, prompt_sets)
+    local, remote, http, curve = (min(r, key=lambda run: run.seconds) for r in runs)  # the fastest of each path
+    pairs = " ".join(f"{_tps(on) / _tps(off):.2f}" for off, on in zip(runs[1], runs[3], strict=True))
     header = ["path", "out tokens", "s", "tokens/s", "vs in-process", "TTFT p50 ms", "TTFT p99 ms",
               "ITL p50 ms", "ITL p99 ms", "decode ITL p50 ms", "decode ITL p99 ms"]  # fmt: skip
     rows = [local.row(), remote.row(local), curve.row(local), http.row(local)]
-    rows.append([f"(CURVE on vs off: {curve.tokens / curve.seconds / (remote.tokens / remote.seconds):.3f} of "
-                 "the unauthenticated tokens/s; goal >= 0.97)", *[""] * 10])  # fmt: skip
+    rows.append([f"(CURVE on vs off: {_tps(curve) / _tps(remote):.3f} of the unauthenticated tokens/s, "
+                 f"goal >= 0.97; on each prompt set: {pairs})", *[""] * 10])  # fmt: skip
     added = _pct(http.decode_itl_ms, 99) - _pct(remote.decode_itl_ms, 99)
     rows.append([f"(HTTP vs ZeroMQ client: {http.tokens / http.seconds / (remote.tokens / remote.seconds):.3f} of "
                  f"its tokens/s, {added:+.2f} ms decode ITL p99)", *[""] * 10])  # fmt: skip
