@@ -4,7 +4,10 @@
 Stack: Starlette on uvicorn. Both are widely used and maintained (FastAPI is
 built on them), small (no code generation, no dependency injection we would
 not use), and speak ASGI, so server-sent events are an async generator and a
-client that goes away cancels it. uvicorn's h11 protocol needs no compiler.
+client that goes away cancels it. uvicorn speaks HTTP/1.1 with httptools (a
+dependency: wheels for every CPython we support) and falls back to h11 where
+it is missing: httptools' path for a body write is a few lines where h11's is a
+state machine, and an SSE stream makes one write per step, so per token.
 
 It must not slow the ZeroMQ path, so it runs on a thread of its own with its
 own asyncio loop, and reaches the gateway as one more ZeroMQ client: a DEALER
@@ -185,7 +188,7 @@ class HttpFront:
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
         self.app = Starlette(routes=routes, lifespan=self._lifespan)
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, http="h11", loop="asyncio",
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, http="auto", loop="asyncio",
                                 lifespan="on", timeout_graceful_shutdown=2)  # fmt: skip
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
