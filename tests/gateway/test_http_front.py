@@ -84,7 +84,7 @@ def test_streamed_chunks_are_compact_ascii_json_in_openais_key_order(service, ch
     """Every chunk to the byte as json.dumps(separators=(",", ":")) writes OpenAI's chunk object:
     the plain steps' chunks are rendered from a template, and must not differ from the rest.
     The tiny model's text is full of escapes (control characters, U+FFFD) to get right."""
-    ask = {"messages": [{"role": "user", "content": "héllo \"wörld\""}]} if chat else {"prompt": "héllo \"wörld\""}
+    ask = {"messages": [{"role": "user", "content": 'héllo "wörld"'}]} if chat else {"prompt": 'héllo "wörld"'}
     body = {"model": MODEL, **ask, "max_tokens": 32, "min_tokens": 32, "temperature": 0.0, "stream": True}
     path = "/v1/chat/completions" if chat else "/v1/completions"
     chunks = _sse_data(service.http_url + path, body)
