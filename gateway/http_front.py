@@ -4,7 +4,10 @@
 Stack: Starlette on uvicorn. Both are widely used and maintained (FastAPI is
 built on them), small (no code generation, no dependency injection we would
 not use), and speak ASGI, so server-sent events are an async generator and a
-client that goes away cancels it. uvicorn's h11 protocol needs no compiler.
+client that goes away cancels it. uvicorn speaks HTTP/1.1 with httptools (a
+dependency: wheels for every CPython we support) and falls back to h11 where
+it is missing: httptools' path for a body write is a few lines where h11's is a
+state machine, and an SSE stream makes one write per step, so per token.
 
 It must not slow the ZeroMQ path, so it runs on a thread of its own with its
 own asyncio loop, and reaches the gateway as one more ZeroMQ client: a DEALER
@@ -26,9 +29,10 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -54,11 +58,35 @@ log = logging.getLogger(__name__)
 _HEARTBEAT_S = 1.0
 
 
-@dataclass(slots=True)
 class _Call:
-    """One HTTP request in flight: what the bridge hands its handler."""
+    """One HTTP request in flight: what the bridge hands its handler, in order, and
+    the future the handler waits on while there is nothing.
 
-    events: asyncio.Queue[protocol.Result | api.ApiError] = field(default_factory=asyncio.Queue)
+    A plain streamed step (sequence 0, text alone, not final: almost every event) is
+    queued as its text, with its token count added to `step_tokens`, so that a token
+    costs no Result here; results with more in them, and errors, are queued as they are.
+    Not an asyncio.Queue: the handler takes everything queued at once when it wakes."""
+
+    __slots__ = ("events", "step_tokens", "waiter")
+
+    def __init__(self) -> None:
+        self.events: deque[str | protocol.Result | api.ApiError] = deque()
+        self.step_tokens = 0
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, event: str | protocol.Result | api.ApiError) -> None:
+        self.events.append(event)
+        waiter = self.waiter
+        if waiter is not None:  # woken once, however many events this batch brings
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Return once an event is queued."""
+        while not self.events:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
 
 
 class Bridge:
@@ -118,24 +146,18 @@ class Bridge:
             elif isinstance(msg, protocol.ErrorReply):
                 call = self.calls.pop(msg.request_id, None) if msg.request_id else None
                 if call is not None:
-                    call.events.put_nowait(api.ApiError.from_code(msg.code, msg.message))
+                    call.put(api.ApiError.from_code(msg.code, msg.message))
 
     def _results(self, batch: protocol.ResultBatch) -> None:
         calls = self.calls
         streamed = batch.streamed
-        if streamed is not None:  # the plain streamed steps: no Response built for them
+        if streamed is not None:  # the plain streamed steps: their text is all the front needs
             texts = streamed.text or [""] * len(streamed.request_ids)
-            start = 0
             for request_id, n, text in zip(streamed.request_ids, streamed.counts, texts, strict=True):
                 call = calls.get(request_id)
                 if call is not None:
-                    ids = streamed.token_ids[start : start + n]
-                    call.events.put_nowait(protocol.Result.model_construct(
-                        is_final=False, output_token_ids=[ids], finish_reasons=[protocol.FinishReason.NOT_FINISHED],
-                        sequence_index=0, is_sequence_final=False, log_probs=None, cum_log_probs=None,
-                        top_token_ids=None, top_log_probs=None, text=[text],
-                    ))  # fmt: skip
-                start += n
+                    call.step_tokens += n
+                    call.put(text)
         for response in batch.responses:
             call = calls.get(response.request_id)
             if call is None:
@@ -143,9 +165,9 @@ class Bridge:
             if response.is_final:
                 del calls[response.request_id]
             if response.result is None:
-                call.events.put_nowait(api.ApiError(500, response.error_msg or "the worker failed", "server_error"))
+                call.put(api.ApiError(500, response.error_msg or "the worker failed", "server_error"))
             else:
-                call.events.put_nowait(response.result)
+                call.put(response.result)
 
 
 class HttpFront:
@@ -166,7 +188,7 @@ class HttpFront:
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
         self.app = Starlette(routes=routes, lifespan=self._lifespan)
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, http="h11", loop="asyncio",
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, http="auto", loop="asyncio",
                                 lifespan="on", timeout_graceful_shutdown=2)  # fmt: skip
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
@@ -252,11 +274,12 @@ class HttpFront:
         tokenizer = self.gateway.tokenizers.get(submit.model or model)  # a LoRA adapter's: its model's
         text = api.TokenText(tokenizer)
         if body.stream:
-            first = await call.events.get()  # an error before any output is still an HTTP error
+            await call.wait()
+            first = call.events[0]  # an error before any output is still an HTTP error
             if isinstance(first, api.ApiError):
                 return JSONResponse(first.body(), first.status)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = self._sse(call, first, submit, model, chat, prompt_tokens, include_usage, text)
+            stream = self._sse(call, submit, model, chat, prompt_tokens, include_usage, text)
             return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         # A whole response is awaited here, not in a body iterator that ASGI would end: a client
         # that goes away meanwhile is watched for, and its request cancelled.
@@ -328,32 +351,50 @@ class HttpFront:
 
     async def _whole(self, call: _Call, submit: protocol.Submit) -> list[api.Choice]:
         choices = [api.Choice(i) for i in range(submit.num_return_sequences)]
+        events = call.events
         while True:
-            event = await call.events.get()
-            if isinstance(event, api.ApiError):
-                raise event
-            _apply(choices, event, submit)
-            if event.is_final:
-                return choices
+            await call.wait()
+            while events:
+                event = events.popleft()
+                if isinstance(event, str):
+                    choices[0].text += event
+                    continue
+                if isinstance(event, api.ApiError):
+                    raise event
+                _apply(choices, event, submit)
+                if event.is_final:
+                    choices[0].tokens += call.step_tokens
+                    return choices
 
-    async def _sse(self, call: _Call, first: protocol.Result, submit: protocol.Submit, model: str, chat: bool,
-                   prompt_tokens: int | None, include_usage: bool,
-                   text: api.TokenText) -> AsyncIterator[bytes]:  # fmt: skip
+    async def _sse(self, call: _Call, submit: protocol.Submit, model: str, chat: bool, prompt_tokens: int | None,
+                   include_usage: bool, text: api.TokenText) -> AsyncIterator[bytes]:  # fmt: skip
         assert self.bridge is not None
         request_id = submit.request_id
         head = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": model}  # fmt: skip
+        before, after = _step_chunk(head, chat)
         choices = [api.Choice(i) for i in range(submit.num_return_sequences)]
         offsets = [0] * len(choices)
-        event: protocol.Result | api.ApiError = first
+        events = call.events
         done = False
         try:
             if chat:
                 roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for i in range(len(choices))]  # fmt: skip
-                yield _event({**head, "choices": roles})
-            pending: list[bytes] = []  # what the steps queued so far make: one write for all of them
+                yield _event({**head, "choices": roles}).encode()
+            pending: list[str] = []  # what the events queued so far make: one write for all of them
             while True:
+                if not events:
+                    if pending:
+                        yield "".join(pending).encode()
+                        pending.clear()
+                    await call.wait()
+                event = events.popleft()
+                if isinstance(event, str):  # a plain step: its chunk from the template
+                    if event:
+                        pending.append(before + encode_basestring_ascii(event) + after)
+                        offsets[0] += len(event)
+                    continue
                 if isinstance(event, api.ApiError):
                     pending.append(_event(event.body()))
                     break
@@ -373,18 +414,11 @@ class HttpFront:
                 if event.is_final:
                     done = True
                     if include_usage:
-                        used = api.usage(prompt_tokens, sum(c.tokens for c in choices))
+                        used = api.usage(prompt_tokens, sum(c.tokens for c in choices) + call.step_tokens)
                         pending.append(_event({**head, "choices": [], "usage": used}))
                     break
-                if call.events.empty():
-                    if pending:
-                        yield b"".join(pending)
-                        pending.clear()
-                    event = await call.events.get()
-                else:
-                    event = call.events.get_nowait()
-            pending.append(b"data: [DONE]\n\n")
-            yield b"".join(pending)
+            pending.append("data: [DONE]\n\n")
+            yield "".join(pending).encode()
         finally:
             if not done:  # the client went away (or the stream failed): stop the request
                 with contextlib.suppress(Exception):
@@ -398,8 +432,25 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+def _event(obj: dict[str, Any]) -> str:
+    """One server-sent event: compact JSON, ASCII only (as json.dumps makes it)."""
+    return "data: " + json.dumps(obj, separators=(",", ":")) + "\n\n"
+
+
+_MARK = "\x00text\x00"
+
+
+def _step_chunk(head: dict[str, Any], chat: bool) -> tuple[str, str]:
+    """The event of a plain step, around its text: `before + encode_basestring_ascii(text) + after`
+    is `_event` of its chunk to the byte (it renders a JSON string as json.dumps does), with no
+    dict built or dumped per token."""
+    if chat:
+        item = {"index": 0, "delta": {"content": _MARK}, "logprobs": None, "finish_reason": None}
+    else:
+        item = {"index": 0, "text": _MARK, "logprobs": None, "finish_reason": None}
+    # The text is the last string of the chunk: whatever `head` holds comes before it.
+    before, _, after = _event({**head, "choices": [item]}).rpartition(encode_basestring_ascii(_MARK))
+    return before, after
 
 
 def _apply(choices: list[api.Choice], r: protocol.Result,

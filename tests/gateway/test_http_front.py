@@ -69,6 +69,38 @@ def test_chat_whole_and_streamed_agree(client):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def _sse_data(url: str, body: dict[str, object]) -> list[bytes]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        raw = r.read()
+    events = raw.split(b"\n\n")
+    assert events.pop() == b"" and events.pop() == b"data: [DONE]", raw[-200:]
+    assert all(e.startswith(b"data: {") for e in events)
+    return [e.removeprefix(b"data: ") for e in events]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_chunks_are_compact_ascii_json_in_openais_key_order(service, chat):
+    """Every chunk to the byte as json.dumps(separators=(",", ":")) writes OpenAI's chunk object:
+    the plain steps' chunks are rendered from a template, and must not differ from the rest.
+    The tiny model's text is full of escapes (control characters, U+FFFD) to get right."""
+    ask = {"messages": [{"role": "user", "content": 'héllo "wörld"'}]} if chat else {"prompt": 'héllo "wörld"'}
+    body = {"model": MODEL, **ask, "max_tokens": 32, "min_tokens": 32, "temperature": 0.0, "stream": True}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    chunks = _sse_data(service.http_url + path, body)
+    steps = 0
+    for raw in chunks:
+        chunk = json.loads(raw)
+        assert json.dumps(chunk, separators=(",", ":")).encode() == raw
+        assert list(chunk) == ["id", "object", "created", "model", "choices"]
+        (choice,) = chunk["choices"]
+        delta = "delta" if chat else "text"
+        assert list(choice) == ["index", delta, "logprobs", "finish_reason"]
+        steps += choice["finish_reason"] is None and bool(choice[delta])
+    assert steps >= 8, chunks  # the plain steps' chunks were among them
+    assert {json.loads(c)["id"] for c in chunks} == {json.loads(chunks[0])["id"]}
+
+
 def test_n_and_seed(client):
     def sample(seed: int) -> list[str]:
         r = client.completions.create(model=MODEL, prompt="héllo", max_tokens=12, n=2, temperature=1.0, seed=seed,
@@ -215,11 +247,13 @@ def test_health_is_503_with_the_reason_without_workers_or_redis(service, tmp_pat
             while True:
                 try:
                     status, body = _get(f"http://127.0.0.1:{port}/health")
-                    break
                 except OSError:  # not listening yet
-                    assert time.monotonic() < deadline and gateway.alive, gateway.log()
-                    time.sleep(0.1)
-            assert (status, json.loads(body)) == (503, {"status": "unavailable", "reason": reason})
+                    status, body = 0, b"null"
+                # Until its discovery thread's first read, a gateway has not heard from Redis either.
+                if (status, json.loads(body)) == (503, {"status": "unavailable", "reason": reason}):
+                    break
+                assert time.monotonic() < deadline and gateway.alive, (status, body, gateway.log())
+                time.sleep(0.1)
     finally:
         for gateway in gateways:
             gateway.stop()
