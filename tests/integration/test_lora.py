@@ -280,12 +280,14 @@ def dir_service(service_model: Path, adapters: dict[str, Path],
 
 
 def test_a_request_for_an_adapter_in_a_lora_dir_goes_there_and_loads_it(dir_service: Stack, llm: LLM):
-    _wait_registry(dir_service, "worker1", [], loadable=["b", "broken"])
+    worker1 = dir_service.workers[1]
+    _forget(dir_service, "b")
+    loads = worker1.log().count("loading LoRA adapter 'b'")
     with Client([dir_service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
         under_b = client.generate(PROMPT, lora="b", request_id="first-b", timeout=60, **FIXED)
         assert under_b.token_ids == expected(llm, "b")
         assert dir_service.request_stats("first-b")["worker"] == "worker1"
-        dir_service.workers[1].wait_log("loading LoRA adapter 'b'")
+        worker1.wait_log("loading LoRA adapter 'b'", loads + 1)
         _wait_registry(dir_service, "worker1", ["b"], loadable=["broken"])
         dir_service.gateways[0].wait_log("worker1 holds LoRA adapters ['b'], can load ['broken']")
 
@@ -293,7 +295,7 @@ def test_a_request_for_an_adapter_in_a_lora_dir_goes_there_and_loads_it(dir_serv
         futures = [client.submit(PROMPT, lora="b", request_id=f"held-b-{i}", **FIXED) for i in range(3)]
         assert all(f.result(timeout=60).token_ids == expected(llm, "b") for f in futures)
         assert {dir_service.request_stats(f"held-b-{i}")["worker"] for i in range(3)} == {"worker1"}
-        assert dir_service.workers[1].log().count("loading LoRA adapter 'b'") == 1
+        assert worker1.log().count("loading LoRA adapter 'b'") == loads + 1
 
         with pytest.raises(RequestError, match=r"unknown LoRA adapter 'zzz': no worker .*holds it or can load it; "
                            r"held: \['a', 'b'\]; loadable: \['broken'\]") as info:  # fmt: skip
@@ -322,6 +324,31 @@ def test_an_adapter_that_does_not_load_fails_that_request_alone(dir_service: Sta
         with pytest.raises(RequestError, match=r"cannot load LoRA adapter 'broken': .*adapter_model"):
             client.generate(PROMPT, lora="broken", timeout=60, **FIXED)
         # Still announced as loadable (its files may be fixed), and the worker serves on.
-        _wait_registry(dir_service, "worker1", ["b"], loadable=["broken"])
+        (entry,) = [w for w in registered_workers(dir_service.redis_url) if w.worker_id == "worker1"]
+        assert "broken" in entry.lora_loadable and "broken" not in entry.lora_adapters
         assert client.generate(PROMPT, lora="b", timeout=60, **FIXED).token_ids == expected(llm, "b")
         assert client.generate(PROMPT, timeout=60, **FIXED).token_ids == expected(llm, None)
+
+
+def test_a_request_waiting_for_its_adapter_to_load_can_be_cancelled(dir_service: Stack, llm: LLM):
+    _forget(dir_service, "b")
+    wire = WireClient(dir_service.workers[1].endpoint)
+    try:  # in one socket turn: the cancel finds the request waiting for the load
+        wire.send(protocol.Submit(request_id="waits", input_token_ids=PROMPT, max_tokens=8,
+                                  lora_config=protocol.LoraConfig(name="b")))  # fmt: skip
+        wire.send(protocol.Cancel(request_id="waits"))
+        wire.wait(["waits"], timeout=60)
+        assert not wire.errors["waits"]
+        final = wire.responses["waits"][-1]
+        assert final.result is not None and final.result.finish_reasons == [protocol.FinishReason.CANCELLED]
+    finally:
+        wire.close()
+    _wait_registry(dir_service, "worker1", ["b"], loadable=["broken"])  # the load itself went on
+
+
+def _forget(service: Stack, name: str) -> None:
+    """Unload `name` from worker1 if it holds it: its --lora-dir makes it loadable again."""
+    endpoint = service.workers[1].endpoint
+    if any(w.worker_id == "worker1" and name in w.lora_adapters for w in registered_workers(service.redis_url)):
+        change_lora(endpoint, protocol.LoraUnload(request_id=f"forget-{name}", name=name), timeout_s=30)
+    _wait_registry(service, "worker1", [], loadable=["b", "broken"])
