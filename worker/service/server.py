@@ -522,8 +522,8 @@ class WorkerService:
         if adapters == self.lora_adapters and loadable == self.lora_loadable:
             return
         self.lora_adapters, self.lora_loadable = adapters, loadable
-        self.redis.info = self.redis.info.model_copy(update={"lora_adapters": adapters,
-                                                             "lora_loadable": loadable})  # one reference swap
+        update = {"lora_adapters": adapters, "lora_loadable": loadable}
+        self.redis.info = self.redis.info.model_copy(update=update)  # one reference swap
         notice = protocol.LoraAdapters(sender_id=self.sender_id, adapters=adapters, loadable=loadable)
         for gateway in self.gateways:
             if gateway != but:
