@@ -304,7 +304,8 @@ def test_a_request_for_an_adapter_in_a_lora_dir_goes_there_and_loads_it(dir_serv
         assert client.generate(PROMPT, lora="a", timeout=30, **FIXED).token_ids == expected(llm, "a")
 
 
-def test_an_adapter_that_does_not_load_fails_that_request_alone(dir_service: Stack, llm: LLM):
+def test_an_adapter_that_does_not_load_fails_that_request_alone(dir_service: Stack, llm: LLM,
+                                                                capsys: pytest.CaptureFixture[str]):  # fmt: skip
     wire = WireClient(dir_service.workers[1].endpoint)
     try:  # straight to worker1: a plain request beside the one whose adapter does not load
         greedy = protocol.SamplingConfig(temperature=0.0)
@@ -326,6 +327,9 @@ def test_an_adapter_that_does_not_load_fails_that_request_alone(dir_service: Sta
         # Still announced as loadable (its files may be fixed), and the worker serves on.
         (entry,) = [w for w in registered_workers(dir_service.redis_url) if w.worker_id == "worker1"]
         assert "broken" in entry.lora_loadable and "broken" not in entry.lora_adapters
+        assert tokenwire(["lora", "list", "--redis", dir_service.redis_url]) == 0
+        listed = capsys.readouterr().out
+        assert "loadable (--lora-dir)" in listed and "broken" in listed
         assert client.generate(PROMPT, lora="b", timeout=60, **FIXED).token_ids == expected(llm, "b")
         assert client.generate(PROMPT, timeout=60, **FIXED).token_ids == expected(llm, None)
 
