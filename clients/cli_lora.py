@@ -40,7 +40,7 @@ def register(subparsers: Subparsers) -> None:
                        help="a CURVE key pair the workers accept (a gateway's); their public keys come from "
                        "the registry")  # fmt: skip
 
-    p = command("list", "the adapters each worker holds")
+    p = command("list", "the adapters each worker holds, and those it loads when a request names one")
     p.set_defaults(handler=list_adapters)
 
     p = command("load", "register an adapter on workers, from a PEFT directory on their hosts")
@@ -63,8 +63,9 @@ def list_adapters(args: argparse.Namespace) -> int:
     if not workers:
         print("no live workers registered")
         return 0
-    rows = [[w.worker_id, ",".join(w.models), ",".join(w.lora_adapters) or "-"] for w in workers]
-    print(format_table(["worker", "models", "LoRA adapters"], rows))
+    rows = [[w.worker_id, ",".join(w.models), ",".join(w.lora_adapters) or "-", ",".join(w.lora_loadable) or "-"]
+            for w in workers]  # fmt: skip
+    print(format_table(["worker", "models", "LoRA adapters", "loadable (--lora-dir)"], rows))
     return 0
 
 

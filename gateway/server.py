@@ -28,7 +28,7 @@ import protocol
 from gateway.client_batch import ClientBatch
 from gateway.discovery import Discovery
 from gateway.tokenizer_store import PromptError, Tokenizers
-from gateway.workers import WorkerLink, adapter_models, least_loaded, serves
+from gateway.workers import WorkerLink, adapter_models, can_load, least_loaded, serves
 from ops.curve import CurveConfig, CurveServer, connect_as_client, routing_id
 from ops.drain import Drain
 from ops.metrics import GatewayMetrics, outcome
@@ -294,6 +294,7 @@ class Gateway:
             state.heartbeat_interval_s = msg.heartbeat_interval_s
             models = sorted({m for w in self.workers.values() if w.ready for m in w.models})
             adapters = sorted({a for w in self.workers.values() if w.ready for a in w.lora_adapters})
+            loadable = sorted({a for w in self.workers.values() if w.ready for a in w.lora_loadable} - set(adapters))
             self._reply(
                 client,
                 protocol.Ready(
@@ -302,6 +303,7 @@ class Gateway:
                     heartbeat_interval_s=self.config.heartbeat_interval_s,
                     models=models,
                     lora_adapters=adapters,
+                    lora_loadable=loadable,
                 ),
             )
         elif isinstance(msg, protocol.Heartbeat):
@@ -347,14 +349,17 @@ class Gateway:
         if model is not None and ready and not any(model in w.models for w in ready):
             served = sorted({m for w in ready for m in w.models})
             return refuse(ErrorCode.UNKNOWN_MODEL, f"no worker serves model {model!r}; served: {served}")
-        if lora is not None and ready and not any(serves(w, model, lora) for w in ready):
+        if lora is not None and ready and not any(serves(w, model, lora) or can_load(w, model, lora) for w in ready):
             held = sorted({a for w in ready if serves(w, model, None) for a in w.lora_adapters})
+            loadable = sorted({a for w in ready if serves(w, model, None) for a in w.lora_loadable} - set(held))
             return refuse(ErrorCode.UNKNOWN_MODEL, f"unknown LoRA adapter {lora!r}: no worker "
-                          f"{'' if model is None else f'of model {model!r} '}holds it; held: {held}")  # fmt: skip
+                          f"{'' if model is None else f'of model {model!r} '}holds it or can load it; "
+                          f"held: {held}; loadable: {loadable}")  # fmt: skip
         if model is None and msg.input_token_ids is None:
             # Text is tokenized for one model: the one most ready workers serve. With none
             # ready yet, the first worker to take the request settles it.
-            names = [m for w in ready if serves(w, None, lora) for m in w.models[:1]]
+            names = [m for w in ready if serves(w, None, lora) or (lora is not None and can_load(w, None, lora))
+                     for m in w.models[:1]]  # fmt: skip
             model = max(set(names), key=names.count) if names else None
         # Its tokenizer comes with the worker it is dispatched to.
         stream = OutputStream(None, msg.stop or [], msg.num_return_sequences, msg.sampling_config.beam_width > 1)
@@ -483,7 +488,8 @@ class Gateway:
             if self.requests.get(req.wire_id) is not req:
                 continue  # cancelled or its client went away meanwhile
             if now - req.created > self.config.no_worker_timeout_s:
-                adapter = "" if req.submit.lora is None else f" holding LoRA adapter {req.submit.lora!r}"
+                lora = req.submit.lora
+                adapter = "" if lora is None else f" holding (or able to load) LoRA adapter {lora!r}"
                 self._fail(
                     req,
                     ErrorCode.UNAVAILABLE,
@@ -578,8 +584,9 @@ class Gateway:
             elif isinstance(msg, protocol.ErrorReply):
                 self._worker_error(link, msg)
             elif isinstance(msg, protocol.LoraAdapters):
-                link.lora_adapters = frozenset(msg.adapters)
-                log.info("worker %s holds LoRA adapters %s", link.worker_id, sorted(msg.adapters))
+                link.lora_adapters, link.lora_loadable = frozenset(msg.adapters), frozenset(msg.loadable)
+                log.info("worker %s holds LoRA adapters %s, can load %s", link.worker_id, sorted(msg.adapters),
+                         sorted(msg.loadable))  # fmt: skip
             elif isinstance(msg, protocol.Drain):
                 # It finishes what it has (results keep coming on this link) but takes nothing new.
                 link.draining = True
@@ -594,7 +601,7 @@ class Gateway:
                 link.ready = True
                 link.heartbeat_interval_s = msg.heartbeat_interval_s
                 link.models = list(msg.models)
-                link.lora_adapters = frozenset(msg.lora_adapters)
+                link.lora_adapters, link.lora_loadable = frozenset(msg.lora_adapters), frozenset(msg.lora_loadable)
                 link.vocab_size = msg.vocab_size
                 link.max_seq_len = msg.max_seq_len
                 link.update_load(msg.load)

@@ -22,6 +22,7 @@ class WorkerLink:
     heartbeat_interval_s: float = 1.0
     models: list[str] = field(default_factory=list)
     lora_adapters: frozenset[str] = frozenset()  # as its Ready and LoraAdapters messages said
+    lora_loadable: frozenset[str] = frozenset()  # not held, but loaded when a request names one (its --lora-dir)
     vocab_size: int | None = None
     max_seq_len: int | None = None
     load: protocol.WorkerLoad | None = None
@@ -51,10 +52,19 @@ def serves(link: WorkerLink, model: str | None, lora: str | None) -> bool:
     return (model is None or model in link.models) and (lora is None or lora in link.lora_adapters)
 
 
+def can_load(link: WorkerLink, model: str | None, lora: str) -> bool:
+    """Whether the worker serves `model` (any when None) and can load the adapter `lora` on demand."""
+    return (model is None or model in link.models) and lora in link.lora_loadable
+
+
 def least_loaded(workers: list[WorkerLink], model: str | None, lora: str | None = None) -> WorkerLink | None:
     """The least-loaded ready worker serving `model` (any model when None) and holding the
-    LoRA adapter `lora` (when given); ties at random."""
-    candidates = [w for w in workers if w.ready and not w.draining and serves(w, model, lora)]
+    LoRA adapter `lora` (when given); if none holds it, the least-loaded one that can load
+    it (a load costs a read from disk, so a busier holder still wins); ties at random."""
+    available = [w for w in workers if w.ready and not w.draining]
+    candidates = [w for w in available if serves(w, model, lora)]
+    if not candidates and lora is not None:
+        candidates = [w for w in available if can_load(w, model, lora)]
     if not candidates:
         return None
     best = min(w.score() for w in candidates)
@@ -62,11 +72,14 @@ def least_loaded(workers: list[WorkerLink], model: str | None, lora: str | None 
 
 
 def adapter_models(workers: list[WorkerLink]) -> dict[str, str]:
-    """LoRA adapter name -> the model of a ready worker that holds it (the first one's,
-    should workers of different models hold adapters of one name)."""
+    """LoRA adapter name -> the model of a ready worker that holds it, or else can load it
+    (the first one's, should workers of different models have adapters of one name)."""
     found: dict[str, str] = {}
-    for w in workers:
-        if w.ready and not w.draining and w.models:
-            for name in w.lora_adapters:
-                found.setdefault(name, w.models[0])
+    live = [w for w in workers if w.ready and not w.draining and w.models]
+    for w in live:
+        for name in w.lora_adapters:
+            found.setdefault(name, w.models[0])
+    for w in live:
+        for name in w.lora_loadable:
+            found.setdefault(name, w.models[0])
     return found

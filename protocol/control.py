@@ -82,9 +82,11 @@ class Ready(Message):
     chat_template: str | None = None
     bos_token: str | None = None
     eos_token: str | None = None
-    # The LoRA adapters a worker holds (requests name them in lora_config); a LoraAdapters
-    # message says when that changes.
+    # The LoRA adapters a worker holds (requests name them in lora_config), and those it
+    # does not hold but can load on a request's demand (its --lora-dir); a LoraAdapters
+    # message says when either changes.
     lora_adapters: list[Name] = Field(default_factory=list)
+    lora_loadable: list[Name] = Field(default_factory=list)
 
 
 class Drain(Message):
@@ -119,11 +121,13 @@ class LoraUnload(Message):
 
 
 class LoraAdapters(Message):
-    """The LoRA adapters a worker holds now: to every gateway when they change, and
-    (with `request_id`) to the sender of a LoraLoad or LoraUnload, as its answer."""
+    """The LoRA adapters a worker holds now, and those it can load when a request names
+    one: to every gateway when they change, and (with `request_id`) to the sender of a
+    LoraLoad or LoraUnload, as its answer."""
 
     kind: ClassVar[str] = "lora_adapters"
 
     sender_id: Name
     adapters: list[Name] = Field(default_factory=list)
+    loadable: list[Name] = Field(default_factory=list)
     request_id: Name | None = None

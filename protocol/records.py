@@ -37,6 +37,7 @@ class WorkerInfo(Message):
     state: Literal["serving", "draining"] = "serving"
     curve_public_key: Name | None = None  # z85; a gateway with CURVE on connects only to pinned keys
     lora_adapters: list[Name] = Field(default_factory=list)  # the LoRA adapters it holds
+    lora_loadable: list[Name] = Field(default_factory=list)  # those it loads when a request names one
 
 
 class IterationStats(Message):

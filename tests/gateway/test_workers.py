@@ -1,4 +1,4 @@
-"""Routing among a gateway's workers: by model, by LoRA adapter held, then by load."""
+"""Routing among a gateway's workers: by model, by LoRA adapter held (else loadable), then by load."""
 
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ def ctx() -> Iterator[zmq.Context]:
 def links(ctx: zmq.Context) -> Iterator[list[WorkerLink]]:
     made: list[WorkerLink] = []
 
-    def link(worker_id: str, model: str, adapters: set[str], busy: int) -> WorkerLink:
+    def link(worker_id: str, model: str, adapters: set[str], busy: int, loadable: frozenset[str] = frozenset()
+             ) -> WorkerLink:  # fmt: skip
         info = protocol.WorkerInfo(worker_id=worker_id, address="tcp://127.0.0.1:1", models=[model], host="h",
                                    pid=1, started_at=0.0)  # fmt: skip
         w = WorkerLink(info, ctx.socket(zmq.DEALER), ready=True, models=[model], lora_adapters=frozenset(adapters),
-                       load=protocol.WorkerLoad(num_active_requests=busy))  # fmt: skip
+                       load=protocol.WorkerLoad(num_active_requests=busy), lora_loadable=loadable)  # fmt: skip
         made.append(w)
         return w
 
@@ -34,6 +35,9 @@ def links(ctx: zmq.Context) -> Iterator[list[WorkerLink]]:
     link("busy-a", "m", {"a"}, 5)
     link("busier-ab", "m", {"a", "b"}, 9)
     link("other-model-c", "n", {"c"}, 0)
+    link("busiest-can-load-bd", "m", set(), 12, frozenset({"b", "d"}))
+    link("busier-can-load-de", "m", set(), 10, frozenset({"d", "e"}))
+    link("other-model-can-load-f", "n", set(), 0, frozenset({"f"}))
     yield made
     for w in made:
         w.socket.close(0)
@@ -59,8 +63,35 @@ def test_draining_workers_are_not_chosen_or_listed(links: list[WorkerLink]):
     assert least_loaded(links, "m", "a").worker_id == "busier-ab"  # type: ignore[union-attr]
     links[2].draining = True
     assert least_loaded(links, "m", "a") is None
+    for w in links[4:]:
+        w.draining = True
     assert adapter_models(links) == {"c": "n"}
 
 
 def test_adapters_map_to_their_models(links: list[WorkerLink]):
-    assert adapter_models(links) == {"a": "m", "b": "m", "c": "n"}
+    assert adapter_models(links) == {"a": "m", "b": "m", "c": "n", "d": "m", "e": "m", "f": "n"}
+
+
+def test_a_worker_holding_the_adapter_wins_over_a_less_loaded_one_that_could_load_it(links: list[WorkerLink]):
+    links[4].load = protocol.WorkerLoad()  # idle, and it can load b
+    assert links[2].score() > links[4].score()
+    assert least_loaded(links, "m", "b").worker_id == "busier-ab"  # type: ignore[union-attr]
+    links[2].draining = True  # the only holder: now the one that can load it
+    assert least_loaded(links, "m", "b").worker_id == "busiest-can-load-bd"  # type: ignore[union-attr]
+
+
+def test_if_none_holds_it_the_least_loaded_worker_that_can_load_it(links: list[WorkerLink]):
+    assert least_loaded(links, "m", "d").worker_id == "busier-can-load-de"  # type: ignore[union-attr]
+    links[4].sent_since_load = 0
+    links[5].sent_since_load = 3  # sent meanwhile: now the busier of the two
+    assert least_loaded(links, "m", "d").worker_id == "busiest-can-load-bd"  # type: ignore[union-attr]
+    assert least_loaded(links, None, "f").worker_id == "other-model-can-load-f"  # type: ignore[union-attr]
+    assert least_loaded(links, "m", "f") is None  # loadable, but by a worker of another model
+
+
+def test_once_loaded_it_is_held_there(links: list[WorkerLink]):
+    w = links[5]
+    w.lora_adapters, w.lora_loadable = frozenset({"e"}), frozenset({"d"})  # as its LoraAdapters notice says
+    links[4].load = protocol.WorkerLoad()  # idle now, and it could load e too
+    links[4].lora_loadable = frozenset({"b", "d", "e"})
+    assert least_loaded(links, "m", "e") is w

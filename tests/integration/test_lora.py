@@ -6,6 +6,8 @@ ZeroMQ client, HTTP, the jobs queue); adapters load and unload at run time."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +23,7 @@ from clients.client import Client, RequestError
 from clients.jobs import JobQueue, JobStatus
 from clients.llm import LLM
 from clients.lora_control import LoraControlError, change_lora, registered_workers
+from tests.conftest import RedisServer
 from tests.integration.test_jobs import Consumer
 from tests.integration.wire import WireClient
 from tests.procs import HEARTBEAT_S, Stack, free_port
@@ -187,6 +190,9 @@ def test_a_request_sent_right_after_a_load_runs_under_it(service: Stack, llm: LL
         (response,) = wire.responses["right-after"]
         assert response.result is not None, response.error_msg
         assert response.result.output_token_ids[0] == expected(llm, "c")
+        deadline = time.monotonic() + 10  # the load's answer may be sent just after a short request's result
+        while not any(isinstance(m, protocol.LoraAdapters) for m in wire.other) and time.monotonic() < deadline:
+            wire.pump(0.05)
         assert [m.adapters for m in wire.other if isinstance(m, protocol.LoraAdapters)] == [["b", "c-now"]]
     finally:
         wire.close()
@@ -215,12 +221,14 @@ def _post(url: str, body: dict[str, Any]) -> Any:
         return json.load(r)
 
 
-def _wait_registry(service: Stack, worker_id: str, adapters: list[str], timeout: float = 10.0) -> None:
-    """Until the worker's registry entry names these adapters (it is rewritten each heartbeat)."""
+def _wait_registry(service: Stack, worker_id: str, adapters: list[str], timeout: float = 10.0,
+                   loadable: list[str] | None = None) -> None:  # fmt: skip
+    """Until the worker's registry entry names these adapters held (and these loadable, when
+    given; it is rewritten each heartbeat)."""
     deadline = time.monotonic() + timeout
     while True:
-        held = {w.worker_id: w.lora_adapters for w in registered_workers(service.redis_url)}
-        if held.get(worker_id) == adapters:
+        held = {w.worker_id: (w.lora_adapters, w.lora_loadable) for w in registered_workers(service.redis_url)}
+        if worker_id in held and held[worker_id][0] == adapters and loadable in (None, held[worker_id][1]):
             return
         assert time.monotonic() < deadline, f"registry: {held}"
         time.sleep(0.05)
@@ -245,3 +253,106 @@ def test_loads_reach_a_curve_worker_with_a_key_it_accepts(service_model: Path, a
         assert "loaded c; holds c" in capsys.readouterr().out
     finally:
         s.close()
+
+
+@pytest.fixture(scope="module")
+def dir_service(service_model: Path, adapters: dict[str, Path],
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:  # fmt: skip
+    """worker0 holds a; worker1 holds nothing but has b (and a broken adapter) in its --lora-dir.
+    A Redis of its own: the module's other stack is up beside it."""
+    root = tmp_path_factory.mktemp("lora-dir")
+    shutil.copytree(adapters["b"], root / "b")
+    (root / "broken").mkdir()  # a config, but no weights
+    shutil.copy(adapters["c"] / "adapter_config.json", root / "broken")
+    (root / "notes").mkdir()  # no adapter_config.json: not an adapter
+    redis_server = RedisServer(tmp_path_factory.mktemp("lora-dir-redis"))
+    redis_server.start()
+    s = Stack(service_model, redis_server.url, tmp_path_factory.mktemp("lora-dir-service"))
+    try:
+        s.worker("--lora", f"a={adapters['a']}", "--max-loras", "2")
+        s.worker("--lora-dir", str(root), "--max-loras", "1")
+        s.gateway()
+        s.gateways[0].wait_workers(2)
+        yield s
+    finally:
+        s.close()
+        redis_server.kill()
+
+
+def test_a_request_for_an_adapter_in_a_lora_dir_goes_there_and_loads_it(dir_service: Stack, llm: LLM):
+    worker1 = dir_service.workers[1]
+    _forget(dir_service, "b")
+    loads = worker1.log().count("loading LoRA adapter 'b'")
+    with Client([dir_service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+        under_b = client.generate(PROMPT, lora="b", request_id="first-b", timeout=60, **FIXED)
+        assert under_b.token_ids == expected(llm, "b")
+        assert dir_service.request_stats("first-b")["worker"] == "worker1"
+        worker1.wait_log("loading LoRA adapter 'b'", loads + 1)
+        _wait_registry(dir_service, "worker1", ["b"], loadable=["broken"])
+        dir_service.gateways[0].wait_log("worker1 holds LoRA adapters ['b'], can load ['broken']")
+
+        # Held now: the next requests run on it without a load, several at once.
+        futures = [client.submit(PROMPT, lora="b", request_id=f"held-b-{i}", **FIXED) for i in range(3)]
+        assert all(f.result(timeout=60).token_ids == expected(llm, "b") for f in futures)
+        assert {dir_service.request_stats(f"held-b-{i}")["worker"] for i in range(3)} == {"worker1"}
+        assert worker1.log().count("loading LoRA adapter 'b'") == loads + 1
+
+        with pytest.raises(RequestError, match=r"unknown LoRA adapter 'zzz': no worker .*holds it or can load it; "
+                           r"held: \['a', 'b'\]; loadable: \['broken'\]") as info:  # fmt: skip
+            client.generate(PROMPT, lora="zzz", timeout=30, **FIXED)
+        assert info.value.code == protocol.ErrorCode.UNKNOWN_MODEL
+        assert client.generate(PROMPT, lora="a", timeout=30, **FIXED).token_ids == expected(llm, "a")
+
+
+def test_an_adapter_that_does_not_load_fails_that_request_alone(dir_service: Stack, llm: LLM,
+                                                                capsys: pytest.CaptureFixture[str]):  # fmt: skip
+    wire = WireClient(dir_service.workers[1].endpoint)
+    try:  # straight to worker1: a plain request beside the one whose adapter does not load
+        greedy = protocol.SamplingConfig(temperature=0.0)
+        wire.send(protocol.Submit(request_id="plain", input_token_ids=PROMPT, max_tokens=8, end_id=-1,
+                                  sampling_config=greedy))  # fmt: skip
+        wire.send(protocol.Submit(request_id="broken", input_token_ids=PROMPT, max_tokens=8, end_id=-1,
+                                  sampling_config=greedy, lora_config=protocol.LoraConfig(name="broken")))  # fmt: skip
+        wire.wait(["plain", "broken"], timeout=60)
+        (broken,) = wire.errors["broken"]  # refused by the worker, as a request it cannot take
+        assert re.match(r"cannot load LoRA adapter 'broken': .*adapter_model", broken.message), broken.message
+        assert broken.code == protocol.ErrorCode.INVALID_REQUEST
+        (plain,) = wire.responses["plain"]
+        assert plain.result is not None and plain.result.output_token_ids[0] == expected(llm, None)
+    finally:
+        wire.close()
+    with Client([dir_service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+        with pytest.raises(RequestError, match=r"cannot load LoRA adapter 'broken': .*adapter_model"):
+            client.generate(PROMPT, lora="broken", timeout=60, **FIXED)
+        # Still announced as loadable (its files may be fixed), and the worker serves on.
+        (entry,) = [w for w in registered_workers(dir_service.redis_url) if w.worker_id == "worker1"]
+        assert "broken" in entry.lora_loadable and "broken" not in entry.lora_adapters
+        assert tokenwire(["lora", "list", "--redis", dir_service.redis_url]) == 0
+        listed = capsys.readouterr().out
+        assert "loadable (--lora-dir)" in listed and "broken" in listed
+        assert client.generate(PROMPT, lora="b", timeout=60, **FIXED).token_ids == expected(llm, "b")
+        assert client.generate(PROMPT, timeout=60, **FIXED).token_ids == expected(llm, None)
+
+
+def test_a_request_waiting_for_its_adapter_to_load_can_be_cancelled(dir_service: Stack, llm: LLM):
+    _forget(dir_service, "b")
+    wire = WireClient(dir_service.workers[1].endpoint)
+    try:  # in one socket turn: the cancel finds the request waiting for the load
+        wire.send(protocol.Submit(request_id="waits", input_token_ids=PROMPT, max_tokens=8,
+                                  lora_config=protocol.LoraConfig(name="b")))  # fmt: skip
+        wire.send(protocol.Cancel(request_id="waits"))
+        wire.wait(["waits"], timeout=60)
+        assert not wire.errors["waits"]
+        final = wire.responses["waits"][-1]
+        assert final.result is not None and final.result.finish_reasons == [protocol.FinishReason.CANCELLED]
+    finally:
+        wire.close()
+    _wait_registry(dir_service, "worker1", ["b"], loadable=["broken"])  # the load itself went on
+
+
+def _forget(service: Stack, name: str) -> None:
+    """Unload `name` from worker1 if it holds it: its --lora-dir makes it loadable again."""
+    endpoint = service.workers[1].endpoint
+    if any(w.worker_id == "worker1" and name in w.lora_adapters for w in registered_workers(service.redis_url)):
+        change_lora(endpoint, protocol.LoraUnload(request_id=f"forget-{name}", name=name), timeout_s=30)
+    _wait_registry(service, "worker1", [], loadable=["b", "broken"])

@@ -202,11 +202,12 @@ MESSAGES: dict[str, st.SearchStrategy[p.Message]] = {
         load=_maybe(worker_loads),
         tokenizer_json=_maybe(st.binary(max_size=64)),
         lora_adapters=st.lists(names, max_size=3),
+        lora_loadable=st.lists(names, max_size=3),
     ),
     "lora_load": st.builds(p.LoraLoad, request_id=names, name=names, path=names),
     "lora_unload": st.builds(p.LoraUnload, request_id=names, name=names),
     "lora_adapters": st.builds(p.LoraAdapters, sender_id=names, adapters=st.lists(names, max_size=4),
-                               request_id=_maybe(names)),
+                               loadable=st.lists(names, max_size=4), request_id=_maybe(names)),
     "drain": st.builds(p.Drain, sender_id=names, deadline_s=_maybe(st.floats(0.0, 1e6))),
     "worker_info": st.builds(
         p.WorkerInfo,
@@ -218,6 +219,7 @@ MESSAGES: dict[str, st.SearchStrategy[p.Message]] = {
         device=_maybe(names),
         started_at=timestamps,
         lora_adapters=st.lists(names, max_size=3),
+        lora_loadable=st.lists(names, max_size=3),
     ),
     "iteration_stats": st.builds(
         p.IterationStats,

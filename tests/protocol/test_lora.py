@@ -60,13 +60,21 @@ def test_a_prompt_table_needs_token_ids():
 
 
 def test_workers_announce_their_adapters():
-    ready = p.Ready(sender_id="w", role="worker", heartbeat_interval_s=1.0, models=["m"], lora_adapters=["a", "b"])
+    ready = p.Ready(sender_id="w", role="worker", heartbeat_interval_s=1.0, models=["m"], lora_adapters=["a", "b"],
+                    lora_loadable=["c"])  # fmt: skip
     assert p.decode(p.encode(ready)) == ready
     info = p.WorkerInfo(worker_id="w", address="tcp://h:1", models=["m"], host="h", pid=1, started_at=0.0,
-                        lora_adapters=["a"])  # fmt: skip
+                        lora_adapters=["a"], lora_loadable=["c", "d"])  # fmt: skip
     assert p.decode(p.encode(info)) == info
-    news = p.LoraAdapters(sender_id="w", adapters=["a"], request_id="q")
+    news = p.LoraAdapters(sender_id="w", adapters=["a"], loadable=["c"], request_id="q")
     assert p.decode(p.encode(news)) == news
+
+
+def test_an_older_peer_announces_nothing_loadable():
+    """lora_loadable is optional: a message without it (an older worker's) decodes as loading nothing."""
+    payload = {"sender_id": "w", "role": "worker", "heartbeat_interval_s": 1.0, "lora_adapters": ["a"]}
+    ready = decode_payload("ready", payload)
+    assert isinstance(ready, p.Ready) and ready.lora_adapters == ["a"] and ready.lora_loadable == []
 
 
 @pytest.mark.parametrize(

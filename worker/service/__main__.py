@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a LoRA adapter (Hugging Face PEFT directory) requests may name; repeatable. "
         "More can be loaded at run time (tokenwire lora load) when any LoRA option is given",
     )
+    p.add_argument("--lora-dir", default=None, metavar="DIR",
+                   help="a directory of LoRA adapters, one PEFT directory each, named by its subdirectory: "
+                   "a request naming one not held loads it first; gateways route such requests here")  # fmt: skip
     p.add_argument("--max-loras", type=POSITIVE_INT, default=None,
                    help="LoRA adapters resident on the device at once (default: the executor's, 8)")
     p.add_argument("--max-cpu-loras", type=POSITIVE_INT, default=None,
@@ -137,7 +140,7 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
 
 
 def lora_options(args: argparse.Namespace) -> tuple[tuple[tuple[str, str], ...], PeftCacheConfig | None]:
-    """The adapters of --lora NAME=DIR, and the adapter cache's bounds (None: LoRA off)."""
+    """The adapters of --lora NAME=DIR, and the adapter cache's bounds (None: LoRA off; --lora-dir turns it on)."""
     from worker.executor.types import PeftCacheConfig
 
     adapters = []
@@ -151,10 +154,12 @@ def lora_options(args: argparse.Namespace) -> tuple[tuple[tuple[str, str], ...],
     names = [name for name, _ in adapters]
     if len(set(names)) != len(names):
         raise SystemExit(f"--lora: each adapter name once; got {names}")
+    if args.lora_dir is not None and not Path(args.lora_dir).is_dir():
+        raise SystemExit(f"--lora-dir {args.lora_dir}: not a directory")
     bounds = {"max_device_adapters": args.max_loras, "max_host_adapters": args.max_cpu_loras,
               "max_rank": args.max_lora_rank}  # fmt: skip
     given = {key: value for key, value in bounds.items() if value is not None}
-    if not adapters and not given:
+    if not adapters and not given and args.lora_dir is None:
         return (), None
     return tuple(adapters), PeftCacheConfig(**given)
 
@@ -225,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
                 device=args.device or args.backend,
                 drain_timeout_s=args.drain_timeout,
                 curve=curve,
+                lora_dir=args.lora_dir,
             ),
             notifier,
             listener,

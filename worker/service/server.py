@@ -36,6 +36,7 @@ from worker.service.active import Active, ActiveTable
 from worker.service.admission import too_large
 from worker.service.convert import WireBatch, to_request, to_wire_response
 from worker.service.engine import EngineFailed, EngineProcess, LoraReply
+from worker.service.lora_dir import LoraDir, PendingLoads, Taken
 from worker.service.redis_link import WorkerRedis
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class ServiceConfig:
     drain_timeout_s: float = 60.0
     # CURVE on: gateways must authenticate with an allowed key; None: off (loopback only).
     curve: CurveConfig | None = None
+    # LoRA adapters loaded when a request names one: the subdirectories of this directory (lora_dir.py).
+    lora_dir: str | None = None
 
 
 @dataclass(slots=True)
@@ -161,6 +164,9 @@ class WorkerService:
         self._lora_asks: dict[int, tuple[bytes, str]] = {}
         self._lora_tokens = itertools.count(1)
         self._lora_replies: collections.deque[LoraReply] = collections.deque()
+        self._lora_dir = LoraDir(config.lora_dir)
+        self._lora_pending = PendingLoads()  # requests waiting for an adapter loaded on their demand
+        self.lora_loadable = [n for n in self._lora_dir.names() if n not in self.lora_adapters]
         info = protocol.WorkerInfo(
             worker_id=self.worker_id,
             address=self.address,
@@ -172,6 +178,7 @@ class WorkerService:
             max_batch_size=engine.info.max_batch_size,
             curve_public_key=config.curve.keypair.public.decode() if config.curve is not None else None,
             lora_adapters=self.lora_adapters,
+            lora_loadable=self.lora_loadable,
         )
         self.redis = WorkerRedis(
             config.redis_url,
@@ -272,7 +279,7 @@ class WorkerService:
     def _drained(self) -> bool:
         """True when nothing is left to wait for: every request finished, or the bound
         passed (or a second SIGTERM came) and the rest were ended with an error."""
-        if not len(self.table):
+        if not len(self.table) and not self._lora_pending:
             log.info("drained: every request finished")
             return True
         why = self.drain.cut()
@@ -376,6 +383,8 @@ class WorkerService:
                 self.engine.unload_lora(token, msg.name)
         elif isinstance(msg, protocol.Cancel):
             self._enqueue_taken()  # it may cancel a submit of this same turn
+            if (waiting := self._lora_pending.release((gateway, msg.request_id))) is not None:
+                self._enqueue_taken([waiting])  # it ends cancelled behind the load it waited for
             entry = self.table.find(gateway, msg.request_id)
             if entry is not None:
                 self.engine.cancel_request(entry.exec_id)
@@ -398,6 +407,7 @@ class WorkerService:
                     bos_token=info.bos_token,
                     eos_token=info.eos_token,
                     lora_adapters=self.lora_adapters,
+                    lora_loadable=self.lora_loadable,
                 ),
             )
         elif isinstance(msg, protocol.Heartbeat | protocol.Drain):
@@ -421,18 +431,44 @@ class WorkerService:
             refuse(ErrorCode.UNKNOWN_MODEL, f"this worker serves {self.config.model_name!r}, not {msg.model!r}")
         elif problem := too_large(msg, self.engine.info.vocab_size, self.limits):
             refuse(ErrorCode.INVALID_REQUEST, problem)
-        elif self.table.has(gateway, msg.request_id) or (gateway, msg.request_id) in self._taken:
+        elif (self.table.has(gateway, msg.request_id) or (gateway, msg.request_id) in self._taken
+              or self._lora_pending.has((gateway, msg.request_id))):  # fmt: skip
             refuse(ErrorCode.INVALID_REQUEST, f"request_id {msg.request_id!r} is already running")
         else:
-            self._taken[gateway, msg.request_id] = (to_request(msg), msg.client_request_id or msg.request_id)
+            taken = ((gateway, msg.request_id), (to_request(msg), msg.client_request_id or msg.request_id))
+            if not self._load_on_demand(msg.lora, taken):
+                self._taken[gateway, msg.request_id] = taken[1]
 
-    def _enqueue_taken(self) -> None:
+    def _load_on_demand(self, name: str | None, taken: Taken) -> bool:
+        """Whether the request waits for its adapter, not held but in --lora-dir, to load
+        (through the engine as a LoraLoad: what is sent after it waits, running requests step on)."""
+        if name is None or name in self.lora_adapters:
+            return False
+        if self._lora_pending.join(name, taken):
+            return True  # its load is under way
+        path = self._lora_dir.path(name)
+        if path is None:
+            return False  # the engine says it is unknown
+        self._enqueue_taken()  # the submits before it keep their order
+        token = next(self._lora_tokens)
+        self._lora_pending.start(token, name, taken)
+        log.info("loading LoRA adapter %r from %s for request %s", name, path, taken[0][1])
+        self.engine.load_lora(token, name, path)
+        return True
+
+    def _enqueue_taken(self, waited: list[Taken] | None = None) -> None:
         """Hand a socket turn's submits to the executor together. A burst of requests
         then reaches it as one batch: one prefill step, not a step for each request
-        that got through while this thread waited for the GIL between messages."""
-        if not self._taken:
+        that got through while this thread waited for the GIL between messages.
+        `waited`: requests that waited for their adapter's load instead."""
+        if waited is not None:
+            taken = dict(waited)
+        elif not self._taken:
             return
-        taken, self._taken = self._taken, {}
+        else:
+            taken, self._taken = self._taken, {}
+        if not taken:
+            return
         with self.table.lock:
             try:
                 exec_ids = self.engine.enqueue_requests([request for request, _ in taken.values()])
@@ -453,13 +489,10 @@ class WorkerService:
         the adapters now held to every other gateway and to the registry."""
         asker = self._lora_asks.pop(reply.token, None)
         adapters = list(reply.adapters)
-        if adapters != self.lora_adapters:
-            self.lora_adapters = adapters
-            self.redis.info = self.redis.info.model_copy(update={"lora_adapters": adapters})  # one reference swap
-            notice = protocol.LoraAdapters(sender_id=self.sender_id, adapters=adapters)
-            for gateway in self.gateways:
-                if asker is None or gateway != asker[0]:
-                    self._send(gateway, notice)
+        self._announce_lora(adapters, None if asker is None else asker[0])
+        waited = self._lora_pending.finish(reply.token)
+        if waited is not None:
+            self._loaded_on_demand(reply, waited)
         if asker is None:
             return
         gateway, request_id = asker
@@ -469,13 +502,39 @@ class WorkerService:
                                                     request_id=request_id))  # fmt: skip
         else:
             self._send(gateway, protocol.LoraAdapters(sender_id=self.sender_id, adapters=adapters,
-                                                      request_id=request_id))  # fmt: skip
+                                                      loadable=self.lora_loadable, request_id=request_id))  # fmt: skip
+
+    def _loaded_on_demand(self, reply: LoraReply, waited: list[Taken]) -> None:
+        """The requests that waited for their adapter run now, or fail with why it did not load."""
+        if reply.error is None:
+            self._enqueue_taken(waited)
+            return
+        log.warning("%s", reply.error)
+        for (gateway, request_id), _ in waited:
+            self.metrics.rejected()
+            self._send(gateway, protocol.ErrorReply(code=ErrorCode.INVALID_REQUEST, message=reply.error,
+                                                    request_id=request_id))  # fmt: skip
+
+    def _announce_lora(self, adapters: list[str], but: bytes | None = None) -> None:
+        """Tell every gateway (but `but`) and the registry the adapters held and the ones
+        --lora-dir holds besides, when either changed (--lora-dir is read again for it)."""
+        loadable = [n for n in self._lora_dir.names() if n not in adapters]
+        if adapters == self.lora_adapters and loadable == self.lora_loadable:
+            return
+        self.lora_adapters, self.lora_loadable = adapters, loadable
+        update = {"lora_adapters": adapters, "lora_loadable": loadable}
+        self.redis.info = self.redis.info.model_copy(update=update)  # one reference swap
+        notice = protocol.LoraAdapters(sender_id=self.sender_id, adapters=adapters, loadable=loadable)
+        for gateway in self.gateways:
+            if gateway != but:
+                self._send(gateway, notice)
 
     def _gateway_gone(self, gateway: bytes, why: str) -> None:
         orphans = self.table.of_gateway(gateway)
         log.warning("gateway %r %s: aborting its %d requests", identity_name(gateway), why, len(orphans))
         for entry in orphans:
             self.engine.cancel_request(entry.exec_id)
+        self._lora_pending.drop_gateway(gateway)
         del self.gateways[gateway]
 
     def _send(self, gateway: bytes, msg: protocol.Message) -> None:
@@ -496,6 +555,8 @@ class WorkerService:
             f"{load.num_active_requests} active, {load.num_queued_requests} queued, "
             f"{load.free_num_blocks}/{load.max_num_blocks} KV blocks free, {len(self.gateways)} gateways"
         )
+        if self._lora_dir.root is not None:
+            self._announce_lora(self.lora_adapters)  # adapters copied into (or out of) --lora-dir
         beat = protocol.encode(protocol.Heartbeat(sender_id=self.sender_id, load=load))
         for gateway in self.gateways:
             self.router.send_multipart([gateway, beat])
