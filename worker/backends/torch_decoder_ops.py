@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.backends import paged_attention, quant_linear, torch_ops
+from worker.backends.lora_kernel import add_lora
 from worker.backends.torch_step import StepInputs
 from worker.models.config import ModelConfig
 from worker.models.llama import LinearRole
@@ -29,21 +30,6 @@ from worker.models.rope import Rope
 class TorchLinear:
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None  # [out]
-
-
-def _add_lora_cpu(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:
-    """y[t] += (x[t] @ a[s].T) @ b[s].T for s = slots[t] >= 0: one pair of GEMMs per slot used."""
-    for slot in slots[slots >= 0].unique().tolist():
-        rows = (slots == slot).nonzero().squeeze(1)
-        y.index_add_(0, rows, (x[rows] @ a[slot].T) @ b[slot].T)
-
-
-def _add_lora_gathered(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                       slots: torch.Tensor) -> None:
-    """The same by gathering each row's matrices: [T, R, in] of memory, for small float32 runs."""
-    s = slots.clamp(min=0)
-    delta = torch.bmm(b[s], torch.bmm(a[s], x.unsqueeze(2))).squeeze(2)
-    y.add_(delta * (slots >= 0).unsqueeze(1).to(y.dtype))
 
 
 class TorchDecoderOps:
@@ -180,16 +166,8 @@ class TorchDecoderOps:
         slots = step.lora_logits_slots if logits_rows else step.lora_slots
         if slots is None:
             return y
-        a, b = self.lora_a[layer, role], self.lora_b[layer, role]
-        if self.device.type != "cuda":
-            _add_lora_cpu(y, x, a, b, slots)
-        elif self.dtype in (torch.bfloat16, torch.float16):
-            # Triton: imported only where it runs (worker/backends/lora_kernel.py, the lora-kernel branch).
-            from worker.backends.lora_kernel import add_lora  # type: ignore[import-not-found, unused-ignore]
-
-            add_lora(y, x, a, b, slots)
-        else:  # float32 on CUDA (tests against the CPU): no host sync, so CUDA graphs can capture it
-            _add_lora_gathered(y, x, a, b, slots)
+        # Triton on CUDA (no host sync: CUDA graphs capture it), the torch reference elsewhere.
+        add_lora(y, x, self.lora_a[layer, role], self.lora_b[layer, role], slots)
         return y
 
     def add_rms_norm(
