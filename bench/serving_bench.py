@@ -289,7 +289,9 @@ def bench_model(args: argparse.Namespace, name: str, log: Callable[[str], None])
             warm = executor.enqueue_request(Request(input_token_ids=[100, 101, 102] * (p // 3 + 1), max_tokens=4))
             while not any(r.result and r.result.is_final for r in executor.await_responses(warm, timeout=300)):
                 pass
-            log(f"{label}, in process: {n} requests x {p} / {o} tokens")
+            blocks = executor.core.blocks
+            kv_tokens = blocks.num_blocks * blocks.block_size
+            log(f"{label}, in process: {n} requests x {p} / {o} tokens, KV cache {kv_tokens} tokens")
             local, rates = sweep(partial(_in_process_at, executor, label, n, p, o, vocab), args.rates, log)
             runs += local
         del executor
@@ -297,7 +299,11 @@ def bench_model(args: argparse.Namespace, name: str, log: Callable[[str], None])
         if path is not None and "service" in args.paths:
             log(f"{label}, gateway + worker: the same rates")
             worker_args = ["--max-batch-size", str(args.max_batch), "--max-num-tokens", str(args.max_num_tokens)]
-            worker_args += ["--kv-tokens", str(args.kv_tokens)] if args.kv_tokens else []
+            # The worker's KV cache holds as many of these requests as the in-process one did (at
+            # most all of them: a cache sized from free memory could not be had again in a second
+            # process). With less, fewer run at once and the rest queue: a smaller service, not a
+            # slower path (the first serving tables were measured so: 17,408 tokens, 68 requests).
+            worker_args += ["--kv-tokens", str(min(kv_tokens, n * (p + o + blocks.block_size)))]
             worker_args += ["--device", args.device] if args.device else []
             stack = _Stack(path, *worker_args)
             try:
