@@ -23,6 +23,7 @@ SECTIONS: dict[str, str] = {
     "decoding": "bench.decoding_bench",
     "spec": "bench.spec_bench",
     "jobs": "bench.jobs_bench",
+    "host": "bench.host_bench",
     "service": "bench.service_bench",
     "gpu": "bench.gpu_bench",
     "serving": "bench.serving_bench",

@@ -172,6 +172,8 @@ class BlockManager:
             return
         bs = self.block_size
         full = min(num_computed // bs, len(table.block_ids))
+        if full <= table.num_hashed:  # most steps of a decoding sequence: no block newly full
+            return
         prev = self.blocks[table.block_ids[table.num_hashed - 1]].hash if table.num_hashed else first_hash(salt)
         for i in range(table.num_hashed, full):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
