@@ -37,7 +37,7 @@ def check(rank: int, size: int, port: int, checkpoints: list[str], results: Any)
     for path in checkpoints:
         model = load_model(Path(path))
         whole = TorchBackend(model, "cpu")
-        shard = TorchBackend(model, tensor_group=group)
+        shard = TorchBackend(model, world=group)
         for b in (whole, shard):
             b.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
         logits_diff = 0.0
