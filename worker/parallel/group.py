@@ -28,7 +28,9 @@ class TensorGroup:
     rank: int  # within the stage
     size: int
     device: torch.device
-    group: dist.ProcessGroup | None = None  # None: the default group (one stage: every rank)
+    # None: the default group (one stage: every rank). A stage of one rank (tp = 1) runs
+    # the plain ops, no collectives.
+    group: dist.ProcessGroup | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place (capturable in a CUDA graph under NCCL)."""
@@ -105,7 +107,7 @@ def join(rank: int, tensor_parallel_size: int, port: int, device_type: str, pipe
         device_id=device if backend == "nccl" else None,
     )  # fmt: skip
     group = None
-    if pp > 1:  # every rank makes every stage's group, in the same order
+    if pp > 1 and tp > 1:  # every rank makes every stage's group, in the same order
         for first in range(0, tp * pp, tp):
             made = dist.new_group(list(range(first, first + tp)))
             if first <= rank < first + tp:
@@ -114,7 +116,7 @@ def join(rank: int, tensor_parallel_size: int, port: int, device_type: str, pipe
     # Warm the communicators up now: NCCL sets a communicator up on its first collective,
     # which must not happen inside a CUDA-graph capture.
     dist.all_reduce(torch.zeros(1, device=device))
-    if group is not None and tp > 1:
+    if group is not None:
         world.tensor.all_reduce(torch.zeros(1, device=device))
     return world
 

@@ -3,7 +3,8 @@ parallelism (TP=2 x PP=2: 4 ranks): rank 0 runs the core and the last stage, eac
 is cut into micro-batches that pass from stage to stage. Greedy tokens equal one
 process's and transformers', generation logits within 1e-4 of one process's; beams,
 penalties, seeded sampling, top-N, bad words, chunked context, a cancel and preemption
-give what one process gives; stages of unequal layer counts agree on the KV blocks."""
+give what one process gives; stages of unequal layer counts agree on the KV blocks;
+prompt-tuning rows reach the first stage's embedding in their micro-batch."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from tests.worker.executor.helpers import final_tokens, hf_greedy, run_all
 from tests.worker.executor.test_decoding_backends import outputs, requests
@@ -24,6 +26,7 @@ from worker.executor import (
     KvCacheConfig,
     OutputConfig,
     ParallelConfig,
+    PromptTuningConfig,
     Request,
     Response,
     SamplingConfig,
@@ -124,3 +127,23 @@ def test_decoding_features_cancels_and_preemption_equal_one_process(tp: int, pp:
     want, _ = run(1, 1)
     assert got == want
     assert cancelled == FinishReason.CANCELLED
+
+
+def test_prompt_tuning_rows_reach_the_first_stage(tiny_llama: Path) -> None:
+    """Table rows equal to the vocabulary's embeddings of the ids they replace decode as
+    those ids, among other sequences (in a micro-batch after the first)."""
+    embed = load_file(tiny_llama / "model.safetensors")["model.embed_tokens.weight"]
+    prompt = list(range(40, 52))
+    tuned = list(prompt)
+    for row, p in enumerate([9, 2, 5]):
+        tuned[p] = embed.shape[0] + row
+    table = np.stack([embed[prompt[p]] for p in [9, 2, 5]])
+    greedy = SamplingConfig(temperature=0.0)
+    # The prefill step's micro-batches: [prompt] and [short, tuned] (its rows past the cut).
+    reqs = [Request(input_token_ids=prompt, max_tokens=6, end_id=-1, sampling_config=greedy),
+            Request(input_token_ids=[7, 8, 9], max_tokens=6, end_id=-1, sampling_config=greedy),
+            Request(input_token_ids=tuned, max_tokens=6, end_id=-1, sampling_config=greedy,
+                    prompt_tuning_config=PromptTuningConfig(table))]  # fmt: skip
+    with executor(tiny_llama, 1, 2) as ex:
+        got = [final_tokens(r) for r in run_all(ex, reqs).values()]
+    assert got[2] == got[0] == hf_greedy(tiny_llama, prompt, 6)
