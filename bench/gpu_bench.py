@@ -780,6 +780,8 @@ def parser() -> argparse.ArgumentParser:
                    help="GPUs the model is split over, one process each (bench/tp_bench.py); no transformers run")
     p.add_argument("--pipeline-parallel-size", type=int, default=1,
                    help="pipeline stages, each over --tensor-parallel-size GPUs (bench/tp_bench.py)")
+    p.add_argument("--micro-batches", type=int, default=0,
+                   help="pipeline micro-batches per step (0: one per stage)")
     p.add_argument("--model-shape", default="8b", choices=["8b", "70b"],
                    help="Llama-3.1-8B or -70B shape (70b needs enough GPUs for its shards)")
     p.add_argument("--quantization", default=None, choices=["fp8", "int4"],

@@ -82,7 +82,8 @@ def _rank_setup(rank: int, args: argparse.Namespace) -> tuple[Any, Any, float, f
     t0 = time.perf_counter()
     backend = TorchBackend(cfg, dtype=dtype, weights=RandomTensors(cfg, group.device, dtype),
                            max_num_tokens=args.max_num_tokens, max_model_len=args.max_model_len,
-                           max_graph_batch=args.max_batch, world=group)  # fmt: skip
+                           max_graph_batch=args.max_batch, world=group,
+                           micro_batch_count=args.micro_batches)  # fmt: skip
     gpu_bench.sync(group.device)
     if rank == 0:
         held = torch.cuda.memory_allocated(group.device) if device_type == "cuda" else 0
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace, workloads: list[tuple[int, int, int, int]],
     from worker.parallel import layout
     from worker.parallel.ranks import DistributedBackend, spawn_ranks
 
-    parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size)
+    parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.micro_batches)
     size = parallel.world_size
     cfg = ModelConfig.from_hf(_shape(args))
     layout.validate(parallel, cfg)

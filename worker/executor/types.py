@@ -254,6 +254,8 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Micro-batches a step's sequences are cut into, so the stages overlap (0: one per stage).
+    micro_batches: int = 0
 
     @property
     def world_size(self) -> int:

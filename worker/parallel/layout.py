@@ -38,6 +38,8 @@ def validate(parallel: ParallelConfig, config: ModelConfig) -> None:
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     if tp < 1 or pp < 1:
         raise ValueError(f"parallel sizes must be >= 1, got tensor {tp}, pipeline {pp}")
+    if parallel.micro_batches < 0:
+        raise ValueError(f"micro_batches must be >= 0 (0: one per pipeline stage), got {parallel.micro_batches}")
     if pp > config.num_layers:
         raise ValueError(f"{config.num_layers} layers do not split over {pp} pipeline stages (at most one per layer)")
     if config.num_heads % tp:

@@ -61,6 +61,7 @@ class RankSpec:
     max_graph_batch: int
     tensor_parallel_size: int
     pipeline_parallel_size: int
+    micro_batch_count: int  # 0: one per stage
     port: int  # where the ranks rendezvous, on 127.0.0.1
 
 
@@ -174,6 +175,7 @@ def start_ranks(model: Any, device: str | None, dtype: str | None, max_num_token
         max_graph_batch=max_graph_batch,
         tensor_parallel_size=parallel.tensor_parallel_size,
         pipeline_parallel_size=parallel.pipeline_parallel_size,
+        micro_batch_count=parallel.micro_batches,
         port=_free_port(),
     )
     links, processes = spawn_ranks(parallel.world_size, _follower_main, (spec,))
@@ -212,6 +214,7 @@ def _rank_backend(model: Any, spec: RankSpec, world: World) -> TorchBackend:
         max_num_tokens=spec.max_num_tokens,
         max_graph_batch=spec.max_graph_batch,
         world=world,
+        micro_batch_count=spec.micro_batch_count,
     )
 
 

@@ -24,6 +24,7 @@ CONFIG = ModelConfig(model_type="llama", vocab_size=10, hidden_size=8, intermedi
         (ParallelConfig(4), replace(CONFIG, num_kv_heads=3, num_heads=12), "3 KV heads"),
         (ParallelConfig(4), replace(CONFIG, intermediate_size=10), "intermediate size 10"),
         (ParallelConfig(1, 3), CONFIG, "2 layers do not split over 3 pipeline stages"),
+        (ParallelConfig(1, 2, -1), CONFIG, "micro_batches must be >= 0"),
     ],
 )
 def test_a_model_that_does_not_split_is_refused(parallel: ParallelConfig, config: ModelConfig, message: str) -> None:

@@ -36,10 +36,11 @@ from worker.parallel.ranks import DistributedBackend
 
 
 @contextmanager
-def executor(model: Path, tp: int, pp: int, **options: object) -> Iterator[Executor]:
+def executor(model: Path, tp: int, pp: int, micro_batches: int = 0, **options: object) -> Iterator[Executor]:
     options.setdefault("kv_cache_config", KvCacheConfig(tokens_per_block=4, max_tokens=2048))
     config = ExecutorConfig(backend="torch", device="cpu", dtype="float32", max_beam_width=4,
-                            parallel_config=ParallelConfig(tp, pp), **options)  # type: ignore[arg-type]  # fmt: skip
+                            parallel_config=ParallelConfig(tp, pp, micro_batches),
+                            **options)  # type: ignore[arg-type]  # fmt: skip
     ex = Executor.from_model(model, config)
     try:
         assert isinstance(ex.core.backend, DistributedBackend) == (tp * pp > 1)
@@ -52,31 +53,32 @@ def _prompts() -> list[list[int]]:
     return [list(range(7, 30)), [5, 9, 200, 31], list(range(100, 140, 3))]
 
 
-def _greedy(model: Path, tp: int, pp: int) -> tuple[list[list[int]], np.ndarray]:
+def _greedy(model: Path, tp: int, pp: int, micro_batches: int = 0) -> tuple[list[list[int]], np.ndarray]:
     """Every prompt's greedy tokens, and the first's generation logits. Prompts longer
     than max_num_tokens go in chunks beside the others' generation."""
     reqs = [Request(input_token_ids=p, max_tokens=8, end_id=-1, sampling_config=SamplingConfig(temperature=0.0),
                     output_config=OutputConfig(return_generation_logits=i == 0))
             for i, p in enumerate(_prompts())]  # fmt: skip
-    with executor(model, tp, pp, max_num_tokens=16) as ex:
+    with executor(model, tp, pp, micro_batches, max_num_tokens=16) as ex:
         got = list(run_all(ex, reqs).values())
     logits = got[0][-1].result.generation_logits  # type: ignore[union-attr]
     return [final_tokens(r) for r in got], np.asarray(logits)
 
 
 @pytest.mark.parametrize(
-    ("name", "tp", "pp"),
+    ("name", "tp", "pp", "micro_batches"),
     [
-        ("llama_gqa", 1, 2),
-        ("mistral_bf16_sharded", 1, 2),  # sliding-window layers keep their window on their stage
+        ("llama_gqa", 1, 2, 0),
+        ("llama_gqa", 1, 2, 3),  # every sequence a micro-batch of its own
+        ("mistral_bf16_sharded", 1, 2, 0),  # sliding-window layers keep their window on their stage
         # One KV head under 2 tensor-parallel ranks, on each of 2 stages.
-        ("qwen2_mqa", 2, 2),
+        ("qwen2_mqa", 2, 2, 0),
     ],
 )
-def test_greedy_equals_one_process_and_transformers(name: str, tp: int, pp: int,
+def test_greedy_equals_one_process_and_transformers(name: str, tp: int, pp: int, micro_batches: int,
                                                     tiny_checkpoints: dict[str, Path]) -> None:  # fmt: skip
     model = tiny_checkpoints[name]
-    tokens, logits = _greedy(model, tp, pp)
+    tokens, logits = _greedy(model, tp, pp, micro_batches)
     want_tokens, want_logits = _greedy(model, 1, 1)
     assert tokens == want_tokens
     np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=0)
@@ -96,7 +98,7 @@ def test_stages_of_unequal_layers_agree_on_the_kv_blocks(three_layer_qwen2: Path
         assert backend.inner.kv_bytes_per_token() * 2 == backend.kv_bytes_per_token()
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(1, 2), pytest.param(2, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 2)])
 def test_decoding_features_cancels_and_preemption_equal_one_process(tp: int, pp: int, tiny_llama: Path) -> None:
     """Every decoding feature, plus requests that outgrow a small KV pool (the newest
     are preempted and recomputed), and one cancelled while it runs."""

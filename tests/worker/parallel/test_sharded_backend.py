@@ -58,7 +58,7 @@ def test_every_rank_matches_the_whole_model(size: int, tiny_checkpoints: dict[st
             assert kv_diff < 1e-5, (rank, name, kv_diff)
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(1, 2), pytest.param(2, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 2)])
 def test_every_stage_matches_the_whole_models_layers(
     tp: int, pp: int, tiny_checkpoints: dict[str, Path], three_layer_qwen2: Path
 ) -> None:
