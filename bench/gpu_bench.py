@@ -359,7 +359,8 @@ def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: 
         iteration_stats_max=1_000_000,
     )  # fmt: skip
     t0 = time.perf_counter()
-    single_device = not getattr(args, "tensor_parallel_size", 1) > 1  # --direct and --profile drive one backend
+    # --direct and --profile drive one backend
+    single_device = getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1) == 1
     timer = HostTimer(backend) if args.profile and single_device else None  # before the core binds `launch`
     core = EngineCore(backend, config)
     if timer is not None:
@@ -684,7 +685,8 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
     env = environment(device)
     log("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
     weights: dict[str, torch.Tensor] = {}
-    if args.tensor_parallel_size > 1 or args.model_shape != "8b":  # rank processes, each with its shard
+    gpus = args.tensor_parallel_size * args.pipeline_parallel_size
+    if gpus > 1 or args.model_shape != "8b":  # rank processes, each with its shard
         from bench import tp_bench
 
         rows, roof, bandwidth, flops = tp_bench.run(args, workloads, env)
@@ -709,12 +711,14 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
             "weight_GB": roof.weight_bytes / 1e9,
             "model_shape": "tiny" if args.tiny else args.model_shape,
             "tensor_parallel_size": args.tensor_parallel_size,
+            "pipeline_parallel_size": args.pipeline_parallel_size,
             "rows": [asdict(r) | {"tok_s": r.tok_s, "hf_tok_s": r.hf_tok_s} for r in rows],
         }
         out = os.environ.get("OUT")
         if out:
-            single = args.tensor_parallel_size == 1 and args.model_shape == "8b"
-            name = "gpu_bench.json" if single else f"gpu_bench_{args.model_shape}_tp{args.tensor_parallel_size}.json"
+            single = gpus == 1 and args.model_shape == "8b"
+            split = f"tp{args.tensor_parallel_size}" + (f"_pp{pp}" if (pp := args.pipeline_parallel_size) > 1 else "")
+            name = "gpu_bench.json" if single else f"gpu_bench_{args.model_shape}_{split}.json"
             with open(os.path.join(out, name), "w") as f:
                 json.dump(summary, f, indent=1, default=str)
 
@@ -726,7 +730,7 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
     print(f"\n{env.get('gpu', 'cpu')} | torch {env['torch']} | triton {env['triton']} | transformers "
           f"{env['transformers']} | {env['date']}")  # fmt: skip
     print(f"roofline inputs: HBM {bandwidth / 1e12:.2f} TB/s (D2D copy, read+write), bf16 GEMM {flops / 1e12:.0f} "
-          f"TFLOP/s (8192^3), summed over {args.tensor_parallel_size} GPU(s); weights "
+          f"TFLOP/s (8192^3), summed over {gpus} GPU(s); weights "
           f"{roof.weight_bytes / 1e9:.2f} GB read per step")  # fmt: skip
     return header, table
 
@@ -774,6 +778,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-budget", type=float, default=240.0, help="seconds for transformers before skipping")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="GPUs the model is split over, one process each (bench/tp_bench.py); no transformers run")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="pipeline stages, each over --tensor-parallel-size GPUs (bench/tp_bench.py)")
+    p.add_argument("--micro-batches", type=int, default=0,
+                   help="pipeline micro-batches per step (0: one per stage)")
     p.add_argument("--model-shape", default="8b", choices=["8b", "70b"],
                    help="Llama-3.1-8B or -70B shape (70b needs enough GPUs for its shards)")
     p.add_argument("--quantization", default=None, choices=["fp8", "int4"],

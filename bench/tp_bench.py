@@ -1,12 +1,16 @@
-"""gpu_bench over N GPUs (`python -m bench.gpu_bench --tensor-parallel-size N`): the
-executor on a tensor-parallel torch backend (worker/parallel), one process per GPU,
-random bf16 weights made on each rank's GPU one tensor at a time and cut to the rank's
-shard at once (the whole model is never on one device nor on the host).
+"""gpu_bench over N GPUs (`python -m bench.gpu_bench --tensor-parallel-size T
+--pipeline-parallel-size P`, N = T * P): the executor on a tensor- and/or
+pipeline-parallel torch backend (worker/parallel), one process per GPU, random bf16
+weights made on each rank's GPU one tensor at a time (only its stage's layers) and cut
+to the rank's shard at once (the whole model is never on one device nor on the host).
+Pipeline stages run without CUDA graphs.
 
 Shapes: the Llama-3.1-8B shape of gpu_bench, or `--model-shape 70b` (Llama-3.1-70B:
 hidden 8192, 80 layers, 64 query / 8 KV heads, intermediate 28672, vocab 128256).
 The roofline is N GPUs': each rank measures its HBM bandwidth and bf16 GEMM rate at
-start, and the floors use their sums (all-reduce traffic is not counted in them).
+start, and the floors use their sums (all-reduce traffic is not counted in them). Under
+pipeline parallelism a batch-1 step runs the stages one after the other, so its TPOT
+floor is the sum's P times.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ def _rank_setup(rank: int, args: argparse.Namespace) -> tuple[Any, Any, float, f
     from worker.parallel.group import join
 
     device_type = torch.device(args.device).type
-    group = join(rank, args.tensor_parallel_size, args.port, device_type)
+    group = join(rank, args.tensor_parallel_size, args.port, device_type, args.pipeline_parallel_size)
     bandwidth, flops = gpu_bench.measure_bandwidth(group.device), gpu_bench.measure_gemm(group.device)
     sums = torch.tensor([bandwidth, flops], dtype=torch.float64, device=group.device)
     torch.distributed.all_reduce(sums)
@@ -78,7 +82,8 @@ def _rank_setup(rank: int, args: argparse.Namespace) -> tuple[Any, Any, float, f
     t0 = time.perf_counter()
     backend = TorchBackend(cfg, dtype=dtype, weights=RandomTensors(cfg, group.device, dtype),
                            max_num_tokens=args.max_num_tokens, max_model_len=args.max_model_len,
-                           max_graph_batch=args.max_batch, tensor_group=group)  # fmt: skip
+                           max_graph_batch=args.max_batch, world=group,
+                           micro_batch_count=args.micro_batches)  # fmt: skip
     gpu_bench.sync(group.device)
     if rank == 0:
         held = torch.cuda.memory_allocated(group.device) if device_type == "cuda" else 0
@@ -98,26 +103,27 @@ def _follower(rank: int, inbox: Connection, parent: int, args: argparse.Namespac
 
 def run(args: argparse.Namespace, workloads: list[tuple[int, int, int, int]],
         env: dict[str, str]) -> tuple[list[Row], Roofline, float, float]:  # fmt: skip
-    """The tokenwire rows of every workload at --tensor-parallel-size ranks."""
+    """The tokenwire rows of every workload over --tensor-parallel-size x --pipeline-parallel-size ranks."""
     from worker.executor.types import ParallelConfig
     from worker.parallel import layout
     from worker.parallel.ranks import DistributedBackend, spawn_ranks
 
-    tp = args.tensor_parallel_size
+    parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.micro_batches)
+    size = parallel.world_size
     cfg = ModelConfig.from_hf(_shape(args))
-    layout.validate(ParallelConfig(tp), cfg)
-    if torch.device(args.device).type == "cuda" and torch.cuda.device_count() < tp:
-        raise gpu_bench.SkipSection(f"--tensor-parallel-size {tp}: {torch.cuda.device_count()} GPUs visible")
+    layout.validate(parallel, cfg)
+    if torch.device(args.device).type == "cuda" and torch.cuda.device_count() < size:
+        raise gpu_bench.SkipSection(f"{size} ranks: {torch.cuda.device_count()} GPUs visible")
     args.port = _free_port()
     t0 = time.perf_counter()
-    links, processes = spawn_ranks(tp, _follower, (args,))
+    links, processes = spawn_ranks(size, _follower, (args,))
     group, backend, bandwidth, flops = _rank_setup(0, args)
     distributed = DistributedBackend(backend, group, links, processes)
     dtype_bytes = 2 if args.dtype == "bfloat16" else 4
     roof = roofline_for(cfg, bandwidth, flops, dtype_bytes)
-    log(f"{tp} ranks up in {time.perf_counter() - t0:.1f} s; roofline of {tp} GPUs: {bandwidth / 1e12:.2f} TB/s, "
+    log(f"{size} ranks up in {time.perf_counter() - t0:.1f} s; roofline of {size} GPUs: {bandwidth / 1e12:.2f} TB/s, "
         f"{flops / 1e12:.0f} TFLOP/s; weights {roof.weight_bytes / 1e9:.1f} GB -> batch-1 TPOT floor "
-        f"{roof.weight_bytes / bandwidth * 1e3:.2f} ms")  # fmt: skip
+        f"{roof.weight_bytes / bandwidth * args.pipeline_parallel_size * 1e3:.2f} ms")  # fmt: skip
     try:
         rows = gpu_bench.bench_executor(args, cfg, distributed, workloads, roof)
     finally:

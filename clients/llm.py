@@ -211,7 +211,8 @@ class LLM:
                  tokenizer: Any = None, skip_tokenizer_init: bool = False,
                  kv_cache_config: KvCacheConfig | None = None,
                  capacity_scheduling_policy: CapacitySchedulerPolicy | None = None,
-                 tensor_parallel_size: int | None = None, quantization: QuantAlgo | str | None = None,
+                 tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
+                 quantization: QuantAlgo | str | None = None,
                  lora: Mapping[str, str | Path] | None = None, enable_lora: bool = False,
                  max_loras: int | None = None, max_cpu_loras: int | None = None, max_lora_rank: int | None = None,
                  async_mode: bool = False) -> None:  # fmt: skip
@@ -223,6 +224,8 @@ class LLM:
         and `decode` (default: the model's); `skip_tokenizer_init`: none at all
         (prompts are token ids, outputs have no text). Every LLM serves
         `generate_async`: `async_mode` is accepted for the seed's code.
+        `tensor_parallel_size` / `pipeline_parallel_size`: the model split over that many
+        GPUs per stage / stages, one process per GPU (worker/parallel).
 
         LoRA: `lora` maps adapter names to PEFT directories, registered at start;
         `enable_lora` makes room for adapters loaded later (`load_lora`, `lora_request=`)
@@ -234,7 +237,7 @@ class LLM:
         model_config = model if isinstance(model, ModelConfig) else ModelConfig(model_dir=model)
         seed = model_config.parallel_config  # auto_parallel spreads over world_size GPUs by tensor parallelism
         tp = tensor_parallel_size or (seed.world_size if seed.auto_parallel else seed.tp_size)
-        pp = 1 if tensor_parallel_size or seed.auto_parallel else seed.pp_size
+        pp = pipeline_parallel_size or (1 if tensor_parallel_size or seed.auto_parallel else seed.pp_size)
         cfg = config or ExecutorConfig()
         weights_algo = quantization or model_config.quant_config.quant_algo
         if weights_algo not in (None, QuantAlgo.NO_QUANT):

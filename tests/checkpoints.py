@@ -116,14 +116,15 @@ def write_tokenizer(directory: Path) -> None:
     )
 
 
-def make_checkpoint(name: str, directory: Path, seed: int = 0) -> Path:
-    """Write the named tiny checkpoint into `directory` (created) and return it."""
+def make_checkpoint(name: str, directory: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write the named tiny checkpoint into `directory` (created) and return it;
+    `overrides` change its config (e.g. num_hidden_layers)."""
     import torch
     import transformers
 
-    class_name, overrides, save_kwargs = CHECKPOINTS[name]
+    class_name, _, save_kwargs = CHECKPOINTS[name]
     save_kwargs = dict(save_kwargs)
-    config = getattr(transformers, class_name)(**{**_BASE, **overrides})
+    config = getattr(transformers, class_name)(**{**_BASE, **CHECKPOINTS[name][1], **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # norms start at 1 and biases at 0: make them matter

@@ -1,6 +1,7 @@
-"""LLM(model, tensor_parallel_size=2): the model split over two rank processes (gloo on
-the CPU) decodes what one process decodes, and shutting the LLM down stops its ranks,
-so another tensor-parallel LLM can start in the same process."""
+"""LLM(model, tensor_parallel_size=2) and LLM(model, pipeline_parallel_size=2): the model
+split over two rank processes (gloo on the CPU) decodes what one process decodes, and
+shutting the LLM down stops its ranks, so another parallel LLM can start in the same
+process."""
 
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ def test_tensor_parallel_llm_decodes_as_one_process_and_stops_its_ranks(tmp_path
     ckpt = make_checkpoint("llama_gqa", tmp_path / "llama")
     with LLM(ckpt, CONFIG) as one:
         want = [out.outputs[0].token_ids for out in one.generate(PROMPTS, GREEDY)]
-    for _ in range(2):  # the second starts after the first's ranks are gone
-        with LLM(ckpt, CONFIG, tensor_parallel_size=2) as llm:
+    for tp, pp in [(2, 1), (1, 2)]:  # the second starts after the first's ranks are gone
+        with LLM(ckpt, CONFIG, tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:
             backend = llm.executor.core.backend
             assert isinstance(backend, DistributedBackend)
+            assert (backend.world.tensor_parallel_size, backend.world.pipeline_parallel_size) == (tp, pp)
             got = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY)]
         assert got == want
         assert not any(p.is_alive() for p in backend.processes)

@@ -69,11 +69,16 @@ def test_quantization_tokenwire_does_not_do_is_refused_by_name(model_dir: Path) 
         LLM(model_dir, quantization=QuantAlgo.W8A16)
 
 
-def test_pipeline_stages_are_refused_by_name(model_dir: Path) -> None:
-    # Tensor parallelism runs (tests/clients/test_llm_tensor_parallel.py); pipeline stages do not yet.
+def test_pipeline_stages_decode_as_one_process_and_more_than_the_layers_are_refused(model_dir: Path) -> None:
+    # The seed's pp_size: the layers split into stages, one rank process each (gloo here).
     config = ModelConfig(model_dir=model_dir)
+    with LLM(config) as llm:
+        want = texts(llm.generate(["To tell a story", "Paris is"], GREEDY))
+    config.parallel_config.pp_size = 2
+    with LLM(config) as llm:
+        assert texts(llm.generate(["To tell a story", "Paris is"], GREEDY)) == want
     config.parallel_config.pp_size = 4
-    with pytest.raises(ValueError, match="pipeline parallelism is not implemented"):
+    with pytest.raises(ValueError, match="2 layers do not split over 4 pipeline stages"):
         LLM(config)
 
 

@@ -51,7 +51,7 @@ def create_backend(
     kind = resolve_backend(choice)
     if parallel is not None and parallel.world_size > 1:
         if choice == "numpy":
-            raise ValueError("tensor parallelism needs the torch backend")
+            raise ValueError("tensor or pipeline parallelism needs the torch backend")
         from worker.parallel.ranks import start_ranks
 
         return start_ranks(model, device, dtype, max_num_tokens or 8192, min(max_batch_size or 512, 512), parallel)

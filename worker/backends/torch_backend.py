@@ -35,7 +35,9 @@ from worker.models import llama
 from worker.models.config import CheckpointError, ModelConfig
 from worker.models.lora import LoraAdapter
 from worker.models.quantization import QuantizedWeight, check_mode
-from worker.parallel.group import TensorGroup
+from worker.parallel import layout
+from worker.parallel.group import World
+from worker.parallel.pipeline import PipelineStage
 from worker.parallel.sharded_ops import ShardedTorchDecoderOps
 
 log = logging.getLogger(__name__)
@@ -86,7 +88,8 @@ class TorchBackend:
         use_cuda_graphs: bool = True,
         max_graph_batch: int = 512,
         max_verify_graph_batch: int = 32,
-        tensor_group: TensorGroup | None = None,
+        world: World | None = None,
+        micro_batch_count: int = 0,
         quantization: str | None = None,
         kv_cache_dtype: str | None = None,
         max_batch_size: int | None = None,
@@ -98,15 +101,17 @@ class TorchBackend:
         `quantization` ("fp8" | "int4") quantizes float linear weights as they are made
         (a LoadedModel's own `quantize` applies when it is not given). `kv_cache_dtype`
         "fp8" keeps K and V as float8 e4m3 (unscaled): twice the tokens in the same memory.
-        With `tensor_group`, this rank holds and runs its shard of the model
-        (worker/parallel), on the group's device. `max_batch_size` bounds the rows sampled
+        With `world`, this rank holds and runs its part of the model (worker/parallel), on
+        the world's device: its tensor-parallel shard of its pipeline stage's layers; a
+        stage cuts each step into `micro_batch_count` micro-batches (0: one per stage) and
+        runs without CUDA graphs. `max_batch_size` bounds the rows sampled
         in one step (default `max_graph_batch`); with `max_num_tokens` and the graphs it
         sizes the working memory kept out of the KV cache (memory_plan.py). `free_memory`:
         bytes to plan the KV cache with instead of what the device reports free now (a
         device shared with another process; tests). Speculative verification steps of
         up to `max_verify_graph_batch` sequences run in CUDA graphs too (cuda_graphs.py)."""
-        if tensor_group is not None:
-            device = tensor_group.device
+        if world is not None:
+            device = world.device
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = _dtype(dtype, self.device)
         self.on_cuda = self.device.type == "cuda"
@@ -123,24 +128,31 @@ class TorchBackend:
         if kv_cache_dtype not in (None, "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'fp8' or None, got {kv_cache_dtype!r}")
         kv_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else self.dtype
+        # A pipeline stage: its layers, and the ranks before and after it.
+        self.stage = (
+            PipelineStage(world, self.config, self.dtype, micro_batch_count)
+            if world is not None and world.pipeline_parallel_size > 1
+            else None
+        )
+        ops_config = self.config if self.stage is None else layout.stage_config(self.config, self.stage.layers)
         self.ops = (
-            TorchDecoderOps(self.config, self.device, self.dtype, self.max_model_len, quantize=quantize,
+            TorchDecoderOps(ops_config, self.device, self.dtype, self.max_model_len, quantize=quantize,
                             kv_dtype=kv_dtype)
-            if tensor_group is None
-            else ShardedTorchDecoderOps(self.config, tensor_group, self.device, self.dtype, self.max_model_len,
+            if world is None or world.tensor_parallel_size == 1
+            else ShardedTorchDecoderOps(ops_config, world.tensor, self.device, self.dtype, self.max_model_len,
                                         quantize=quantize, kv_dtype=kv_dtype)
         )  # fmt: skip
         if weights is None:
             weights = _weights_of(model, self.device, self.dtype)
         self.model: llama.DecoderWeights[torch.Tensor, TorchLinear | QuantLinear] = llama.build_weights(
-            self.config, weights, self.ops
+            self.config, weights, self.ops, None if self.stage is None else self.stage.layers
         )
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_cuda else 1
         self.block_size = 0
         self.scratch_slot = 0
         self.staging = PinnedStaging(self.device)
         self._graphs: DecodeGraphs | None = None
-        self._use_cuda_graphs = use_cuda_graphs and self.on_cuda
+        self._use_cuda_graphs = use_cuda_graphs and self.on_cuda and self.stage is None
         self.lora_enabled = False  # LoRA slots allocated: decode graphs take each row's slot
         self._max_graph_batch = max_graph_batch
         self.max_batch_size = max_batch_size or max_graph_batch
@@ -230,8 +242,8 @@ class TorchBackend:
     # -- LoRA (LoraBackend) ------------------------------------------------------------------
 
     def enable_lora(self, num_slots: int, max_rank: int) -> None:
-        if isinstance(self.ops, ShardedTorchDecoderOps):
-            raise ValueError("LoRA adapters are not supported with tensor parallelism (tensor_parallel_size > 1) yet")
+        if isinstance(self.ops, ShardedTorchDecoderOps) or self.stage is not None:
+            raise ValueError("LoRA adapters are not supported with tensor or pipeline parallelism yet")
         self.ops.allocate_lora(num_slots, max_rank)
         self.lora_enabled = True
         self._graphs = None  # graphs captured before had no LoRA ops; allocate_kv_cache makes new ones
@@ -267,10 +279,13 @@ class TorchBackend:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [S, vocab] float32 on the device. After a CUDA-graph step they live in
-        the graph's output buffer: valid until the next forward (sample them first)."""
+        the graph's output buffer: valid until the next forward (sample them first). A
+        pipeline stage before the last returns an empty tensor (the logits are the last's)."""
         if not self.ops.k_cache:
             raise RuntimeError("allocate_kv_cache() must run before forward()")
         with torch.inference_mode():
+            if self.stage is not None:
+                return self.stage.run(batch, self._upload, self.run_model)
             key = None if self._graphs is None else self._graphs.key(batch)
             if key is not None:
                 assert self._graphs is not None
@@ -372,7 +387,7 @@ class TorchBackend:
 
     def run_model(self, inp: StepInputs) -> torch.Tensor:
         """The decoder over one packed step; returns float32 logits for the sampled rows."""
-        return llama.forward(self.model, self.ops, inp)
+        return llama.forward(self.model, self.ops, inp, self.stage)
 
 
 def _weights_of(

@@ -247,11 +247,15 @@ class GuidedDecodingConfig:
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """How many devices run the model (TensorRT-LLM's WorldConfig): the projections of
-    every layer split over `tensor_parallel_size` ranks (worker/parallel)."""
+    """How many devices run the model (TensorRT-LLM's WorldConfig): the layers split
+    into `pipeline_parallel_size` stages of contiguous layers, and the projections of
+    each stage's layers over `tensor_parallel_size` ranks (worker/parallel); one
+    process per device, tp * pp of them."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Micro-batches a step's sequences are cut into, so the stages overlap (0: one per stage).
+    micro_batches: int = 0
 
     @property
     def world_size(self) -> int:

@@ -27,6 +27,11 @@ Later work plugs in as op implementations, not as changes to this recipe:
   the parts arrive separately), row-parallel for o and down, whose `linear` all-reduces
   its output. The embedding and the lm head become vocab-parallel (a masked lookup and an
   all-reduce; a gather of the logits), and the KV pool holds the rank's KV heads.
+- Pipeline parallelism (worker/parallel/pipeline.py): a stage's weights hold a run of
+  layers (`build_weights(..., layers=)`); the embedding is stage 0's, the final norm and
+  lm head the last stage's, and the KV pool holds only the stage's layers (the ops'
+  layer index counts from the stage's first). A `StageLink` hands the hidden state
+  (x, residual) from one stage's last layer to the next stage's first.
 """
 
 from __future__ import annotations
@@ -106,6 +111,16 @@ class DecoderOps(Protocol[T, L, S_contra]):
         """x [S, hidden] -> float32 logits [S, vocab]."""
 
 
+class StageLink(Protocol[T, S_contra]):
+    """A pipeline stage's ends: the hidden state between two stages' layers."""
+
+    def receive(self, step: S_contra) -> tuple[T, T]:
+        """(x, residual) [T, hidden] as the previous stage's last layer left them."""
+
+    def send(self, x: T, residual: T, step: S_contra) -> T:
+        """Hand (x, residual) to the next stage; returns what was sent."""
+
+
 @dataclass(frozen=True, slots=True)
 class LayerWeights(Generic[T, L]):
     input_norm: T  # [hidden]
@@ -119,17 +134,23 @@ class LayerWeights(Generic[T, L]):
 
 @dataclass(frozen=True, slots=True)
 class DecoderWeights(Generic[T, L]):
+    """The whole model's weights, or a pipeline stage's: then the embedding only on the
+    first stage, the final norm and lm head only on the last (None elsewhere)."""
+
     config: ModelConfig
-    embed: T  # [vocab, hidden]
+    embed: T | None  # [vocab, hidden]
     layers: list[LayerWeights[T, L]]
-    final_norm: T  # [hidden]
-    lm_head: T  # [vocab, hidden] as the ops hold it; made from `embed` when tied
+    final_norm: T | None  # [hidden]
+    lm_head: T | None  # [vocab, hidden] as the ops hold it; made from `embed` when tied
 
 
-def build_weights(config: ModelConfig, tensors: Mapping[str, Any], ops: DecoderOps[T, L, Any]) -> DecoderWeights[T, L]:
+def build_weights(
+    config: ModelConfig, tensors: Mapping[str, Any], ops: DecoderOps[T, L, Any], layers: range | None = None
+) -> DecoderWeights[T, L]:
     """The decoder's weights in the form `ops` computes with, from Hugging Face-named float
     tensors. A fused `...qkv_proj.*` or `...gate_up_proj.weight` is taken as is (so a caller
-    can hand over memory it already holds fused)."""
+    can hand over memory it already holds fused). `layers`: a pipeline stage's (default
+    all); only their tensors, and the embedding or the head where the stage has them, are read."""
 
     def need(name: str) -> Any:
         if name not in tensors:
@@ -139,15 +160,17 @@ def build_weights(config: ModelConfig, tensors: Mapping[str, Any], ops: DecoderO
     def parts(fused: str, names: list[str]) -> list[Any]:
         return [tensors[fused]] if fused in tensors else [need(name) for name in names]
 
-    layers = []
-    for i in range(config.num_layers):
+    layers = range(config.num_layers) if layers is None else layers
+    first, last = layers.start == 0, layers.stop == config.num_layers
+    built = []
+    for i in layers:
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         qkv = parts(attn + "qkv_proj.weight", [attn + f"{n}_proj.weight" for n in "qkv"])
         bias = None
         if config.attention_bias:
             bias = parts(attn + "qkv_proj.bias", [attn + f"{n}_proj.bias" for n in "qkv"])
         gate_up = parts(mlp + "gate_up_proj.weight", [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
-        layers.append(
+        built.append(
             LayerWeights(
                 input_norm=ops.norm_weight(need(f"model.layers.{i}.input_layernorm.weight")),
                 qkv=ops.linear_weight(qkv, bias, "qkv"),
@@ -158,33 +181,49 @@ def build_weights(config: ModelConfig, tensors: Mapping[str, Any], ops: DecoderO
                 window=config.sliding_window if i in config.sliding_layers else None,
             )
         )
-    embed = ops.embedding_weight(need("model.embed_tokens.weight"))
+    embed = None
+    if first or (last and config.tie_word_embeddings):  # a tied head is made from the embedding
+        embed = ops.embedding_weight(need("model.embed_tokens.weight"))
+    head = None
+    if last:
+        head = ops.lm_head_weight(embed if config.tie_word_embeddings else need("lm_head.weight"))
     return DecoderWeights(
         config=config,
-        embed=embed,
-        layers=layers,
-        final_norm=ops.norm_weight(need("model.norm.weight")),
-        lm_head=ops.lm_head_weight(embed if config.tie_word_embeddings else need("lm_head.weight")),
+        embed=embed if first else None,
+        layers=built,
+        final_norm=ops.norm_weight(need("model.norm.weight")) if last else None,
+        lm_head=head,
     )
 
 
-def forward(model: DecoderWeights[T, L], ops: DecoderOps[T, L, S], step: S) -> T:
-    """Float32 logits [S, vocab] of the step's wanted rows; writes its K and V to the pool."""
+def forward(model: DecoderWeights[T, L], ops: DecoderOps[T, L, S], step: S, link: StageLink[T, S] | None = None) -> T:
+    """Float32 logits [S, vocab] of the step's wanted rows; writes its K and V to the pool.
+    A pipeline stage's weights run with its `link`: a stage after the first takes its
+    input from the previous one, a stage before the last returns what it sent on."""
     eps = model.config.rms_norm_eps
-    x = ops.embedding(model.embed, step)
     residual: T | None = None
-    last = len(model.layers) - 1
+    if model.embed is not None:
+        x = ops.embedding(model.embed, step)
+    else:
+        assert link is not None
+        x, residual = link.receive(step)
+    # Past the last attention of the last stage, only the rows whose logits are wanted matter.
+    last = len(model.layers) - 1 if model.lm_head is not None else -1
     rows = False  # whether the activations are down to the logits rows
     for i, layer in enumerate(model.layers):
         h, residual = ops.add_rms_norm(x, residual, layer.input_norm, eps)
         q = ops.rope_and_cache(ops.lora(ops.linear(h, layer.qkv), h, i, "qkv", step, rows), i, step)
         attn = ops.attention(q, i, layer.window, step)
-        if i == last:  # past the last attention, only the rows whose logits are wanted matter
+        if i == last:
             attn, residual = ops.logits_rows(attn, step), ops.logits_rows(residual, step)
             rows = True
         o = ops.lora(ops.linear(attn, layer.o), attn, i, "o", step, rows)
         h, residual = ops.add_rms_norm(o, residual, layer.post_norm, eps)
         act = ops.silu_mul(ops.lora(ops.linear(h, layer.gate_up), h, i, "gate_up", step, rows))
         x = ops.lora(ops.linear(act, layer.down), act, i, "down", step, rows)
+    if model.lm_head is None:
+        assert link is not None and residual is not None
+        return link.send(x, residual, step)
+    assert model.final_norm is not None
     h, _ = ops.add_rms_norm(x, residual, model.final_norm, eps)
     return ops.lm_head(h, model.lm_head)

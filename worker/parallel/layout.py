@@ -1,4 +1,9 @@
-"""Which slice of each weight a tensor-parallel rank holds (Megatron-LM's layout).
+"""Which slice of each weight a rank holds: its pipeline stage's layers, and its
+tensor-parallel shard of them (Megatron-LM's layout).
+
+Pipeline stages hold contiguous runs of layers, as even as the count allows (the first
+stages take one more when it does not divide): stage 0 also holds the embedding, the
+last stage the final norm and the lm head.
 
 Column-parallel qkv and gate_up: each rank holds its heads' rows of q, k and v (and
 its share of gate's and up's rows), so attention and SiLU * up run on local data.
@@ -33,8 +38,10 @@ def validate(parallel: ParallelConfig, config: ModelConfig) -> None:
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     if tp < 1 or pp < 1:
         raise ValueError(f"parallel sizes must be >= 1, got tensor {tp}, pipeline {pp}")
-    if pp != 1:
-        raise ValueError("pipeline parallelism is not implemented: use tensor_parallel_size only")
+    if parallel.micro_batches < 0:
+        raise ValueError(f"micro_batches must be >= 0 (0: one per pipeline stage), got {parallel.micro_batches}")
+    if pp > config.num_layers:
+        raise ValueError(f"{config.num_layers} layers do not split over {pp} pipeline stages (at most one per layer)")
     if config.num_heads % tp:
         raise ValueError(f"{config.num_heads} attention heads do not split over {tp} tensor-parallel ranks")
     kv = config.num_kv_heads
@@ -42,6 +49,18 @@ def validate(parallel: ParallelConfig, config: ModelConfig) -> None:
         raise ValueError(f"{kv} KV heads neither split over nor replicate onto {tp} tensor-parallel ranks")
     if config.intermediate_size % tp:
         raise ValueError(f"intermediate size {config.intermediate_size} does not split over {tp} ranks")
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    """The layers pipeline stage `stage` of `pp` holds."""
+    base, extra = divmod(num_layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
+def stage_config(config: ModelConfig, layers: range) -> ModelConfig:
+    """The model as a stage's ops see it: its layers (its KV pool holds only theirs)."""
+    return config if len(layers) == config.num_layers else replace(config, num_layers=len(layers))
 
 
 def local_config(config: ModelConfig, tp: int) -> ModelConfig:

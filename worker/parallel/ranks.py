@@ -1,14 +1,15 @@
-"""The ranks of a tensor-parallel model: one process per device, each holding its
-shard of the weights and of the KV cache.
+"""The ranks of a tensor- and pipeline-parallel model: one process per device, each
+holding its part of the weights (its shard of its stage's layers) and of the KV cache.
 
 Rank 0 is the process that runs the engine core (the worker's engine process, or an
 in-process Executor); it starts ranks 1..N-1 itself. Its backend (DistributedBackend)
 sends every call that runs the model to the other ranks over a pipe each, then runs
-its own shard: every rank runs the same packed batch, and the collectives inside the
-forward (all-reduce, logits gather) meet. Only rank 0 samples; the ids it sampled are
-broadcast on the devices, since the next step's placeholder tokens (overlap
-scheduling) stand for them on every rank. The other ranks hold no scheduler, no block
-manager and no sockets.
+its own part: every rank runs the same packed batch, and the collectives inside the
+forward (all-reduce, logits gather) and the stages' hand-offs meet. Rank 0 holds the
+last pipeline stage (group.py) and alone samples; the ids it sampled are broadcast on
+the devices, since the next step's placeholder tokens (overlap scheduling) stand for
+them on the first stage. The other ranks hold no scheduler, no block manager and no
+sockets.
 
 The ranks live and die together: rank 0 exits when any other rank exits (a monitor
 thread watching their sentinels), and the others get SIGKILL from the kernel when
@@ -42,7 +43,7 @@ from worker.backends.base import ForwardBatch, SampleOutput, SamplingBatch, Step
 from worker.backends.torch_backend import TorchBackend
 from worker.executor.types import ParallelConfig
 from worker.parallel import layout
-from worker.parallel.group import TensorGroup, join, leave
+from worker.parallel.group import World, join, leave
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class RankSpec:
     max_num_tokens: int
     max_graph_batch: int
     tensor_parallel_size: int
+    pipeline_parallel_size: int
+    micro_batch_count: int  # 0: one per stage
     port: int  # where the ranks rendezvous, on 127.0.0.1
 
 
@@ -66,23 +69,26 @@ class DistributedBackend:
     """Rank 0's backend (an AsyncBackend): each call that runs the model goes to the
     other ranks first, then to this rank's shard."""
 
-    def __init__(self, inner: TorchBackend, group: TensorGroup, links: list[Connection],
+    def __init__(self, inner: TorchBackend, world: World, links: list[Connection],
                  processes: Sequence[BaseProcess]) -> None:  # fmt: skip
-        self.inner, self.group = inner, group
+        self.inner, self.world = inner, world
         self.name, self.config = inner.name, inner.config
         self.device, self.dtype = inner.device, inner.dtype
         self._links, self.processes = links, processes
         self._closing = threading.Event()
-        threading.Thread(target=self._watch, name="tp-rank-monitor", daemon=True).start()
+        threading.Thread(target=self._watch, name="rank-monitor", daemon=True).start()
         atexit.register(self.close)
 
     def kv_bytes_per_token(self) -> int:
-        return self.inner.kv_bytes_per_token()
+        """The most any rank holds per token (pipeline stages may hold unequal numbers of
+        layers): with free_memory_bytes, a block count every rank's memory takes."""
+        self._send(("kv_bytes", None))
+        return self.world.max_over_ranks(self.inner.kv_bytes_per_token())
 
     def free_memory_bytes(self) -> int:
         """The least any rank has: every rank holds the same number of KV blocks."""
         self._send(("free_memory", None))
-        return self.group.min_over_ranks(self.inner.free_memory_bytes())
+        return self.world.min_over_ranks(self.inner.free_memory_bytes())
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self._send(("allocate", (num_blocks, block_size)))
@@ -107,7 +113,7 @@ class DistributedBackend:
         handle = self.inner.launch(batch, sampling)
         if rows:
             assert self.inner.last_ids is not None
-            self.group.broadcast(self.inner.last_ids)
+            self.world.broadcast(self.inner.last_ids)
         return handle
 
     def logits_to_host(self, logits: torch.Tensor) -> np.ndarray:
@@ -120,7 +126,7 @@ class DistributedBackend:
     def _share_sampled(self, rows: int) -> None:
         self._send(("sampled", rows))
         assert self.inner.last_ids is not None
-        self.group.broadcast(self.inner.last_ids)
+        self.world.broadcast(self.inner.last_ids)
 
     def close(self) -> None:
         """Stop the other ranks (at exit: a normal end is not a rank dying)."""
@@ -150,7 +156,7 @@ class DistributedBackend:
         if self._closing.is_set():
             return
         dead = [p for p in self.processes if p.sentinel in ended]
-        log.critical("tensor-parallel rank %s exited with code %s: the engine ends", dead[0].name, dead[0].exitcode)
+        log.critical("model rank %s exited with code %s: the engine ends", dead[0].name, dead[0].exitcode)
         for p in self.processes:
             if p.is_alive():
                 p.kill()
@@ -161,31 +167,32 @@ def start_ranks(model: Any, device: str | None, dtype: str | None, max_num_token
                 parallel: ParallelConfig) -> DistributedBackend:  # fmt: skip
     """Start ranks 1..N-1 for a LoadedModel and build rank 0's backend in this process."""
     layout.validate(parallel, model.config)
-    tp = parallel.tensor_parallel_size
     spec = RankSpec(
         source=Path(model.source),
-        device_type=_device_type(device, tp),
+        device_type=_device_type(device, parallel.world_size),
         dtype=dtype,
         max_num_tokens=max_num_tokens,
         max_graph_batch=max_graph_batch,
-        tensor_parallel_size=tp,
+        tensor_parallel_size=parallel.tensor_parallel_size,
+        pipeline_parallel_size=parallel.pipeline_parallel_size,
+        micro_batch_count=parallel.micro_batches,
         port=_free_port(),
     )
-    links, processes = spawn_ranks(tp, _follower_main, (spec,))
-    group = join(0, tp, spec.port, spec.device_type)
-    backend = _rank_backend(model, spec, group)
-    return DistributedBackend(backend, group, links, processes)
+    links, processes = spawn_ranks(parallel.world_size, _follower_main, (spec,))
+    world = _join(0, spec)
+    backend = _rank_backend(model, spec, world)
+    return DistributedBackend(backend, world, links, processes)
 
 
 def spawn_ranks(
-    tp: int, target: Callable[..., None], args: tuple[Any, ...]
+    size: int, target: Callable[..., None], args: tuple[Any, ...]
 ) -> tuple[list[Connection], list[BaseProcess]]:
-    """Start ranks 1..tp-1, each running target(rank, inbox, parent pid, *args) in a
+    """Start ranks 1..size-1, each running target(rank, inbox, parent pid, *args) in a
     spawned process; returns rank 0's pipe to each, and the processes."""
     ctx = multiprocessing.get_context("spawn")  # CUDA does not survive fork
     links: list[Connection] = []
     processes: list[BaseProcess] = []
-    for rank in range(1, tp):
+    for rank in range(1, size):
         inbox, outbox = ctx.Pipe(duplex=False)
         p = ctx.Process(target=target, args=(rank, inbox, os.getpid(), *args), name=f"tokenwire-rank{rank}",
                         daemon=True)  # fmt: skip
@@ -196,27 +203,33 @@ def spawn_ranks(
     return links, processes
 
 
-def _rank_backend(model: Any, spec: RankSpec, group: TensorGroup) -> TorchBackend:
+def _join(rank: int, spec: RankSpec) -> World:
+    return join(rank, spec.tensor_parallel_size, spec.port, spec.device_type, spec.pipeline_parallel_size)
+
+
+def _rank_backend(model: Any, spec: RankSpec, world: World) -> TorchBackend:
     return TorchBackend(
         model,
         dtype=spec.dtype,
         max_num_tokens=spec.max_num_tokens,
         max_graph_batch=spec.max_graph_batch,
-        tensor_group=group,
+        world=world,
+        micro_batch_count=spec.micro_batch_count,
     )
 
 
-def _device_type(device: str | None, tp: int) -> str:
+def _device_type(device: str | None, size: int) -> str:
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.index is not None:
         raise ValueError(
-            f"device {device!r}: with tensor parallelism rank r runs on the r-th visible GPU; "
+            f"device {device!r}: with tensor or pipeline parallelism rank r runs on the r-th visible GPU; "
             "choose the GPUs with CUDA_VISIBLE_DEVICES"
         )
-    if dev.type == "cuda" and torch.cuda.device_count() < tp:
-        raise ValueError(f"tensor_parallel_size {tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
+    if dev.type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(f"{size} ranks (tensor x pipeline parallel size) need {size} GPUs, "
+                         f"{torch.cuda.device_count()} visible")  # fmt: skip
     return dev.type
 
 
@@ -233,31 +246,33 @@ def _follower_main(rank: int, inbox: Connection, parent: int, spec: RankSpec) ->
     follow(parent)
     from worker.models.loader import load_model
 
-    group = join(rank, spec.tensor_parallel_size, spec.port, spec.device_type)
+    world = _join(rank, spec)
     # On CUDA the backend reads the safetensors straight to the device (tensor_refs).
     model = load_model(spec.source, load_weights=spec.device_type != "cuda")
-    backend = _rank_backend(model, spec, group)
-    serve(backend, group, inbox)
+    backend = _rank_backend(model, spec, world)
+    serve(backend, world, inbox)
     backend.release_graphs()
     leave()
 
 
-def serve(backend: TorchBackend, group: TensorGroup, inbox: Connection) -> None:
+def serve(backend: TorchBackend, world: World, inbox: Connection) -> None:
     """Run what rank 0 runs, call by call, until it says stop or is gone."""
     while True:
         try:
             kind, body = pickle.loads(inbox.recv_bytes())
         except (EOFError, OSError):
-            log.warning("tensor-parallel rank %d: rank 0 is gone", group.rank)
+            log.warning("model rank %d: rank 0 is gone", world.rank)
             return
         if kind == "forward":
             batch, rows = body
             backend.forward(batch)  # the logits are rank 0's to sample
-            _receive_sampled(backend, group, rows)
+            _receive_sampled(backend, world, rows)
         elif kind == "sampled":
-            _receive_sampled(backend, group, body)
+            _receive_sampled(backend, world, body)
+        elif kind == "kv_bytes":
+            world.max_over_ranks(backend.kv_bytes_per_token())
         elif kind == "free_memory":
-            group.min_over_ranks(backend.free_memory_bytes())
+            world.min_over_ranks(backend.free_memory_bytes())
         elif kind == "allocate":
             backend.allocate_kv_cache(*body)
         elif kind == "copy_blocks":
@@ -268,11 +283,11 @@ def serve(backend: TorchBackend, group: TensorGroup, inbox: Connection) -> None:
             return
 
 
-def _receive_sampled(backend: TorchBackend, group: TensorGroup, rows: int) -> None:
+def _receive_sampled(backend: TorchBackend, world: World, rows: int) -> None:
     if not rows:
         backend.last_ids = None
         return
-    backend.last_ids = group.broadcast(torch.empty(rows, dtype=torch.int64, device=backend.device))
+    backend.last_ids = world.broadcast(torch.empty(rows, dtype=torch.int64, device=backend.device))
 
 
 def follow(parent: int) -> None:

@@ -47,7 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="GPUs (processes) the model is split over: the first N visible ones",
     )
-    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (only 1 for now)")
+    p.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="pipeline stages the layers are split into, each over --tensor-parallel-size GPUs "
+        "(tp * pp processes, on the first tp * pp visible GPUs)",
+    )
     p.add_argument(
         "--quantization",
         default=None,

@@ -138,6 +138,7 @@ def test_from_checkpoint_reads_safetensors_directly(tiny_checkpoints: dict[str, 
         assert isinstance(a.gate_up, TorchLinear) and isinstance(b.gate_up, TorchLinear)
         assert torch.equal(a.qkv.weight, b.qkv.weight)
         assert torch.equal(a.gate_up.weight, b.gate_up.weight)
+    assert direct.model.lm_head is not None and loaded.model.lm_head is not None  # the whole model has its head
     assert torch.equal(direct.model.lm_head, loaded.model.lm_head)
 
 

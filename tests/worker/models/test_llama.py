@@ -41,8 +41,8 @@ def test_both_backends_run_the_one_definition(
     calls: list[tuple[Any, Any, Any]] = []
     recipe = llama.forward
 
-    def spy(model: Any, ops: Any, step: Any) -> Any:
-        logits = recipe(model, ops, step)
+    def spy(model: Any, ops: Any, step: Any, link: Any = None) -> Any:
+        logits = recipe(model, ops, step, link)
         calls.append((model, ops, logits))
         return logits
 

@@ -1,6 +1,7 @@
-"""What each spawned rank of test_sharded_backend.py runs: its shard of every tiny
-checkpoint beside the whole model (TP=1) in the same process, over the same packed
-steps, reporting how far its logits and its KV shard are from the whole model's."""
+"""What each spawned rank of test_sharded_backend.py runs: its part of every tiny
+checkpoint (its tensor-parallel shard of its pipeline stage's layers) beside the whole
+model (TP=1) in the same process, over the same packed steps, reporting how far its
+logits (the last stage's) and its KV shard are from the whole model's."""
 
 from __future__ import annotations
 
@@ -30,32 +31,40 @@ def _steps(vocab: int) -> list[Any]:
     return steps
 
 
-def check(rank: int, size: int, port: int, checkpoints: list[str], results: Any) -> None:
+def check(rank: int, tp: int, port: int, checkpoints: list[str], results: Any, pp: int = 1) -> None:
+    """Reports {checkpoint: (logits diff, or None off the last stage; KV diff)}."""
     torch.set_num_threads(1)  # the ranks share the host's cores
-    group = join(rank, size, port, "cpu")
-    report: dict[str, tuple[float, float]] = {}
+    world = join(rank, tp, port, "cpu", pp)
+    report: dict[str, tuple[float | None, float]] = {}
     for path in checkpoints:
         model = load_model(Path(path))
         whole = TorchBackend(model, "cpu")
-        shard = TorchBackend(model, tensor_group=group)
-        for b in (whole, shard):
+        part = TorchBackend(model, world=world)
+        for b in (whole, part):
             b.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+        last = part.stage is None or part.stage.is_last
         logits_diff = 0.0
         for step in _steps(model.config.vocab_size):
-            want, got = whole.forward(step), shard.forward(step)
-            logits_diff = max(logits_diff, float((want - got).abs().max()))
-        report[Path(path).name] = (logits_diff, _kv_diff(whole, shard, model.config, rank, size))
+            want, got = whole.forward(step), part.forward(step)
+            if last:
+                logits_diff = max(logits_diff, float((want - got).abs().max()))
+            else:
+                assert got.numel() == 0
+        kv_diff = _kv_diff(whole, part, model.config, world.tensor.rank, tp)
+        report[Path(path).name] = (logits_diff if last else None, kv_diff)
     results.put((rank, report))
     leave()
 
 
-def _kv_diff(whole: TorchBackend, shard: TorchBackend, config: Any, rank: int, size: int) -> float:
-    """The rank's KV pool against its heads' slice of the whole model's, every layer."""
+def _kv_diff(whole: TorchBackend, part: TorchBackend, config: Any, rank: int, size: int) -> float:
+    """The rank's KV pool against its heads' slice of the whole model's, every layer of its stage."""
     local = layout.local_config(config, size).num_kv_heads
     first = rank * config.num_kv_heads // size
+    layers = range(config.num_layers) if part.stage is None else part.stage.layers
+    assert len(part.ops.k_cache) == len(layers)
     diff = 0.0
-    for whole_cache, shard_cache in ((whole.ops.k_cache, shard.ops.k_cache), (whole.ops.v_cache, shard.ops.v_cache)):
-        for w, s in zip(whole_cache, shard_cache, strict=True):
+    for whole_cache, part_cache in ((whole.ops.k_cache, part.ops.k_cache), (whole.ops.v_cache, part.ops.v_cache)):
+        for w, s in zip([whole_cache[i] for i in layers], part_cache, strict=True):
             assert s.shape[2] == local
             diff = max(diff, float((w[:, :, first : first + local] - s).abs().max()))
     return diff

@@ -23,12 +23,23 @@ CONFIG = ModelConfig(model_type="llama", vocab_size=10, hidden_size=8, intermedi
         (ParallelConfig(3), CONFIG, "4 attention heads"),
         (ParallelConfig(4), replace(CONFIG, num_kv_heads=3, num_heads=12), "3 KV heads"),
         (ParallelConfig(4), replace(CONFIG, intermediate_size=10), "intermediate size 10"),
-        (ParallelConfig(1, 2), CONFIG, "pipeline parallelism is not implemented"),
+        (ParallelConfig(1, 3), CONFIG, "2 layers do not split over 3 pipeline stages"),
+        (ParallelConfig(1, 2, -1), CONFIG, "micro_batches must be >= 0"),
     ],
 )
 def test_a_model_that_does_not_split_is_refused(parallel: ParallelConfig, config: ModelConfig, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         layout.validate(parallel, config)
+
+
+@pytest.mark.parametrize(("layers", "pp", "want"), [(2, 2, [1, 1]), (5, 2, [3, 2]), (10, 4, [3, 3, 2, 2]),
+                                                    (3, 3, [1, 1, 1])])  # fmt: skip
+def test_stages_hold_contiguous_runs_of_layers_the_first_ones_longer(layers: int, pp: int, want: list[int]) -> None:
+    stages = [layout.stage_layers(layers, pp, s) for s in range(pp)]
+    assert [len(r) for r in stages] == want
+    assert [i for r in stages for i in r] == list(range(layers))
+    assert layout.stage_config(CONFIG, range(1, 2)).num_layers == 1
+    assert layout.stage_config(CONFIG, range(2)) is CONFIG
 
 
 def test_vocabulary_ranges_are_equal_and_the_last_is_zero_padded() -> None:

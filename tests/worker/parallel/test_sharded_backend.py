@@ -1,7 +1,8 @@
-"""Each rank's shard of the torch backend (gloo, on the CPU) against the whole model in
+"""Each rank's part of the torch backend (gloo, on the CPU) against the whole model in
 the same process: logits within 1e-4 over chunked prefills and generation steps, and
 each rank's KV pool equal to its heads' slice of the whole model's (KV heads copied
-onto several ranks when there are fewer of them than ranks)."""
+onto several ranks when there are fewer of them than ranks), for its pipeline stage's
+layers (micro-batches of the steps' sequences passed from stage to stage)."""
 
 from __future__ import annotations
 
@@ -25,13 +26,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_ranks(size: int, checkpoints: list[Path]) -> dict[int, dict[str, tuple[float, float]]]:
+def _run_ranks(tp: int, checkpoints: list[Path], pp: int = 1) -> dict[int, dict[str, tuple[float | None, float]]]:
     ctx = multiprocessing.get_context("spawn")
     results: Any = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=rank_check.check, args=(rank, size, port, [str(c) for c in checkpoints], results))
-        for rank in range(size)
+        ctx.Process(target=rank_check.check, args=(rank, tp, port, [str(c) for c in checkpoints], results, pp))
+        for rank in range(tp * pp)
     ]
     for p in procs:
         p.start()
@@ -53,5 +54,23 @@ def test_every_rank_matches_the_whole_model(size: int, tiny_checkpoints: dict[st
     for rank, report in reports.items():
         for name in CHECKPOINTS:
             logits_diff, kv_diff = report[name]
-            assert logits_diff < 1e-4, (rank, name, logits_diff)
+            assert logits_diff is not None and logits_diff < 1e-4, (rank, name, logits_diff)
+            assert kv_diff < 1e-5, (rank, name, kv_diff)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 2)])
+def test_every_stage_matches_the_whole_models_layers(
+    tp: int, pp: int, tiny_checkpoints: dict[str, Path], three_layer_qwen2: Path
+) -> None:
+    """Rank r holds stage pp - 1 - r // tp: rank 0 the last, whose logits are the model's."""
+    names = ["llama_gqa", "qwen2_mqa", "mistral_bf16_sharded"]
+    reports = _run_ranks(tp, [*(tiny_checkpoints[n] for n in names), three_layer_qwen2], pp)
+    assert sorted(reports) == list(range(tp * pp))
+    for rank, report in reports.items():
+        for name in [*names, three_layer_qwen2.name]:
+            logits_diff, kv_diff = report[name]
+            if rank < tp:
+                assert logits_diff is not None and logits_diff < 1e-4, (rank, name, logits_diff)
+            else:
+                assert logits_diff is None, (rank, name)
             assert kv_diff < 1e-5, (rank, name, kv_diff)

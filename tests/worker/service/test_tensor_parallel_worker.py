@@ -1,6 +1,7 @@
-"""A tensor-parallel worker (2 ranks, gloo) whose second rank is killed with kill -9
-under a stream: the request ends with an error, the worker exits 1, and no rank
-process is left behind."""
+"""A tensor- or pipeline-parallel worker (2 ranks, gloo) whose second rank is killed
+with kill -9 under a stream: the request ends with an error, the worker exits 1, and
+no rank process is left behind. Under pipeline parallelism the second rank is the
+first stage, whose hand-offs rank 0 (the last stage) is waiting for."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import signal
 import time
 from pathlib import Path
+
+import pytest
 
 import protocol
 from tests.procs import Stack
@@ -27,10 +30,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_killed_rank_ends_the_requests_and_the_worker(long_model: Path, redis_server, tmp_path: Path) -> None:
+@pytest.mark.parametrize("split", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_a_killed_rank_ends_the_requests_and_the_worker(
+    split: str, long_model: Path, redis_server, tmp_path: Path
+) -> None:
     s = Stack(long_model, redis_server.url, tmp_path)
     try:
-        w = s.worker("--backend", "torch", "--device", "cpu", "--tensor-parallel-size", "2")
+        w = s.worker("--backend", "torch", "--device", "cpu", split, "2")
         g = FakeGateway(w.endpoint)
         g.send(protocol.Submit(request_id="doomed", input_token_ids=[5, 6], max_tokens=6000, streaming=True,
                                sampling_config=protocol.SamplingConfig(min_tokens=6000)))  # fmt: skip
@@ -46,7 +52,7 @@ def test_a_killed_rank_ends_the_requests_and_the_worker(long_model: Path, redis_
         while _alive(engine) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(engine) and not _alive(rank1)
-        assert "tensor-parallel rank tokenwire-rank1 exited" in w.log()
+        assert "model rank tokenwire-rank1 exited" in w.log()
         g.close()
     finally:
         s.close()
