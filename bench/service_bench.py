@@ -57,6 +57,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -328,7 +329,7 @@ def _start_stacks(model: Path, *worker_args: str) -> dict[str, _Stack]:
 
 
 @dataclass(slots=True)
-class _Sample:
+class Sample:
     """One run of the CURVE comparison and the CPU seconds it took: the stack's gateway
     and worker processes (the engine's not included), and the client (this process)."""
 
@@ -338,50 +339,69 @@ class _Sample:
     client_cpu_s: float
 
 
-def _sample(stack: _Stack, prompts: list[list[int]]) -> _Sample:
+def _sample(stack: _Stack, prompts: list[list[int]]) -> Sample:
     gateway, worker = stack.procs[2].pid, stack.procs[1].pid
     before = (_cpu_seconds(gateway), _cpu_seconds(worker), time.process_time())
     start, end, lines = asyncio.run(_stream_all(stack.gateway, prompts, OUTPUT, greedy=True, curve=stack.client_curve))
     after = (_cpu_seconds(gateway), _cpu_seconds(worker), time.process_time())
-    return _Sample(_collect("", start, end, lines), *(a - b for a, b in zip(after, before, strict=True)))
+    return Sample(_collect("", start, end, lines), *(a - b for a, b in zip(after, before, strict=True)))
 
 
-def curve_sets(stacks: dict[str, _Stack], prompt_sets: list[list[list[int]]]) -> list[dict[str, _Sample]]:
-    """Each set once on each stack, back to back, the order going through all six
-    permutations in turn: each stack runs first, second and last equally often, and
-    follows each other stack as often as it precedes it."""
-    orders = list(itertools.permutations(stacks))
-    return [{name: _sample(stacks[name], prompts) for name in orders[i % len(orders)]}
-            for i, prompts in enumerate(prompt_sets)]  # fmt: skip
+def orders(names: Sequence[str], n: int) -> list[tuple[str, ...]]:
+    """The order of the stacks on each of n sets: all permutations in turn, so that over
+    each full turn every stack runs in every place equally often and follows each
+    other stack as often as it precedes it."""
+    permutations = list(itertools.permutations(names))
+    return [permutations[i % len(permutations)] for i in range(n)]
 
 
-def _total_ratio(sets: list[dict[str, _Sample]], a: str, b: str) -> float:
+def curve_sets(stacks: dict[str, _Stack], prompt_sets: list[list[list[int]]]) -> list[dict[str, Sample]]:
+    """Each set once on each stack, back to back, in the orders above."""
+    return [{name: _sample(stacks[name], prompts) for name in order}
+            for order, prompts in zip(orders(list(stacks), len(prompt_sets)), prompt_sets, strict=True)]  # fmt: skip
+
+
+def _total_ratio(sets: Sequence[dict[str, Sample]], a: str, b: str) -> float:
     """Stack a's tokens/s over stack b's, each the total tokens over the total time."""
     tps = {name: sum(s[name].run.tokens for s in sets) / sum(s[name].run.seconds for s in sets) for name in (a, b)}
     return tps[a] / tps[b]
 
 
-def _versus(sets: list[dict[str, _Sample]], a: str, b: str) -> str:
-    """Stack a against stack b over the sets: the total ratio with a 95 % bootstrap
-    interval (sets drawn with replacement), the per-set ratios' median and quartiles,
-    and CPU µs per token of each side's processes."""
+@dataclass(frozen=True, slots=True)
+class Versus:
+    """Stack a against stack b over the sets."""
+
+    total: float  # a's tokens/s over b's, each over all sets
+    ci95: tuple[float, float]  # of `total`, by bootstrap: the sets drawn with replacement
+    quartiles: tuple[float, float, float]  # of the per-set ratios a / b
+    cpu_us_per_token: dict[str, tuple[float, float]]  # "gateway", "worker", "client": (a's, b's)
+
+
+def versus(sets: Sequence[dict[str, Sample]], a: str, b: str) -> Versus:
     rng = random.Random(0)
     boot = sorted(_total_ratio(rng.choices(sets, k=len(sets)), a, b) for _ in range(2000))
     ratios = [_tps(s[a].run) / _tps(s[b].run) for s in sets]
     q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
 
-    def cpu(field: str) -> str:
-        return " vs ".join(f"{sum(getattr(s[n], field) for s in sets) * 1e6 / sum(s[n].run.tokens for s in sets):.1f}"
-                           for n in (a, b))  # fmt: skip
+    def cpu(name: str, field: str) -> float:
+        return sum(getattr(s[name], field) for s in sets) * 1e6 / sum(s[name].run.tokens for s in sets)
 
-    return (f"{_total_ratio(sets, a, b):.3f} of the tokens/s in total (95 % CI {boot[49]:.3f}-{boot[1949]:.3f}); "
-            f"per set median {median:.3f}, IQR {q1:.3f}-{q3:.3f}; CPU µs/token {a} vs {b}: gateway "
-            f"{cpu('gateway_cpu_s')}, worker {cpu('worker_cpu_s')}, client {cpu('client_cpu_s')}")  # fmt: skip
+    cpus = {who: (cpu(a, f"{who}_cpu_s"), cpu(b, f"{who}_cpu_s")) for who in ("gateway", "worker", "client")}
+    return Versus(_total_ratio(sets, a, b), (boot[49], boot[1949]), (q1, median, q3), cpus)
+
+
+def _versus_text(sets: Sequence[dict[str, Sample]], a: str, b: str) -> str:
+    v = versus(sets, a, b)
+    cpu = ", ".join(f"{who} {x:.1f} vs {y:.1f}" for who, (x, y) in v.cpu_us_per_token.items())
+    return (
+        f"{v.total:.3f} of the tokens/s in total (95 % CI {v.ci95[0]:.3f}-{v.ci95[1]:.3f}); per set median "
+        f"{v.quartiles[1]:.3f}, IQR {v.quartiles[0]:.3f}-{v.quartiles[2]:.3f}; CPU µs/token {a} vs {b}: {cpu}"
+    )
 
 
 def compare(
     model: Path, prompt_sets: list[list[list[int]]], curve_prompt_sets: list[list[list[int]]]
-) -> tuple[list[Run], list[Run], list[Run], list[Run], list[dict[str, _Sample]]]:
+) -> tuple[list[Run], list[Run], list[Run], list[Run], list[dict[str, Sample]]]:
     """The paths on each set of prompts in turn, in process first, so that a change
     in the machine's pace during the section weighs on all: every run of each path
     (in process, the stack, its HTTP front, the CURVE stack), one per set. One warm
@@ -508,9 +528,9 @@ def table() -> tuple[list[str], list[list[str]]]:
     header = ["path", "out tokens", "s", "tokens/s", "vs in-process", "TTFT p50 ms", "TTFT p99 ms",
               "ITL p50 ms", "ITL p99 ms", "decode ITL p50 ms", "decode ITL p99 ms"]  # fmt: skip
     rows = [local.row(), remote.row(local), curve.row(local), http.row(local)]
-    rows.append([f"(CURVE on vs off, {len(sets)} sets, orders permuted: {_versus(sets, _ON, _OFF)}; goal >= 0.97)",
+    rows.append([f"(CURVE on vs off, {len(sets)} sets, orders permuted: {_versus_text(sets, _ON, _OFF)}; goal >= 0.97)",
                  *[""] * 10])  # fmt: skip
-    rows.append([f"(A/A control, CURVE off on two stacks, the same sets: {_versus(sets, _CONTROL, _OFF)})",
+    rows.append([f"(A/A control, CURVE off on two stacks, the same sets: {_versus_text(sets, _CONTROL, _OFF)})",
                  *[""] * 10])  # fmt: skip
     added = _pct(http.decode_itl_ms, 99) - _pct(remote.decode_itl_ms, 99)
     rows.append([f"(HTTP vs ZeroMQ client: {http.tokens / http.seconds / (remote.tokens / remote.seconds):.3f} of "
