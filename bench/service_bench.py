@@ -18,15 +18,18 @@ their first token (the worker's prefix cache must not serve the second path).
 A second stack, the same but with CURVE on between client, gateway and worker
 (its own worker: same prompts; all stacks start at once), runs right next to
 the first on each set, the two taking turns at going first (its row).
-CURVE's cost is then measured on TOKENWIRE_BENCH_SERVICE_CURVE_PAIRS more sets
-(default 30): one run of 0.3 s on the GPU host swings by tens of percent, so
-one ratio says nothing about a 3 % goal. On each set the plain stack, the CURVE
-stack and a third stack (plain again: the A/A control) each run once, their
-order going through all six permutations in turn; CURVE on vs off and plain vs
-plain are given as the ratio of the total tokens/s over all sets (with a 95 %
-bootstrap interval over the sets), the median of the per-set ratios and their
-interquartile range, and the CPU time per token of each stack's gateway and
-worker process. The control's figures are the noise floor of the same method.
+CURVE's cost is then measured on up to TOKENWIRE_BENCH_SERVICE_CURVE_PAIRS more
+sets (default 30; fewer where they would take longer than _CURVE_BUDGET_S,
+default 120 s, but at least two): one run of 0.3 s on the GPU host swings by
+tens of percent, so one ratio says nothing about a 3 % goal. On each set the
+plain stack, the CURVE stack and a third stack (plain again: the A/A control,
+which has run each earlier set after the HTTP run, so all three are as warm)
+each run once, their order going through all six permutations in turn; CURVE on
+vs off and plain vs plain are given as the ratio of the total tokens/s over all
+sets (with a 95 % bootstrap interval over the sets), the median of the per-set
+ratios and their interquartile range, and the CPU time per token of each stack's
+gateway and worker process and of the client. The control's figures are the
+noise floor of the same method.
 (b) TRANSPORT TEST: a worker started with `--backend echo` (its backend returns
 immediately, no model runs) behind one gateway, to find how many streamed
 tokens/s one gateway process routes (detokenizing as usual). Each row also says
@@ -36,11 +39,13 @@ is their sum's ceiling, and the CPU figures say whose share is what.
 
 The first echo workload runs again with CURVE on: CURVE's cost where the transport bounds the rate.
 
-Sizes: TOKENWIRE_BENCH_SERVICE_REQUESTS, _PROMPT, _OUTPUT (_REPEATS, _CURVE_PAIRS above), _ECHO ("64x1024,256x512":
-the echo workloads, streams x tokens); the defaults are the
-issue's workload, 64 x 128 / 128 (about three minutes for the six runs on a 2-core
-CPU). All processes share this machine's cores, so the service path's figures
-include the gateway's and the client's use of the cores the model runs on.
+Sizes: TOKENWIRE_BENCH_SERVICE_REQUESTS, _PROMPT, _OUTPUT (_REPEATS,
+_CURVE_PAIRS, _CURVE_BUDGET_S above), _ECHO ("64x1024,256x512": the echo
+workloads, streams x tokens); the defaults are the issue's workload, 64 x 128 /
+128 (on a 2-core CPU about five minutes for the first sets' runs, and the CURVE
+comparison's budget). All processes share this machine's cores, so the service
+path's figures include the gateway's and the client's use of the cores the model
+runs on.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ PROMPT = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_PROMPT", "128"))
 OUTPUT = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_OUTPUT", "128"))
 REPEATS = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_REPEATS", "3"))
 CURVE_PAIRS = max(2, int(os.environ.get("TOKENWIRE_BENCH_SERVICE_CURVE_PAIRS", "30")))  # quartiles need two
+CURVE_BUDGET_S = float(os.environ.get("TOKENWIRE_BENCH_SERVICE_CURVE_BUDGET_S", "120"))
 # (concurrent streams, tokens each), as "64x1024,256x512"
 ECHO_WORKLOADS = tuple(
     (int(n), int(t)) for n, t in
@@ -310,7 +316,6 @@ def _other_start(prompts: list[list[int]]) -> list[list[int]]:
 
 # The stacks of the CURVE comparison: plain, CURVE on, and plain again (the A/A control).
 _OFF, _ON, _CONTROL = "CURVE off", "CURVE on", "control (CURVE off)"
-_WARM_SETS = 2  # sets each stack runs before the CURVE comparison counts (the control has not run before)
 
 
 def _start_stacks(model: Path, *worker_args: str) -> dict[str, _Stack]:
@@ -355,10 +360,18 @@ def orders(names: Sequence[str], n: int) -> list[tuple[str, ...]]:
     return [permutations[i % len(permutations)] for i in range(n)]
 
 
-def curve_sets(stacks: dict[str, _Stack], prompt_sets: list[list[list[int]]]) -> list[dict[str, Sample]]:
-    """Each set once on each stack, back to back, in the orders above."""
-    return [{name: _sample(stacks[name], prompts) for name in order}
-            for order, prompts in zip(orders(list(stacks), len(prompt_sets)), prompt_sets, strict=True)]  # fmt: skip
+def curve_sets(
+    stacks: dict[str, _Stack], prompt_sets: list[list[list[int]]], budget_s: float
+) -> list[dict[str, Sample]]:
+    """Each set once on each stack, back to back, in the orders above; no new set
+    once `budget_s` has passed (a CPU takes half a minute a run), but at least two."""
+    deadline = time.monotonic() + budget_s
+    sets: list[dict[str, Sample]] = []
+    for order, prompts in zip(orders(list(stacks), len(prompt_sets)), prompt_sets, strict=True):
+        if len(sets) >= 2 and time.monotonic() >= deadline:
+            break
+        sets.append({name: _sample(stacks[name], prompts) for name in order})
+    return sets
 
 
 def _total_ratio(sets: Sequence[dict[str, Sample]], a: str, b: str) -> float:
@@ -406,8 +419,8 @@ def compare(
     in the machine's pace during the section weighs on all: every run of each path
     (in process, the stack, its HTTP front, the CURVE stack), one per set. One warm
     Executor here and one stack throughout, and a second stack with CURVE on (idle
-    while the others run). Then the CURVE comparison on its own sets (curve_sets),
-    the first _WARM_SETS of them not counted."""
+    while the others run), and the control stack, which runs each set last. Then the
+    CURVE comparison on its own sets (curve_sets)."""
     from worker.executor import Executor, ExecutorConfig, KvCacheConfig, Request
 
     config = ExecutorConfig(max_batch_size=max(64, REQUESTS), kv_cache_config=KvCacheConfig(max_tokens=_kv_tokens()))
@@ -435,7 +448,8 @@ def compare(
                 start, end, lines = asyncio.run(_http_stream_all(stack.http_port, model.name, _other_start(prompts),
                                                                  OUTPUT, greedy=True))  # fmt: skip
                 http.append(_collect("HTTP+SSE front, gateway + worker (loopback)", start, end, lines))
-        sets = curve_sets(stacks, curve_prompt_sets)[_WARM_SETS:]
+                _sample(stacks[_CONTROL], prompts)  # as warm as the other two when the comparison starts
+        sets = curve_sets(stacks, curve_prompt_sets, CURVE_BUDGET_S)
     finally:
         for s in stacks.values():
             s.close()
@@ -522,7 +536,7 @@ def table() -> tuple[list[str], list[list[str]]]:
     # New prompts for each repeat (the same sets for both paths): a repeated prompt
     # would be served from the prefix cache.
     prompt_sets = [_prompts(vocab, seed) for seed in range(REPEATS)]
-    curve_prompt_sets = [_prompts(vocab, REPEATS + i) for i in range(_WARM_SETS + CURVE_PAIRS)]
+    curve_prompt_sets = [_prompts(vocab, REPEATS + i) for i in range(CURVE_PAIRS)]
     *runs, sets = compare(model, prompt_sets, curve_prompt_sets)
     local, remote, http, curve = (min(r, key=lambda run: run.seconds) for r in runs)  # the fastest of each path
     header = ["path", "out tokens", "s", "tokens/s", "vs in-process", "TTFT p50 ms", "TTFT p99 ms",
