@@ -16,9 +16,20 @@ plain asyncio HTTP/1.1 client here so the figures are the server's, not an SDK's
 takes its turn after the ZeroMQ client on each set, with prompts that differ in
 their first token (the worker's prefix cache must not serve the second path).
 A second stack, the same but with CURVE on between client, gateway and worker
-(its own worker: same prompts; both stacks start at once), runs right next to
-the first on each set, the two taking turns at going first: the cost of CURVE,
-also shown set by set (an order effect would show there).
+(its own worker: same prompts; all stacks start at once), runs right next to
+the first on each set, the two taking turns at going first (its row).
+CURVE's cost is then measured on up to TOKENWIRE_BENCH_SERVICE_CURVE_PAIRS more
+sets (default 30; fewer where they would take longer than _CURVE_BUDGET_S,
+default 120 s, but at least two): one run of 0.3 s on the GPU host swings by
+tens of percent, so one ratio says nothing about a 3 % goal. On each set the
+plain stack, the CURVE stack and a third stack (plain again: the A/A control,
+which has run each earlier set after the HTTP run, so all three are as warm)
+each run once, their order going through all six permutations in turn; CURVE on
+vs off and plain vs plain are given as the ratio of the total tokens/s over all
+sets (with a 95 % bootstrap interval over the sets), the median of the per-set
+ratios and their interquartile range, and the CPU time per token of each stack's
+gateway and worker process and of the client. The control's figures are the
+noise floor of the same method.
 (b) TRANSPORT TEST: a worker started with `--backend echo` (its backend returns
 immediately, no model runs) behind one gateway, to find how many streamed
 tokens/s one gateway process routes (detokenizing as usual). Each row also says
@@ -28,25 +39,30 @@ is their sum's ceiling, and the CPU figures say whose share is what.
 
 The first echo workload runs again with CURVE on: CURVE's cost where the transport bounds the rate.
 
-Sizes: TOKENWIRE_BENCH_SERVICE_REQUESTS, _PROMPT, _OUTPUT (_REPEATS above), _ECHO ("64x1024,256x512":
-the echo workloads, streams x tokens); the defaults are the
-issue's workload, 64 x 128 / 128 (about three minutes for the six runs on a 2-core
-CPU). All processes share this machine's cores, so the service path's figures
-include the gateway's and the client's use of the cores the model runs on.
+Sizes: TOKENWIRE_BENCH_SERVICE_REQUESTS, _PROMPT, _OUTPUT (_REPEATS,
+_CURVE_PAIRS, _CURVE_BUDGET_S above), _ECHO ("64x1024,256x512": the echo
+workloads, streams x tokens); the defaults are the issue's workload, 64 x 128 /
+128 (on a 2-core CPU about five minutes for the first sets' runs, and the CURVE
+comparison's budget). All processes share this machine's cores, so the service
+path's figures include the gateway's and the client's use of the cores the model
+runs on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +80,8 @@ REQUESTS = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_REQUESTS", "64"))
 PROMPT = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_PROMPT", "128"))
 OUTPUT = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_OUTPUT", "128"))
 REPEATS = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_REPEATS", "3"))
+CURVE_PAIRS = max(2, int(os.environ.get("TOKENWIRE_BENCH_SERVICE_CURVE_PAIRS", "30")))  # quartiles need two
+CURVE_BUDGET_S = float(os.environ.get("TOKENWIRE_BENCH_SERVICE_CURVE_BUDGET_S", "120"))
 # (concurrent streams, tokens each), as "64x1024,256x512"
 ECHO_WORKLOADS = tuple(
     (int(n), int(t)) for n, t in
@@ -296,30 +314,118 @@ def _other_start(prompts: list[list[int]]) -> list[list[int]]:
     return [[100 + (p[0] + 1 - 100) % 1000, *p[1:]] for p in prompts]
 
 
-def _two_stacks(model: Path, *worker_args: str) -> tuple[_Stack, _Stack]:
-    """Two stacks, CURVE off and on, started at once: neither loads its model (and
-    takes its share of the accelerator) after the other."""
-    with ThreadPoolExecutor(2) as pool:
-        starts = [pool.submit(_Stack, model, *worker_args, curve=curve) for curve in (False, True)]
+# The stacks of the CURVE comparison: plain, CURVE on, and plain again (the A/A control).
+_OFF, _ON, _CONTROL = "CURVE off", "CURVE on", "control (CURVE off)"
+
+
+def _start_stacks(model: Path, *worker_args: str) -> dict[str, _Stack]:
+    """The three stacks, started at once: none loads its model (and takes its share
+    of the accelerator) after another."""
+    kinds = {_OFF: False, _ON: True, _CONTROL: False}
+    with ThreadPoolExecutor(len(kinds)) as pool:
+        starts = {name: pool.submit(_Stack, model, *worker_args, curve=curve) for name, curve in kinds.items()}
     try:
-        return starts[0].result(), starts[1].result()
+        return {name: start.result() for name, start in starts.items()}
     except BaseException:
-        for start in starts:
+        for start in starts.values():
             if start.exception() is None:
                 start.result().close()
         raise
 
 
-def compare(model: Path, prompt_sets: list[list[list[int]]]) -> tuple[list[Run], list[Run], list[Run], list[Run]]:
+@dataclass(slots=True)
+class Sample:
+    """One run of the CURVE comparison and the CPU seconds it took: the stack's gateway
+    and worker processes (the engine's not included), and the client (this process)."""
+
+    run: Run
+    gateway_cpu_s: float
+    worker_cpu_s: float
+    client_cpu_s: float
+
+
+def _sample(stack: _Stack, prompts: list[list[int]]) -> Sample:
+    gateway, worker = stack.procs[2].pid, stack.procs[1].pid
+    before = (_cpu_seconds(gateway), _cpu_seconds(worker), time.process_time())
+    start, end, lines = asyncio.run(_stream_all(stack.gateway, prompts, OUTPUT, greedy=True, curve=stack.client_curve))
+    after = (_cpu_seconds(gateway), _cpu_seconds(worker), time.process_time())
+    return Sample(_collect("", start, end, lines), *(a - b for a, b in zip(after, before, strict=True)))
+
+
+def orders(names: Sequence[str], n: int) -> list[tuple[str, ...]]:
+    """The order of the stacks on each of n sets: all permutations in turn, so that over
+    each full turn every stack runs in every place equally often and follows each
+    other stack as often as it precedes it."""
+    permutations = list(itertools.permutations(names))
+    return [permutations[i % len(permutations)] for i in range(n)]
+
+
+def curve_sets(
+    stacks: dict[str, _Stack], prompt_sets: list[list[list[int]]], budget_s: float
+) -> list[dict[str, Sample]]:
+    """Each set once on each stack, back to back, in the orders above; no new set
+    once `budget_s` has passed (a CPU takes half a minute a run), but at least two."""
+    deadline = time.monotonic() + budget_s
+    sets: list[dict[str, Sample]] = []
+    for order, prompts in zip(orders(list(stacks), len(prompt_sets)), prompt_sets, strict=True):
+        if len(sets) >= 2 and time.monotonic() >= deadline:
+            break
+        sets.append({name: _sample(stacks[name], prompts) for name in order})
+    return sets
+
+
+def _total_ratio(sets: Sequence[dict[str, Sample]], a: str, b: str) -> float:
+    """Stack a's tokens/s over stack b's, each the total tokens over the total time."""
+    tps = {name: sum(s[name].run.tokens for s in sets) / sum(s[name].run.seconds for s in sets) for name in (a, b)}
+    return tps[a] / tps[b]
+
+
+@dataclass(frozen=True, slots=True)
+class Versus:
+    """Stack a against stack b over the sets."""
+
+    total: float  # a's tokens/s over b's, each over all sets
+    ci95: tuple[float, float]  # of `total`, by bootstrap: the sets drawn with replacement
+    quartiles: tuple[float, float, float]  # of the per-set ratios a / b
+    cpu_us_per_token: dict[str, tuple[float, float]]  # "gateway", "worker", "client": (a's, b's)
+
+
+def versus(sets: Sequence[dict[str, Sample]], a: str, b: str) -> Versus:
+    rng = random.Random(0)
+    boot = sorted(_total_ratio(rng.choices(sets, k=len(sets)), a, b) for _ in range(2000))
+    ratios = [_tps(s[a].run) / _tps(s[b].run) for s in sets]
+    q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+
+    def cpu(name: str, field: str) -> float:
+        return sum(getattr(s[name], field) for s in sets) * 1e6 / sum(s[name].run.tokens for s in sets)
+
+    cpus = {who: (cpu(a, f"{who}_cpu_s"), cpu(b, f"{who}_cpu_s")) for who in ("gateway", "worker", "client")}
+    return Versus(_total_ratio(sets, a, b), (boot[49], boot[1949]), (q1, median, q3), cpus)
+
+
+def _versus_text(sets: Sequence[dict[str, Sample]], a: str, b: str) -> str:
+    v = versus(sets, a, b)
+    cpu = ", ".join(f"{who} {x:.1f} vs {y:.1f}" for who, (x, y) in v.cpu_us_per_token.items())
+    return (
+        f"{v.total:.3f} of the tokens/s in total (95 % CI {v.ci95[0]:.3f}-{v.ci95[1]:.3f}); per set median "
+        f"{v.quartiles[1]:.3f}, IQR {v.quartiles[0]:.3f}-{v.quartiles[2]:.3f}; CPU µs/token {a} vs {b}: {cpu}"
+    )
+
+
+def compare(
+    model: Path, prompt_sets: list[list[list[int]]], curve_prompt_sets: list[list[list[int]]]
+) -> tuple[list[Run], list[Run], list[Run], list[Run], list[dict[str, Sample]]]:
     """The paths on each set of prompts in turn, in process first, so that a change
     in the machine's pace during the section weighs on all: every run of each path
     (in process, the stack, its HTTP front, the CURVE stack), one per set. One warm
     Executor here and one stack throughout, and a second stack with CURVE on (idle
-    while the others run)."""
+    while the others run), and the control stack, which runs each set last. Then the
+    CURVE comparison on its own sets (curve_sets)."""
     from worker.executor import Executor, ExecutorConfig, KvCacheConfig, Request
 
     config = ExecutorConfig(max_batch_size=max(64, REQUESTS), kv_cache_config=KvCacheConfig(max_tokens=_kv_tokens()))
-    stack, curve_stack = _two_stacks(model, "--max-batch-size", str(max(64, REQUESTS)))
+    stacks = _start_stacks(model, "--max-batch-size", str(max(64, REQUESTS)))
+    stack, curve_stack = stacks[_OFF], stacks[_ON]
     local, remote, http, curve = [], [], [], []
     try:
         with Executor.from_model(model, config) as ex:
@@ -342,10 +448,12 @@ def compare(model: Path, prompt_sets: list[list[list[int]]]) -> tuple[list[Run],
                 start, end, lines = asyncio.run(_http_stream_all(stack.http_port, model.name, _other_start(prompts),
                                                                  OUTPUT, greedy=True))  # fmt: skip
                 http.append(_collect("HTTP+SSE front, gateway + worker (loopback)", start, end, lines))
+                _sample(stacks[_CONTROL], prompts)  # as warm as the other two when the comparison starts
+        sets = curve_sets(stacks, curve_prompt_sets, CURVE_BUDGET_S)
     finally:
-        stack.close()
-        curve_stack.close()
-    return local, remote, http, curve
+        for s in stacks.values():
+            s.close()
+    return local, remote, http, curve, sets
 
 
 def _echo_stack(model: Path, curve: bool = False) -> _Stack:
@@ -428,14 +536,16 @@ def table() -> tuple[list[str], list[list[str]]]:
     # New prompts for each repeat (the same sets for both paths): a repeated prompt
     # would be served from the prefix cache.
     prompt_sets = [_prompts(vocab, seed) for seed in range(REPEATS)]
-    runs = compare(model, prompt_sets)
+    curve_prompt_sets = [_prompts(vocab, REPEATS + i) for i in range(CURVE_PAIRS)]
+    *runs, sets = compare(model, prompt_sets, curve_prompt_sets)
     local, remote, http, curve = (min(r, key=lambda run: run.seconds) for r in runs)  # the fastest of each path
-    pairs = " ".join(f"{_tps(on) / _tps(off):.2f}" for off, on in zip(runs[1], runs[3], strict=True))
     header = ["path", "out tokens", "s", "tokens/s", "vs in-process", "TTFT p50 ms", "TTFT p99 ms",
               "ITL p50 ms", "ITL p99 ms", "decode ITL p50 ms", "decode ITL p99 ms"]  # fmt: skip
     rows = [local.row(), remote.row(local), curve.row(local), http.row(local)]
-    rows.append([f"(CURVE on vs off: {_tps(curve) / _tps(remote):.3f} of the unauthenticated tokens/s, "
-                 f"goal >= 0.97; on each prompt set: {pairs})", *[""] * 10])  # fmt: skip
+    rows.append([f"(CURVE on vs off, {len(sets)} sets, orders permuted: {_versus_text(sets, _ON, _OFF)}; goal >= 0.97)",
+                 *[""] * 10])  # fmt: skip
+    rows.append([f"(A/A control, CURVE off on two stacks, the same sets: {_versus_text(sets, _CONTROL, _OFF)})",
+                 *[""] * 10])  # fmt: skip
     added = _pct(http.decode_itl_ms, 99) - _pct(remote.decode_itl_ms, 99)
     rows.append([f"(HTTP vs ZeroMQ client: {http.tokens / http.seconds / (remote.tokens / remote.seconds):.3f} of "
                  f"its tokens/s, {added:+.2f} ms decode ITL p99)", *[""] * 10])  # fmt: skip
