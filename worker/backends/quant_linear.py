@@ -7,13 +7,16 @@ float weights on the device, and the GEMMs `linear` runs on them.
   then one `torch._scaled_mm` (cuBLASLt FP8, row-wise scales, bf16 out).
 - `Int4Linear`: W4A16. Weights packed eight to an int32 along the input dimension,
   [in // 8, out], so that a tile of consecutive inputs for a run of outputs is one
-  coalesced load; scales (and zero points) per group as float32 [groups, out]. Triton
-  kernels dequantize in registers and accumulate in float32. Batch 1 (decode at low load,
-  bound by reading the weights once) has a GEMV kernel of its own: each word is loaded
-  once and its eight nibbles unpacked in registers, with no 16-row MMA padding, and the
-  input dimension is split over programs so that every SM streams weights; the last
-  program of a column tile sums the splits, so a call is one launch. Larger batches take
-  the tiled kernel (16-128 row tiles, tl.dot).
+  coalesced load; scales (and zero points) per group as float32 [groups, out], a
+  checkpoint's integer zeros and on load's float ones alike. Groups are a multiple of 16
+  inputs. Triton kernels dequantize in registers and accumulate in float32. Batch 1
+  (decode at low load, bound by reading the weights once) has a GEMV kernel of its own:
+  each word is loaded once and its eight nibbles unpacked in registers, with no 16-row MMA
+  padding, and the input dimension is split over programs so that every SM streams
+  weights; the last program of a column tile sums the splits, so a call is one launch. Its
+  tiles of 128 inputs hold whole groups when they are smaller (on load's 32: four), each
+  summed and scaled apart, so small groups keep the long loads. Larger batches take the
+  tiled kernel (16-128 row tiles, tl.dot over 64 inputs, or the group when smaller).
 
 On the CPU the backend does not come here: it computes with the dequantized reference.
 """
