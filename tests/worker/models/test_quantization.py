@@ -12,6 +12,7 @@ import torch
 
 from tests.worker.backends.paged_batches import PagedSequences
 from worker.backends.numpy_backend import NumpyBackend
+from worker.backends.numpy_decoder_ops import NumpyLinear
 from worker.backends.torch_backend import TorchBackend
 from worker.models.config import CheckpointError
 from worker.models.loader import load_model
@@ -120,6 +121,38 @@ def test_both_cpu_backends_quantize_on_load_alike(tiny_llama: Path) -> None:
         float_logits.allocate_kv_cache(num_blocks=16, block_size=4)
         batch = PagedSequences(num_blocks=16, block_size=4, seed=1).step([("s", prompt, 0, 9)], all_logits=True)
         assert not np.allclose(float_logits.forward(batch), logits[0], atol=1e-4), f"{mode} changed nothing"
+
+
+def out_in(linear: Any) -> np.ndarray:
+    """A CPU backend's linear weight as [out, in] (numpy holds it transposed)."""
+    return linear.weight.T if isinstance(linear, NumpyLinear) else linear.weight.numpy()
+
+
+def test_only_the_linear_projections_are_quantized(tiny_llama: Path) -> None:
+    """The embedding (the lm head is tied to it) and the norms stay float; each of the
+    seven projections carries its quantization's error, in both CPU backends."""
+    floats = load_model(tiny_llama).weights
+    embed = floats["model.embed_tokens.weight"]
+    prefix = "model.layers.0."
+    projections = {"qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "o": ["self_attn.o_proj"],
+                   "gate_up": ["mlp.gate_proj", "mlp.up_proj"], "down": ["mlp.down_proj"]}  # fmt: skip
+    for mode in ("fp8", "int4"):
+        loaded = load_model(tiny_llama, quantization=mode)
+        for backend in (NumpyBackend(loaded), TorchBackend(loaded, device="cpu")):
+            model, name = backend.model, f"{mode} {type(backend).__name__}"
+            head = np.asarray(model.lm_head)
+            assert loaded.config.tie_word_embeddings
+            np.testing.assert_array_equal(head.T if isinstance(backend, NumpyBackend) else head, embed, err_msg=name)
+            np.testing.assert_array_equal(np.asarray(model.embed), embed, err_msg=name)
+            np.testing.assert_array_equal(np.asarray(model.final_norm), floats["model.norm.weight"], err_msg=name)
+            layer = model.layers[0]
+            for norm, key in ((layer.input_norm, "input_layernorm"), (layer.post_norm, "post_attention_layernorm")):
+                np.testing.assert_array_equal(np.asarray(norm), floats[f"{prefix}{key}.weight"], err_msg=name)
+            for role, names in projections.items():
+                want = np.concatenate([floats[f"{prefix}{n}.weight"] for n in names])
+                got = out_in(getattr(layer, role))
+                assert got.shape == want.shape and not np.array_equal(got, want), (name, role)
+                np.testing.assert_allclose(got, want, atol=0.1 * np.abs(want).max(), err_msg=f"{name} {role}")
 
 
 # Next-token agreement of int4 (RTN) with the float default model over 20 prompts of 64 tokens:
