@@ -6,8 +6,11 @@ quantized bytes and the FP8 GEMM FLOP/s measured in the same run.
   again with the FP8 (e4m3) KV cache (its KV tokens reported beside the bf16 cache's).
   Goals: 128/128 >= 28,312 output tok/s (TensorRT-LLM's published H100 FP8 figure for
   Llama-3.1-8B), 1000/1000 >= 15,220; the FP8 cache holds twice the tokens and is not slower.
-- int4 (W4A16, RTN): batch-1 time per output token against its floor, the int4 weight
-  bytes (plus scales and the bf16 lm head) over the measured bandwidth; goal <= 1.3x.
+- int4 (W4A16, RTN: asymmetric groups of 32, as quantizing on load makes them): batch-1
+  time per output token against its floor, the int4 weight bytes (plus scales, zeros and
+  the bf16 lm head) over the measured bandwidth; goal <= 1.3x. Per projection, the batch-1
+  kernel also runs on groups of 128, symmetric (the bytes of the usual checkpoints), to show
+  what the small groups cost.
 
 Random weights are what the bench measures speed with (quantized RTN / per-channel like
 any others); their outputs are meaningless.
@@ -41,6 +44,7 @@ from bench.gpu_bench import (
     run_executor_single,
     sync,
 )
+from worker.models.quantization import INT4_GROUP_SIZE
 
 GOALS_TOK_S = {"128/128": 28_312, "1000/1000": 15_220}
 INT4_TPOT_GOAL = 1.3  # x the floor
@@ -72,13 +76,14 @@ def measure_fp8_gemm(device: torch.device) -> float:
 
 def quantized_roofline(cfg: Any, quantization: str, kv_bytes: int, bandwidth: float, flops: float) -> Roofline:
     """The roofline with the projections' quantized bytes: fp8 one byte a weight plus a
-    float32 scale per output channel; int4 half a byte plus a float32 scale per group of
-    128. The lm head stays bf16; its FLOPs are counted at `flops` too (7% of them)."""
+    float32 scale per output channel; int4 half a byte plus a float32 scale and zero per
+    group (of 32 on load). The lm head stays bf16; its FLOPs are counted at `flops` too (7%
+    of them)."""
     h, d = cfg.hidden_size, cfg.head_dim
     outs = (cfg.num_heads + 2 * cfg.num_kv_heads) * d + h + 2 * cfg.intermediate_size + h
     per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
     matmul, lm_head = cfg.num_layers * per_layer, cfg.vocab_size * h
-    fp8_bytes, int4_bytes = matmul + cfg.num_layers * outs * 4, matmul // 2 + matmul // 128 * 4
+    fp8_bytes, int4_bytes = matmul + cfg.num_layers * outs * 4, matmul // 2 + matmul // INT4_GROUP_SIZE * 8
     matmul_bytes = fp8_bytes if quantization == "fp8" else int4_bytes
     return Roofline(
         bandwidth=bandwidth,
@@ -108,28 +113,29 @@ def _graph_call_seconds(fn: Any, device: torch.device) -> float:
 
 
 def int4_gemv_rows(cfg: Any, bandwidth: float, device: torch.device) -> list[dict[str, Any]]:
-    """Batch-1 W4A16 per projection shape: the GEMV kernel against the tiled kernel it
-    replaced for one row, and against its floor (the packed weights and group scales over
-    the measured bandwidth)."""
-    from worker.backends.quant_linear import Int4Linear, quantized_linear, w4a16_matmul
+    """Batch-1 W4A16 per projection shape and group scheme (on load's asymmetric groups of
+    32; symmetric groups of 128): the GEMV kernel against the tiled kernel it replaced for
+    one row, and against its floor (the packed weights, group scales and zeros over the
+    measured bandwidth)."""
+    from worker.backends.quant_linear import quantize_int4, w4a16_matmul
 
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     shapes = {"qkv": (h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d), "o": (cfg.num_heads * d, h),
               "gate_up": (h, 2 * inter), "down": (inter, h)}  # fmt: skip
     rows = []
-    for role, (k, n) in shapes.items():
-        layer = quantized_linear([torch.randn(n, k, device=device) * 0.02], None, "int4", device)
-        assert isinstance(layer, Int4Linear)
-        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
-        gemv = _graph_call_seconds(partial(layer, x), device)
-        tiled = _graph_call_seconds(
-            partial(w4a16_matmul, x, layer.qweight, layer.scale, layer.zero, layer.group_size), device
-        )
-        floor = (k * n // 2 + k // layer.group_size * n * 4) / bandwidth
-        rows.append({"projection": role, "k": k, "n": n, "gemv_us": round(gemv * 1e6, 1),
-                     "tiled_us": round(tiled * 1e6, 1), "floor_us": round(floor * 1e6, 1),
-                     "of_floor": round(gemv / floor, 2)})  # fmt: skip
-        log(f"int4 batch-1 {role}: {rows[-1]}")
+    for group, symmetric in ((INT4_GROUP_SIZE, False), (128, True)):
+        for role, (k, n) in shapes.items():
+            layer = quantize_int4(torch.randn(n, k, device=device) * 0.02, None, group, symmetric)
+            x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+            gemv = _graph_call_seconds(partial(layer, x), device)
+            tiled = _graph_call_seconds(
+                partial(w4a16_matmul, x, layer.qweight, layer.scale, layer.zero, layer.group_size), device
+            )
+            floor = (k * n // 2 + k // group * n * (4 if symmetric else 8)) / bandwidth
+            rows.append({"projection": role, "groups": f"{group}{' sym' if symmetric else ' asym'}", "k": k, "n": n,
+                         "gemv_us": round(gemv * 1e6, 1), "tiled_us": round(tiled * 1e6, 1),
+                         "floor_us": round(floor * 1e6, 1), "of_floor": round(gemv / floor, 2)})  # fmt: skip
+            log(f"int4 batch-1 {role}: {rows[-1]}")
     return rows
 
 

@@ -27,7 +27,7 @@ from worker.backends import quant_linear
 from worker.backends.torch_backend import TorchBackend
 from worker.models.config import ModelConfig
 from worker.models.loader import load_model
-from worker.models.quantization import Int4Weight, dequantize, pack_int4
+from worker.models.quantization import Int4Weight, dequantize, pack_int4, quantize_int4
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,13 +41,20 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("m", [1, 3, 16, 64, 300, 2048])
-@pytest.mark.parametrize("zero", [False, True])
-def test_w4a16_matches_the_dequantized_reference(m: int, zero: bool) -> None:
+@pytest.mark.parametrize(("group", "zero"), [(128, None), (128, "int"), (64, "float"), (32, "int"), (32, "float")])
+def test_w4a16_matches_the_dequantized_reference(m: int, group: int, zero: str | None) -> None:
+    """Both kernels (batch 1: the GEMV, whose tiles of 128 inputs hold two or four groups of
+    64 or 32; more rows: the tiled one) for a checkpoint's integer zero points and the float
+    ones quantizing on load makes."""
     rng = np.random.default_rng(m)
     n, k = 1536, 4096
     q = rng.integers(-8, 8, (n, k)).astype(np.int8)
-    z = rng.integers(-3, 3, (n, k // 128)).astype(np.int8) if zero else None
-    w = Int4Weight(pack_int4(q), (rng.random((n, k // 128)) * 0.01).astype(np.float32), z, 128)
+    z = None
+    if zero == "int":
+        z = rng.integers(-3, 3, (n, k // group)).astype(np.int8)
+    elif zero == "float":
+        z = rng.uniform(-3, 3, (n, k // group)).astype(np.float32)
+    w = Int4Weight(pack_int4(q), (rng.random((n, k // group)) * 0.01).astype(np.float32), z, group)
     layer = quant_linear.quantized_linear([w], None, None, CUDA)
     assert isinstance(layer, quant_linear.Int4Linear)
     x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
@@ -57,11 +64,17 @@ def test_w4a16_matches_the_dequantized_reference(m: int, zero: bool) -> None:
     assert rel(out, ref) < 1e-2, (m, rel(out, ref))
 
 
-def test_w4a16_group_64_and_on_load_quantization() -> None:
-    w = torch.randn(576 * 3, 576, device=CUDA) * 0.05  # SmolLM2's width: groups of 64
+@pytest.mark.parametrize("m", [1, 5])
+def test_w4a16_on_load_quantization_at_smollm2_width(m: int) -> None:
+    """Groups of 32, asymmetric with float zeros, as the CPU quantizer makes them; 576 inputs
+    are not a multiple of 128, so the batch-1 kernel walks tiles of 64 (two groups each)."""
+    w = torch.randn(576 * 3, 576, device=CUDA) * 0.05
     layer = quant_linear.quantized_linear([w], None, "int4", CUDA)
-    assert isinstance(layer, quant_linear.Int4Linear) and layer.group_size == 64
-    x = torch.randn(5, 576, device=CUDA, dtype=torch.bfloat16)
+    assert isinstance(layer, quant_linear.Int4Linear) and layer.group_size == 32 and layer.zero is not None
+    cpu = torch.from_numpy(dequantize(quantize_int4(w.cpu().numpy())))
+    # the same grid; a division a last bit apart may round a rare weight to the next level
+    assert float(((quant_linear.dequantize_int4(layer).cpu() - cpu).abs() > 1e-5).float().mean()) < 1e-4
+    x = torch.randn(m, 576, device=CUDA, dtype=torch.bfloat16)
     assert rel(layer(x), x.float() @ quant_linear.dequantize_int4(layer).T) < 1e-2
 
 
@@ -175,9 +188,15 @@ def default_model_path() -> Path | None:
 @pytest.mark.skipif(default_model_path() is None, reason="TOKENWIRE_GPU_DEFAULT_MODEL (the default model) not set")
 def test_default_model_quantized_on_load_agreement() -> None:
     """Next-token argmax agreement with the bf16 model over 20 prompts of 64 tokens
-    (teacher-forced, 1280 positions). The issue's goal is 90%; the CPU measured fp8 0.873
-    and int4 (RTN) 0.506 on these prompts, so the floors only guard against regressions:
-    the printed figures are the ones to report."""
+    (teacher-forced, 1280 positions); the printed figures are the ones to report. The issue's
+    goal is 90%. int4 on load finds the default model's own Q4_1 grid (groups of 32, float
+    zeros) and gives its weights back: the CPU measured 1.000, so only bf16 rounding and the
+    kernels' summation order move a near-tie here. fp8 W8A8 (per-channel weights, per-token
+    activations) does not reach it on this 135M model: the CPU's emulation (Fp8Reference)
+    measured 0.873 on these prompts (0.86-0.88 over four prompt sets; fp8 weights alone 0.89-
+    0.91): its logits are flat (the top two within half a logit at 37% of positions) and e4m3's
+    3 mantissa bits on every weight and every projection's input move them by about that much. The fp8 floor guards
+    against regressions only."""
     path = default_model_path()
     assert path is not None
     loaded = load_model(path, load_weights=False)
@@ -194,7 +213,7 @@ def test_default_model_quantized_on_load_agreement() -> None:
     figures = {q: float((argmaxes(q) == base).float().mean()) for q in ("fp8", "int4")}
     print(f"default model, next-token agreement with bf16 over 20 x 64 tokens: {figures}")
     assert figures["fp8"] >= 0.8
-    assert figures["int4"] >= 0.45
+    assert figures["int4"] >= 0.9
 
 
 def test_w4a16_batch_one_repeats_and_replays_in_a_graph() -> None:

@@ -7,13 +7,16 @@ float weights on the device, and the GEMMs `linear` runs on them.
   then one `torch._scaled_mm` (cuBLASLt FP8, row-wise scales, bf16 out).
 - `Int4Linear`: W4A16. Weights packed eight to an int32 along the input dimension,
   [in // 8, out], so that a tile of consecutive inputs for a run of outputs is one
-  coalesced load; scales (and zero points) per group as float32 [groups, out]. Triton
-  kernels dequantize in registers and accumulate in float32. Batch 1 (decode at low load,
-  bound by reading the weights once) has a GEMV kernel of its own: each word is loaded
-  once and its eight nibbles unpacked in registers, with no 16-row MMA padding, and the
-  input dimension is split over programs so that every SM streams weights; the last
-  program of a column tile sums the splits, so a call is one launch. Larger batches take
-  the tiled kernel (16-128 row tiles, tl.dot).
+  coalesced load; scales (and zero points) per group as float32 [groups, out], a
+  checkpoint's integer zeros and on load's float ones alike. Groups are a multiple of 16
+  inputs. Triton kernels dequantize in registers and accumulate in float32. Batch 1
+  (decode at low load, bound by reading the weights once) has a GEMV kernel of its own:
+  each word is loaded once and its eight nibbles unpacked in registers, with no 16-row MMA
+  padding, and the input dimension is split over programs so that every SM streams
+  weights; the last program of a column tile sums the splits, so a call is one launch. Its
+  tiles of 128 inputs hold whole groups when they are smaller (on load's 32: four), each
+  summed and scaled apart, so small groups keep the long loads. Larger batches take the
+  tiled kernel (16-128 row tiles, tl.dot over 64 inputs, or the group when smaller).
 
 On the CPU the backend does not come here: it computes with the dequantized reference.
 """
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.models.quantization import FP8_MAX, Fp8Weight, Int4Weight, QuantizedWeight, on_load_group_size
+from worker.models.quantization import FP8_MAX, INT4_GROUP_SIZE, Fp8Weight, Int4Weight, QuantizedWeight
 
 try:
     import triton  # type: ignore[import-not-found,unused-ignore]
@@ -80,6 +83,8 @@ GEMV_BLOCK_N = 256
 
 def int4_linear(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int,
                 bias: torch.Tensor | None) -> Int4Linear:  # fmt: skip
+    if group_size % 16:  # the tiled kernel's tl.dot takes tiles of 16 inputs or more, inside a group
+        raise ValueError(f"the W4A16 kernels take int4 groups of a multiple of 16 inputs, got {group_size}")
     out = qweight.shape[1]
     sums = torch.zeros(out, dtype=torch.float32, device=qweight.device)
     counts = torch.zeros(-(-out // GEMV_BLOCK_N), dtype=torch.int32, device=qweight.device)
@@ -129,7 +134,7 @@ def quantized_linear(
     if mode == "fp8":
         return quantize_fp8(w, bias)
     if mode == "int4":
-        return quantize_int4(w, bias, on_load_group_size(w.shape[1]))
+        return quantize_int4(w, bias)
     raise ValueError(f"quantization must be 'fp8' or 'int4', got {mode!r}")
 
 
@@ -141,14 +146,22 @@ def quantize_fp8(w: torch.Tensor, bias: torch.Tensor | None) -> Fp8Linear:
     return Fp8Linear(codes, scale[None, :].contiguous(), None, bias)
 
 
-def quantize_int4(w: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> Int4Linear:
-    """Group-wise symmetric RTN, as worker.models.quantization.quantize_int4 does."""
+def quantize_int4(w: torch.Tensor, bias: torch.Tensor | None, group_size: int = INT4_GROUP_SIZE,
+                  symmetric: bool = False) -> Int4Linear:  # fmt: skip
+    """Group-wise RTN, as worker.models.quantization.quantize_int4 does: asymmetric with a
+    float zero (min and max on the grid) by default, or symmetric (amax / 7, no zero)."""
     out, n_in = w.shape
+    if n_in % group_size:
+        raise ValueError(f"int4 group size {group_size} does not divide the layer's {n_in} inputs")
     groups = w.view(out, n_in // group_size, group_size)
-    scale = groups.abs().amax(dim=2) / 7.0
+    lo = groups.amin(dim=2)
+    scale = groups.abs().amax(dim=2) / 7.0 if symmetric else (groups.amax(dim=2) - lo) / 15.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(groups / scale[:, :, None]).clamp_(-8, 7).to(torch.int32).view(out, n_in)
-    return int4_linear(_pack_along_in(q.t()), scale.t().contiguous(), None, group_size, bias)
+    zero = None if symmetric else -8.0 - lo / scale
+    shifted = groups / scale[:, :, None] + (0.0 if zero is None else zero[:, :, None])
+    q = torch.round(shifted).clamp_(-8, 7).to(torch.int32).view(out, n_in)
+    return int4_linear(_pack_along_in(q.t()), scale.t().contiguous(), None if zero is None else zero.t().contiguous(),
+                       group_size, bias)  # fmt: skip
 
 
 def _pack_along_in(q_in_out: torch.Tensor) -> torch.Tensor:
@@ -261,6 +274,7 @@ if triton is not None:
     def _w4a16_gemv_kernel(  # type: ignore[no-untyped-def]
         x_ptr, w_ptr, s_ptr, z_ptr, sums_ptr, counts_ptr, out_ptr, N, K, group_size,
         HAS_ZERO: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+        GROUPS: tl.constexpr,
     ):  # fmt: skip
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -274,11 +288,20 @@ if triton is not None:
                             other=0)  # fmt: skip
             x = tl.load(x_ptr + k0 + rows[:, None] * 8 + nibble[None, :]).to(tl.float32)  # [KW, 8]
             q = ((words[:, None, :] >> (nibble[None, :, None] * 4)) & 0xF).to(tl.float32) - 8.0  # [KW, 8, N]
-            part = tl.sum(tl.sum(q * x[:, :, None], axis=1), axis=0)
-            g = k0 // group_size  # BLOCK_KW * 8 divides the group size: one group per tile
-            if HAS_ZERO:  # sum x (q - z) = sum x q - z sum x
-                part -= tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0) * tl.sum(tl.sum(x, axis=1), axis=0)
-            acc += part * tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0)
+            if GROUPS == 1:  # BLOCK_KW * 8 divides the group size: one group per tile
+                part = tl.sum(tl.sum(q * x[:, :, None], axis=1), axis=0)
+                g = k0 // group_size
+                if HAS_ZERO:  # sum x (q - z) = sum x q - z sum x
+                    part -= tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0) * tl.sum(tl.sum(x, axis=1), axis=0)
+                acc += part * tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0)
+            else:  # GROUPS whole groups per tile: sum each group's rows, then scale it
+                per_row = tl.sum(q * x[:, :, None], axis=1)  # [KW, N]
+                part = tl.sum(tl.reshape(per_row, (GROUPS, BLOCK_KW // GROUPS, BLOCK_N)), axis=1)  # [G, N]
+                at = (k0 // group_size + tl.arange(0, GROUPS))[:, None] * N + offs_n[None, :]
+                if HAS_ZERO:
+                    x_sums = tl.sum(tl.reshape(tl.sum(x, axis=1), (GROUPS, BLOCK_KW // GROUPS)), axis=1)  # [G]
+                    part -= tl.load(z_ptr + at, mask=n_ok[None, :], other=0.0) * x_sums[:, None]
+                acc += tl.sum(part * tl.load(s_ptr + at, mask=n_ok[None, :], other=0.0), axis=0)
         if SPLIT_K == 1:
             tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
         else:
@@ -293,16 +316,18 @@ if triton is not None:
                 tl.store(counts_ptr + pid_n, 0)
 
 
-def _gemv_split(n: int, k: int, group_size: int, num_sms: int) -> tuple[int, int]:
-    """(SPLIT_K, BLOCK_KW) for a batch-1 product: enough programs for four per SM, each
-    walking whole tiles of BLOCK_KW words (which must divide the group). Tile sizes from a
-    sweep on the H100 over the 8B projections."""
-    block_kw = min(16, group_size // 8)
+def _gemv_split(n: int, k: int, group_size: int, num_sms: int) -> tuple[int, int, int]:
+    """(SPLIT_K, BLOCK_KW, GROUPS) for a batch-1 product: enough programs for four per SM,
+    each walking whole tiles of BLOCK_KW words, 16 where the layer allows (from a sweep on
+    the H100 over the 8B projections). A tile lies inside one group, or holds GROUPS whole
+    ones (groups of 32 or 64: four or two per tile of 128 inputs)."""
+    block_kw = next(kw for kw in (16, 8, 4, 2, 1)
+                    if k % (kw * 8) == 0 and (group_size % (kw * 8) == 0 or (kw * 8) % group_size == 0))  # fmt: skip
     tiles = -(-n // GEMV_BLOCK_N)
     split = 1
     while tiles * split < 4 * num_sms and k % (split * 2 * block_kw * 8) == 0:
         split *= 2
-    return split, block_kw
+    return split, block_kw, max(1, block_kw * 8 // group_size)
 
 
 def w4a16_gemv(x: torch.Tensor, w: Int4Linear) -> torch.Tensor:
@@ -311,20 +336,20 @@ def w4a16_gemv(x: torch.Tensor, w: Int4Linear) -> torch.Tensor:
     dev = x.device.index or 0
     if dev not in _NUM_SMS:
         _NUM_SMS[dev] = torch.cuda.get_device_properties(x.device).multi_processor_count
-    split, block_kw = _gemv_split(n, k, w.group_size, _NUM_SMS[dev])
+    split, block_kw, groups = _gemv_split(n, k, w.group_size, _NUM_SMS[dev])
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     grid = (-(-n // GEMV_BLOCK_N), split)
     _w4a16_gemv_kernel[grid](
         x.contiguous(), w.qweight, w.scale, w.scale if w.zero is None else w.zero, w.split_sums, w.split_counts, out,
         n, k, w.group_size, HAS_ZERO=w.zero is not None, SPLIT_K=split, BLOCK_N=GEMV_BLOCK_N, BLOCK_KW=block_kw,
-        num_warps=4, num_stages=3,
+        GROUPS=groups, num_warps=4, num_stages=3,
     )  # fmt: skip
     return out
 
 
 def _w4a16_plan(m: int, n: int, k: int, group_size: int, num_sms: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps) for an [m, k] x [k, n] product."""
-    block_k = min(64, group_size)
+    block_k = next(b for b in (64, 32, 16) if group_size % b == 0)  # one group per tile (see int4_linear)
     if m <= 16:
         block_m, block_n, warps = 16, 64, 4
     elif m <= 64:

@@ -39,7 +39,8 @@ def test_int4_on_device_equals_the_reference() -> None:
     made = quant_linear.quantized_linear([torch.from_numpy(w[:32]), torch.from_numpy(w[32:])], None, "int4", CPU)
     assert isinstance(made, quant_linear.Int4Linear)
     assert made.qweight.shape == (256 // 8, 96) and made.qweight.dtype == torch.int32
-    want = dequantize(quantize_int4(w, 128))
+    assert made.group_size == 32 and made.zero is not None  # on load: asymmetric groups of 32
+    want = dequantize(quantize_int4(w))
     np.testing.assert_array_equal(quant_linear.dequantize_int4(made).numpy(), want)
 
 
@@ -109,9 +110,16 @@ import numpy as np, torch
 from worker.backends import quant_linear as ql
 from worker.models.quantization import Int4Weight, dequantize, pack_int4
 ql._NUM_SMS[0] = 2  # few SMs: the plan splits K, so the last-program reduction runs
-for n, k, zero, group in [(300, 512, False, 128), (256, 512, True, 128), (96, 576, False, 64)]:
+# groups of 128 and 64: one per tile; of 32 (on load: float zeros) and 64: two or four per tile
+cases = [(300, 512, None, 128), (256, 512, "int", 128), (96, 576, None, 64), (128, 1024, "int", 64),
+         (264, 512, "float", 32), (96, 576, "float", 32)]
+for n, k, zero, group in cases:
     rng = np.random.default_rng(n)
-    z = rng.integers(-3, 3, (n, k // group)).astype(np.int8) if zero else None
+    z = None
+    if zero == "int":
+        z = rng.integers(-3, 3, (n, k // group)).astype(np.int8)
+    elif zero == "float":
+        z = rng.uniform(-3, 3, (n, k // group)).astype(np.float32)
     w = Int4Weight(pack_int4(rng.integers(-8, 8, (n, k)).astype(np.int8)),
                    (rng.random((n, k // group)) * 0.01).astype(np.float32), z, group)
     layer = ql.quantized_linear([w], None, None, torch.device("cpu"))
@@ -127,7 +135,8 @@ print("ok")
 
 def test_batch_one_int4_kernel_in_the_triton_interpreter() -> None:
     """The CUDA batch-1 W4A16 kernel (one word load, nibbles unpacked in registers, split-K
-    summed by the last program) run by Triton's CPU interpreter against the reference."""
+    summed by the last program; tiles inside a group or holding several) run by Triton's
+    CPU interpreter against the reference, integer and float zero points."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[3])}
     done = subprocess.run([sys.executable, "-c", _GEMV_CHECK], env=env, capture_output=True, text=True, timeout=300)
