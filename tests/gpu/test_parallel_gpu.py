@@ -1,12 +1,14 @@
-"""Pipeline parallelism on two GPUs (NCCL send / recv between the stages, each step cut
-into micro-batches, stages run eagerly): greedy tokens of PP=2 equal one GPU's on the
+"""Several GPUs: greedy tokens of tensor parallelism (NCCL, the all-reduces captured in
+the decode CUDA graphs), pipeline parallelism (NCCL send / recv between the stages, each
+step cut into micro-batches, stages run eagerly) and both together equal one GPU's on the
 tiny checkpoints, in float32 exactly and with logits within 1e-3, and in bf16 up to a
-near tie; TP=2 x PP=2 likewise on four GPUs.
+near tie.
 
-bf16: the stages compute what one GPU computes, layer by layer, but each micro-batch's
-GEMMs and attention run at its own batch size (other kernel choices, other rounding),
-so logits differ by bf16 rounding. A greedy choice may then flip only where one GPU's
-top-1 lead is under NEAR_TIE; the tokens must agree up to the first such step."""
+bf16: TP=2 sums each row-parallel projection's two halves after rounding them, one GPU
+sums in one GEMM; a pipeline's micro-batches run their GEMMs and attention at their own
+batch sizes (other kernel choices). Either way logits differ by bf16 rounding (~1e-2), so
+a greedy choice may flip only where one GPU's top-1 lead is under NEAR_TIE; the tokens
+must agree up to the first such step."""
 
 from __future__ import annotations
 
@@ -67,13 +69,15 @@ def _run(model: Path, tp: int, pp: int, dtype: str,
 @pytest.mark.parametrize(
     ("name", "tp", "pp"),
     [
+        ("llama_gqa", 2, 1),
+        ("qwen2_mqa", 2, 1),
         ("llama_gqa", 1, 2),
         ("qwen2_mqa", 1, 2),
         pytest.param("qwen2_mqa", 2, 2, marks=pytest.mark.skipif(torch.cuda.device_count() < 4,
                                                                  reason="needs four CUDA devices")),
     ],
 )  # fmt: skip
-def test_float32_pipeline_equals_one_gpu(name: str, tp: int, pp: int, tmp_path: Path) -> None:
+def test_float32_parallel_equals_one_gpu(name: str, tp: int, pp: int, tmp_path: Path) -> None:
     model = make_checkpoint(name, tmp_path / name)
     tokens, logits = _run(model, tp, pp, "float32")
     want_tokens, want_logits = _run(model, 1, 1, "float32")
@@ -81,9 +85,10 @@ def test_float32_pipeline_equals_one_gpu(name: str, tp: int, pp: int, tmp_path: 
     np.testing.assert_allclose(logits[0], want_logits[0], atol=1e-3, rtol=0)
 
 
-def test_bf16_pp2_greedy_equals_one_gpu_up_to_a_near_tie(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_bf16_parallel_greedy_equals_one_gpu_up_to_a_near_tie(tp: int, pp: int, tmp_path: Path) -> None:
     model = make_checkpoint("llama_gqa", tmp_path / "llama_gqa")
-    tokens, logits = _run(model, 1, 2, "bfloat16", all_logits=True)
+    tokens, logits = _run(model, tp, pp, "bfloat16", all_logits=True)
     want_tokens, want_logits = _run(model, 1, 1, "bfloat16", all_logits=True)
     for got, want, got_logits, want_logit in zip(tokens, want_tokens, logits, want_logits, strict=True):
         same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(want))
