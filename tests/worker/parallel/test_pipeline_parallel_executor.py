@@ -98,7 +98,7 @@ def test_stages_of_unequal_layers_agree_on_the_kv_blocks(three_layer_qwen2: Path
         assert backend.inner.kv_bytes_per_token() * 2 == backend.kv_bytes_per_token()
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 2)])
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
 def test_decoding_features_cancels_and_preemption_equal_one_process(tp: int, pp: int, tiny_llama: Path) -> None:
     """Every decoding feature, plus requests that outgrow a small KV pool (the newest
     are preempted and recomputed), and one cancelled while it runs."""
