@@ -242,13 +242,14 @@ class TorchBackend:
     # -- LoRA (LoraBackend) ------------------------------------------------------------------
 
     def enable_lora(self, num_slots: int, max_rank: int) -> None:
-        if isinstance(self.ops, ShardedTorchDecoderOps) or self.stage is not None:
-            raise ValueError("LoRA adapters are not supported with tensor or pipeline parallelism yet")
         self.ops.allocate_lora(num_slots, max_rank)
         self.lora_enabled = True
         self._graphs = None  # graphs captured before had no LoRA ops; allocate_kv_cache makes new ones
 
     def load_lora_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """A pipeline stage writes its layers' part; a tensor-parallel rank's ops cut their shard."""
+        if adapter is not None and self.stage is not None:
+            adapter = layout.stage_lora(adapter, self.stage.layers)
         with torch.inference_mode():
             self.ops.load_lora_slot(slot, adapter)
 

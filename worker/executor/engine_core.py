@@ -403,8 +403,6 @@ class EngineCore:
         return max(1, tokens // kv.tokens_per_block)
 
     def _adapter_cache(self) -> AdapterCache:
-        if self.config.parallel_config.world_size > 1:
-            raise ValueError("LoRA adapters are not supported with tensor or pipeline parallelism yet")
         if not isinstance(self.backend, LoraBackend):
             raise ValueError(f"the {self.backend.name} backend does not run LoRA adapters")
         peft = self.config.peft_cache_config or PeftCacheConfig()

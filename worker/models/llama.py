@@ -24,9 +24,10 @@ Later work plugs in as op implementations, not as changes to this recipe:
 - Tensor parallelism (worker/parallel/sharded_ops.py): `linear_weight` keeps the rank's
   shard, given the projection's role:
   column-parallel for qkv and gate_up (each fused part sharded on its own, which is why
-  the parts arrive separately), row-parallel for o and down, whose `linear` all-reduces
-  its output. The embedding and the lm head become vocab-parallel (a masked lookup and an
-  all-reduce; a gather of the logits), and the KV pool holds the rank's KV heads.
+  the parts arrive separately), row-parallel for o and down, whose partial output, with
+  the rank's LoRA delta, `lora` all-reduces (it follows every `linear`). The embedding
+  and the lm head become vocab-parallel (a masked lookup and an all-reduce; a gather of
+  the logits), and the KV pool holds the rank's KV heads.
 - Pipeline parallelism (worker/parallel/pipeline.py): a stage's weights hold a run of
   layers (`build_weights(..., layers=)`); the embedding is stage 0's, the final norm and
   lm head the last stage's, and the KV pool holds only the stage's layers (the ops'

@@ -15,6 +15,11 @@ the tp / kv_heads ranks whose query heads use it.
 
 The slices are taken from the float tensors before the backend turns them into its
 weights, so any linear-weight format (quantized included) shards the same way.
+
+A LoRA adapter follows its projection: on qkv and gate_up A [r, in] is whole and B's
+output rows are cut as the base weight's are; on o and down A's input columns are cut
+and B is whole, so each rank's delta is a partial sum, added to the projection's own
+before the one all-reduce (sharded_ops.py). A pipeline stage keeps its layers' weights.
 """
 
 from __future__ import annotations
@@ -28,9 +33,13 @@ import numpy as np
 
 from worker.models.config import ModelConfig
 from worker.models.llama import LinearRole
+from worker.models.lora import LoraAdapter, LoraWeights
 
 if TYPE_CHECKING:
     from worker.executor.types import ParallelConfig
+
+# The projections cut along their input: each rank's output is a partial sum.
+ROW_PARALLEL: tuple[LinearRole, ...] = ("o", "down")
 
 
 def validate(parallel: ParallelConfig, config: ModelConfig) -> None:
@@ -98,7 +107,7 @@ def shard_linear(
     parts: Sequence[Any], bias: Sequence[Any] | None, role: LinearRole, config: ModelConfig, rank: int, tp: int
 ) -> tuple[list[Any], list[Any] | None]:
     """The rank's slices of a projection's parts (and biases), in the same order."""
-    if role in ("o", "down"):
+    if role in ROW_PARALLEL:
         if bias is not None:
             raise ValueError(f"a bias on the row-parallel {role} projection is not supported")
         (weight,) = parts
@@ -122,6 +131,25 @@ def shard_linear(
         return [t[start : start + n] for t, (start, n) in zip(split, ranges, strict=True)]
 
     return cut(parts), None if bias is None else cut(bias)
+
+
+def shard_lora(adapter: LoraAdapter, config: ModelConfig, rank: int, tp: int) -> LoraAdapter:
+    """The rank's slices of an adapter's weights (LoraWeights' layouts, at the adapter's rank)."""
+    weights = {}
+    for (layer, role), w in adapter.weights.items():
+        if role in ROW_PARALLEL:  # a: [1, r, in], its input columns
+            cols = w.a.shape[2] // tp
+            weights[layer, role] = LoraWeights(np.ascontiguousarray(w.a[:, :, rank * cols : (rank + 1) * cols]), w.b)
+        else:  # b: [out, parts, r], its output rows as the base weight's (shard_linear)
+            rows, _ = shard_linear([w.b], None, role, config, rank, tp)
+            weights[layer, role] = LoraWeights(w.a, np.concatenate(rows))
+    return LoraAdapter(adapter.path, adapter.rank, weights)
+
+
+def stage_lora(adapter: LoraAdapter, layers: range) -> LoraAdapter:
+    """A pipeline stage's part of an adapter, its layers counted from the stage's first."""
+    weights = {(layer - layers.start, role): w for (layer, role), w in adapter.weights.items() if layer in layers}
+    return LoraAdapter(adapter.path, adapter.rank, weights)
 
 
 def _split(tensors: Sequence[Any], sizes: list[int]) -> list[Any]:

@@ -42,6 +42,7 @@ import torch
 from worker.backends.base import ForwardBatch, SampleOutput, SamplingBatch, StepHandle
 from worker.backends.torch_backend import TorchBackend
 from worker.executor.types import ParallelConfig
+from worker.models.lora import LoraAdapter
 from worker.parallel import layout
 from worker.parallel.group import World, join, leave
 
@@ -66,8 +67,8 @@ class RankSpec:
 
 
 class DistributedBackend:
-    """Rank 0's backend (an AsyncBackend): each call that runs the model goes to the
-    other ranks first, then to this rank's shard."""
+    """Rank 0's backend (an AsyncBackend and a LoraBackend): each call that runs the
+    model or writes its memory goes to the other ranks first, then to this rank's shard."""
 
     def __init__(self, inner: TorchBackend, world: World, links: list[Connection],
                  processes: Sequence[BaseProcess]) -> None:  # fmt: skip
@@ -97,6 +98,16 @@ class DistributedBackend:
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         self._send(("copy_blocks", (src, dst)))
         self.inner.copy_blocks(src, dst)
+
+    def enable_lora(self, num_slots: int, max_rank: int) -> None:
+        self._send(("enable_lora", (num_slots, max_rank)))
+        self.inner.enable_lora(num_slots, max_rank)
+
+    def load_lora_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """The whole adapter to every rank (it is small): each writes its stage's layers'
+        shard, after the steps sent before (the pipes keep the order)."""
+        self._send(("load_lora_slot", (slot, adapter)))
+        self.inner.load_lora_slot(slot, adapter)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         self._send(("forward", (batch, 0)))
@@ -277,6 +288,10 @@ def serve(backend: TorchBackend, world: World, inbox: Connection) -> None:
             backend.allocate_kv_cache(*body)
         elif kind == "copy_blocks":
             backend.copy_blocks(*body)
+        elif kind == "enable_lora":
+            backend.enable_lora(*body)
+        elif kind == "load_lora_slot":
+            backend.load_lora_slot(*body)
         elif kind == "capture_graphs":
             backend.capture_graphs()
         else:  # stop

@@ -1,11 +1,16 @@
 """The decoder's torch ops (worker.models.llama.DecoderOps) over one tensor-parallel
-rank's shard: the float weights are sliced (layout.py) before TorchDecoderOps makes
-its weights of them, and the step ops add the collectives the slices call for."""
+rank's shard: the float weights (and LoRA adapters) are sliced (layout.py) before
+TorchDecoderOps makes its weights of them, and the step ops add the collectives the
+slices call for.
+
+A row-parallel projection's all-reduce is in `lora`, which the decoder calls after
+every `linear` whether or not the step runs an adapter: the rank's partial output and
+its adapter delta (from the rank's input columns) are summed across ranks in one
+all-reduce."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,14 +22,9 @@ from worker.backends.torch_decoder_ops import TorchDecoderOps, TorchLinear
 from worker.backends.torch_step import StepInputs
 from worker.models.config import ModelConfig
 from worker.models.llama import LinearRole
+from worker.models.lora import LoraAdapter
 from worker.parallel import layout
 from worker.parallel.group import TensorGroup
-
-
-@dataclass(frozen=True, slots=True)
-class ShardedLinear:
-    weight: TorchLinear | QuantLinear  # the rank's slice, as TorchDecoderOps made it (quantized after the cut)
-    all_reduce: bool  # row-parallel: the rank's output is a partial sum
 
 
 class ShardedTorchDecoderOps(TorchDecoderOps):
@@ -57,10 +57,17 @@ class ShardedTorchDecoderOps(TorchDecoderOps):
         parts: Sequence[torch.Tensor | np.ndarray],
         bias: Sequence[torch.Tensor | np.ndarray] | None,
         role: LinearRole,
-    ) -> ShardedLinear:
+    ) -> TorchLinear | QuantLinear:
+        """The rank's slice, as TorchDecoderOps makes it (quantized after the cut)."""
         g = self.group
         parts, bias = layout.shard_linear(parts, bias, role, self.full_config, g.rank, g.size)
-        return ShardedLinear(super().linear_weight(parts, bias, role), all_reduce=role in ("o", "down"))
+        return super().linear_weight(parts, bias, role)
+
+    def load_lora_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """The slots hold the rank's slices (allocate_lora sized them by the rank's heads)."""
+        if adapter is not None:
+            adapter = layout.shard_lora(adapter, self.full_config, self.group.rank, self.group.size)
+        super().load_lora_slot(slot, adapter)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -71,9 +78,11 @@ class ShardedTorchDecoderOps(TorchDecoderOps):
         rows = F.embedding(torch.where(mine, local, 0), table) * mine.unsqueeze(1).to(table.dtype)
         return self.group.all_reduce(rows)
 
-    def linear(self, x: torch.Tensor, weight: ShardedLinear) -> torch.Tensor:  # type: ignore[override]
-        y = super().linear(x, weight.weight)
-        return self.group.all_reduce(y) if weight.all_reduce else y
+    def lora(self, y: torch.Tensor, x: torch.Tensor, layer: int, role: LinearRole, step: StepInputs,
+             logits_rows: bool) -> torch.Tensor:
+        """The rank's delta added; a row-parallel projection's sum (base and delta) all-reduced."""
+        y = super().lora(y, x, layer, role, step, logits_rows)
+        return self.group.all_reduce(y) if role in layout.ROW_PARALLEL else y
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Every rank's logits over its vocabulary range, gathered into [S, vocab]."""

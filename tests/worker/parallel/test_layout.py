@@ -1,5 +1,6 @@
 """Which slice of each weight a rank holds: the model's limits, the padded vocabulary
-ranges, and a fused projection sharded like its parts."""
+ranges, a fused projection sharded like its parts, and a LoRA adapter's slices, whose
+deltas are the rank's slice of the whole delta (summing to it on o and down)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from worker.executor import ParallelConfig
 from worker.models.config import ModelConfig
+from worker.models.lora import ROLES, LoraAdapter, LoraWeights, role_shape
 from worker.parallel import layout
 
 CONFIG = ModelConfig(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=12, num_layers=2,
@@ -73,3 +75,49 @@ def test_row_parallel_projections_keep_their_input_columns() -> None:
     shards = [layout.shard_linear([down], None, "down", CONFIG, rank, 2)[0][0] for rank in range(2)]
     np.testing.assert_array_equal(np.concatenate(shards, axis=1), down)
     assert all(s.flags.c_contiguous for s in shards)
+
+
+def _random_adapter(config: ModelConfig, rank: int, seed: int) -> LoraAdapter:
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for layer in range(config.num_layers):
+        for role in ROLES:
+            width, outs = role_shape(config, role)
+            weights[layer, role] = LoraWeights(rng.standard_normal((len(outs), rank, width)).astype(np.float32),
+                                               rng.standard_normal((sum(outs), len(outs), rank)).astype(np.float32))
+    return LoraAdapter("random", rank, weights)
+
+
+def _delta(w: LoraWeights) -> np.ndarray:
+    """The adapter's whole weight delta [out, in]: B A over the parts' stacked ranks."""
+    parts, rank, width = w.a.shape
+    return w.b.reshape(-1, parts * rank) @ w.a.reshape(parts * rank, width)
+
+
+@pytest.mark.parametrize("tp", [2, 4])  # 4: more ranks than KV heads
+def test_a_lora_shard_is_the_ranks_slice_of_the_whole_delta_and_row_parallel_partials_sum_to_it(tp: int) -> None:
+    adapter = _random_adapter(CONFIG, 3, seed=tp)
+    shards = [layout.shard_lora(adapter, CONFIG, rank, tp) for rank in range(tp)]
+    local = layout.local_config(CONFIG, tp)
+    x = np.random.default_rng(1).standard_normal((5, CONFIG.intermediate_size))  # the widest input
+    for (layer, role), w in adapter.weights.items():
+        whole = _delta(w)
+        width, outs = role_shape(local, role)
+        partials = []
+        for rank, shard in enumerate(shards):
+            s = shard.weights[layer, role]
+            assert s.a.shape == (len(outs), 3, width) and s.b.shape == (sum(outs), len(outs), 3)  # the slots' shapes
+            want = np.concatenate(layout.shard_linear([whole], None, role, CONFIG, rank, tp)[0], axis=1 if
+                                  role in layout.ROW_PARALLEL else 0)  # fmt: skip
+            np.testing.assert_allclose(_delta(s), want, rtol=1e-6, atol=1e-5)
+            if role in layout.ROW_PARALLEL:  # the rank's input columns
+                partials.append(x[:, rank * width : (rank + 1) * width] @ _delta(s).T)
+        if partials:
+            np.testing.assert_allclose(sum(partials), x[:, : whole.shape[1]] @ whole.T, rtol=1e-5, atol=1e-4)
+
+
+def test_a_stage_keeps_its_layers_adapter_weights_counted_from_its_first() -> None:
+    adapter = _random_adapter(replace(CONFIG, num_layers=3), 2, seed=0)
+    stage = layout.stage_lora(adapter, range(2, 3))
+    assert set(stage.weights) == {(0, role) for role in ROLES}
+    assert stage.weights[0, "o"] is adapter.weights[2, "o"]
