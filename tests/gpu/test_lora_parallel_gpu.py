@@ -2,7 +2,7 @@
 targets with the base model gives one GPU's greedy tokens under tensor parallelism
 (NCCL; the Triton LoRA kernel and the all-reduce after it captured in the decode CUDA
 graphs) and pipeline parallelism, in float32 exactly and with logits within 1e-3, and
-in bf16 up to a near tie (see test_tensor_parallel_gpu.py: the row-parallel halves,
+in bf16 up to a near tie (see test_parallel_gpu.py: the row-parallel halves,
 each with its partial LoRA delta, are rounded before they are summed)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from tests.checkpoints import make_checkpoint
 from tests.gpu.test_lora_gpu import write_adapter
+from tests.gpu.test_parallel_gpu import assert_same_up_to_a_near_tie, final_results
 from worker.executor import (
     Executor,
     ExecutorConfig,
@@ -24,7 +25,6 @@ from worker.executor import (
     ParallelConfig,
     PeftCacheConfig,
     Request,
-    Result,
     SamplingConfig,
 )
 
@@ -32,7 +32,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
 ]
-NEAR_TIE = 0.25
 NAMES = ["a", "b", None, "a", "b", None, "b"]  # 7 rows: the graph bucket of 8 pads one
 PROMPTS = [[7 + (5 * i + 3 * j) % 300 for j in range(9 + 11 * i)] for i in range(len(NAMES))]
 NEW_TOKENS = 24
@@ -58,12 +57,7 @@ def _run(model: Path, adapters: dict[str, str], tp: int, pp: int,
                     lora_config=None if n is None else LoraConfig(n))
             for p, n in zip(PROMPTS, NAMES, strict=True)
         ])  # fmt: skip
-        finals: dict[int, Result] = {}
-        while len(finals) < len(ids):
-            for r in ex.await_responses(timeout=120):
-                assert r.result is not None, r.error_msg
-                if r.result.is_final:
-                    finals[r.request_id] = r.result
+        finals = final_results(ex, ids)
         return [finals[i].output_token_ids[0] for i in ids], [np.asarray(finals[i].generation_logits)[0] for i in ids]
     finally:
         ex.shutdown()  # and the ranks with it
@@ -94,11 +88,4 @@ def test_bf16_tp2_mixed_adapters_equal_one_gpu_up_to_a_near_tie(tmp_path: Path) 
     adapters = _adapters(model, tmp_path)
     tokens, logits = _run(model, adapters, 2, 1, "bfloat16")
     want_tokens, want_logits = _run(model, adapters, 1, 1, "bfloat16")
-    for got, want, got_logits, want_logit in zip(tokens, want_tokens, logits, want_logits, strict=True):
-        same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(want))
-        if same < len(want):  # past here the two runs decode different texts
-            top2 = np.sort(want_logit[same])[-2:]
-            assert top2[1] - top2[0] < NEAR_TIE, (same, top2)
-        upto = same + 1 if same < len(want) else same
-        rel = np.linalg.norm(got_logits[:upto] - want_logit[:upto]) / np.linalg.norm(want_logit[:upto])
-        assert rel < 3e-2, rel
+    assert_same_up_to_a_near_tie(tokens, want_tokens, logits, want_logits)

@@ -39,6 +39,30 @@ PROMPTS = [list(range(7, 40)), [5, 9, 200, 31], list(range(100, 300, 7)), [11, 1
 NEW_TOKENS = 24
 
 
+def final_results(ex: Executor, ids: list[int]) -> dict[int, Result]:
+    finals: dict[int, Result] = {}
+    while len(finals) < len(ids):
+        for r in ex.await_responses(timeout=120):
+            assert r.result is not None, r.error_msg
+            if r.result.is_final:
+                finals[r.request_id] = r.result
+    return finals
+
+
+def assert_same_up_to_a_near_tie(tokens: list[list[int]], want_tokens: list[list[int]], logits: list[np.ndarray],
+                                 want_logits: list[np.ndarray]) -> None:  # fmt: skip
+    """Each run's tokens equal the reference's up to a step where the reference's top two
+    logits are within NEAR_TIE, and the logits until then within bf16 rounding."""
+    for got, want, got_logits, want_logit in zip(tokens, want_tokens, logits, want_logits, strict=True):
+        same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(want))
+        if same < len(want):  # past here the two runs decode different texts
+            top2 = np.sort(want_logit[same])[-2:]
+            assert top2[1] - top2[0] < NEAR_TIE, (same, top2)
+        upto = same + 1 if same < len(want) else same
+        rel = np.linalg.norm(got_logits[:upto] - want_logit[:upto]) / np.linalg.norm(want_logit[:upto])
+        assert rel < 3e-2, rel
+
+
 def _run(model: Path, tp: int, pp: int, dtype: str,
          all_logits: bool = False) -> tuple[list[list[int]], list[np.ndarray]]:  # fmt: skip
     """Greedy tokens of every prompt, and the generation logits of the first (of all with
@@ -53,12 +77,7 @@ def _run(model: Path, tp: int, pp: int, dtype: str,
                     output_config=OutputConfig(return_generation_logits=all_logits or i == 0))
             for i, p in enumerate(PROMPTS)
         ])  # fmt: skip
-        finals: dict[int, Result] = {}
-        while len(finals) < len(ids):
-            for r in ex.await_responses(timeout=120):
-                assert r.result is not None, r.error_msg
-                if r.result.is_final:
-                    finals[r.request_id] = r.result
+        finals = final_results(ex, ids)
         tokens = [finals[i].output_token_ids[0] for i in ids]
         kept = ids if all_logits else ids[:1]
         return tokens, [np.asarray(finals[i].generation_logits)[0] for i in kept]
@@ -90,11 +109,4 @@ def test_bf16_parallel_greedy_equals_one_gpu_up_to_a_near_tie(tp: int, pp: int, 
     model = make_checkpoint("llama_gqa", tmp_path / "llama_gqa")
     tokens, logits = _run(model, tp, pp, "bfloat16", all_logits=True)
     want_tokens, want_logits = _run(model, 1, 1, "bfloat16", all_logits=True)
-    for got, want, got_logits, want_logit in zip(tokens, want_tokens, logits, want_logits, strict=True):
-        same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(want))
-        if same < len(want):  # past here the two runs decode different texts
-            top2 = np.sort(want_logit[same])[-2:]
-            assert top2[1] - top2[0] < NEAR_TIE, (same, top2)
-        upto = same + 1 if same < len(want) else same
-        rel = np.linalg.norm(got_logits[:upto] - want_logit[:upto]) / np.linalg.norm(want_logit[:upto])
-        assert rel < 3e-2, rel
+    assert_same_up_to_a_near_tie(tokens, want_tokens, logits, want_logits)
