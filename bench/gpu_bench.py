@@ -148,6 +148,9 @@ class Roofline:
     lm_head_params: int
     kv_bytes_per_token: int
     attn_flops_per_ctx: int  # per query token per key
+    # Pipeline stages: one sequence's step runs them one after the other, each reading its
+    # share of the bytes at one stage's bandwidth (a batch's micro-batches overlap them).
+    stages: int = 1
 
     def step_floor(self, tokens: int, sampled: int, ctx_sum: float, kv_read_tokens: float) -> float:
         """Seconds: the larger of compute and memory time for one step."""
@@ -158,7 +161,7 @@ class Roofline:
 
     def decode_floor(self, context: int) -> float:
         """Seconds per token for one sequence alone: weights plus its KV, read once."""
-        return (self.weight_bytes + self.kv_bytes_per_token * context) / self.bandwidth
+        return (self.weight_bytes + self.kv_bytes_per_token * context) / self.bandwidth * self.stages
 
     def offline_tok_s(self, prompt: int, output: int, requests: int, batch: int) -> float:
         """Best output tokens/s: prefill at full compute, then waves of at most `batch`
@@ -173,7 +176,7 @@ class Roofline:
         return requests * output / (prefill + decode)
 
 
-def roofline_for(cfg: Any, bandwidth: float, flops: float, dtype_bytes: int) -> Roofline:
+def roofline_for(cfg: Any, bandwidth: float, flops: float, dtype_bytes: int, stages: int = 1) -> Roofline:
     h, d = cfg.hidden_size, cfg.head_dim
     per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
     matmul = cfg.num_layers * per_layer
@@ -186,6 +189,7 @@ def roofline_for(cfg: Any, bandwidth: float, flops: float, dtype_bytes: int) -> 
         lm_head_params=lm_head,
         kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * d * dtype_bytes,
         attn_flops_per_ctx=4 * cfg.num_layers * cfg.num_heads * d,
+        stages=stages,
     )
 
 

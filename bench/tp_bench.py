@@ -10,7 +10,7 @@ hidden 8192, 80 layers, 64 query / 8 KV heads, intermediate 28672, vocab 128256)
 The roofline is N GPUs': each rank measures its HBM bandwidth and bf16 GEMM rate at
 start, and the floors use their sums (all-reduce traffic is not counted in them). Under
 pipeline parallelism a batch-1 step runs the stages one after the other, so its TPOT
-floor is the sum's P times.
+floor is the sum's P times (Roofline.stages).
 """
 
 from __future__ import annotations
@@ -68,27 +68,27 @@ def _shape(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _rank_setup(rank: int, args: argparse.Namespace) -> tuple[Any, Any, float, float]:
-    """Join the group, measure this GPU and sum over the GPUs, build the rank's shard."""
+    """Join the world, measure this GPU and sum over the GPUs, build the rank's shard."""
     from worker.backends.torch_backend import TorchBackend
     from worker.parallel.group import join
 
     device_type = torch.device(args.device).type
-    group = join(rank, args.tensor_parallel_size, args.port, device_type, args.pipeline_parallel_size)
-    bandwidth, flops = gpu_bench.measure_bandwidth(group.device), gpu_bench.measure_gemm(group.device)
-    sums = torch.tensor([bandwidth, flops], dtype=torch.float64, device=group.device)
+    world = join(rank, args.tensor_parallel_size, args.port, device_type, args.pipeline_parallel_size)
+    bandwidth, flops = gpu_bench.measure_bandwidth(world.device), gpu_bench.measure_gemm(world.device)
+    sums = torch.tensor([bandwidth, flops], dtype=torch.float64, device=world.device)
     torch.distributed.all_reduce(sums)
     cfg = ModelConfig.from_hf(_shape(args))
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     t0 = time.perf_counter()
-    backend = TorchBackend(cfg, dtype=dtype, weights=RandomTensors(cfg, group.device, dtype),
+    backend = TorchBackend(cfg, dtype=dtype, weights=RandomTensors(cfg, world.device, dtype),
                            max_num_tokens=args.max_num_tokens, max_model_len=args.max_model_len,
-                           max_graph_batch=args.max_batch, world=group,
+                           max_graph_batch=args.max_batch, world=world,
                            micro_batch_count=args.micro_batches)  # fmt: skip
-    gpu_bench.sync(group.device)
+    gpu_bench.sync(world.device)
     if rank == 0:
-        held = torch.cuda.memory_allocated(group.device) if device_type == "cuda" else 0
+        held = torch.cuda.memory_allocated(world.device) if device_type == "cuda" else 0
         log(f"rank shards made in {time.perf_counter() - t0:.1f} s; {held / 1e9:.1f} GB on rank 0's GPU")
-    return group, backend, float(sums[0]), float(sums[1])
+    return world, backend, float(sums[0]), float(sums[1])
 
 
 def _follower(rank: int, inbox: Connection, parent: int, args: argparse.Namespace) -> None:
@@ -96,8 +96,8 @@ def _follower(rank: int, inbox: Connection, parent: int, args: argparse.Namespac
     from worker.parallel.ranks import follow, serve
 
     follow(parent)
-    group, backend, _, _ = _rank_setup(rank, args)
-    serve(backend, group, inbox)
+    world, backend, _, _ = _rank_setup(rank, args)
+    serve(backend, world, inbox)
     leave()
 
 
@@ -117,13 +117,13 @@ def run(args: argparse.Namespace, workloads: list[tuple[int, int, int, int]],
     args.port = _free_port()
     t0 = time.perf_counter()
     links, processes = spawn_ranks(size, _follower, (args,))
-    group, backend, bandwidth, flops = _rank_setup(0, args)
-    distributed = DistributedBackend(backend, group, links, processes)
+    world, backend, bandwidth, flops = _rank_setup(0, args)
+    distributed = DistributedBackend(backend, world, links, processes)
     dtype_bytes = 2 if args.dtype == "bfloat16" else 4
-    roof = roofline_for(cfg, bandwidth, flops, dtype_bytes)
+    roof = roofline_for(cfg, bandwidth, flops, dtype_bytes, stages=args.pipeline_parallel_size)
     log(f"{size} ranks up in {time.perf_counter() - t0:.1f} s; roofline of {size} GPUs: {bandwidth / 1e12:.2f} TB/s, "
         f"{flops / 1e12:.0f} TFLOP/s; weights {roof.weight_bytes / 1e9:.1f} GB -> batch-1 TPOT floor "
-        f"{roof.weight_bytes / bandwidth * args.pipeline_parallel_size * 1e3:.2f} ms")  # fmt: skip
+        f"{roof.decode_floor(0) * 1e3:.2f} ms")  # fmt: skip
     try:
         rows = gpu_bench.bench_executor(args, cfg, distributed, workloads, roof)
     finally:
