@@ -1,7 +1,8 @@
 """The decoder's ops (worker.models.llama.DecoderOps) in torch, and the KV pool.
 
-On CUDA: cuBLAS GEMMs (F.linear) over the fused projections, and Triton kernels for
-everything else: add + RMSNorm, SiLU * up, rotary embedding fused with the KV-cache
+On CUDA: cuBLAS GEMMs (F.linear) over the fused projections, a Triton GEMV for one-row
+products (batch-1 decode, gemv.py), and Triton kernels for everything else: add +
+RMSNorm, SiLU * up, rotary embedding fused with the KV-cache
 write (torch_ops.py), and attention over the paged cache (paged_attention.py). On the
 CPU, or without Triton: their plain-torch twins. Rotary angles come from one table of
 cos | sin rows indexed by position on the device.
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from worker.backends import paged_attention, quant_linear, torch_ops
+from worker.backends import gemv, paged_attention, quant_linear, torch_ops
 from worker.backends.lora_kernel import add_lora
 from worker.backends.torch_step import StepInputs
 from worker.models.config import ModelConfig
@@ -179,8 +180,13 @@ class TorchDecoderOps:
 
     def linear(self, x: torch.Tensor, weight: TorchLinear | quant_linear.QuantLinear) -> torch.Tensor:
         if isinstance(weight, TorchLinear):
+            if self._one_row(x, weight.weight):
+                return gemv.gemv(x, weight.weight, weight.bias)
             return F.linear(x, weight.weight, weight.bias)
         return weight(x)
+
+    def _one_row(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return self.use_triton and x.shape[0] == 1 and weight.stride(1) == 1
 
     def rope_and_cache(self, qkv: torch.Tensor, layer: int, step: StepInputs) -> torch.Tensor:
         cfg = self.config
@@ -209,4 +215,6 @@ class TorchDecoderOps:
         return x if step.logits_indices is None else x[step.logits_indices]
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._one_row(x, weight):
+            return gemv.gemv(x, weight, out_dtype=torch.float32)
         return F.linear(x, weight).float()
