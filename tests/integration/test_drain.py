@@ -29,7 +29,7 @@ def test_sigterm_during_50_streams(long_model, redis_url, tmp_path):
             for f in futures:
                 next(iter(f))  # every one has streamed a token: all 50 run on the worker
             draining.process.send_signal(signal.SIGTERM)
-            s.gateways[0].wait_log("worker worker0 draining", timeout=10)
+            s.gateways[0].wait_log("worker worker0 draining", timeout=30)
             # Sent while the only worker drains: they wait for another, and never fail.
             late = [client.submit([9, 10, 11], max_tokens=4) for _ in range(5)]
             other = s.worker()
@@ -72,7 +72,7 @@ def test_second_sigterm_ends_the_drain_at_once(long_model, redis_url, tmp_path):
             future = client.stream([5, 6, 7], **LONG)
             next(iter(future))
             worker.process.send_signal(signal.SIGTERM)
-            worker.wait_log("draining: ", timeout=10)
+            worker.wait_log("draining: ", timeout=30)
             t0 = time.monotonic()
             worker.process.send_signal(signal.SIGTERM)
             assert worker.process.wait(timeout=30) == 0
