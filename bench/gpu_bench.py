@@ -483,7 +483,8 @@ def profile_steps(backend: Any, cfg: Any, num_blocks: int, block_size: int) -> N
     from torch.profiler import ProfilerActivity, profile
 
     out = os.environ.get("OUT", "/tmp")
-    for n, q, ctx in [(512, 1, 192), (64, 128, 128), (1, 1, 2048)]:
+    # A decode step of each workload's kind (128/128 at batch 512; 1000/1000 at batch 128), a prefill, batch 1.
+    for n, q, ctx in [(512, 1, 192), (128, 1, 1536), (64, 128, 128), (1, 1, 2048)]:
         batch, sampling = synthetic_step(n, q, ctx, block_size, cfg.vocab_size), greedy(n)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):

@@ -24,7 +24,9 @@ def test_sigterm_during_50_streams(long_model, redis_url, tmp_path):
         draining = s.worker("--drain-timeout", "3")
         s.gateway("--no-worker-timeout", "20")
         s.gateways[0].wait_workers(1)
-        with Client([s.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+        # The client's default heartbeat: while the second worker loads, a 2-core machine can
+        # leave the gateway silent for longer than three of the test's short intervals.
+        with Client([s.gateways[0].endpoint]) as client:
             futures = [client.stream([5 + i % 50, 6, 7], **(LONG if i % 2 else SHORT)) for i in range(50)]
             for f in futures:
                 next(iter(f))  # every one has streamed a token: all 50 run on the worker
