@@ -1,5 +1,6 @@
-"""The one-row GEMV (worker.backends.gemv) against float64 products, and the batch-1
-decode that uses it against F.linear's.
+"""The one-row GEMV (worker.backends.gemv) against float64 products, and its float32
+logits against F.linear's. The batch-1 decode that runs on it is checked against
+transformers by test_torch_backend_gpu and the other model tests here.
 
 Tolerance: the kernel accumulates in float32 and rounds once to the output dtype, as
 cuBLAS does; against the float64 product that is the output's rounding, 2^-8 relative

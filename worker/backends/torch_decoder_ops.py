@@ -1,11 +1,11 @@
 """The decoder's ops (worker.models.llama.DecoderOps) in torch, and the KV pool.
 
 On CUDA: cuBLAS GEMMs (F.linear) over the fused projections, a Triton GEMV for one-row
-products (batch-1 decode, gemv.py), and Triton kernels for everything else: add +
-RMSNorm, SiLU * up, rotary embedding fused with the KV-cache
-write (torch_ops.py), and attention over the paged cache (paged_attention.py). On the
-CPU, or without Triton: their plain-torch twins. Rotary angles come from one table of
-cos | sin rows indexed by position on the device.
+products (batch-1 decode, gemv.py), and Triton kernels for everything else: add + RMSNorm,
+SiLU * up, rotary embedding fused with the KV-cache write (torch_ops.py), and attention
+over the paged cache (paged_attention.py). On the CPU, or without Triton: their
+plain-torch twins. Rotary angles come from one table of cos | sin rows indexed by
+position on the device.
 """
 
 from __future__ import annotations
