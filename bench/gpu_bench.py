@@ -25,7 +25,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -717,13 +717,16 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
             "model_shape": "tiny" if args.tiny else args.model_shape,
             "tensor_parallel_size": args.tensor_parallel_size,
             "pipeline_parallel_size": args.pipeline_parallel_size,
+            "quantization": args.quantization,
             "rows": [asdict(r) | {"tok_s": r.tok_s, "hf_tok_s": r.hf_tok_s} for r in rows],
         }
         out = os.environ.get("OUT")
         if out:
             single = gpus == 1 and args.model_shape == "8b"
             split = f"tp{args.tensor_parallel_size}" + (f"_pp{pp}" if (pp := args.pipeline_parallel_size) > 1 else "")
-            name = "gpu_bench.json" if single else f"gpu_bench_{args.model_shape}_{split}.json"
+            quant = f"_{args.quantization}" if args.quantization else ""
+            shape = "tiny" if args.tiny else args.model_shape
+            name = "gpu_bench.json" if single else f"gpu_bench_{shape}_{split}{quant}.json"
             with open(os.path.join(out, name), "w") as f:
                 json.dump(summary, f, indent=1, default=str)
 
@@ -734,20 +737,29 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
     header, table = format_rows(rows, roof)
     print(f"\n{env.get('gpu', 'cpu')} | torch {env['torch']} | triton {env['triton']} | transformers "
           f"{env['transformers']} | {env['date']}")  # fmt: skip
-    print(f"roofline inputs: HBM {bandwidth / 1e12:.2f} TB/s (D2D copy, read+write), bf16 GEMM {flops / 1e12:.0f} "
-          f"TFLOP/s (8192^3), summed over {gpus} GPU(s); weights "
+    gemm = "fp8" if args.quantization == "fp8" and device.type == "cuda" else "bf16"
+    print(f"roofline inputs: HBM {bandwidth / 1e12:.2f} TB/s (D2D copy, read+write), {gemm} GEMM {flops / 1e12:.0f} "
+          f"TFLOP/s (8192^3), summed over {gpus} GPU(s); {args.quantization or args.dtype} weights "
           f"{roof.weight_bytes / 1e9:.2f} GB read per step")  # fmt: skip
     return header, table
 
 
 def table_from_json(path: str) -> tuple[list[str], list[list[str]]]:
     """Re-render a saved run's table (the roofline recomputed from its measured ceilings)."""
+    from bench.quant_bench import quantized_roofline
+    from bench.tp_bench import SHAPES
     from worker.models.config import ModelConfig
 
     with open(path) as f:
         saved = json.load(f)
-    cfg = ModelConfig.from_hf(LLAMA_8B)
-    roof = roofline_for(cfg, saved["bandwidth_TBps"] * 1e12, saved["gemm_TFLOPps"] * 1e12, 2)
+    shape = saved.get("model_shape", "8b")
+    cfg = ModelConfig.from_hf(TINY if shape == "tiny" else SHAPES[shape])
+    bandwidth, flops = saved["bandwidth_TBps"] * 1e12, saved["gemm_TFLOPps"] * 1e12
+    stages = saved.get("pipeline_parallel_size", 1)
+    if quantization := saved.get("quantization"):
+        roof = replace(quantized_roofline(cfg, quantization, 2, bandwidth, flops), stages=stages)
+    else:
+        roof = roofline_for(cfg, bandwidth, flops, 2, stages=stages)
     fields = set(Row.__dataclass_fields__)
     rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in saved["rows"]]
     for row in rows:
@@ -790,7 +802,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model-shape", default="8b", choices=["8b", "70b"],
                    help="Llama-3.1-8B or -70B shape (70b needs enough GPUs for its shards)")
     p.add_argument("--quantization", default=None, choices=["fp8", "int4"],
-                   help="quantize the model on the GPU at start and run bench/quant_bench.py's workloads")  # fmt: skip
+                   help="quantize the model at start: on one GPU at the 8B shape bench/quant_bench.py's "
+                        "workloads; over several GPUs or at the 70B shape these (bench/tp_bench.py)")  # fmt: skip
     return p
 
 
@@ -805,7 +818,7 @@ def main() -> None:
     from bench.run import format_table
 
     args = parser().parse_args()
-    if args.quantization:
+    if args.quantization and args.tensor_parallel_size * args.pipeline_parallel_size == 1 and args.model_shape == "8b":
         from bench.quant_bench import run_quantized, table_rows
 
         print(format_table(*table_rows(run_quantized(args))))

@@ -2,13 +2,15 @@
 --pipeline-parallel-size P`, N = T * P): the executor on a tensor- and/or
 pipeline-parallel torch backend (worker/parallel), one process per GPU, random bf16
 weights made on each rank's GPU one tensor at a time (only its stage's layers) and cut
-to the rank's shard at once (the whole model is never on one device nor on the host).
+to the rank's shard at once (the whole model is never on one device nor on the host);
+with `--quantization fp8|int4` each shard is quantized as it is made, as a worker does.
 Pipeline stages run without CUDA graphs.
 
 Shapes: the Llama-3.1-8B shape of gpu_bench, or `--model-shape 70b` (Llama-3.1-70B:
 hidden 8192, 80 layers, 64 query / 8 KV heads, intermediate 28672, vocab 128256).
 The roofline is N GPUs': each rank measures its HBM bandwidth and bf16 GEMM rate at
-start, and the floors use their sums (all-reduce traffic is not counted in them). Under
+start (the FP8 GEMM rate with `--quantization fp8`), and the floors use their sums
+(all-reduce traffic is not counted in them), over the quantized bytes when quantized. Under
 pipeline parallelism a batch-1 step runs the stages one after the other, so its TPOT
 floor is the sum's P times (Roofline.stages).
 """
@@ -19,6 +21,7 @@ import argparse
 import time
 import zlib
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -26,6 +29,7 @@ import torch
 
 from bench import gpu_bench
 from bench.gpu_bench import LLAMA_8B, TINY, Roofline, Row, log, roofline_for
+from bench.quant_bench import measure_fp8_gemm, quantized_roofline
 from worker.models.config import ModelConfig
 
 LLAMA_70B: dict[str, Any] = {
@@ -74,7 +78,9 @@ def _rank_setup(rank: int, args: argparse.Namespace) -> tuple[Any, Any, float, f
 
     device_type = torch.device(args.device).type
     world = join(rank, args.tensor_parallel_size, args.port, device_type, args.pipeline_parallel_size)
-    bandwidth, flops = gpu_bench.measure_bandwidth(world.device), gpu_bench.measure_gemm(world.device)
+    bandwidth = gpu_bench.measure_bandwidth(world.device)
+    fp8 = args.quantization == "fp8" and device_type == "cuda"  # torch._scaled_mm is CUDA's
+    flops = measure_fp8_gemm(world.device) if fp8 else gpu_bench.measure_gemm(world.device)
     sums = torch.tensor([bandwidth, flops], dtype=torch.float64, device=world.device)
     torch.distributed.all_reduce(sums)
     cfg = ModelConfig.from_hf(_shape(args))
@@ -83,7 +89,7 @@ def _rank_setup(rank: int, args: argparse.Namespace) -> tuple[Any, Any, float, f
     backend = TorchBackend(cfg, dtype=dtype, weights=RandomTensors(cfg, world.device, dtype),
                            max_num_tokens=args.max_num_tokens, max_model_len=args.max_model_len,
                            max_graph_batch=args.max_batch, world=world,
-                           micro_batch_count=args.micro_batches)  # fmt: skip
+                           micro_batch_count=args.micro_batches, quantization=args.quantization)  # fmt: skip
     gpu_bench.sync(world.device)
     if rank == 0:
         held = torch.cuda.memory_allocated(world.device) if device_type == "cuda" else 0
@@ -119,10 +125,15 @@ def run(args: argparse.Namespace, workloads: list[tuple[int, int, int, int]],
     links, processes = spawn_ranks(size, _follower, (args,))
     world, backend, bandwidth, flops = _rank_setup(0, args)
     distributed = DistributedBackend(backend, world, links, processes)
-    dtype_bytes = 2 if args.dtype == "bfloat16" else 4
-    roof = roofline_for(cfg, bandwidth, flops, dtype_bytes, stages=args.pipeline_parallel_size)
-    log(f"{size} ranks up in {time.perf_counter() - t0:.1f} s; roofline of {size} GPUs: {bandwidth / 1e12:.2f} TB/s, "
-        f"{flops / 1e12:.0f} TFLOP/s; weights {roof.weight_bytes / 1e9:.1f} GB -> batch-1 TPOT floor "
+    stages = args.pipeline_parallel_size
+    if args.quantization:
+        roof = replace(quantized_roofline(cfg, args.quantization, 2, bandwidth, flops), stages=stages)
+    else:
+        roof = roofline_for(cfg, bandwidth, flops, 2 if args.dtype == "bfloat16" else 4, stages=stages)
+    log(f"{size} ranks up in {time.perf_counter() - t0:.1f} s; rank 0 runs {backend.quantization or args.dtype} "
+        f"weights; roofline of {size} GPUs: {bandwidth / 1e12:.2f} TB/s, "
+        f"{flops / 1e12:.0f} TFLOP/s; {args.quantization or args.dtype} weights {roof.weight_bytes / 1e9:.1f} GB -> "
+        "batch-1 TPOT floor "
         f"{roof.decode_floor(0) * 1e3:.2f} ms")  # fmt: skip
     try:
         rows = gpu_bench.bench_executor(args, cfg, distributed, workloads, roof)
