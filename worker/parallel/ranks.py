@@ -64,6 +64,8 @@ class RankSpec:
     pipeline_parallel_size: int
     micro_batch_count: int  # 0: one per stage
     port: int  # where the ranks rendezvous, on 127.0.0.1
+    quantize: str | None = None  # "fp8" | "int4": every rank quantizes its shard on load
+    kv_cache_dtype: str | None = None  # "fp8": every rank's KV pool
 
 
 class DistributedBackend:
@@ -175,8 +177,9 @@ class DistributedBackend:
 
 
 def start_ranks(model: Any, device: str | None, dtype: str | None, max_num_tokens: int, max_graph_batch: int,
-                parallel: ParallelConfig) -> DistributedBackend:  # fmt: skip
-    """Start ranks 1..N-1 for a LoadedModel and build rank 0's backend in this process."""
+                parallel: ParallelConfig, kv_cache_dtype: str | None = None) -> DistributedBackend:  # fmt: skip
+    """Start ranks 1..N-1 for a LoadedModel and build rank 0's backend in this process. The
+    other ranks load the checkpoint themselves, with the quantization `model` was loaded with."""
     layout.validate(parallel, model.config)
     spec = RankSpec(
         source=Path(model.source),
@@ -188,6 +191,8 @@ def start_ranks(model: Any, device: str | None, dtype: str | None, max_num_token
         pipeline_parallel_size=parallel.pipeline_parallel_size,
         micro_batch_count=parallel.micro_batches,
         port=_free_port(),
+        quantize=getattr(model, "quantize", None),
+        kv_cache_dtype=kv_cache_dtype,
     )
     links, processes = spawn_ranks(parallel.world_size, _follower_main, (spec,))
     world = _join(0, spec)
@@ -226,6 +231,7 @@ def _rank_backend(model: Any, spec: RankSpec, world: World) -> TorchBackend:
         max_graph_batch=spec.max_graph_batch,
         world=world,
         micro_batch_count=spec.micro_batch_count,
+        kv_cache_dtype=spec.kv_cache_dtype,
     )
 
 
@@ -259,7 +265,7 @@ def _follower_main(rank: int, inbox: Connection, parent: int, spec: RankSpec) ->
 
     world = _join(rank, spec)
     # On CUDA the backend reads the safetensors straight to the device (tensor_refs).
-    model = load_model(spec.source, load_weights=spec.device_type != "cuda")
+    model = load_model(spec.source, load_weights=spec.device_type != "cuda", quantization=spec.quantize)
     backend = _rank_backend(model, spec, world)
     serve(backend, world, inbox)
     backend.release_graphs()

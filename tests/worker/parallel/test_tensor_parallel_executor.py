@@ -70,3 +70,28 @@ def test_greedy_equals_tp1_and_transformers(name: str, tp: int, tiny_checkpoints
     assert tokens == want_tokens
     np.testing.assert_allclose(logits[0], want_logits[0], atol=1e-4, rtol=0)
     assert tokens == [hf_greedy(model, p, 8) for p in _prompts()]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"quantization": "int4"}, {"kv_cache_config": KvCacheConfig(tokens_per_block=4, max_tokens=2048, dtype="fp8")}],
+    ids=["int4-on-load", "fp8-kv-cache"],
+)
+def test_every_rank_quantizes_as_one_process_does(options: dict[str, object],
+                                                  tiny_checkpoints: dict[str, Path]) -> None:  # fmt: skip
+    """Quantization on load and an FP8 KV cache reach every rank, not rank 0 alone: TP=2's
+    logits equal TP=1's (int4 groups lie along a row, inside a rank's cut; e4m3 rounds each
+    K and V value alone), while they move the logits well beyond that tolerance."""
+    model = tiny_checkpoints["llama_gqa"]
+
+    def logits(size: int, **opts: object) -> np.ndarray:
+        req = Request(input_token_ids=_prompts()[0], max_tokens=6, end_id=-1,
+                      sampling_config=SamplingConfig(temperature=0.0),
+                      output_config=OutputConfig(return_generation_logits=True))  # fmt: skip
+        with executor(model, size, **opts) as ex:
+            [responses] = run_all(ex, [req]).values()
+        return np.asarray(responses[-1].result.generation_logits)  # type: ignore[union-attr]
+
+    one = logits(1, **options)
+    np.testing.assert_allclose(logits(2, **options), one, atol=1e-4, rtol=0)
+    assert np.abs(one - logits(1)).max() > 1e-3
