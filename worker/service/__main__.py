@@ -63,6 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(compressed-tensors, AWQ) need no flag",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=["fp8"],
+        help="the KV cache's element type: fp8 (e4m3, unscaled) holds twice the tokens in the same memory "
+        "(torch backend); default: the model's dtype",
+    )
+    p.add_argument(
         "--lora",
         action="append",
         default=[],
@@ -209,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         lora_adapters=lora_adapters,
         peft_cache_config=peft_cache_config,
     )

@@ -81,6 +81,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     quantization: str | None = None  # fp8 | int4: quantize a float checkpoint on load
+    kv_cache_dtype: str | None = None  # fp8: an e4m3 KV cache; None: the model's dtype
     # LoRA adapters registered at start (name, PEFT directory), and the adapter cache's bounds;
     # LoRA is on (device slots set aside before the KV cache is sized) when either is given.
     lora_adapters: tuple[tuple[str, str], ...] = ()
@@ -98,6 +99,7 @@ class EngineInfo:
     tokenizer_json: bytes | None
     iteration_stats_max: int
     quantization: str | None = None  # what the model runs as (Ready, logs); None: float
+    kv_cache_dtype: str | None = None  # "fp8"; None: the model's dtype
     # For gateways rendering chat messages (protocol.Ready): the template and the tokens it names.
     chat_template: str | None = None
     bos_token: str | None = None
@@ -250,7 +252,7 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
         max_batch_size=config.max_batch_size,
         max_num_tokens=config.max_num_tokens,
         max_beam_width=config.max_beam_width,
-        kv_cache_config=KvCacheConfig(max_tokens=config.kv_tokens),
+        kv_cache_config=KvCacheConfig(max_tokens=config.kv_tokens, dtype=config.kv_cache_dtype),
         logits_post_processors=config.logits_post_processors,
         backend="auto" if config.backend == "echo" else config.backend,
         device=config.device,
@@ -304,6 +306,7 @@ def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, tu
         tokenizer_json=None if tokenizer is None else tokenizer.to_str().encode(),
         iteration_stats_max=core.config.iteration_stats_max,
         quantization=getattr(core.backend, "quantization", None),
+        kv_cache_dtype=core.config.kv_cache_config.dtype,
         chat_template=core.chat_template,
         bos_token=_token_text(tokenizer, core.model_config.bos_token_id),
         eos_token=_token_text(tokenizer, (core.model_config.eos_token_ids or (None,))[0]),

@@ -219,6 +219,7 @@ class WorkerService:
             f"serving {self.config.model_name} at {self.address}: {info.backend} backend, "
             f"{info.num_blocks} KV blocks, max batch {info.max_batch_size}"
             + ("" if info.quantization is None else f", {info.quantization}")
+            + ("" if info.kv_cache_dtype is None else f", {info.kv_cache_dtype} KV cache")
         )
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
