@@ -76,6 +76,7 @@ class DistributedBackend:
                  processes: Sequence[BaseProcess]) -> None:  # fmt: skip
         self.inner, self.world = inner, world
         self.name, self.config = inner.name, inner.config
+        self.quantization = inner.quantization  # what the worker's Ready and logs name
         self.device, self.dtype = inner.device, inner.dtype
         self._links, self.processes = links, processes
         self._closing = threading.Event()

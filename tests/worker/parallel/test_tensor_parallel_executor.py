@@ -81,7 +81,8 @@ def test_every_rank_quantizes_as_one_process_does(options: dict[str, object],
                                                   tiny_checkpoints: dict[str, Path]) -> None:  # fmt: skip
     """Quantization on load and an FP8 KV cache reach every rank, not rank 0 alone: TP=2's
     logits equal TP=1's (int4 groups lie along a row, inside a rank's cut; e4m3 rounds each
-    K and V value alone), while they move the logits well beyond that tolerance."""
+    K and V value alone), while they move the logits well beyond that tolerance. Rank 0's
+    backend names the quantization, as one process's does (the worker's Ready says it)."""
     model = tiny_checkpoints["llama_gqa"]
 
     def logits(size: int, **opts: object) -> np.ndarray:
@@ -90,6 +91,9 @@ def test_every_rank_quantizes_as_one_process_does(options: dict[str, object],
                       output_config=OutputConfig(return_generation_logits=True))  # fmt: skip
         with executor(model, size, **opts) as ex:
             [responses] = run_all(ex, [req]).values()
+            # What the worker's Ready names, over several ranks as in one process.
+            assert ex.core.backend.quantization == ("int4 (quantized on load, int4 RTN)"  # type: ignore[attr-defined]
+                                                    if opts.get("quantization") else None)  # fmt: skip
         return np.asarray(responses[-1].result.generation_logits)  # type: ignore[union-attr]
 
     one = logits(1, **options)
