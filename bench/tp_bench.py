@@ -132,7 +132,7 @@ def run(args: argparse.Namespace, workloads: list[tuple[int, int, int, int]],
         roof = roofline_for(cfg, bandwidth, flops, 2 if args.dtype == "bfloat16" else 4, stages=stages)
     log(f"{size} ranks up in {time.perf_counter() - t0:.1f} s; rank 0 runs {backend.quantization or args.dtype} "
         f"weights; roofline of {size} GPUs: {bandwidth / 1e12:.2f} TB/s, "
-        f"{flops / 1e12:.0f} TFLOP/s; {args.quantization or args.dtype} weights {roof.weight_bytes / 1e9:.1f} GB -> "
+        f"{flops / 1e12:.0f} TFLOP/s; weights {roof.weight_bytes / 1e9:.1f} GB -> "
         "batch-1 TPOT floor "
         f"{roof.decode_floor(0) * 1e3:.2f} ms")  # fmt: skip
     try:
