@@ -54,7 +54,8 @@ def create_backend(
             raise ValueError("tensor or pipeline parallelism needs the torch backend")
         from worker.parallel.ranks import start_ranks
 
-        return start_ranks(model, device, dtype, max_num_tokens or 8192, min(max_batch_size or 512, 512), parallel,
+        batch = max_batch_size or 512
+        return start_ranks(model, device, dtype, max_num_tokens or 8192, min(batch, 512), batch, parallel,
                            kv_cache_dtype)  # fmt: skip
     if kind == "numpy":
         if device not in (None, "cpu"):

@@ -60,6 +60,7 @@ class RankSpec:
     dtype: str | None
     max_num_tokens: int
     max_graph_batch: int
+    max_batch_size: int  # rows one step may sample: the working memory each rank plans for
     tensor_parallel_size: int
     pipeline_parallel_size: int
     micro_batch_count: int  # 0: one per stage
@@ -178,7 +179,8 @@ class DistributedBackend:
 
 
 def start_ranks(model: Any, device: str | None, dtype: str | None, max_num_tokens: int, max_graph_batch: int,
-                parallel: ParallelConfig, kv_cache_dtype: str | None = None) -> DistributedBackend:  # fmt: skip
+                max_batch_size: int, parallel: ParallelConfig,
+                kv_cache_dtype: str | None = None) -> DistributedBackend:  # fmt: skip
     """Start ranks 1..N-1 for a LoadedModel and build rank 0's backend in this process. The
     other ranks load the checkpoint themselves, with the quantization `model` was loaded with."""
     layout.validate(parallel, model.config)
@@ -188,6 +190,7 @@ def start_ranks(model: Any, device: str | None, dtype: str | None, max_num_token
         dtype=dtype,
         max_num_tokens=max_num_tokens,
         max_graph_batch=max_graph_batch,
+        max_batch_size=max_batch_size,
         tensor_parallel_size=parallel.tensor_parallel_size,
         pipeline_parallel_size=parallel.pipeline_parallel_size,
         micro_batch_count=parallel.micro_batches,
@@ -230,6 +233,7 @@ def _rank_backend(model: Any, spec: RankSpec, world: World) -> TorchBackend:
         dtype=spec.dtype,
         max_num_tokens=spec.max_num_tokens,
         max_graph_batch=spec.max_graph_batch,
+        max_batch_size=spec.max_batch_size,
         world=world,
         micro_batch_count=spec.micro_batch_count,
         kv_cache_dtype=spec.kv_cache_dtype,

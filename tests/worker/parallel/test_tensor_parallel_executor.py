@@ -99,3 +99,12 @@ def test_every_rank_quantizes_as_one_process_does(options: dict[str, object],
     one = logits(1, **options)
     np.testing.assert_allclose(logits(2, **options), one, atol=1e-4, rtol=0)
     assert np.abs(one - logits(1)).max() > 1e-3
+
+
+def test_ranks_plan_working_memory_for_the_whole_batch(tiny_checkpoints: dict[str, Path]) -> None:
+    """Graphs stop at 512 sequences under TP, but a step may sample max_batch_size rows:
+    the ranks plan their working memory (logits, sampler) for those, as one process does."""
+    with executor(tiny_checkpoints["llama_gqa"], 2, max_batch_size=1024,
+                  kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=8192)) as ex:  # fmt: skip
+        inner = ex.core.backend.inner  # type: ignore[attr-defined]
+        assert inner.max_batch_size == 1024
