@@ -3,8 +3,9 @@ parallelism (TP=2 x PP=2: 4 ranks): rank 0 runs the core and the last stage, eac
 is cut into micro-batches that pass from stage to stage. Greedy tokens equal one
 process's and transformers', generation logits within 1e-4 of one process's; beams,
 penalties, seeded sampling, top-N, bad words, chunked context, a cancel and preemption
-give what one process gives; stages of unequal layer counts agree on the KV blocks;
-prompt-tuning rows reach the first stage's embedding in their micro-batch."""
+give what one process gives, and so does speculative verification; stages of unequal
+layer counts agree on the KV blocks; prompt-tuning rows reach the first stage's
+embedding in their micro-batch."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.worker.executor.helpers import final_tokens, hf_greedy, run_all
 from tests.worker.executor.test_decoding_backends import outputs, requests
 from worker.executor import (
     CapacitySchedulerPolicy,
+    DraftSource,
     Executor,
     ExecutorConfig,
     FinishReason,
@@ -31,6 +33,7 @@ from worker.executor import (
     Response,
     SamplingConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from worker.parallel.ranks import DistributedBackend
 
@@ -130,6 +133,29 @@ def test_decoding_features_cancels_and_preemption_equal_one_process(tp: int, pp:
     assert got == want
     assert cancelled == FinishReason.CANCELLED
 
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_speculative_verification_equals_plain_greedy(tp: int, pp: int, tiny_llama: Path) -> None:
+    """Verification steps (several query tokens a sequence, rejected drafts rolled back)
+    run on every rank and stage: verifying drafts gives one process's plain greedy tokens.
+    The drafts are that output with one token wrong, so some are accepted, the rest not."""
+
+    def run(tp: int, pp: int, drafts: list[list[int]] | None) -> tuple[list[list[int]], int]:
+        reqs = [Request(input_token_ids=p, max_tokens=12, end_id=-1, sampling_config=SamplingConfig(temperature=0.0),
+                        speculative_config=None if drafts is None else SpeculativeConfig(
+                            DraftSource.DRAFT_TOKENS, 4, draft_tokens=drafts[i]))
+                for i, p in enumerate(_prompts())]  # fmt: skip
+        with executor(tiny_llama, tp, pp) as ex:
+            tokens = [final_tokens(r) for r in run_all(ex, reqs).values()]
+            accepted = sum(s.num_accepted_draft_tokens for s in ex.get_latest_iteration_stats())
+        return tokens, accepted
+
+    want, _ = run(1, 1, None)
+    drafts = [[*t[:6], (t[6] + 1) % 200, *t[7:]] for t in want]
+    tokens, accepted = run(tp, pp, drafts)
+    assert 0 < accepted < sum(len(t) for t in want)
+    assert tokens == want
 
 def test_prompt_tuning_rows_reach_the_first_stage(tiny_llama: Path) -> None:
     """Table rows equal to the vocabulary's embeddings of the ids they replace decode as
