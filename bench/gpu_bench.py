@@ -25,7 +25,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -691,7 +691,7 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
     log("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
     weights: dict[str, torch.Tensor] = {}
     gpus = args.tensor_parallel_size * args.pipeline_parallel_size
-    if gpus > 1 or args.model_shape != "8b":  # rank processes, each with its shard
+    if over_ranks(args):
         from bench import tp_bench
 
         rows, roof, bandwidth, flops = tp_bench.run(args, workloads, env)
@@ -718,15 +718,15 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
             "tensor_parallel_size": args.tensor_parallel_size,
             "pipeline_parallel_size": args.pipeline_parallel_size,
             "quantization": args.quantization,
+            "dtype": args.dtype,
             "rows": [asdict(r) | {"tok_s": r.tok_s, "hf_tok_s": r.hf_tok_s} for r in rows],
         }
         out = os.environ.get("OUT")
         if out:
-            single = gpus == 1 and args.model_shape == "8b"
             split = f"tp{args.tensor_parallel_size}" + (f"_pp{pp}" if (pp := args.pipeline_parallel_size) > 1 else "")
             quant = f"_{args.quantization}" if args.quantization else ""
             shape = "tiny" if args.tiny else args.model_shape
-            name = "gpu_bench.json" if single else f"gpu_bench_{shape}_{split}{quant}.json"
+            name = f"gpu_bench_{shape}_{split}{quant}.json" if over_ranks(args) else "gpu_bench.json"
             with open(os.path.join(out, name), "w") as f:
                 json.dump(summary, f, indent=1, default=str)
 
@@ -746,7 +746,7 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
 
 def table_from_json(path: str) -> tuple[list[str], list[list[str]]]:
     """Re-render a saved run's table (the roofline recomputed from its measured ceilings)."""
-    from bench.quant_bench import quantized_roofline
+    from bench.quant_bench import roofline_of
     from bench.tp_bench import SHAPES
     from worker.models.config import ModelConfig
 
@@ -754,12 +754,9 @@ def table_from_json(path: str) -> tuple[list[str], list[list[str]]]:
         saved = json.load(f)
     shape = saved.get("model_shape", "8b")
     cfg = ModelConfig.from_hf(TINY if shape == "tiny" else SHAPES[shape])
-    bandwidth, flops = saved["bandwidth_TBps"] * 1e12, saved["gemm_TFLOPps"] * 1e12
-    stages = saved.get("pipeline_parallel_size", 1)
-    if quantization := saved.get("quantization"):
-        roof = replace(quantized_roofline(cfg, quantization, 2, bandwidth, flops), stages=stages)
-    else:
-        roof = roofline_for(cfg, bandwidth, flops, 2, stages=stages)
+    dtype_bytes = 4 if saved.get("dtype") == "float32" else 2  # runs saved before it was recorded ran bf16
+    roof = roofline_of(cfg, saved.get("quantization"), dtype_bytes, saved["bandwidth_TBps"] * 1e12,
+                       saved["gemm_TFLOPps"] * 1e12, saved.get("pipeline_parallel_size", 1))  # fmt: skip
     fields = set(Row.__dataclass_fields__)
     rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in saved["rows"]]
     for row in rows:
@@ -807,6 +804,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def over_ranks(args: argparse.Namespace) -> bool:
+    """Whether the model runs over rank processes (bench/tp_bench.py): several GPUs, or the
+    70B shape; otherwise it is the 8B shape on one GPU, in this process."""
+    return args.tensor_parallel_size * args.pipeline_parallel_size > 1 or args.model_shape != "8b"
+
+
 def table() -> tuple[list[str], list[list[str]]]:
     """`make bench` section: the full run, on CUDA only."""
     if not torch.cuda.is_available():
@@ -818,7 +821,7 @@ def main() -> None:
     from bench.run import format_table
 
     args = parser().parse_args()
-    if args.quantization and args.tensor_parallel_size * args.pipeline_parallel_size == 1 and args.model_shape == "8b":
+    if args.quantization and not over_ranks(args):
         from bench.quant_bench import run_quantized, table_rows
 
         print(format_table(*table_rows(run_quantized(args))))

@@ -40,6 +40,7 @@ from bench.gpu_bench import (
     measure_gemm,
     prompts_for,
     random_weights,
+    roofline_for,
     run_executor_offline,
     run_executor_single,
     sync,
@@ -74,7 +75,8 @@ def measure_fp8_gemm(device: torch.device) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
-def quantized_roofline(cfg: Any, quantization: str, kv_bytes: int, bandwidth: float, flops: float) -> Roofline:
+def quantized_roofline(cfg: Any, quantization: str, kv_bytes: int, bandwidth: float, flops: float,
+                       stages: int = 1) -> Roofline:  # fmt: skip
     """The roofline with the projections' quantized bytes: fp8 one byte a weight plus a
     float32 scale per output channel; int4 half a byte plus a float32 scale and zero per
     group (of 32 on load). The lm head stays bf16; its FLOPs are counted at `flops` too (7%
@@ -93,7 +95,17 @@ def quantized_roofline(cfg: Any, quantization: str, kv_bytes: int, bandwidth: fl
         lm_head_params=lm_head,
         kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * d * kv_bytes,
         attn_flops_per_ctx=4 * cfg.num_layers * cfg.num_heads * d,
+        stages=stages,
     )
+
+
+def roofline_of(cfg: Any, quantization: str | None, dtype_bytes: int, bandwidth: float, flops: float,
+                stages: int = 1) -> Roofline:  # fmt: skip
+    """The roofline of a float model (`dtype_bytes` a weight and a KV value) or of one
+    quantized on load (a bf16 KV cache)."""
+    if quantization is None:
+        return roofline_for(cfg, bandwidth, flops, dtype_bytes, stages)
+    return quantized_roofline(cfg, quantization, 2, bandwidth, flops, stages)
 
 
 def _graph_call_seconds(fn: Any, device: torch.device) -> float:

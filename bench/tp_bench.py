@@ -21,15 +21,14 @@ import argparse
 import time
 import zlib
 from collections.abc import Iterator, Mapping
-from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
 from bench import gpu_bench
-from bench.gpu_bench import LLAMA_8B, TINY, Roofline, Row, log, roofline_for
-from bench.quant_bench import measure_fp8_gemm, quantized_roofline
+from bench.gpu_bench import LLAMA_8B, TINY, Roofline, Row, log
+from bench.quant_bench import measure_fp8_gemm, roofline_of
 from worker.models.config import ModelConfig
 
 LLAMA_70B: dict[str, Any] = {
@@ -125,11 +124,8 @@ def run(args: argparse.Namespace, workloads: list[tuple[int, int, int, int]],
     links, processes = spawn_ranks(size, _follower, (args,))
     world, backend, bandwidth, flops = _rank_setup(0, args)
     distributed = DistributedBackend(backend, world, links, processes)
-    stages = args.pipeline_parallel_size
-    if args.quantization:
-        roof = replace(quantized_roofline(cfg, args.quantization, 2, bandwidth, flops), stages=stages)
-    else:
-        roof = roofline_for(cfg, bandwidth, flops, 2 if args.dtype == "bfloat16" else 4, stages=stages)
+    dtype_bytes = 2 if args.dtype == "bfloat16" else 4
+    roof = roofline_of(cfg, args.quantization, dtype_bytes, bandwidth, flops, args.pipeline_parallel_size)
     log(f"{size} ranks up in {time.perf_counter() - t0:.1f} s; rank 0 runs {backend.quantization or args.dtype} "
         f"weights; roofline of {size} GPUs: {bandwidth / 1e12:.2f} TB/s, "
         f"{flops / 1e12:.0f} TFLOP/s; weights {roof.weight_bytes / 1e9:.1f} GB -> "
