@@ -6,27 +6,23 @@ registered at run time and evicted from a single device slot give the same token
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.worker.executor.helpers import final_tokens, run_all
+from tests.worker.parallel.executors import parallel_executor
 from tests.worker.peft_adapters import make_adapter, peft_greedy
 from worker.executor import (
     Executor,
-    ExecutorConfig,
-    KvCacheConfig,
     LoraConfig,
     OutputConfig,
-    ParallelConfig,
     PeftCacheConfig,
     Request,
     SamplingConfig,
 )
-from worker.parallel.ranks import DistributedBackend
 
 PROMPTS = [[7 + (5 * i + 3 * j) % 300 for j in range(21 + 3 * i)] for i in range(3)]
 NAMES = ["a", "b", None]
@@ -46,21 +42,11 @@ def mqa_adapters(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.Tem
     }
 
 
-@contextmanager
 def executor(model: Path, adapters: dict[str, Path], tp: int, pp: int = 1,
-             peft: PeftCacheConfig | None = None) -> Iterator[Executor]:  # fmt: skip
+             peft: PeftCacheConfig | None = None) -> AbstractContextManager[Executor]:  # fmt: skip
     # 8 tokens a step: every prompt is computed in chunks, beside the others' decodes.
-    config = ExecutorConfig(backend="torch", device="cpu", dtype="float32", max_num_tokens=8,
-                            kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=2048),
-                            parallel_config=ParallelConfig(tp, pp),
-                            peft_cache_config=peft or PeftCacheConfig(max_rank=8),
-                            lora_adapters={name: str(path) for name, path in adapters.items()})  # fmt: skip
-    ex = Executor.from_model(model, config)
-    try:
-        assert isinstance(ex.core.backend, DistributedBackend) == (tp * pp > 1)
-        yield ex
-    finally:
-        ex.shutdown()  # and the ranks with it
+    return parallel_executor(model, tp, pp, max_num_tokens=8, peft_cache_config=peft or PeftCacheConfig(max_rank=8),
+                             lora_adapters={name: str(path) for name, path in adapters.items()})  # fmt: skip
 
 
 def _mixed_batch(model: Path, adapters: dict[str, Path], tp: int, pp: int) -> tuple[list[list[int]], list[np.ndarray]]:

@@ -9,8 +9,6 @@ embedding in their micro-batch."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -19,15 +17,13 @@ from safetensors.numpy import load_file
 
 from tests.worker.executor.helpers import final_tokens, hf_greedy, run_all
 from tests.worker.executor.test_decoding_backends import outputs, requests
+from tests.worker.parallel.executors import parallel_executor as executor
 from worker.executor import (
     CapacitySchedulerPolicy,
     DraftSource,
-    Executor,
-    ExecutorConfig,
     FinishReason,
     KvCacheConfig,
     OutputConfig,
-    ParallelConfig,
     PromptTuningConfig,
     Request,
     Response,
@@ -36,20 +32,6 @@ from worker.executor import (
     SpeculativeConfig,
 )
 from worker.parallel.ranks import DistributedBackend
-
-
-@contextmanager
-def executor(model: Path, tp: int, pp: int, micro_batches: int = 0, **options: object) -> Iterator[Executor]:
-    options.setdefault("kv_cache_config", KvCacheConfig(tokens_per_block=4, max_tokens=2048))
-    config = ExecutorConfig(backend="torch", device="cpu", dtype="float32", max_beam_width=4,
-                            parallel_config=ParallelConfig(tp, pp, micro_batches),
-                            **options)  # type: ignore[arg-type]  # fmt: skip
-    ex = Executor.from_model(model, config)
-    try:
-        assert isinstance(ex.core.backend, DistributedBackend) == (tp * pp > 1)
-        yield ex
-    finally:
-        ex.shutdown()  # and the ranks with it: the next test's ranks form a group of their own
 
 
 def _prompts() -> list[list[int]]:

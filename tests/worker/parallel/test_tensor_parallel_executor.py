@@ -6,37 +6,20 @@ test_pipeline_parallel_executor.py, beside the pipeline's.)"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from tests.worker.executor.helpers import final_tokens, hf_greedy, run_all
+from tests.worker.parallel.executors import parallel_executor as executor
 from worker.executor import (
-    Executor,
-    ExecutorConfig,
     KvCacheConfig,
     OutputConfig,
-    ParallelConfig,
     Request,
     SamplingConfig,
 )
-from worker.parallel.ranks import DistributedBackend
-
-
-@contextmanager
-def executor(model: Path, tp: int, **options: object) -> Iterator[Executor]:
-    options.setdefault("kv_cache_config", KvCacheConfig(tokens_per_block=4, max_tokens=2048))
-    config = ExecutorConfig(backend="torch", device="cpu", dtype="float32", max_beam_width=4,
-                            parallel_config=ParallelConfig(tp), **options)  # type: ignore[arg-type]  # fmt: skip
-    ex = Executor.from_model(model, config)
-    try:
-        assert isinstance(ex.core.backend, DistributedBackend) == (tp > 1)
-        yield ex
-    finally:
-        ex.shutdown()  # and the ranks with it: the next test's ranks form a group of their own
 
 
 def _prompts() -> list[list[int]]:
@@ -85,7 +68,7 @@ def test_every_rank_quantizes_as_one_process_does(options: dict[str, object],
     backend names the quantization, as one process's does (the worker's Ready says it)."""
     model = tiny_checkpoints["llama_gqa"]
 
-    def logits(size: int, **opts: object) -> np.ndarray:
+    def logits(size: int, **opts: Any) -> np.ndarray:
         req = Request(input_token_ids=_prompts()[0], max_tokens=6, end_id=-1,
                       sampling_config=SamplingConfig(temperature=0.0),
                       output_config=OutputConfig(return_generation_logits=True))  # fmt: skip
