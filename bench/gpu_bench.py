@@ -363,7 +363,7 @@ def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: 
         iteration_stats_max=1_000_000,
     )  # fmt: skip
     t0 = time.perf_counter()
-    # --direct and --profile drive one backend
+    # --direct and the host timer drive one backend
     single_device = getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1) == 1
     timer = HostTimer(backend) if args.profile and single_device else None  # before the core binds `launch`
     core = EngineCore(backend, config)
@@ -418,7 +418,7 @@ def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: 
                                          args.block_size, executor.core.blocks.num_blocks)  # fmt: skip
             row.extra["direct_tok_s"] = round(tokens / seconds)
             log(f"backend alone {row.workload}: {tokens / seconds:,.0f} tok/s")
-    if args.profile and single_device:
+    if args.profile:  # over ranks: rank 0's kernels, its collectives included
         try:
             profile_steps(backend, cfg, executor.core.blocks.num_blocks, args.block_size)
         except Exception as e:  # a diagnostic; never lose the table for it
