@@ -341,7 +341,7 @@ def bench_tokenwire(args: argparse.Namespace, cfg: Any, weights: dict[str, torch
 
     backend = TorchBackend(cfg, device, args.dtype, weights=weights, max_num_tokens=args.max_num_tokens,
                            max_model_len=args.max_model_len, max_graph_batch=args.max_batch,
-                           max_batch_size=args.max_batch)  # fmt: skip
+                           max_batch_size=args.max_batch, kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     rows = bench_executor(args, cfg, backend, workloads, roof)
     del backend
     gc.collect()
@@ -359,7 +359,7 @@ def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: 
         max_batch_size=args.max_batch,
         max_num_tokens=args.max_num_tokens,
         kv_cache_config=KvCacheConfig(tokens_per_block=args.block_size, free_memory_fraction=0.9,
-                                      enable_block_reuse=False),
+                                      enable_block_reuse=False, dtype=args.kv_cache_dtype),
         iteration_stats_max=1_000_000,
     )  # fmt: skip
     t0 = time.perf_counter()
@@ -697,8 +697,10 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
         rows, roof, bandwidth, flops = tp_bench.run(args, workloads, env)
         args.skip_hf = True
     else:
+        from bench.quant_bench import roofline_of
+
         bandwidth, flops = measure_bandwidth(device), measure_gemm(device)
-        roof = roofline_for(cfg, bandwidth, flops, dtype.itemsize)
+        roof = roofline_of(cfg, None, dtype.itemsize, bandwidth, flops, kv_cache_dtype=args.kv_cache_dtype)
         floor_ms = roof.weight_bytes / bandwidth * 1e3
         log(f"roofline: {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s; weights "
             f"{roof.weight_bytes / 1e9:.2f} GB -> batch-1 TPOT floor {floor_ms:.2f} ms")  # fmt: skip
@@ -718,6 +720,7 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
             "tensor_parallel_size": args.tensor_parallel_size,
             "pipeline_parallel_size": args.pipeline_parallel_size,
             "quantization": args.quantization,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "dtype": args.dtype,
             "rows": [asdict(r) | {"tok_s": r.tok_s, "hf_tok_s": r.hf_tok_s} for r in rows],
         }
@@ -756,7 +759,8 @@ def table_from_json(path: str) -> tuple[list[str], list[list[str]]]:
     cfg = ModelConfig.from_hf(TINY if shape == "tiny" else SHAPES[shape])
     dtype_bytes = 4 if saved.get("dtype") == "float32" else 2  # runs saved before it was recorded ran bf16
     roof = roofline_of(cfg, saved.get("quantization"), dtype_bytes, saved["bandwidth_TBps"] * 1e12,
-                       saved["gemm_TFLOPps"] * 1e12, saved.get("pipeline_parallel_size", 1))  # fmt: skip
+                       saved["gemm_TFLOPps"] * 1e12, saved.get("pipeline_parallel_size", 1),
+                       saved.get("kv_cache_dtype"))  # fmt: skip
     fields = set(Row.__dataclass_fields__)
     rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in saved["rows"]]
     for row in rows:
@@ -796,6 +800,9 @@ def parser() -> argparse.ArgumentParser:
                    help="pipeline stages, each over --tensor-parallel-size GPUs (bench/tp_bench.py)")
     p.add_argument("--micro-batches", type=int, default=0,
                    help="pipeline micro-batches per step (0: one per stage)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["fp8"],
+                   help="an e4m3 KV cache over several GPUs or at the 70B shape (bench/tp_bench.py); on one GPU "
+                        "--quantization fp8 runs its own FP8-cache row (bench/quant_bench.py)")  # fmt: skip
     p.add_argument("--model-shape", default="8b", choices=["8b", "70b"],
                    help="Llama-3.1-8B or -70B shape (70b needs enough GPUs for its shards)")
     p.add_argument("--quantization", default=None, choices=["fp8", "int4"],

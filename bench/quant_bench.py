@@ -100,12 +100,16 @@ def quantized_roofline(cfg: Any, quantization: str, kv_bytes: int, bandwidth: fl
 
 
 def roofline_of(cfg: Any, quantization: str | None, dtype_bytes: int, bandwidth: float, flops: float,
-                stages: int = 1) -> Roofline:  # fmt: skip
+                stages: int = 1, kv_cache_dtype: str | None = None) -> Roofline:  # fmt: skip
     """The roofline of a float model (`dtype_bytes` a weight and a KV value) or of one
-    quantized on load (a bf16 KV cache)."""
+    quantized on load (a bf16 KV cache); an FP8 KV cache reads one byte a KV value."""
+    kv_bytes = 1 if kv_cache_dtype == "fp8" else None
     if quantization is None:
-        return roofline_for(cfg, bandwidth, flops, dtype_bytes, stages)
-    return quantized_roofline(cfg, quantization, 2, bandwidth, flops, stages)
+        roof = roofline_for(cfg, bandwidth, flops, dtype_bytes, stages)
+        if kv_bytes:
+            roof.kv_bytes_per_token = roof.kv_bytes_per_token // dtype_bytes * kv_bytes
+        return roof
+    return quantized_roofline(cfg, quantization, kv_bytes or 2, bandwidth, flops, stages)
 
 
 def _graph_call_seconds(fn: Any, device: torch.device) -> float:

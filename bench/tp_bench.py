@@ -30,6 +30,7 @@ from bench import gpu_bench
 from bench.gpu_bench import LLAMA_8B, TINY, Roofline, Row, log
 from bench.quant_bench import measure_fp8_gemm, roofline_of
 from worker.models.config import ModelConfig
+from worker.parallel.symmetric_all_reduce import ActivationAllReduce
 
 LLAMA_70B: dict[str, Any] = {
     **LLAMA_8B,
@@ -88,11 +89,18 @@ def _rank_setup(rank: int, args: argparse.Namespace) -> tuple[Any, Any, float, f
     backend = TorchBackend(cfg, dtype=dtype, weights=RandomTensors(cfg, world.device, dtype),
                            max_num_tokens=args.max_num_tokens, max_model_len=args.max_model_len,
                            max_graph_batch=args.max_batch, world=world,
-                           micro_batch_count=args.micro_batches, quantization=args.quantization)  # fmt: skip
+                           micro_batch_count=args.micro_batches, quantization=args.quantization,
+                           kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     gpu_bench.sync(world.device)
     if rank == 0:
         held = torch.cuda.memory_allocated(world.device) if device_type == "cuda" else 0
         log(f"rank shards made in {time.perf_counter() - t0:.1f} s; {held / 1e9:.1f} GB on rank 0's GPU")
+        summed = getattr(backend.ops, "activation_sum", None)
+        if isinstance(summed, ActivationAllReduce):
+            log(f"activation all-reduce: {summed.describe()}; slowest rank's us by rows "
+                f"{', '.join(str(r) for r in summed.rungs)}:")  # fmt: skip
+            for name, times in summed.timings.items():
+                log(f"  {name:>8}: " + " ".join(f"{t * 1e6:.1f}" for t in times))
     return world, backend, float(sums[0]), float(sums[1])
 
 
@@ -125,9 +133,11 @@ def run(args: argparse.Namespace, workloads: list[tuple[int, int, int, int]],
     world, backend, bandwidth, flops = _rank_setup(0, args)
     distributed = DistributedBackend(backend, world, links, processes)
     dtype_bytes = 2 if args.dtype == "bfloat16" else 4
-    roof = roofline_of(cfg, args.quantization, dtype_bytes, bandwidth, flops, args.pipeline_parallel_size)
+    roof = roofline_of(cfg, args.quantization, dtype_bytes, bandwidth, flops, args.pipeline_parallel_size,
+                       args.kv_cache_dtype)
     log(f"{size} ranks up in {time.perf_counter() - t0:.1f} s; rank 0 runs {backend.quantization or args.dtype} "
-        f"weights; roofline of {size} GPUs: {bandwidth / 1e12:.2f} TB/s, "
+        f"weights, a {args.kv_cache_dtype or args.dtype} KV cache; roofline of {size} GPUs: "
+        f"{bandwidth / 1e12:.2f} TB/s, "
         f"{flops / 1e12:.0f} TFLOP/s; weights {roof.weight_bytes / 1e9:.1f} GB -> "
         "batch-1 TPOT floor "
         f"{roof.decode_floor(0) * 1e3:.2f} ms")  # fmt: skip

@@ -273,18 +273,18 @@ def _follower_main(rank: int, inbox: Connection, parent: int, spec: RankSpec) ->
     model = load_model(spec.source, load_weights=spec.device_type != "cuda", quantization=spec.quantize)
     backend = _rank_backend(model, spec, world)
     serve(backend, world, inbox)
-    backend.release_graphs()
     leave()
 
 
 def serve(backend: TorchBackend, world: World, inbox: Connection) -> None:
-    """Run what rank 0 runs, call by call, until it says stop or is gone."""
+    """Run what rank 0 runs, call by call, until it says stop or is gone; then drop the
+    CUDA graphs, which hold collectives that would keep the group from tearing down."""
     while True:
         try:
             kind, body = pickle.loads(inbox.recv_bytes())
         except (EOFError, OSError):
             log.warning("model rank %d: rank 0 is gone", world.rank)
-            return
+            break
         if kind == "forward":
             batch, rows = body
             backend.forward(batch)  # the logits are rank 0's to sample
@@ -306,7 +306,8 @@ def serve(backend: TorchBackend, world: World, inbox: Connection) -> None:
         elif kind == "capture_graphs":
             backend.capture_graphs()
         else:  # stop
-            return
+            break
+    backend.release_graphs()
 
 
 def _receive_sampled(backend: TorchBackend, world: World, rows: int) -> None:
