@@ -50,12 +50,12 @@ class ActivationAllReduce:
         self._group_name = ""
         try:
             self._set_up_symmetric(device, max_rows)
+            self._choose(device)
         except Exception as e:  # no symmetric memory here: NCCL serves every size
             log.warning("symmetric-memory all-reduce unavailable (%s: %s); NCCL serves every size",
                         type(e).__name__, e)  # fmt: skip
             self._buffer = None
-        if self._buffer is not None:
-            self._choose(device)
+            self.methods, self.choice = [self._nccl] * len(self.rungs), ["nccl"] * len(self.rungs)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the group, in place."""
