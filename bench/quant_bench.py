@@ -112,7 +112,7 @@ def roofline_of(cfg: Any, quantization: str | None, dtype_bytes: int, bandwidth:
     return quantized_roofline(cfg, quantization, kv_bytes or 2, bandwidth, flops, stages)
 
 
-def _graph_call_seconds(fn: Any, device: torch.device) -> float:
+def graph_call_seconds(fn: Any, device: torch.device) -> float:
     """Seconds per call of `fn`, 20 calls captured in one CUDA graph (no launch gaps)."""
     fn()  # compile
     graph = torch.cuda.CUDAGraph()
@@ -143,8 +143,8 @@ def int4_gemv_rows(cfg: Any, bandwidth: float, device: torch.device) -> list[dic
         for role, (k, n) in shapes.items():
             layer = quantize_int4(torch.randn(n, k, device=device) * 0.02, None, group, symmetric)
             x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
-            gemv = _graph_call_seconds(partial(layer, x), device)
-            tiled = _graph_call_seconds(
+            gemv = graph_call_seconds(partial(layer, x), device)
+            tiled = graph_call_seconds(
                 partial(w4a16_matmul, x, layer.qweight, layer.scale, layer.zero, layer.group_size), device
             )
             floor = (k * n // 2 + k // group * n * (4 if symmetric else 8)) / bandwidth

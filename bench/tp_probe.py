@@ -3,7 +3,7 @@
 the four projections of one 70B layer's TP=2 shard at several row counts (the GEMM rate
 a step really gets, against the 8192^3 burst of the roofline), and a GEMM beside an
 all-reduce on two streams against the two one after the other (whether overlapping
-them on streams pays). Each figure is the median of 5 replays of a CUDA graph of 20
+them on streams pays). Each figure is a call's share of replays of a CUDA graph of 20
 calls, so launches stay out of it."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.quant_bench import graph_call_seconds
 from bench.tp_bench import LLAMA_70B, _free_port
 from worker.parallel.group import NO_MULTICAST_ENV
 
-_REPS = 20
 H = LLAMA_70B["hidden_size"]
 HEADS, KV_HEADS, FF = LLAMA_70B["num_attention_heads"], LLAMA_70B["num_key_value_heads"], LLAMA_70B["intermediate_size"]
 D = H // HEADS
@@ -31,25 +31,8 @@ SHARD = {  # (in, out) of each projection on one of two ranks
 }
 
 
-def _graph_us(fn: Callable[[], object]) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(_REPS):
-            fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / _REPS)
-    return sorted(times)[2]
+def _us(fn: Callable[[], object]) -> float:
+    return graph_call_seconds(fn, torch.device("cuda", torch.cuda.current_device())) * 1e6
 
 
 def _rank(rank: int, port: int) -> None:
@@ -62,14 +45,14 @@ def _rank(rank: int, port: int) -> None:
     lines = []
     for rows in (1, 64, 128, 256, 512, 1024, 2048, 8192):
         x = torch.randn(rows, H, device=device, dtype=torch.bfloat16)
-        t = _graph_us(partial(dist.all_reduce, x))
+        t = _us(partial(dist.all_reduce, x))
         lines.append(f"all_reduce {rows:5d} x {H}: {t:8.1f} us ({x.numel() * 2 / t / 1e3:6.1f} GB/s)")
     weights = {k: torch.randn(o, i, device=device, dtype=torch.bfloat16) * 0.02 for k, (i, o) in SHARD.items()}
     for rows in (256, 512, 1024, 8192):
         parts = {}
         for k, (i, _) in SHARD.items():
             x = torch.randn(rows, i, device=device, dtype=torch.bfloat16)
-            parts[k] = _graph_us(partial(torch.matmul, x, weights[k].t()))
+            parts[k] = _us(partial(torch.matmul, x, weights[k].t()))
         total = sum(parts.values())
         flops = 2 * rows * sum(i * o for i, o in SHARD.values())
         lines.append(f"layer GEMMs at {rows:5d} rows: {total:8.1f} us ({flops / total / 1e6:4.0f} TFLOP/s) "
@@ -91,10 +74,10 @@ def _rank(rank: int, port: int) -> None:
             main.wait_stream(a)
             main.wait_stream(b)
 
-        gemm = _graph_us(partial(torch.matmul, x, w.t()))
-        reduce = _graph_us(partial(dist.all_reduce, y))
+        gemm = _us(partial(torch.matmul, x, w.t()))
+        reduce = _us(partial(dist.all_reduce, y))
         lines.append(f"gate_up GEMM and all-reduce, {rows} rows: {gemm:.0f} + {reduce:.0f} us one after the other, "
-                     f"{_graph_us(side_by_side):.0f} us side by side")  # fmt: skip
+                     f"{_us(side_by_side):.0f} us side by side")  # fmt: skip
     if rank == 0:
         print("\n".join(lines), flush=True)
     dist.barrier()
