@@ -44,8 +44,10 @@ class ActivationAllReduce:
         self.hidden = hidden
         self.dtype = dtype
         self.rungs = [r for r in RUNGS if r < max_rows] + [max_rows]
-        self.methods: list[Callable[[torch.Tensor], None]] = [self._nccl] * len(self.rungs)
-        self.choice = ["nccl"] * len(self.rungs)
+        self.choice = ["nccl"] * len(self.rungs)  # each rung's method, by name (self._methods)
+        self._methods: dict[str, Callable[[torch.Tensor], None]] = {
+            "nccl": self._nccl, "one-shot": self._one_shot, "two-shot": self._two_shot,
+        }  # fmt: skip
         self.timings: dict[str, list[float]] = {}
         self._buffer: torch.Tensor | None = None
         self._group_name = ""
@@ -56,7 +58,7 @@ class ActivationAllReduce:
             log.warning("symmetric-memory all-reduce unavailable (%s: %s); NCCL serves every size",
                         type(e).__name__, e)  # fmt: skip
             self._buffer = None
-            self.methods, self.choice = [self._nccl] * len(self.rungs), ["nccl"] * len(self.rungs)
+            self.choice = ["nccl"] * len(self.rungs)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the group, in place."""
@@ -64,7 +66,7 @@ class ActivationAllReduce:
             self._nccl(x)
             return x
         i = bisect.bisect_left(self.rungs, x.numel() // self.hidden)
-        (self.methods[i] if i < len(self.rungs) else self._nccl)(x)
+        self._methods[self.choice[i] if i < len(self.rungs) else "nccl"](x)
         return x
 
     def describe(self) -> str:
@@ -83,19 +85,21 @@ class ActivationAllReduce:
         dist.all_reduce(x, group=self.group)
 
     def _one_shot(self, x: torch.Tensor) -> None:
-        flat = x.view(-1)
-        assert self._buffer is not None
-        staged = self._buffer[: flat.numel()]
-        staged.copy_(flat)
+        flat, staged = self._stage(x)
         torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self._group_name, flat)
 
     def _two_shot(self, x: torch.Tensor) -> None:
+        flat, staged = self._stage(x)
+        torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self._group_name)
+        flat.copy_(staged)
+
+    def _stage(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x flat, and a copy of it in this rank's symmetric buffer (the kernels read there)."""
         flat = x.view(-1)
         assert self._buffer is not None
         staged = self._buffer[: flat.numel()]
         staged.copy_(flat)
-        torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self._group_name)
-        flat.copy_(staged)
+        return flat, staged
 
     # -- start-up -----------------------------------------------------------------------
 
@@ -117,12 +121,9 @@ class ActivationAllReduce:
     def _choose(self, device: torch.device) -> None:
         """Time every method at every rung (the slowest rank's time counts), check that
         the symmetric ones sum as NCCL does, and keep the fastest per rung."""
-        candidates: dict[str, Callable[[torch.Tensor], None]] = {
-            "nccl": self._nccl, "one-shot": self._one_shot, "two-shot": self._two_shot,
-        }  # fmt: skip
-        usable = dict(candidates)
+        usable = dict(self._methods)
         for name in ("one-shot", "two-shot"):
-            ok = _agreed(self._sums_right(candidates[name], device), self.group, device)
+            ok = _agreed(self._sums_right(self._methods[name], device), self.group, device)
             if not ok:
                 log.warning("symmetric-memory all-reduce: %s failed its check; not used", name)
                 del usable[name]
@@ -138,9 +139,8 @@ class ActivationAllReduce:
             worst = torch.tensor(times, dtype=torch.float64, device=device)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.group)
             self.timings[name] = worst.tolist()
-        for i in range(len(self.rungs)):
-            best = min(self.timings, key=lambda name: self.timings[name][i])
-            self.choice[i], self.methods[i] = best, usable[best]
+        # Only usable methods were timed, so each rung's fastest is one of them.
+        self.choice = [min(self.timings, key=lambda name: self.timings[name][i]) for i in range(len(self.rungs))]
         log.info("activation all-reduce: %s", self.describe())
 
     def _sums_right(self, method: Callable[[torch.Tensor], None], device: torch.device) -> bool:
