@@ -800,8 +800,6 @@ def parser() -> argparse.ArgumentParser:
                    help="pipeline stages, each over --tensor-parallel-size GPUs (bench/tp_bench.py)")
     p.add_argument("--micro-batches", type=int, default=0,
                    help="pipeline micro-batches per step (0: one per stage)")
-    p.add_argument("--sequence-parallel-rows", type=int, default=2048,
-                   help="tensor-parallel steps of this many tokens or more split their rows (0: never)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["fp8"],
                    help="an e4m3 KV cache over several GPUs or at the 70B shape (bench/tp_bench.py); on one GPU "
                         "--quantization fp8 runs its own FP8-cache row (bench/quant_bench.py)")  # fmt: skip

@@ -90,15 +90,11 @@ def _rank_setup(rank: int, args: argparse.Namespace) -> tuple[Any, Any, float, f
                            max_num_tokens=args.max_num_tokens, max_model_len=args.max_model_len,
                            max_graph_batch=args.max_batch, world=world,
                            micro_batch_count=args.micro_batches, quantization=args.quantization,
-                           kv_cache_dtype=args.kv_cache_dtype,
-                           sequence_parallel_rows=args.sequence_parallel_rows)  # fmt: skip
+                           kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     gpu_bench.sync(world.device)
     if rank == 0:
         held = torch.cuda.memory_allocated(world.device) if device_type == "cuda" else 0
         log(f"rank shards made in {time.perf_counter() - t0:.1f} s; {held / 1e9:.1f} GB on rank 0's GPU")
-        sequence = getattr(backend.ops, "sequence", None)
-        log("sequence parallelism: " + ("off" if sequence is None else f"steps of {sequence.min_rows}+ rows, "
-            + ("fused GEMM collectives" if sequence.fused else "plain collectives")))  # fmt: skip
         summed = getattr(backend.ops, "activation_sum", None)
         if isinstance(summed, ActivationAllReduce):
             log(f"activation all-reduce: {summed.describe()}; slowest rank's us by rows "
@@ -125,8 +121,7 @@ def run(args: argparse.Namespace, workloads: list[tuple[int, int, int, int]],
     from worker.parallel import layout
     from worker.parallel.ranks import DistributedBackend, spawn_ranks
 
-    parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.micro_batches,
-                              args.sequence_parallel_rows)  # fmt: skip
+    parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.micro_batches)
     size = parallel.world_size
     cfg = ModelConfig.from_hf(_shape(args))
     layout.validate(parallel, cfg)

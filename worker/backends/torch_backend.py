@@ -90,7 +90,6 @@ class TorchBackend:
         max_verify_graph_batch: int = 32,
         world: World | None = None,
         micro_batch_count: int = 0,
-        sequence_parallel_rows: int = 0,
         quantization: str | None = None,
         kv_cache_dtype: str | None = None,
         max_batch_size: int | None = None,
@@ -105,11 +104,9 @@ class TorchBackend:
         With `world`, this rank holds and runs its part of the model (worker/parallel), on
         the world's device: its tensor-parallel shard of its pipeline stage's layers; a
         stage cuts each step into `micro_batch_count` micro-batches (0: one per stage) and
-        runs without CUDA graphs; a single stage's steps of `sequence_parallel_rows` tokens
-        or more split their rows over the ranks (0: never; sequence_parallel.py).
-        `max_batch_size` bounds the rows sampled in one step (default `max_graph_batch`);
-        with `max_num_tokens` and the graphs it sizes the working memory kept out of the KV
-        cache (memory_plan.py). `free_memory`:
+        runs without CUDA graphs. `max_batch_size` bounds the rows sampled
+        in one step (default `max_graph_batch`); with `max_num_tokens` and the graphs it
+        sizes the working memory kept out of the KV cache (memory_plan.py). `free_memory`:
         bytes to plan the KV cache with instead of what the device reports free now (a
         device shared with another process; tests). Speculative verification steps of
         up to `max_verify_graph_batch` sequences run in CUDA graphs too (cuda_graphs.py)."""
@@ -143,8 +140,7 @@ class TorchBackend:
                             kv_dtype=kv_dtype)
             if world is None or world.tensor_parallel_size == 1
             else ShardedTorchDecoderOps(ops_config, world.tensor, self.device, self.dtype, self.max_model_len,
-                                        max_num_tokens, 0 if self.stage else sequence_parallel_rows,
-                                        quantize=quantize, kv_dtype=kv_dtype)
+                                        max_num_tokens, quantize=quantize, kv_dtype=kv_dtype)
         )  # fmt: skip
         if weights is None:
             weights = _weights_of(model, self.device, self.dtype)

@@ -256,10 +256,6 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     # Micro-batches a step's sequences are cut into, so the stages overlap (0: one per stage).
     micro_batches: int = 0
-    # Steps of at least this many tokens run sequence-parallel when there is one stage:
-    # each rank holds its share of the rows between the projections, the all-reduces
-    # become a reduce-scatter and an all-gather fused into the GEMMs (0: never).
-    sequence_parallel_rows: int = 2048
 
     @property
     def world_size(self) -> int:

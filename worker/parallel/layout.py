@@ -49,8 +49,6 @@ def validate(parallel: ParallelConfig, config: ModelConfig) -> None:
         raise ValueError(f"parallel sizes must be >= 1, got tensor {tp}, pipeline {pp}")
     if parallel.micro_batches < 0:
         raise ValueError(f"micro_batches must be >= 0 (0: one per pipeline stage), got {parallel.micro_batches}")
-    if parallel.sequence_parallel_rows < 0:
-        raise ValueError(f"sequence_parallel_rows must be >= 0 (0: never), got {parallel.sequence_parallel_rows}")
     if pp > config.num_layers:
         raise ValueError(f"{config.num_layers} layers do not split over {pp} pipeline stages (at most one per layer)")
     if config.num_heads % tp:

@@ -64,7 +64,6 @@ class RankSpec:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     micro_batch_count: int  # 0: one per stage
-    sequence_parallel_rows: int  # 0: no step splits its rows
     port: int  # where the ranks rendezvous, on 127.0.0.1
     quantize: str | None = None  # "fp8" | "int4": every rank quantizes its shard on load
     kv_cache_dtype: str | None = None  # "fp8": every rank's KV pool
@@ -195,7 +194,6 @@ def start_ranks(model: Any, device: str | None, dtype: str | None, max_num_token
         tensor_parallel_size=parallel.tensor_parallel_size,
         pipeline_parallel_size=parallel.pipeline_parallel_size,
         micro_batch_count=parallel.micro_batches,
-        sequence_parallel_rows=parallel.sequence_parallel_rows,
         port=_free_port(),
         quantize=getattr(model, "quantize", None),
         kv_cache_dtype=kv_cache_dtype,
@@ -238,7 +236,6 @@ def _rank_backend(model: Any, spec: RankSpec, world: World) -> TorchBackend:
         max_batch_size=spec.max_batch_size,
         world=world,
         micro_batch_count=spec.micro_batch_count,
-        sequence_parallel_rows=spec.sequence_parallel_rows,
         kv_cache_dtype=spec.kv_cache_dtype,
     )
 

@@ -7,19 +7,11 @@ A row-parallel projection's all-reduce is in `lora`, which the decoder calls aft
 every `linear` whether or not the step runs an adapter: the rank's partial output and
 its adapter delta (from the rank's input columns) are summed across ranks in one
 all-reduce. On CUDA the activations' all-reduces take NCCL's or a symmetric-memory one,
-whichever was faster for the size when the ops were made (symmetric_all_reduce.py).
-
-A large step of a single-stage model runs sequence-parallel (sequence_parallel.py): the
-embedding's sum is reduce-scattered, so the residual stream and its norms hold the rank's
-share of the rows; `linear` gathers them into a column-parallel GEMM (its input has the
-share's row count) and reduce-scatters a row-parallel one (it has the step's), and
-`lora` then has nothing to sum. At the last layer `logits_rows` gathers the residual and
-the step goes on as plain tensor parallelism."""
+whichever was faster for the size when the ops were made (symmetric_all_reduce.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -34,22 +26,19 @@ from worker.models.llama import LinearRole
 from worker.models.lora import LoraAdapter
 from worker.parallel import layout
 from worker.parallel.group import TensorGroup
-from worker.parallel.sequence_parallel import RowSplit, SequenceParallel
 from worker.parallel.symmetric_all_reduce import ActivationAllReduce
 
 
 class ShardedTorchDecoderOps(TorchDecoderOps):
     def __init__(
         self, config: ModelConfig, group: TensorGroup, device: torch.device, dtype: torch.dtype, max_model_len: int,
-        max_num_tokens: int, sequence_parallel_rows: int = 0, **kwargs: Any,
+        max_num_tokens: int, **kwargs: Any,
     ) -> None:
         """`config` is the whole model's; the inherited ops (KV pool, attention, rope)
         see the rank's heads (layout.local_config). `kwargs` go to TorchDecoderOps
         (quantization, the KV cache's dtype): shards are cut from the float parts first.
         Collective on CUDA: the group's ranks make their ops together (the all-reduce's
-        symmetric buffers hold `max_num_tokens` rows, the most one step sums).
-        Steps of `sequence_parallel_rows` rows or more split their rows (0: never; a
-        single stage only, since a pipeline link passes whole rows)."""
+        symmetric buffers hold `max_num_tokens` rows, the most one step sums)."""
         super().__init__(layout.local_config(config, group.size), device, dtype, max_model_len, **kwargs)
         self.full_config = config
         self.group = group
@@ -58,10 +47,6 @@ class ShardedTorchDecoderOps(TorchDecoderOps):
             self.activation_sum = ActivationAllReduce(group.group, device, dtype, config.hidden_size, max_num_tokens)
         self.vocab_start, self.vocab_rows = layout.vocab_shard(config.vocab_size, group.rank, group.size)
         self._embed: torch.Tensor | None = None
-        self.sequence: SequenceParallel | None = None
-        if sequence_parallel_rows:
-            self.sequence = SequenceParallel(group, config.hidden_size, dtype, max_num_tokens, sequence_parallel_rows)
-        self._split: RowSplit | None = None  # the running step's, until its logits rows are taken
 
     # -- weights ----------------------------------------------------------------------------
 
@@ -98,38 +83,13 @@ class ShardedTorchDecoderOps(TorchDecoderOps):
         local = step.tokens.long() - self.vocab_start
         mine = (local >= 0) & (local < self.vocab_rows)
         rows = F.embedding(torch.where(mine, local, 0), table) * mine.unsqueeze(1).to(table.dtype)
-        # The first op of every step: it decides whether the step's rows split.
-        self._split = None
-        if self.sequence is not None and step.lora_slots is None:
-            self._split = self.sequence.plan(rows.shape[0])
-        if self._split is not None:
-            return self.sequence.scatter(rows, self._split)  # type: ignore[union-attr]
         return self.activation_sum(rows)
-
-    def linear(self, x: torch.Tensor, weight: TorchLinear | QuantLinear) -> torch.Tensor:
-        split, sequence = self._split, self.sequence
-        if split is None or sequence is None:
-            return super().linear(x, weight)
-        # A bias-free bf16 weight takes the fused GEMM; a bias or a quantized one, the plain collectives.
-        fused = weight.weight if isinstance(weight, TorchLinear) and weight.bias is None else None
-        plain = partial(super().linear, weight=weight)
-        if x.shape[0] == split.local:  # the rank's share of the rows: column-parallel
-            return sequence.gather_linear(x, fused, plain, split)
-        return sequence.linear_scatter(x, fused, plain, split)
 
     def lora(self, y: torch.Tensor, x: torch.Tensor, layer: int, role: LinearRole, step: StepInputs,
              logits_rows: bool) -> torch.Tensor:
-        """The rank's delta added; a row-parallel projection's sum (base and delta) all-reduced
-        (a split step's `linear` reduce-scattered it: steps with adapters never split)."""
+        """The rank's delta added; a row-parallel projection's sum (base and delta) all-reduced."""
         y = super().lora(y, x, layer, role, step, logits_rows)
-        return self.activation_sum(y) if role in layout.ROW_PARALLEL and self._split is None else y
-
-    def logits_rows(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        """A split step's residual is gathered first; what follows runs unsplit."""
-        if self._split is not None and self.sequence is not None and x.shape[0] == self._split.local:
-            x = self.sequence.gather(x, self._split)
-            self._split = None
-        return super().logits_rows(x, step)
+        return self.activation_sum(y) if role in layout.ROW_PARALLEL else y
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Every rank's logits over its vocabulary range, gathered into [S, vocab]."""

@@ -11,15 +11,14 @@ from worker.parallel.ranks import DistributedBackend
 
 
 @contextmanager
-def parallel_executor(model: Path, tp: int, pp: int = 1, micro_batches: int = 0, sequence_parallel_rows: int = 2048,
+def parallel_executor(model: Path, tp: int, pp: int = 1, micro_batches: int = 0,
                       **options: object) -> Iterator[Executor]:  # fmt: skip
     """float32 on the CPU, a small KV cache of 4-token blocks and beams up to 4 unless
-    `options` (ExecutorConfig fields) say otherwise. The tests' steps are too small to
-    run sequence-parallel unless `sequence_parallel_rows` says so."""
+    `options` (ExecutorConfig fields) say otherwise."""
     options.setdefault("kv_cache_config", KvCacheConfig(tokens_per_block=4, max_tokens=2048))
     options.setdefault("max_beam_width", 4)
     config = ExecutorConfig(backend="torch", device="cpu", dtype="float32",
-                            parallel_config=ParallelConfig(tp, pp, micro_batches, sequence_parallel_rows),
+                            parallel_config=ParallelConfig(tp, pp, micro_batches),
                             **options)  # type: ignore[arg-type]  # fmt: skip
     ex = Executor.from_model(model, config)
     try:

@@ -31,17 +31,15 @@ def _steps(vocab: int) -> list[Any]:
     return steps
 
 
-def check(rank: int, tp: int, port: int, checkpoints: list[str], results: Any, pp: int = 1,
-          split: bool = False) -> None:  # fmt: skip
-    """Reports {checkpoint: (logits diff, or None off the last stage; KV diff)}. `split`:
-    every step runs sequence-parallel."""
+def check(rank: int, tp: int, port: int, checkpoints: list[str], results: Any, pp: int = 1) -> None:
+    """Reports {checkpoint: (logits diff, or None off the last stage; KV diff)}."""
     torch.set_num_threads(1)  # the ranks share the host's cores
     world = join(rank, tp, port, "cpu", pp)
     report: dict[str, tuple[float | None, float]] = {}
     for path in checkpoints:
         model = load_model(Path(path))
         whole = TorchBackend(model, "cpu")
-        part = TorchBackend(model, world=world, sequence_parallel_rows=1 if split else 0)
+        part = TorchBackend(model, world=world)
         for b in (whole, part):
             b.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
         last = part.stage is None or part.stage.is_last

@@ -27,18 +27,15 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("name", "tp", "split_rows"),
+    ("name", "tp"),
     [
-        ("llama_gqa", 2, 2048),
-        ("qwen2_mqa", 2, 2048),
-        # Steps of 5 tokens or more run sequence-parallel: the prefill chunks, not generation.
-        ("llama_gqa", 2, 5),
+        ("llama_gqa", 2),
+        ("qwen2_mqa", 2),
         # One KV head on 4 ranks. Every family's shard at 2 and 4 ranks: test_sharded_backend.py.
-        pytest.param("qwen2_mqa", 4, 2048, marks=pytest.mark.slow),
+        pytest.param("qwen2_mqa", 4, marks=pytest.mark.slow),
     ],
 )
-def test_greedy_equals_tp1_and_transformers(name: str, tp: int, split_rows: int,
-                                            tiny_checkpoints: dict[str, Path]) -> None:  # fmt: skip
+def test_greedy_equals_tp1_and_transformers(name: str, tp: int, tiny_checkpoints: dict[str, Path]) -> None:
     """Prompts longer than max_num_tokens go in chunks beside the others' generation."""
     model = tiny_checkpoints[name]
 
@@ -46,7 +43,7 @@ def test_greedy_equals_tp1_and_transformers(name: str, tp: int, split_rows: int,
         reqs = [Request(input_token_ids=p, max_tokens=8, end_id=-1, sampling_config=SamplingConfig(temperature=0.0),
                         output_config=OutputConfig(return_generation_logits=i == 0))
                 for i, p in enumerate(_prompts())]  # fmt: skip
-        with executor(model, size, sequence_parallel_rows=split_rows, max_num_tokens=16) as ex:
+        with executor(model, size, max_num_tokens=16) as ex:
             got = list(run_all(ex, reqs).values())
         logits = got[0][-1].result.generation_logits  # type: ignore[union-attr]
         return [final_tokens(r) for r in got], [np.asarray(logits)]
