@@ -6,6 +6,7 @@ of each method kept."""
 
 from __future__ import annotations
 
+import faulthandler
 import socket
 
 import pytest
@@ -19,6 +20,7 @@ pytestmark = [
 ]
 HIDDEN = 1024
 MAX_ROWS = 2048
+RANK_SECONDS = 150
 
 
 def _free_port() -> int:
@@ -30,6 +32,8 @@ def _free_port() -> int:
 def _rank(rank: int, port: int, failures: mp.Queue) -> None:
     from worker.parallel.group import join, leave
 
+    # A rank stuck in a collective prints where, and exits, before the test gives up on it.
+    faulthandler.dump_traceback_later(RANK_SECONDS, exit=True)
     world = join(rank, 2, port, "cuda")
     try:
         _check(rank, world.device)
@@ -79,7 +83,7 @@ def test_sums_equal_nccls_whatever_method_each_size_took() -> None:
     for p in procs:
         p.start()
     for p in procs:
-        p.join(240)
+        p.join(RANK_SECONDS + 30)
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.kill()
