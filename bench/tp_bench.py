@@ -30,7 +30,6 @@ from bench import gpu_bench
 from bench.gpu_bench import LLAMA_8B, TINY, Roofline, Row, log
 from bench.quant_bench import measure_fp8_gemm, roofline_of
 from worker.models.config import ModelConfig
-from worker.parallel.symmetric_all_reduce import ActivationAllReduce
 
 LLAMA_70B: dict[str, Any] = {
     **LLAMA_8B,
@@ -95,12 +94,6 @@ def _rank_setup(rank: int, args: argparse.Namespace) -> tuple[Any, Any, float, f
     if rank == 0:
         held = torch.cuda.memory_allocated(world.device) if device_type == "cuda" else 0
         log(f"rank shards made in {time.perf_counter() - t0:.1f} s; {held / 1e9:.1f} GB on rank 0's GPU")
-        summed = getattr(backend.ops, "activation_sum", None)
-        if isinstance(summed, ActivationAllReduce):
-            log(f"activation all-reduce: {summed.describe()}; slowest rank's us by rows "
-                f"{', '.join(str(r) for r in summed.rungs)}:")  # fmt: skip
-            for name, times in summed.timings.items():
-                log(f"  {name:>8}: " + " ".join(f"{t * 1e6:.1f}" for t in times))
     return world, backend, float(sums[0]), float(sums[1])
 
 

@@ -140,7 +140,7 @@ class TorchBackend:
                             kv_dtype=kv_dtype)
             if world is None or world.tensor_parallel_size == 1
             else ShardedTorchDecoderOps(ops_config, world.tensor, self.device, self.dtype, self.max_model_len,
-                                        max_num_tokens, quantize=quantize, kv_dtype=kv_dtype)
+                                        quantize=quantize, kv_dtype=kv_dtype)
         )  # fmt: skip
         if weights is None:
             weights = _weights_of(model, self.device, self.dtype)

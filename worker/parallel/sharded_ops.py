@@ -6,12 +6,11 @@ slices call for.
 A row-parallel projection's all-reduce is in `lora`, which the decoder calls after
 every `linear` whether or not the step runs an adapter: the rank's partial output and
 its adapter delta (from the rank's input columns) are summed across ranks in one
-all-reduce. On CUDA the activations' all-reduces take NCCL's or a symmetric-memory one,
-whichever was faster for the size when the ops were made (symmetric_all_reduce.py)."""
+all-reduce."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -26,25 +25,19 @@ from worker.models.llama import LinearRole
 from worker.models.lora import LoraAdapter
 from worker.parallel import layout
 from worker.parallel.group import TensorGroup
-from worker.parallel.symmetric_all_reduce import ActivationAllReduce
 
 
 class ShardedTorchDecoderOps(TorchDecoderOps):
     def __init__(
         self, config: ModelConfig, group: TensorGroup, device: torch.device, dtype: torch.dtype, max_model_len: int,
-        max_num_tokens: int, **kwargs: Any,
+        **kwargs: Any,
     ) -> None:
         """`config` is the whole model's; the inherited ops (KV pool, attention, rope)
         see the rank's heads (layout.local_config). `kwargs` go to TorchDecoderOps
-        (quantization, the KV cache's dtype): shards are cut from the float parts first.
-        Collective on CUDA: the group's ranks make their ops together (the all-reduce's
-        symmetric buffers hold `max_num_tokens` rows, the most one step sums)."""
+        (quantization, the KV cache's dtype): shards are cut from the float parts first."""
         super().__init__(layout.local_config(config, group.size), device, dtype, max_model_len, **kwargs)
         self.full_config = config
         self.group = group
-        self.activation_sum: Callable[[torch.Tensor], torch.Tensor] = group.all_reduce
-        if device.type == "cuda":
-            self.activation_sum = ActivationAllReduce(group.group, device, dtype, config.hidden_size, max_num_tokens)
         self.vocab_start, self.vocab_rows = layout.vocab_shard(config.vocab_size, group.rank, group.size)
         self._embed: torch.Tensor | None = None
 
@@ -83,13 +76,13 @@ class ShardedTorchDecoderOps(TorchDecoderOps):
         local = step.tokens.long() - self.vocab_start
         mine = (local >= 0) & (local < self.vocab_rows)
         rows = F.embedding(torch.where(mine, local, 0), table) * mine.unsqueeze(1).to(table.dtype)
-        return self.activation_sum(rows)
+        return self.group.all_reduce(rows)
 
     def lora(self, y: torch.Tensor, x: torch.Tensor, layer: int, role: LinearRole, step: StepInputs,
              logits_rows: bool) -> torch.Tensor:
         """The rank's delta added; a row-parallel projection's sum (base and delta) all-reduced."""
         y = super().lora(y, x, layer, role, step, logits_rows)
-        return self.activation_sum(y) if role in layout.ROW_PARALLEL else y
+        return self.group.all_reduce(y) if role in layout.ROW_PARALLEL else y
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Every rank's logits over its vocabulary range, gathered into [S, vocab]."""
