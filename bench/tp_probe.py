@@ -4,11 +4,7 @@ the four projections of one 70B layer's TP=2 shard at several row counts (the GE
 a step really gets, against the 8192^3 burst of the roofline), and a GEMM beside an
 all-reduce on two streams against the two one after the other (whether overlapping
 them on streams pays). Each figure is a call's share of replays of a CUDA graph of 20
-calls, so launches stay out of it. Last, one layer's four projections as tensor
-parallelism runs them today (GEMM, then an all-reduce after o and down) against the
-sequence-parallel form (torch's symmetric-memory all-gather fused into qkv and gate_up,
-reduce-scatter fused into o and down): those run eagerly (barriers between the ranks),
-timed over repeated calls."""
+calls, so launches stay out of it."""
 
 from __future__ import annotations
 
@@ -82,80 +78,10 @@ def _rank(rank: int, port: int) -> None:
         reduce = _us(partial(dist.all_reduce, y))
         lines.append(f"gate_up GEMM and all-reduce, {rows} rows: {gemm:.0f} + {reduce:.0f} us one after the other, "
                      f"{_us(side_by_side):.0f} us side by side")  # fmt: skip
-    lines += _sequence_parallel_lines(weights, device)
     if rank == 0:
         print("\n".join(lines), flush=True)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _eager_us(fn: Callable[[], object], calls: int = 20) -> float:
-    fn()
-    dist.barrier()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / calls
-
-
-def _sequence_parallel_lines(weights: dict[str, torch.Tensor], device: torch.device) -> list[str]:
-    import torch.distributed._symmetric_memory as symm_mem
-
-    group = dist.group.WORLD
-    assert group is not None
-    name = group.group_name
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):
-        symm_mem.enable_symm_mem_for_group(name)
-    w = {k: v.t() for k, v in weights.items()}  # [in, out]
-    return [_sequence_parallel_line(rows, w, name, device) for rows in (512, 2048, 8192)]
-
-
-def _sequence_parallel_line(rows: int, w: dict[str, torch.Tensor], name: str, device: torch.device) -> str:
-    ops = torch.ops.symm_mem
-    x = torch.randn(rows, H, device=device, dtype=torch.bfloat16)
-    mine = x.chunk(2)[dist.get_rank()].contiguous()
-    attn = torch.randn(rows, SHARD["o"][0], device=device, dtype=torch.bfloat16)
-    act = torch.randn(rows, SHARD["down"][0], device=device, dtype=torch.bfloat16)
-
-    def all_reduce_layer() -> None:
-        torch.matmul(x, w["qkv"])
-        dist.all_reduce(torch.matmul(attn, w["o"]))
-        torch.matmul(x, w["gate_up"])
-        dist.all_reduce(torch.matmul(act, w["down"]))
-
-    def fused_layer() -> None:
-        ops.fused_all_gather_matmul(mine, [w["qkv"]], 0, name)
-        ops.fused_matmul_reduce_scatter(attn, w["o"], "sum", 0, name)
-        ops.fused_all_gather_matmul(mine, [w["gate_up"]], 0, name)
-        ops.fused_matmul_reduce_scatter(act, w["down"], "sum", 0, name)
-
-    def plain_layer() -> None:  # the same collectives unfused: NCCL all-gather, reduce-scatter
-        gathered = torch.empty_like(x)
-        dist.all_gather_into_tensor(gathered, mine)
-        torch.matmul(gathered, w["qkv"])
-        dist.reduce_scatter_tensor(torch.empty_like(mine), torch.matmul(attn, w["o"]))
-        dist.all_gather_into_tensor(gathered, mine)
-        torch.matmul(gathered, w["gate_up"])
-        dist.reduce_scatter_tensor(torch.empty_like(mine), torch.matmul(act, w["down"]))
-
-    # The fused ops' results, against the unfused ones (a wrong sum would make the timing moot).
-    _, (fused_qkv,) = ops.fused_all_gather_matmul(mine, [w["qkv"]], 0, name)
-    fused_down = ops.fused_matmul_reduce_scatter(act, w["down"], "sum", 0, name)
-    summed = torch.matmul(act, w["down"])
-    dist.all_reduce(summed)
-    err = max((fused_qkv - torch.matmul(x, w["qkv"])).abs().max().item(),
-              (fused_down - summed.chunk(2)[dist.get_rank()]).abs().max().item())  # fmt: skip
-    times = {"GEMM + all-reduce": _eager_us(all_reduce_layer), "fused sequence-parallel": _eager_us(fused_layer),
-             "unfused sequence-parallel": _eager_us(plain_layer)}  # fmt: skip
-    return (
-        f"one 70B layer's projections at {rows} rows: "
-        + ", ".join(f"{k} {t:.0f} us" for k, t in times.items())
-        + f" (fused max |diff| {err:.3g})"
-    )
 
 
 def main() -> None:
