@@ -790,6 +790,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--direct", action="store_true", help="also drive the backend alone, without the executor")
     p.add_argument("--table-from", default="", help="print the table of a saved gpu_bench.json and exit")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="launch the Triton kernels without programmatic dependent launch (worker/backends/pdl.py)")
     p.add_argument("--profile", action="store_true",
                    help="per-step host time in the runs (prepare, launch, GPU wait; bench/host_timing.py), "
                         "then single backend steps and their kernel breakdown")  # fmt: skip
@@ -828,6 +830,10 @@ def main() -> None:
     from bench.run import format_table
 
     args = parser().parse_args()
+    if args.no_pdl:
+        from worker.backends import pdl
+
+        pdl.enabled = False
     if args.quantization and not over_ranks(args):
         from bench.quant_bench import run_quantized, table_rows
 

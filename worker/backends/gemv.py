@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from worker.backends import pdl
+
 try:
     import triton  # type: ignore[import-not-found,unused-ignore]
     import triton.language as tl  # type: ignore[import-not-found,unused-ignore]
@@ -28,12 +30,15 @@ except ImportError:  # the CPU host
 
 
 if triton is not None:
+    from worker.backends.pdl import wait as pdl_wait
 
     @triton.jit  # type: ignore[misc,unused-ignore]
     def _gemv_kernel(  # type: ignore[no-untyped-def]
         x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_w,
         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_wait(PDL)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         cols = tl.arange(0, BLOCK_K)
@@ -74,6 +79,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x.contiguous(), weight, weight if bias is None else bias, out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, ROUND=out.dtype != x.dtype,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3, PDL=pdl.on(x.device), **pdl.launch(x.device),
     )  # fmt: skip
     return out

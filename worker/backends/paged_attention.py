@@ -22,6 +22,8 @@ import math
 import numpy as np
 import torch
 
+from worker.backends import pdl
+
 try:
     import triton  # type: ignore[import-not-found,unused-ignore]
     import triton.language as tl  # type: ignore[import-not-found,unused-ignore]
@@ -54,6 +56,7 @@ def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
 
 
 if triton is not None:
+    from worker.backends.pdl import wait as pdl_wait
 
     @triton.jit
     def _paged_attention_kernel(  # type: ignore[no-untyped-def]
@@ -62,8 +65,9 @@ if triton is not None:
         stride_kh, stride_ot, stride_oh, stride_bt,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-        NUM_HEADS: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+        NUM_HEADS: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_wait(PDL)
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -142,7 +146,9 @@ if triton is not None:
     def _merge_splits_kernel(  # type: ignore[no-untyped-def]
         part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
         NUM_HEADS: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_wait(PDL)
         tok = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         offs_s = tl.arange(0, SPLITS)
@@ -211,12 +217,13 @@ def paged_attention_triton(
         USE_WINDOW=bool(sliding_window),
         # float32 caches (parity runs) get full-precision dots, not TF32.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_m <= 64 else 8, num_stages=2,
+        num_warps=4 if block_m <= 64 else 8, num_stages=2, PDL=pdl.on(q.device), **pdl.launch(q.device),
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
+            PDL=pdl.on(q.device), **pdl.launch(q.device),
         )  # fmt: skip
     return out
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from worker.backends import pdl
+
 try:
     import triton  # type: ignore[import-not-found,unused-ignore]
     import triton.language as tl  # type: ignore[import-not-found,unused-ignore]
@@ -85,12 +87,14 @@ def rope_and_cache_torch(
 
 
 if triton is not None:
+    from worker.backends.pdl import wait as pdl_wait
 
     @triton.jit
     def _add_rmsnorm_kernel(  # type: ignore[no-untyped-def]
         x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, stride_x, stride_r, stride_o,
-        HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         ok = offs < n_cols
@@ -107,8 +111,9 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_kernel(  # type: ignore[no-untyped-def]
-        gu_ptr, out_ptr, n_cols, stride_gu, stride_o, BLOCK: tl.constexpr
+        gu_ptr, out_ptr, n_cols, stride_gu, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr
     ):
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n_cols
@@ -121,8 +126,9 @@ if triton is not None:
     def _rope_cache_kernel(  # type: ignore[no-untyped-def]
         qkv_ptr, pos_ptr, cs_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_qkv, stride_cs,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-        HALF_P2: tl.constexpr, KV_FP8: tl.constexpr,
+        HALF_P2: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_wait(PDL)
         tok = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         half = HALF
@@ -170,7 +176,8 @@ def add_rmsnorm_triton(
     block = triton.next_power_of_2(n_cols)
     _add_rmsnorm_kernel[(n_rows,)](
         x, res, weight, out, n_cols, eps, x.stride(0), res.stride(0), out.stride(0),
-        HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)), PDL=pdl.on(x.device),
+        **pdl.launch(x.device),
     )  # fmt: skip
     return out
 
@@ -180,8 +187,9 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n_rows, n_cols), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](
-        gate_up, out, n_cols, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4
-    )
+        gate_up, out, n_cols, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4, PDL=pdl.on(out.device),
+        **pdl.launch(out.device),
+    )  # fmt: skip
     return out
 
 
@@ -201,5 +209,6 @@ def rope_and_cache_triton(
         qkv, positions, cos_sin, k_cache, v_cache, slots, qkv.stride(0), cos_sin.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
         HALF_P2=triton.next_power_of_2(head_dim // 2), KV_FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=1,
+        PDL=pdl.on(qkv.device), **pdl.launch(qkv.device),
     )  # fmt: skip
     return qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)
