@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (worker/backends/pdl.py) on a Hopper GPU: a batch-1
+"""Programmatic dependent launch (worker/backends/pdl.py, one-row steps) on a Hopper GPU: a batch-1
 chain of our kernels (add + RMSNorm, GEMV, SiLU * up, GEMV, eight layers deep) captured
 in a CUDA graph with PDL gives, over many replays with fresh inputs, bit for bit what
 the same chain gives launched plainly: a kernel that read its input before its
@@ -28,7 +28,7 @@ def _chain(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor, torc
 
 def test_a_graph_of_pdl_launches_equals_plain_launches() -> None:
     device = torch.device("cuda")
-    if not pdl.on(device):
+    if not pdl.options(device, 1)["PDL"]:
         pytest.skip("PDL needs compute capability 9.0 and Triton's gdc ops")
     gen = torch.Generator(device=device).manual_seed(0)
 

@@ -79,6 +79,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x.contiguous(), weight, weight if bias is None else bias, out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, ROUND=out.dtype != x.dtype,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3, PDL=pdl.on(x.device), **pdl.launch(x.device),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3, **pdl.options(x.device, 1),
     )  # fmt: skip
     return out

@@ -217,13 +217,13 @@ def paged_attention_triton(
         USE_WINDOW=bool(sliding_window),
         # float32 caches (parity runs) get full-precision dots, not TF32.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_m <= 64 else 8, num_stages=2, PDL=pdl.on(q.device), **pdl.launch(q.device),
+        num_warps=4 if block_m <= 64 else 8, num_stages=2, **pdl.options(q.device, num_tokens),
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
-            PDL=pdl.on(q.device), **pdl.launch(q.device),
+            **pdl.options(q.device, num_tokens),
         )  # fmt: skip
     return out
 

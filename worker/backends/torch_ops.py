@@ -176,8 +176,8 @@ def add_rmsnorm_triton(
     block = triton.next_power_of_2(n_cols)
     _add_rmsnorm_kernel[(n_rows,)](
         x, res, weight, out, n_cols, eps, x.stride(0), res.stride(0), out.stride(0),
-        HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)), PDL=pdl.on(x.device),
-        **pdl.launch(x.device),
+        HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        **pdl.options(x.device, n_rows),
     )  # fmt: skip
     return out
 
@@ -187,8 +187,8 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n_rows, n_cols), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](
-        gate_up, out, n_cols, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4, PDL=pdl.on(out.device),
-        **pdl.launch(out.device),
+        gate_up, out, n_cols, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+        **pdl.options(out.device, n_rows),
     )  # fmt: skip
     return out
 
@@ -209,6 +209,6 @@ def rope_and_cache_triton(
         qkv, positions, cos_sin, k_cache, v_cache, slots, qkv.stride(0), cos_sin.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
         HALF_P2=triton.next_power_of_2(head_dim // 2), KV_FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=1,
-        PDL=pdl.on(qkv.device), **pdl.launch(qkv.device),
+        **pdl.options(qkv.device, t),
     )  # fmt: skip
     return qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)
