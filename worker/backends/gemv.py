@@ -38,13 +38,17 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
     ):  # fmt: skip
-        pdl_wait(PDL)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         cols = tl.arange(0, BLOCK_K)
         rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        # The weights are no kernel's output: the first tile is read before the wait for the
+        # kernel before (PDL), so its latency overlaps that kernel's end.
+        w = tl.load(rows + cols[None, :], mask=n_ok[:, None] & (cols < K)[None, :], other=0.0)
+        pdl_wait(PDL)
+        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+        acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + cols
             if EVEN_K:
                 w = tl.load(rows + k[None, :], mask=n_ok[:, None], other=0.0)
