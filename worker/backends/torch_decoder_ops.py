@@ -3,7 +3,8 @@
 On CUDA: cuBLAS GEMMs (F.linear) over the fused projections, a Triton GEMV for one-row
 products (batch-1 decode, gemv.py), and Triton kernels for everything else: add + RMSNorm,
 SiLU * up, rotary embedding fused with the KV-cache write (torch_ops.py), and attention
-over the paged cache (paged_attention.py). On the CPU, or without Triton: their
+over the paged cache (paged_attention.py); in one-row steps these launch with
+programmatic dependent launch on Hopper (pdl.py). On the CPU, or without Triton: their
 plain-torch twins. Rotary angles come from one table of cos | sin rows indexed by
 position on the device.
 """

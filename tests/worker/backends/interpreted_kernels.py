@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.backends import torch_ops
+from worker.backends import gemv, torch_ops
 from worker.backends.paged_attention import PREFILL_BLOCK_Q, paged_attention_torch, paged_attention_triton, tile_map
 
 ATOL = 1e-5
@@ -30,6 +30,15 @@ def check_add_rmsnorm() -> None:
                                    torch_ops.add_rmsnorm_torch(x, r2, w, 1e-5), atol=ATOL, rtol=1e-5)  # fmt: skip
         if r1 is not None and r2 is not None:
             torch.testing.assert_close(r1, r2)
+
+
+def check_gemv() -> None:
+    """Whole tiles, a ragged last tile, and a row shorter than one tile (its first tile is
+    read apart from the loop); with a bias, and float32 out."""
+    for n, k in ((12, 1024), (9, 1300), (5, 300)):
+        x, w, b = torch.randn(1, k), torch.randn(n, k), torch.randn(n)
+        torch.testing.assert_close(gemv.gemv(x, w), x @ w.T, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(gemv.gemv(x, w, b, out_dtype=torch.float32), x @ w.T + b, atol=1e-4, rtol=1e-5)
 
 
 def check_silu_mul() -> None:
@@ -81,7 +90,8 @@ def check_paged_attention() -> None:
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-CHECKS: list[Callable[[], None]] = [check_add_rmsnorm, check_silu_mul, check_rope_and_cache, check_paged_attention]
+CHECKS: list[Callable[[], None]] = [check_add_rmsnorm, check_gemv, check_silu_mul, check_rope_and_cache,
+                                   check_paged_attention]
 
 
 def main() -> int:
