@@ -176,7 +176,9 @@ class Roofline:
         return requests * output / (prefill + decode)
 
 
-def roofline_for(cfg: Any, bandwidth: float, flops: float, dtype_bytes: int, stages: int = 1) -> Roofline:
+def roofline_for(cfg: Any, bandwidth: float, flops: float, dtype_bytes: int, stages: int = 1,
+                 kv_bytes: int | None = None) -> Roofline:  # fmt: skip
+    """`dtype_bytes` a weight, and a KV value unless `kv_bytes` says otherwise (an FP8 cache)."""
     h, d = cfg.hidden_size, cfg.head_dim
     per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
     matmul = cfg.num_layers * per_layer
@@ -187,7 +189,7 @@ def roofline_for(cfg: Any, bandwidth: float, flops: float, dtype_bytes: int, sta
         weight_bytes=(matmul + lm_head) * dtype_bytes,
         matmul_params=matmul,
         lm_head_params=lm_head,
-        kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * d * dtype_bytes,
+        kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * d * (kv_bytes or dtype_bytes),
         attn_flops_per_ctx=4 * cfg.num_layers * cfg.num_heads * d,
         stages=stages,
     )

@@ -105,10 +105,7 @@ def roofline_of(cfg: Any, quantization: str | None, dtype_bytes: int, bandwidth:
     quantized on load (a bf16 KV cache); an FP8 KV cache reads one byte a KV value."""
     kv_bytes = 1 if kv_cache_dtype == "fp8" else None
     if quantization is None:
-        roof = roofline_for(cfg, bandwidth, flops, dtype_bytes, stages)
-        if kv_bytes:
-            roof.kv_bytes_per_token = roof.kv_bytes_per_token // dtype_bytes * kv_bytes
-        return roof
+        return roofline_for(cfg, bandwidth, flops, dtype_bytes, stages, kv_bytes)
     return quantized_roofline(cfg, quantization, kv_bytes or 2, bandwidth, flops, stages)
 
 

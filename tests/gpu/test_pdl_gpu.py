@@ -26,7 +26,7 @@ def _chain(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor, torc
     return torch_ops.add_rmsnorm_triton(x, residual, weights[0][0], 1e-5)
 
 
-def test_a_graph_of_pdl_launches_equals_plain_launches() -> None:
+def test_a_graph_of_pdl_launches_equals_plain_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     device = torch.device("cuda")
     if not pdl.options(device, 1)["PDL"]:
         pytest.skip("PDL needs compute capability 9.0 and Triton's gdc ops")
@@ -38,11 +38,9 @@ def test_a_graph_of_pdl_launches_equals_plain_launches() -> None:
     weights = [(1 + randn(HIDDEN, scale=0.1), randn(2 * INTER, HIDDEN, scale=0.02), randn(HIDDEN, INTER, scale=0.02))
                for _ in range(LAYERS)]  # fmt: skip
     inputs = [randn(1, HIDDEN) for _ in range(50)]
-    pdl.enabled = False
-    try:
-        want = [_chain(x, weights) for x in inputs]
-    finally:
-        pdl.enabled = True
+    monkeypatch.setattr(pdl, "enabled", False)
+    want = [_chain(x, weights) for x in inputs]
+    monkeypatch.setattr(pdl, "enabled", True)
     static = inputs[0].clone()
     _chain(static, weights)  # compiles the PDL variants off the capture
     torch.cuda.synchronize()
