@@ -51,3 +51,19 @@ def test_float32_logits_keep_the_inputs_precision() -> None:
     # Summation order differs from cuBLAS: a value may land one bf16 step away.
     step = want.abs().clamp(min=1e-3) * 2**-7
     assert bool(((got - want).abs() <= step).all())
+
+
+@pytest.mark.parametrize(("n", "k"), [(14336, 4096), (1536, 576), (5, 100)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemv_swiglu_equals_gemv_then_silu_mul(n: int, k: int, dtype: torch.dtype) -> None:
+    """The gate_up projection with SwiGLU in its epilogue gives what the two launches it
+    replaces give, bit for bit: each row is summed alike and rounded to the dtype before
+    the activation, as the projection's output is."""
+    from worker.backends import torch_ops
+
+    g = torch.Generator(device=CUDA).manual_seed(n)
+    w = (torch.randn(2 * n, k, device=CUDA, generator=g) * 0.05).to(dtype)
+    x = torch.randn(1, k, device=CUDA, generator=g).to(dtype)
+    got = gemv.gemv_swiglu(x, w)
+    assert got.shape == (1, n) and got.dtype == dtype
+    assert torch.equal(got, torch_ops.silu_mul_triton(gemv.gemv(x, w)))

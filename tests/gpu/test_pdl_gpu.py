@@ -1,5 +1,6 @@
 """Programmatic dependent launch (worker/backends/pdl.py, one-row steps) on a Hopper GPU: a batch-1
-chain of our kernels (add + RMSNorm, GEMV, SiLU * up, GEMV, eight layers deep) captured
+chain of our kernels (add + RMSNorm, the gate_up GEMV with SwiGLU in it or apart, SiLU *
+up, the down GEMV, eight layers deep) captured
 in a CUDA graph with PDL gives, over many replays with fresh inputs, bit for bit what
 the same chain gives launched plainly: a kernel that read its input before its
 predecessor finished writing it would show here as a mismatch."""
@@ -20,9 +21,10 @@ HIDDEN, INTER, LAYERS = 2048, 5632, 8
 
 def _chain(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     residual = torch.zeros_like(x)
-    for norm, gate_up, down in weights:
+    for i, (norm, gate_up, down) in enumerate(weights):
         h = torch_ops.add_rmsnorm_triton(x, residual, norm, 1e-5)
-        x = gemv.gemv(torch_ops.silu_mul_triton(gemv.gemv(h, gate_up)), down)
+        act = torch_ops.silu_mul_triton(gemv.gemv(h, gate_up)) if i % 2 else gemv.gemv_swiglu(h, gate_up)
+        x = gemv.gemv(act, down)
     return torch_ops.add_rmsnorm_triton(x, residual, weights[0][0], 1e-5)
 
 

@@ -35,13 +35,18 @@ if triton is not None:
     @triton.jit  # type: ignore[misc,unused-ignore]
     def _gemv_kernel(  # type: ignore[no-untyped-def]
         x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_w,
-        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        PDL: tl.constexpr,
+        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ROUND: tl.constexpr, SWIGLU: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if SWIGLU:  # the tile's rows: gate row n, up row n (N further down), for BLOCK_N / 2 n
+            offs_n = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+            weight_rows = offs_n + (tl.arange(0, BLOCK_N) % 2) * N
+        else:
+            offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+            weight_rows = offs_n
         n_ok = offs_n < N
         cols = tl.arange(0, BLOCK_K)
-        rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
+        rows = w_ptr + weight_rows[:, None].to(tl.int64) * stride_w
         # The weights are no kernel's output: the first tile is read before the wait for the
         # kernel before (PDL), so its latency overlaps that kernel's end.
         w = tl.load(rows + cols[None, :], mask=n_ok[:, None] & (cols < K)[None, :], other=0.0)
@@ -58,6 +63,12 @@ if triton is not None:
                 x = tl.load(x_ptr + k, mask=k < K, other=0.0)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         total = tl.sum(acc, axis=1)
+        if SWIGLU:  # rounded to x's dtype first, as the projection's output is before silu_mul reads it
+            gate, up = tl.split(tl.reshape(total.to(x_ptr.dtype.element_ty).to(tl.float32), (BLOCK_N // 2, 2)))
+            offs_out = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            y = gate / (1.0 + tl.exp(-gate)) * up
+            tl.store(out_ptr + offs_out, y.to(out_ptr.dtype.element_ty), mask=offs_out < N)
+            return
         if HAS_BIAS:
             total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         if ROUND:  # float32 out with x's precision, as F.linear(...).float() gives it
@@ -82,7 +93,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x.contiguous(), weight, weight if bias is None else bias, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, ROUND=out.dtype != x.dtype,
+        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, ROUND=out.dtype != x.dtype, SWIGLU=False,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3, **pdl.options(x.device, 1),
+    )  # fmt: skip
+    return out
+
+
+def gemv_swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """x [1, K] and the fused gate | up weight [2 N, K] -> silu(x @ gate^T) * (x @ up^T)
+    [1, N] in x's dtype: the projection and SwiGLU in one launch, the same values as
+    gemv then silu_mul. A program's rows are gate and up rows in pairs, summed as gemv sums
+    a row, and rounded to x's dtype before the activation."""
+    two_n, k = gate_up.shape
+    block_n, block_k, warps = _plan(two_n, k)
+    out = torch.empty((1, two_n // 2), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(two_n, block_n),)](
+        x.contiguous(), gate_up, gate_up, out, two_n // 2, k, gate_up.stride(0), HAS_BIAS=False,
+        EVEN_K=k % block_k == 0, ROUND=False, SWIGLU=True, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        num_stages=3, **pdl.options(x.device, 1),
     )  # fmt: skip
     return out

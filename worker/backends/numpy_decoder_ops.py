@@ -156,7 +156,9 @@ class NumpyDecoderOps:
         out = paged_attention_numpy(q, self.k_cache[layer], self.v_cache[layer], step.attention, window, self.scale)
         return out.reshape(q.shape[0], -1)
 
-    def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
+    def swiglu(self, x: np.ndarray, weight: NumpyLinear, layer: int, step: NumpyStep,
+               logits_rows: bool) -> np.ndarray:  # fmt: skip
+        gate_up = self.lora(self.linear(x, weight), x, layer, "gate_up", step, logits_rows)
         n = gate_up.shape[1] // 2
         gate, up = gate_up[:, :n], gate_up[:, n:]
         act = np.exp(-gate)  # silu(g) = g / (1 + exp(-g)), then * up, in one buffer

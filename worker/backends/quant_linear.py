@@ -11,12 +11,13 @@ float weights on the device, and the GEMMs `linear` runs on them.
   checkpoint's integer zeros and on load's float ones alike. Groups are a multiple of 16
   inputs. Triton kernels dequantize in registers and accumulate in float32. Batch 1
   (decode at low load, bound by reading the weights once) has a GEMV kernel of its own:
-  each word is loaded once and its eight nibbles unpacked in registers, with no 16-row MMA
-  padding, and the input dimension is split over programs so that every SM streams
-  weights; the last program of a column tile sums the splits, so a call is one launch. Its
-  tiles of 128 inputs hold whole groups when they are smaller (on load's 32: four), each
-  summed and scaled apart, so small groups keep the long loads. Larger batches take the
-  tiled kernel (16-128 row tiles, tl.dot over 64 inputs, or the group when smaller).
+  each word is loaded once and its eight nibbles unpacked in registers (one LOP3 and one
+  FFMA a weight, `_int4_tile_dot`), with no 16-row MMA padding, and the input dimension is
+  split over programs so that every SM streams weights; the last program of a column tile
+  sums the splits, so a call is one launch. Its tiles of 64 inputs hold whole groups when
+  they are smaller (on load's 32: two), each summed and scaled apart, so small groups keep
+  the long loads. Larger batches take the tiled kernel (16-128 row tiles, tl.dot over 64
+  inputs, or the group when smaller).
 
 On the CPU the backend does not come here: it computes with the dequantized reference.
 """
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from worker.backends import pdl
 from worker.models.quantization import FP8_MAX, INT4_GROUP_SIZE, Fp8Weight, Int4Weight, QuantizedWeight
 
 try:
@@ -78,7 +80,7 @@ class Int4Linear:
         return out if self.bias is None else out + self.bias
 
 
-GEMV_BLOCK_N = 256
+GEMV_BLOCK_N = 512
 
 
 def int4_linear(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int,
@@ -261,47 +263,95 @@ if triton is not None:
                 q -= tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0)[None, :]
             w = (q * s[None, :]).to(x.dtype)
             acc += tl.dot(x, w)
-        out = out_ptr + offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
-        if SPLIT_K == 1:
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-        else:
-            tl.atomic_add(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+        # Split K: each split's partial sums go to a plane of their own, added up in a fixed
+        # order afterwards, so that a product (and a greedy run over it) is reproducible.
+        plane = out_ptr + pid_k.to(tl.int64) * M * stride_out
+        out = plane + offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 if triton is not None:
+    from worker.backends.pdl import wait as pdl_wait
+
+    @triton.jit  # type: ignore[misc,unused-ignore]
+    def _nibble(src, mask: tl.constexpr, exponent: tl.constexpr):  # type: ignore[no-untyped-def]
+        """The nibble of `src` under `mask` as the low bits of a float's mantissa: with the
+        exponent bits chosen, 2048 + n (mask 0xF000) or 128 + n (mask 0xF0000), exactly."""
+        return ((src & mask) | exponent).to(tl.float32, bitcast=True)
+
+    @triton.jit  # type: ignore[misc,unused-ignore]
+    def _int4_tile_dot(  # type: ignore[no-untyped-def]
+        words, x_ptr, k0, s_ptr, z_ptr, offs_n, n_ok, N, group_size,
+        HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GROUPS: tl.constexpr,
+    ):  # fmt: skip
+        """One tile: x[k0 : k0 + 8 BLOCK_KW] . dequantized W[that, offs_n] -> [BLOCK_N] float32.
+
+        A weight costs one LOP3 and one FFMA: its nibble is masked in place into the
+        mantissa of a float whose exponent makes it 2048 + n or 128 + n (bits 12-15 or
+        16-19), and x times that is accumulated; the offsets (x * (2048 + 8) or x * (128 + 8),
+        the +8 being the storage bias) are summed per row, once for all columns, and taken
+        off per group. Each word is shifted three times to bring its eight nibbles, two at a
+        time, under the two masks. Unpacking with shifts and int-to-float conversions took
+        about three times the instructions and left the kernel issue-bound."""
+        rows = tl.arange(0, BLOCK_KW)  # word rows: inputs 8r .. 8r + 7
+        xp = x_ptr + k0 + rows * 8
+        u = words.to(tl.uint32, bitcast=True)
+        lo, hi = u << 8, u >> 8
+        rot = (u << 16) | (u >> 16)
+        x0, x1 = tl.load(xp).to(tl.float32), tl.load(xp + 1).to(tl.float32)
+        x2, x3 = tl.load(xp + 2).to(tl.float32), tl.load(xp + 3).to(tl.float32)
+        x4, x5 = tl.load(xp + 4).to(tl.float32), tl.load(xp + 5).to(tl.float32)
+        x6, x7 = tl.load(xp + 6).to(tl.float32), tl.load(xp + 7).to(tl.float32)
+        # nibble j of a word: 3, 4 in place; 1, 2 after << 8; 5, 6 after >> 8; 7, 0 rotated
+        per_row = _nibble(u, 0xF000, 0x45000000) * x3[:, None]
+        per_row += _nibble(u, 0xF0000, 0x43000000) * x4[:, None]
+        per_row += _nibble(lo, 0xF000, 0x45000000) * x1[:, None]
+        per_row += _nibble(lo, 0xF0000, 0x43000000) * x2[:, None]
+        per_row += _nibble(hi, 0xF000, 0x45000000) * x5[:, None]
+        per_row += _nibble(hi, 0xF0000, 0x43000000) * x6[:, None]
+        per_row += _nibble(rot, 0xF000, 0x45000000) * x7[:, None]
+        per_row += _nibble(rot, 0xF0000, 0x43000000) * x0[:, None]
+        odd, even = x1 + x3 + x5 + x7, x0 + x2 + x4 + x6
+        offset = odd * 2056.0 + even * 136.0  # [KW]: sum of x (2048 + 8) and x (128 + 8)
+        if GROUPS == 1:  # BLOCK_KW * 8 divides the group size: one group per tile
+            part = tl.sum(per_row, axis=0) - tl.sum(offset, axis=0)
+            g = k0 // group_size
+            if HAS_ZERO:  # sum x (q - z) = sum x q - z sum x
+                part -= tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0) * tl.sum(odd + even, axis=0)
+            return part * tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0)
+        # GROUPS whole groups per tile: sum each group's rows, then scale it
+        part = tl.sum(tl.reshape(per_row, (GROUPS, BLOCK_KW // GROUPS, BLOCK_N)), axis=1)  # [G, N]
+        part -= tl.sum(tl.reshape(offset, (GROUPS, BLOCK_KW // GROUPS)), axis=1)[:, None]
+        at = (k0 // group_size + tl.arange(0, GROUPS))[:, None] * N + offs_n[None, :]
+        if HAS_ZERO:
+            x_sums = tl.sum(tl.reshape(odd + even, (GROUPS, BLOCK_KW // GROUPS)), axis=1)  # [G]
+            part -= tl.load(z_ptr + at, mask=n_ok[None, :], other=0.0) * x_sums[:, None]
+        return tl.sum(part * tl.load(s_ptr + at, mask=n_ok[None, :], other=0.0), axis=0)
 
     @triton.jit  # type: ignore[misc,unused-ignore]
     def _w4a16_gemv_kernel(  # type: ignore[no-untyped-def]
         x_ptr, w_ptr, s_ptr, z_ptr, sums_ptr, counts_ptr, out_ptr, N, K, group_size,
         HAS_ZERO: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-        GROUPS: tl.constexpr,
+        GROUPS: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        rows = tl.arange(0, BLOCK_KW)  # word rows: inputs 8r .. 8r + 7
-        nibble = tl.arange(0, 8)
+        rows = tl.arange(0, BLOCK_KW)
         k_span = K // SPLIT_K
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(pid_k * k_span, (pid_k + 1) * k_span, BLOCK_KW * 8):
+        k_start = pid_k * k_span
+        # The weights are no kernel's output: the first tile is read before the wait for the
+        # kernel before (PDL), so its latency overlaps that kernel's end.
+        words = tl.load(w_ptr + (k_start // 8 + rows)[:, None].to(tl.int64) * N + offs_n[None, :],
+                        mask=n_ok[None, :], other=0)  # fmt: skip
+        pdl_wait(PDL)
+        acc = _int4_tile_dot(words, x_ptr, k_start, s_ptr, z_ptr, offs_n, n_ok, N, group_size, HAS_ZERO, BLOCK_N,
+                             BLOCK_KW, GROUPS)  # fmt: skip
+        for k0 in range(k_start + BLOCK_KW * 8, k_start + k_span, BLOCK_KW * 8):
             words = tl.load(w_ptr + (k0 // 8 + rows)[:, None].to(tl.int64) * N + offs_n[None, :], mask=n_ok[None, :],
                             other=0)  # fmt: skip
-            x = tl.load(x_ptr + k0 + rows[:, None] * 8 + nibble[None, :]).to(tl.float32)  # [KW, 8]
-            q = ((words[:, None, :] >> (nibble[None, :, None] * 4)) & 0xF).to(tl.float32) - 8.0  # [KW, 8, N]
-            if GROUPS == 1:  # BLOCK_KW * 8 divides the group size: one group per tile
-                part = tl.sum(tl.sum(q * x[:, :, None], axis=1), axis=0)
-                g = k0 // group_size
-                if HAS_ZERO:  # sum x (q - z) = sum x q - z sum x
-                    part -= tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0) * tl.sum(tl.sum(x, axis=1), axis=0)
-                acc += part * tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0)
-            else:  # GROUPS whole groups per tile: sum each group's rows, then scale it
-                per_row = tl.sum(q * x[:, :, None], axis=1)  # [KW, N]
-                part = tl.sum(tl.reshape(per_row, (GROUPS, BLOCK_KW // GROUPS, BLOCK_N)), axis=1)  # [G, N]
-                at = (k0 // group_size + tl.arange(0, GROUPS))[:, None] * N + offs_n[None, :]
-                if HAS_ZERO:
-                    x_sums = tl.sum(tl.reshape(tl.sum(x, axis=1), (GROUPS, BLOCK_KW // GROUPS)), axis=1)  # [G]
-                    part -= tl.load(z_ptr + at, mask=n_ok[None, :], other=0.0) * x_sums[:, None]
-                acc += tl.sum(part * tl.load(s_ptr + at, mask=n_ok[None, :], other=0.0), axis=0)
+            acc += _int4_tile_dot(words, x_ptr, k0, s_ptr, z_ptr, offs_n, n_ok, N, group_size, HAS_ZERO, BLOCK_N,
+                                  BLOCK_KW, GROUPS)  # fmt: skip
         if SPLIT_K == 1:
             tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
         else:
@@ -318,10 +368,11 @@ if triton is not None:
 
 def _gemv_split(n: int, k: int, group_size: int, num_sms: int) -> tuple[int, int, int]:
     """(SPLIT_K, BLOCK_KW, GROUPS) for a batch-1 product: enough programs for four per SM,
-    each walking whole tiles of BLOCK_KW words, 16 where the layer allows (from a sweep on
-    the H100 over the 8B projections). A tile lies inside one group, or holds GROUPS whole
-    ones (groups of 32 or 64: four or two per tile of 128 inputs)."""
-    block_kw = next(kw for kw in (16, 8, 4, 2, 1)
+    each walking whole tiles of BLOCK_KW words, 8 where the layer allows, over 512 outputs
+    (from a sweep on the H100 over the 8B projections, bench/results/int4_gemv_sweep_h100_
+    2026-11-27.txt). A tile lies inside one group, or holds GROUPS whole ones (groups of 32:
+    two per tile of 64 inputs)."""
+    block_kw = next(kw for kw in (8, 4, 2, 1)
                     if k % (kw * 8) == 0 and (group_size % (kw * 8) == 0 or (kw * 8) % group_size == 0))  # fmt: skip
     tiles = -(-n // GEMV_BLOCK_N)
     split = 1
@@ -342,7 +393,7 @@ def w4a16_gemv(x: torch.Tensor, w: Int4Linear) -> torch.Tensor:
     _w4a16_gemv_kernel[grid](
         x.contiguous(), w.qweight, w.scale, w.scale if w.zero is None else w.zero, w.split_sums, w.split_counts, out,
         n, k, w.group_size, HAS_ZERO=w.zero is not None, SPLIT_K=split, BLOCK_N=GEMV_BLOCK_N, BLOCK_KW=block_kw,
-        GROUPS=groups, num_warps=4, num_stages=3,
+        GROUPS=groups, num_warps=4, num_stages=3, **pdl.options(x.device, 1),
     )  # fmt: skip
     return out
 
@@ -377,17 +428,14 @@ def w4a16_matmul(
     if dev not in _NUM_SMS:
         _NUM_SMS[dev] = torch.cuda.get_device_properties(x.device).multi_processor_count
     block_m, block_n, block_k, split, warps = _w4a16_plan(m, n, k, group_size, _NUM_SMS[dev])
-    if split == 1:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    else:
-        out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    out = torch.empty((split, m, n), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
     _w4a16_kernel[grid](
-        x, qweight, scale, scale if zero is None else zero, out, m, n, k, x.stride(0), out.stride(0), group_size,
+        x, qweight, scale, scale if zero is None else zero, out, m, n, k, x.stride(0), n, group_size,
         HAS_ZERO=zero is not None, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=3,
     )  # fmt: skip
-    return out if split == 1 else out.to(x.dtype)
+    return out[0] if split == 1 else out.sum(0).to(x.dtype)
 
 
 def dequantize_int4(w: Int4Linear) -> torch.Tensor:

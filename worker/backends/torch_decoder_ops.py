@@ -1,11 +1,11 @@
 """The decoder's ops (worker.models.llama.DecoderOps) in torch, and the KV pool.
 
 On CUDA: cuBLAS GEMMs (F.linear) over the fused projections, a Triton GEMV for one-row
-products (batch-1 decode, gemv.py), and Triton kernels for everything else: add + RMSNorm,
-SiLU * up, rotary embedding fused with the KV-cache write (torch_ops.py), and attention
-over the paged cache (paged_attention.py); in one-row steps these launch with
-programmatic dependent launch on Hopper (pdl.py). On the CPU, or without Triton: their
-plain-torch twins. Rotary angles come from one table of cos | sin rows indexed by
+products (batch-1 decode, gemv.py; gate_up's with SwiGLU in the same launch), and Triton
+kernels for everything else: add + RMSNorm, SiLU * up, rotary embedding fused with the
+KV-cache write (torch_ops.py), and attention over the paged cache (paged_attention.py);
+in one-row steps these launch with programmatic dependent launch on Hopper (pdl.py). On
+the CPU, or without Triton: their plain-torch twins. Rotary angles come from one table of cos | sin rows indexed by
 position on the device.
 """
 
@@ -209,8 +209,13 @@ class TorchDecoderOps:
             )  # fmt: skip
         return out.view(q.shape[0], -1)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self._silu_mul(gate_up)
+    def swiglu(self, x: torch.Tensor, weight: TorchLinear | quant_linear.QuantLinear, layer: int, step: StepInputs,
+               logits_rows: bool) -> torch.Tensor:  # fmt: skip
+        slots = step.lora_logits_slots if logits_rows else step.lora_slots
+        if (isinstance(weight, TorchLinear) and weight.bias is None and slots is None
+                and self._one_row(x, weight.weight)):  # fmt: skip
+            return gemv.gemv_swiglu(x, weight.weight)  # one launch, no gate_up activations
+        return self._silu_mul(self.lora(self.linear(x, weight), x, layer, "gate_up", step, logits_rows))
 
     def logits_rows(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         return x if step.logits_indices is None else x[step.logits_indices]

@@ -9,7 +9,7 @@ torch_decoder_ops.py in worker/backends are the two implementations.
         q = rope_and_cache(proj(h, qkv), layer)                  # the new K and V go to the pool
         attn = attention(q, layer, window)                       # [T, heads * head_dim]
         h, residual = add_rms_norm(proj(attn, o), residual, post_norm)
-        x = proj(silu_mul(proj(h, gate_up)), down)
+        x = proj(swiglu(h, gate_up), down)                       # swiglu = silu_mul(proj(h, gate_up))
     where proj(x, w) = lora(linear(x, w), x): each token's LoRA adapter, if any, adds its delta
     h, _ = add_rms_norm(x, residual, final_norm)
     logits = lm_head(h)                                          # [S, vocab] float32
@@ -102,8 +102,10 @@ class DecoderOps(Protocol[T, L, S_contra]):
         """Causal attention of each token to its own sequence's cached keys (only the
         last `window` positions when set): [T, heads * head_dim]."""
 
-    def silu_mul(self, gate_up: T) -> T:
-        """[N, 2 * intermediate] -> silu(gate) * up [N, intermediate]."""
+    def swiglu(self, x: T, weight: L, layer: int, step: S_contra, logits_rows: bool) -> T:
+        """x [N, hidden] -> silu(gate) * up [N, intermediate] of the gate_up projection
+        with its LoRA delta, lora(linear(x, weight), x, layer, "gate_up", ...): one op, so
+        that a backend may fuse the projection with the activation."""
 
     def logits_rows(self, x: T, step: S_contra) -> T:
         """The rows of x whose logits the step wants, in order."""
@@ -220,7 +222,7 @@ def forward(model: DecoderWeights[T, L], ops: DecoderOps[T, L, S], step: S, link
             rows = True
         o = ops.lora(ops.linear(attn, layer.o), attn, i, "o", step, rows)
         h, residual = ops.add_rms_norm(o, residual, layer.post_norm, eps)
-        act = ops.silu_mul(ops.lora(ops.linear(h, layer.gate_up), h, i, "gate_up", step, rows))
+        act = ops.swiglu(h, layer.gate_up, i, step, rows)
         x = ops.lora(ops.linear(act, layer.down), act, i, "down", step, rows)
     if model.lm_head is None:
         assert link is not None and residual is not None

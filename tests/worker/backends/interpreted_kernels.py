@@ -41,6 +41,14 @@ def check_gemv() -> None:
         torch.testing.assert_close(gemv.gemv(x, w, b, out_dtype=torch.float32), x @ w.T + b, atol=1e-4, rtol=1e-5)
 
 
+def check_gemv_swiglu() -> None:
+    """The gate_up GEMV with SwiGLU in its epilogue against gemv then silu_mul: whole tiles,
+    a ragged last tile, rows shorter than a tile, a row count no multiple of the block."""
+    for n, k in ((8, 1024), (6, 1300), (3, 300)):
+        x, w = torch.randn(1, k), torch.randn(2 * n, k)
+        torch.testing.assert_close(gemv.gemv_swiglu(x, w), torch_ops.silu_mul_torch(x @ w.T), atol=1e-4, rtol=1e-5)
+
+
 def check_silu_mul() -> None:
     gu = torch.randn(5, 2 * 384)
     torch.testing.assert_close(torch_ops.silu_mul_triton(gu), torch_ops.silu_mul_torch(gu), atol=ATOL, rtol=1e-5)
@@ -90,8 +98,8 @@ def check_paged_attention() -> None:
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-CHECKS: list[Callable[[], None]] = [check_add_rmsnorm, check_gemv, check_silu_mul, check_rope_and_cache,
-                                   check_paged_attention]
+CHECKS: list[Callable[[], None]] = [check_add_rmsnorm, check_gemv, check_gemv_swiglu, check_silu_mul,
+                                   check_rope_and_cache, check_paged_attention]
 
 
 def main() -> int:
