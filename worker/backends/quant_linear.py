@@ -291,8 +291,11 @@ if triton is not None:
         16-19), and x times that is accumulated; the offsets (x * (2048 + 8) or x * (128 + 8),
         the +8 being the storage bias) are summed per row, once for all columns, and taken
         off per group. Each word is shifted three times to bring its eight nibbles, two at a
-        time, under the two masks. Unpacking with shifts and int-to-float conversions took
-        about three times the instructions and left the kernel issue-bound."""
+        time, under the two masks. The offsets cost precision: a product's rounding is
+        2^-24 of x * 2048, about 1e-4 of a group's sum, well inside bf16's 4e-3. Unpacking with
+        variable shifts and int-to-float conversions took 6.2-6.6 SASS instructions a weight in
+        the loop against 4.5-5.1 here (ptxas, sm_90), and the 8B's four batch-1 projections
+        89 us against 73 on the H100 (bench/results/int4_gemv_sweep_h100_2026-11-27.txt)."""
         rows = tl.arange(0, BLOCK_KW)  # word rows: inputs 8r .. 8r + 7
         xp = x_ptr + k0 + rows * 8
         u = words.to(tl.uint32, bitcast=True)
