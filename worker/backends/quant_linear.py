@@ -14,7 +14,8 @@ float weights on the device, and the GEMMs `linear` runs on them.
   each word is loaded once and its eight nibbles unpacked in registers (one LOP3 and one
   FFMA a weight, `_int4_tile_dot`), with no 16-row MMA padding, and the input dimension is
   split over programs so that every SM streams weights; the last program of a column tile
-  sums the splits, so a call is one launch. Its tiles of 64 inputs hold whole groups when
+  adds up the splits' partial sums in split order (reproducible, and no atomic adds, whose
+  reader raced their writers before), so a call is one launch. Its tiles of 64 inputs hold whole groups when
   they are smaller (on load's 32: two), each summed and scaled apart, so small groups keep
   the long loads. Larger batches take the tiled kernel (16-128 row tiles, tl.dot over 64
   inputs, or the group when smaller).
@@ -67,9 +68,10 @@ class Int4Linear:
     zero: torch.Tensor | None  # float32 [in // group_size, out]; None: symmetric
     group_size: int
     bias: torch.Tensor | None  # [out], compute dtype
-    # The batch-1 kernel's split-K sums and per-tile counters, zero between calls; one
-    # per layer, so layers never share them (each is allocated outside graph capture).
-    split_sums: torch.Tensor  # float32 [out]
+    # The batch-1 kernel's split-K partial sums and per-tile counters (zero between calls);
+    # one set per layer, so layers never share them (each is allocated outside graph capture):
+    # 0.5-1.8 MB a projection at the 8B's shapes.
+    split_sums: torch.Tensor  # float32 [SPLIT_K, out]
     split_counts: torch.Tensor  # int32 [ceil(out / GEMV_BLOCK_N)]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,7 +90,8 @@ def int4_linear(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor |
     if group_size % 16:  # the tiled kernel's tl.dot takes tiles of 16 inputs or more, inside a group
         raise ValueError(f"the W4A16 kernels take int4 groups of a multiple of 16 inputs, got {group_size}")
     out = qweight.shape[1]
-    sums = torch.zeros(out, dtype=torch.float32, device=qweight.device)
+    split, _, _ = _gemv_split(out, qweight.shape[0] * 8, group_size, _num_sms(qweight.device))
+    sums = torch.zeros((split, out), dtype=torch.float32, device=qweight.device)
     counts = torch.zeros(-(-out // GEMV_BLOCK_N), dtype=torch.int32, device=qweight.device)
     return Int4Linear(qweight, scale, zero, group_size, bias, sums, counts)
 
@@ -358,13 +361,15 @@ if triton is not None:
         if SPLIT_K == 1:
             tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
         else:
-            tl.atomic_add(sums_ptr + offs_n, acc, mask=n_ok)
-            # The tile's last program to finish takes the sums (leaving zeros for the next
-            # call) and writes the output: no memset or cast launch around the kernel.
+            # Each split's partial sums to a row of their own; the tile's last program to
+            # finish adds them up in split order (reproducible, no atomic adds) and writes the
+            # output: one launch, no memset or cast around it.
+            tl.store(sums_ptr + pid_k * N + offs_n, acc, mask=n_ok)
+            tl.debug_barrier()  # every thread's partials are written before the count (acq_rel) goes up
             if tl.atomic_add(counts_ptr + pid_n, 1) == SPLIT_K - 1:
-                zeros = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                total = tl.atomic_add(sums_ptr + offs_n, zeros, mask=n_ok)  # a coherent read of the sums
-                tl.store(sums_ptr + offs_n, zeros, mask=n_ok)
+                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for other in tl.static_range(SPLIT_K):  # .cg: the other programs' rows, from L2
+                    total += tl.load(sums_ptr + other * N + offs_n, mask=n_ok, other=0.0, cache_modifier=".cg")
                 tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
                 tl.store(counts_ptr + pid_n, 0)
 
@@ -387,10 +392,9 @@ def _gemv_split(n: int, k: int, group_size: int, num_sms: int) -> tuple[int, int
 def w4a16_gemv(x: torch.Tensor, w: Int4Linear) -> torch.Tensor:
     """x [1, K] @ dequantized W [K, N] -> [1, N] in x's dtype, one launch."""
     k, n = x.shape[1], w.qweight.shape[1]
-    dev = x.device.index or 0
-    if dev not in _NUM_SMS:
-        _NUM_SMS[dev] = torch.cuda.get_device_properties(x.device).multi_processor_count
-    split, block_kw, groups = _gemv_split(n, k, w.group_size, _NUM_SMS[dev])
+    split, block_kw, groups = _gemv_split(n, k, w.group_size, _num_sms(x.device))
+    if split > w.split_sums.shape[0]:
+        raise ValueError(f"the W4A16 GEMV splits K {split} ways; its layer holds {w.split_sums.shape[0]} rows")
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     grid = (-(-n // GEMV_BLOCK_N), split)
     _w4a16_gemv_kernel[grid](
@@ -421,16 +425,24 @@ def _w4a16_plan(m: int, n: int, k: int, group_size: int, num_sms: int) -> tuple[
 _NUM_SMS: dict[int, int] = {}
 
 
+def _num_sms(device: torch.device) -> int:
+    """The CUDA device's SM count; on the CPU (Triton's interpreter, in tests) what the test
+    set as _NUM_SMS[0], else 1."""
+    dev = device.index or 0
+    if device.type != "cuda":
+        return _NUM_SMS.get(dev, 1)
+    if dev not in _NUM_SMS:
+        _NUM_SMS[dev] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _NUM_SMS[dev]
+
+
 def w4a16_matmul(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16) @ dequantized W [K, N] -> [M, N] in x's dtype."""
     m, k = x.shape
     n = qweight.shape[1]
-    dev = x.device.index or 0
-    if dev not in _NUM_SMS:
-        _NUM_SMS[dev] = torch.cuda.get_device_properties(x.device).multi_processor_count
-    block_m, block_n, block_k, split, warps = _w4a16_plan(m, n, k, group_size, _NUM_SMS[dev])
+    block_m, block_n, block_k, split, warps = _w4a16_plan(m, n, k, group_size, _num_sms(x.device))
     out = torch.empty((split, m, n), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
     _w4a16_kernel[grid](
