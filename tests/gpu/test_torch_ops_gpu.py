@@ -48,3 +48,21 @@ def test_rope_and_cache() -> None:
     check_close(q1, q2)
     check_close(caches[0], caches[2])
     assert torch.equal(caches[1], caches[3])  # V is copied, not computed
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 128256), (4, 49152), (300, 32000)])
+def test_argmax_logsumexp_equals_torch(rows: int, vocab: int) -> None:
+    """The sampler's one-pass argmax and log-sum-exp (worker.backends.logits_argmax) against
+    torch.argmax and torch.logsumexp, ties across chunks and a row of -inf included, and
+    the same answer on a second call (the counts are left at zero)."""
+    from worker.backends import logits_argmax
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, vocab, device="cuda", generator=g) * 3
+    x[0, vocab - 5] = x[0, 7] = 50.0
+    x[-1] = float("-inf")
+    ids, lse = logits_argmax.argmax_logsumexp(x)
+    assert torch.equal(ids, x.argmax(dim=-1))
+    torch.testing.assert_close(lse, torch.logsumexp(x, dim=-1), rtol=1e-5, atol=1e-5)
+    again = logits_argmax.argmax_logsumexp(x)
+    assert torch.equal(again[0], ids) and torch.equal(again[1], lse)

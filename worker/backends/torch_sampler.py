@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from worker.backends import logits_argmax
 from worker.backends.base import SamplingBatch
 from worker.backends.memory_plan import SAMPLE_CHUNK_ROWS
 
@@ -93,7 +94,11 @@ def sample_all(
     """As sample_tokens, plus the top-N tokens and log probs when sampling.top_n asks."""
     device = logits.device
     logits = process_logits(logits, sampling)
-    chosen = logits.argmax(dim=-1)
+    one_pass = logits.is_cuda and logits_argmax.triton is not None and logits.dtype == torch.float32
+    if one_pass and logits.stride(1) == 1:
+        chosen, lse = logits_argmax.argmax_logsumexp(logits)
+    else:
+        chosen, lse = logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1)
     if not sampling.all_greedy:
         sampled = np.flatnonzero(sampling.temperature > 0)
         # A few rows at a time: the float64 workspace per row is ~48 bytes per logit
@@ -102,7 +107,7 @@ def sample_all(
             rows = sampled[start : start + SAMPLE_CHUNK_ROWS]
             on_device = _to(device, rows, torch.int64)
             chosen[on_device] = _sample_rows(logits[on_device], sampling, rows)
-    log_probs = logits.gather(1, chosen[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    log_probs = logits.gather(1, chosen[:, None])[:, 0] - lse
     return chosen, log_probs, (top_n(logits, sampling.top_n) if sampling.top_n else None)
 
 

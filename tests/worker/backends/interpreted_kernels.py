@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.backends import gemv, torch_ops
+from worker.backends import gemv, logits_argmax, torch_ops
 from worker.backends.paged_attention import PREFILL_BLOCK_Q, paged_attention_torch, paged_attention_triton, tile_map
 
 ATOL = 1e-5
@@ -47,6 +47,20 @@ def check_gemv_swiglu() -> None:
     for n, k in ((8, 1024), (6, 1300), (3, 300)):
         x, w = torch.randn(1, k), torch.randn(2 * n, k)
         torch.testing.assert_close(gemv.gemv_swiglu(x, w), torch_ops.silu_mul_torch(x @ w.T), atol=1e-4, rtol=1e-5)
+
+
+def check_argmax_logsumexp() -> None:
+    """Rows cut into chunks (the last program of a row combines them) and whole rows; ties
+    across chunks go to the lowest id; a row of -inf only gives token 0 and -inf."""
+    logits_argmax._NUM_SMS[0] = 4
+    for rows, vocab in ((1, 10000), (3, 5000), (16, 3000)):
+        x = torch.randn(rows, vocab)
+        x[0, 9 * vocab // 10] = x[0, vocab // 10] = 10.0  # a tie, in different chunks
+        x[-1] = float("-inf")
+        ids, lse = logits_argmax.argmax_logsumexp(x)
+        assert torch.equal(ids, x.argmax(dim=-1)), (rows, vocab)
+        torch.testing.assert_close(lse, torch.logsumexp(x, dim=-1), atol=1e-5, rtol=1e-5)
+    assert not logits_argmax._COUNTS[0].any()
 
 
 def check_silu_mul() -> None:
@@ -98,8 +112,8 @@ def check_paged_attention() -> None:
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-CHECKS: list[Callable[[], None]] = [check_add_rmsnorm, check_gemv, check_gemv_swiglu, check_silu_mul,
-                                   check_rope_and_cache, check_paged_attention]
+CHECKS: list[Callable[[], None]] = [check_add_rmsnorm, check_gemv, check_gemv_swiglu, check_argmax_logsumexp,
+                                   check_silu_mul, check_rope_and_cache, check_paged_attention]
 
 
 def main() -> int:

@@ -1,0 +1,108 @@
+"""The greedy token and the log-sum-exp of each row of logits, in one pass on CUDA.
+
+Every step's sampler needs, for each row of float32 logits [S, V], the argmax (greedy
+rows take it) and log-sum-exp (the chosen token's log prob is its logit minus it). In
+torch that is three reductions (argmax, max, sum of exp), each a kernel that, for one
+row of a 128k vocabulary, runs on a few SMs: 55 us a step together on the H100 at
+batch 1, about 1 % of the 8B's step. Here a row is cut into chunks, one program each, so
+that a small batch still spreads over the GPU; each program reduces its chunk, in one
+read, to (max, first index of the max, sum of exp(x - max)), and the row's last program
+to finish combines the chunks' triples in chunk order (reproducible): one launch.
+
+Ties go to the lowest token id, as torch.argmax has them. A row of -inf only (every token
+banned) has log-sum-exp -inf and token 0, as torch gives.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton  # type: ignore[import-not-found,unused-ignore]
+    import triton.language as tl  # type: ignore[import-not-found,unused-ignore]
+except ImportError:  # the CPU host
+    triton = None
+
+BLOCK = 2048  # logits a program reads per loop step
+
+
+def chunks_per_row(rows: int, vocab: int, num_sms: int) -> int:
+    """Programs per row: about two per SM over the batch, each with at least one block."""
+    return max(1, min(-(-vocab // BLOCK), -(-2 * num_sms // rows), 64))
+
+
+if triton is not None:
+
+    @triton.jit  # type: ignore[misc,unused-ignore]
+    def _argmax_lse_kernel(  # type: ignore[no-untyped-def]
+        logits_ptr, ids_ptr, lse_ptr, part_ptr, counts_ptr, V, stride_row, chunk,
+        CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        offs = tl.arange(0, BLOCK)
+        start = c * chunk
+        end = tl.minimum(start + chunk, V)
+        # Per lane, in one read of the logits: the max so far, where it was, and the sum of
+        # exp(x - that max), rescaled when the max moves (an online softmax's denominator).
+        best = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+        best_at = tl.zeros((BLOCK,), dtype=tl.int32)
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(start, end, BLOCK):
+            x = tl.load(logits_ptr + row * stride_row + k0 + offs, mask=k0 + offs < end, other=float("-inf"))
+            better = x > best  # strictly: an earlier equal value keeps its lower id
+            new = tl.where(better, x, best)
+            shift = tl.where(new == float("-inf"), 0.0, new)  # a lane that has seen only -inf adds 0
+            total = total * tl.exp(best - shift) + tl.exp(x - shift)
+            best_at = tl.where(better, k0 + offs, best_at)
+            best = new
+        m = tl.max(best, axis=0)
+        at = tl.min(tl.where(best == m, best_at, V), axis=0)
+        s = tl.sum(tl.where(best > float("-inf"), total * tl.exp(best - m), 0.0), axis=0)
+        if CHUNKS == 1:
+            tl.store(ids_ptr + row, tl.where(at == V, 0, at).to(tl.int64))
+            tl.store(lse_ptr + row, m + tl.log(s))
+        else:
+            part = part_ptr + (row * CHUNKS + c) * 3
+            tl.store(part, m)
+            tl.store(part + 1, at.to(tl.float32, bitcast=True))
+            tl.store(part + 2, s)
+            tl.debug_barrier()  # the triple is written before the count (acq_rel) goes up
+            if tl.atomic_add(counts_ptr + row, 1) == CHUNKS - 1:
+                each = tl.arange(0, CHUNKS)
+                parts = part_ptr + (row * CHUNKS + each) * 3  # .cg: the other programs' triples, from L2
+                ms = tl.load(parts, cache_modifier=".cg")
+                ats = tl.load(parts + 1, cache_modifier=".cg").to(tl.int32, bitcast=True)
+                ss = tl.load(parts + 2, cache_modifier=".cg")
+                m = tl.max(ms, axis=0)
+                at = tl.min(tl.where(ms == m, ats, V), axis=0)
+                s = tl.sum(tl.where(ms > float("-inf"), ss * tl.exp(ms - m), 0.0), axis=0)
+                tl.store(ids_ptr + row, tl.where(at == V, 0, at).to(tl.int64))
+                tl.store(lse_ptr + row, m + tl.log(s))
+                tl.store(counts_ptr + row, 0)
+
+
+_NUM_SMS: dict[int, int] = {}
+# Per device: the rows' finished-chunk counts, zero between calls (the kernel leaves them
+# so); grown when a call has more rows. The sampler runs eagerly, never in a CUDA graph.
+_COUNTS: dict[int, torch.Tensor] = {}
+
+
+def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 logits [S, V] on CUDA, rows contiguous -> (argmax int64 [S], log-sum-exp
+    float32 [S])."""
+    rows, vocab = logits.shape
+    dev = logits.device.index or 0
+    if dev not in _NUM_SMS:
+        _NUM_SMS[dev] = torch.cuda.get_device_properties(logits.device).multi_processor_count
+    if dev not in _COUNTS or _COUNTS[dev].numel() < rows:
+        _COUNTS[dev] = torch.zeros(max(rows, 1024), dtype=torch.int32, device=logits.device)
+    chunks = triton.next_power_of_2(chunks_per_row(rows, vocab, _NUM_SMS[dev]))
+    chunk = -(-vocab // chunks)
+    ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    parts = torch.empty((rows, chunks, 3), dtype=torch.float32, device=logits.device)
+    counts = _COUNTS[dev]
+    _argmax_lse_kernel[(rows, chunks)](
+        logits, ids, lse, parts, counts, vocab, logits.stride(0), chunk, CHUNKS=chunks, BLOCK=BLOCK, num_warps=4,
+    )  # fmt: skip
+    return ids, lse
