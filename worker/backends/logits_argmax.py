@@ -11,6 +11,9 @@ to finish combines the chunks' triples in chunk order (reproducible): one launch
 
 Ties go to the lowest token id, as torch.argmax has them. A row of -inf only (every token
 banned) has log-sum-exp -inf and token 0, as torch gives.
+
+Why hand-written: torch has no fused argmax + log-sum-exp, and its reductions split one
+long row over too few blocks; Triton is the backend's kernel language already.
 """
 
 from __future__ import annotations

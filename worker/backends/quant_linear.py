@@ -14,11 +14,10 @@ float weights on the device, and the GEMMs `linear` runs on them.
   each word is loaded once and its eight nibbles unpacked in registers (one LOP3 and one
   FFMA a weight, `_int4_tile_dot`), with no 16-row MMA padding, and the input dimension is
   split over programs so that every SM streams weights; the last program of a column tile
-  adds up the splits' partial sums in split order (reproducible, and no atomic adds, whose
-  reader raced their writers before), so a call is one launch. Its tiles of 64 inputs hold whole groups when
-  they are smaller (on load's 32: two), each summed and scaled apart, so small groups keep
-  the long loads. Larger batches take the tiled kernel (16-128 row tiles, tl.dot over 64
-  inputs, or the group when smaller).
+  adds up the splits' partial sums in split order (reproducible), so a call is one launch.
+  Its tiles of 64 inputs hold whole groups when they are smaller (on load's 32: two), each
+  summed and scaled apart, so small groups keep the long loads. Larger batches take the
+  tiled kernel (16-128 row tiles, tl.dot over 64 inputs, or the group when smaller).
 
 On the CPU the backend does not come here: it computes with the dequantized reference.
 """
@@ -68,9 +67,9 @@ class Int4Linear:
     zero: torch.Tensor | None  # float32 [in // group_size, out]; None: symmetric
     group_size: int
     bias: torch.Tensor | None  # [out], compute dtype
-    # The batch-1 kernel's split-K partial sums and per-tile counters (zero between calls);
-    # one set per layer, so layers never share them (each is allocated outside graph capture):
-    # 0.5-1.8 MB a projection at the 8B's shapes.
+    # The batch-1 kernel's split-K partial sums (a row per split) and per-tile counters (zero
+    # between calls); one set per layer, so layers never share them (each is allocated
+    # outside graph capture): 0.5-1.8 MB a projection at the 8B's shapes.
     split_sums: torch.Tensor  # float32 [SPLIT_K, out]
     split_counts: torch.Tensor  # int32 [ceil(out / GEMV_BLOCK_N)]
 
@@ -362,8 +361,9 @@ if triton is not None:
             tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
         else:
             # Each split's partial sums to a row of their own; the tile's last program to
-            # finish adds them up in split order (reproducible, no atomic adds) and writes the
-            # output: one launch, no memset or cast around it.
+            # finish adds them up in split order and writes the output: reproducible, one
+            # launch, no memset or cast around it. (Atomic adds into one row, read by the last
+            # program with no barrier after the other threads' adds, raced: errors of 1e-2.)
             tl.store(sums_ptr + pid_k * N + offs_n, acc, mask=n_ok)
             tl.debug_barrier()  # every thread's partials are written before the count (acq_rel) goes up
             if tl.atomic_add(counts_ptr + pid_n, 1) == SPLIT_K - 1:

@@ -5,8 +5,8 @@ products (batch-1 decode, gemv.py; gate_up's with SwiGLU in the same launch), an
 kernels for everything else: add + RMSNorm, SiLU * up, rotary embedding fused with the
 KV-cache write (torch_ops.py), and attention over the paged cache (paged_attention.py);
 in one-row steps these launch with programmatic dependent launch on Hopper (pdl.py). On
-the CPU, or without Triton: their plain-torch twins. Rotary angles come from one table of cos | sin rows indexed by
-position on the device.
+the CPU, or without Triton: their plain-torch twins. Rotary angles come from one table of
+cos | sin rows indexed by position on the device.
 """
 
 from __future__ import annotations
