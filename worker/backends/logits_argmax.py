@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from worker.backends.sm_count import num_sms
+
 try:
     import triton  # type: ignore[import-not-found,unused-ignore]
     import triton.language as tl  # type: ignore[import-not-found,unused-ignore]
@@ -84,7 +86,6 @@ if triton is not None:
                 tl.store(counts_ptr + row, 0)
 
 
-_NUM_SMS: dict[int, int] = {}
 # Per device: the rows' finished-chunk counts, zero between calls (the kernel leaves them
 # so); grown when a call has more rows. The sampler runs eagerly, never in a CUDA graph.
 _COUNTS: dict[int, torch.Tensor] = {}
@@ -95,11 +96,9 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     float32 [S])."""
     rows, vocab = logits.shape
     dev = logits.device.index or 0
-    if dev not in _NUM_SMS:
-        _NUM_SMS[dev] = torch.cuda.get_device_properties(logits.device).multi_processor_count
     if dev not in _COUNTS or _COUNTS[dev].numel() < rows:
         _COUNTS[dev] = torch.zeros(max(rows, 1024), dtype=torch.int32, device=logits.device)
-    chunks = triton.next_power_of_2(chunks_per_row(rows, vocab, _NUM_SMS[dev]))
+    chunks = triton.next_power_of_2(chunks_per_row(rows, vocab, num_sms(logits.device)))
     chunk = -(-vocab // chunks)
     ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)

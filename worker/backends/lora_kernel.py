@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.backends.sm_count import num_sms
+
 try:
     import triton  # type: ignore[import-not-found,unused-ignore]
     import triton.language as tl  # type: ignore[import-not-found,unused-ignore]
@@ -133,20 +135,6 @@ def launch_config(num_tokens: int, n_in: int, rank: int, num_slots: int, num_sms
     return LaunchConfig(grouped, block_m, block_k, block_r, split, block_n, 8 if block_m >= 64 else 4)
 
 
-_NUM_SMS: dict[int, int] = {}
-# The interpreter's (CPU) stand-in for the SM count: small, so that tests split too.
-_INTERPRETER_SMS = 4
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRETER_SMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _NUM_SMS[index]
-
-
 def plan_lora(slots: torch.Tensor, num_slots: int) -> LoraPlan | None:
     """The plan add_lora would make for these slots (None: a batch small enough to scan),
     made on the device without a host read, so it may be captured in a graph with the calls
@@ -187,7 +175,7 @@ def add_lora_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
     if x.stride(1) != 1 or y.stride(1) != 1 or a.stride(2) != 1 or b.stride(2) != 1:
         raise ValueError("add_lora: x, y, a and b need a contiguous last dimension")
     slots = slots.contiguous()  # the kernels index it densely; a no-op for the engine's own buffer
-    cfg = config or launch_config(t, n_in, rank, num_slots, _num_sms(x.device))
+    cfg = config or launch_config(t, n_in, rank, num_slots, num_sms(x.device))
     # float32 inputs (parity runs) get IEEE dots, not TF32.
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     block_m = cfg.block_m

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from worker.backends import pdl
+from worker.backends.sm_count import num_sms
 from worker.models.quantization import FP8_MAX, INT4_GROUP_SIZE, Fp8Weight, Int4Weight, QuantizedWeight
 
 try:
@@ -89,7 +90,7 @@ def int4_linear(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor |
     if group_size % 16:  # the tiled kernel's tl.dot takes tiles of 16 inputs or more, inside a group
         raise ValueError(f"the W4A16 kernels take int4 groups of a multiple of 16 inputs, got {group_size}")
     out = qweight.shape[1]
-    split, _, _ = _gemv_split(out, qweight.shape[0] * 8, group_size, _num_sms(qweight.device))
+    split, _, _ = _gemv_split(out, qweight.shape[0] * 8, group_size, num_sms(qweight.device))
     sums = torch.zeros((split, out), dtype=torch.float32, device=qweight.device)
     counts = torch.zeros(-(-out // GEMV_BLOCK_N), dtype=torch.int32, device=qweight.device)
     return Int4Linear(qweight, scale, zero, group_size, bias, sums, counts)
@@ -392,7 +393,7 @@ def _gemv_split(n: int, k: int, group_size: int, num_sms: int) -> tuple[int, int
 def w4a16_gemv(x: torch.Tensor, w: Int4Linear) -> torch.Tensor:
     """x [1, K] @ dequantized W [K, N] -> [1, N] in x's dtype, one launch."""
     k, n = x.shape[1], w.qweight.shape[1]
-    split, block_kw, groups = _gemv_split(n, k, w.group_size, _num_sms(x.device))
+    split, block_kw, groups = _gemv_split(n, k, w.group_size, num_sms(x.device))
     if split > w.split_sums.shape[0]:
         raise ValueError(f"the W4A16 GEMV splits K {split} ways; its layer holds {w.split_sums.shape[0]} rows")
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
@@ -422,27 +423,13 @@ def _w4a16_plan(m: int, n: int, k: int, group_size: int, num_sms: int) -> tuple[
     return block_m, block_n, block_k, split, warps
 
 
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    """The CUDA device's SM count; on the CPU (Triton's interpreter, in tests) what the test
-    set as _NUM_SMS[0], else 1."""
-    dev = device.index or 0
-    if device.type != "cuda":
-        return _NUM_SMS.get(dev, 1)
-    if dev not in _NUM_SMS:
-        _NUM_SMS[dev] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _NUM_SMS[dev]
-
-
 def w4a16_matmul(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16) @ dequantized W [K, N] -> [M, N] in x's dtype."""
     m, k = x.shape
     n = qweight.shape[1]
-    block_m, block_n, block_k, split, warps = _w4a16_plan(m, n, k, group_size, _num_sms(x.device))
+    block_m, block_n, block_k, split, warps = _w4a16_plan(m, n, k, group_size, num_sms(x.device))
     out = torch.empty((split, m, n), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
     _w4a16_kernel[grid](

@@ -28,6 +28,11 @@ from worker.models.quantization import Fp8Weight, Int4Weight, QuantizedWeight, f
 from worker.models.rope import Rope
 
 
+def _lora_slots(step: StepInputs, logits_rows: bool) -> torch.Tensor | None:
+    """The adapter slot of each row (the logits rows', past the last attention); None: no adapter."""
+    return step.lora_logits_slots if logits_rows else step.lora_slots
+
+
 @dataclass(frozen=True, slots=True)
 class TorchLinear:
     weight: torch.Tensor  # [out, in]
@@ -165,7 +170,7 @@ class TorchDecoderOps:
 
     def lora(self, y: torch.Tensor, x: torch.Tensor, layer: int, role: LinearRole, step: StepInputs,
              logits_rows: bool) -> torch.Tensor:
-        slots = step.lora_logits_slots if logits_rows else step.lora_slots
+        slots = _lora_slots(step, logits_rows)
         if slots is None:
             return y
         # Triton on CUDA (no host sync: CUDA graphs capture it), the torch reference elsewhere.
@@ -211,8 +216,7 @@ class TorchDecoderOps:
 
     def swiglu(self, x: torch.Tensor, weight: TorchLinear | quant_linear.QuantLinear, layer: int, step: StepInputs,
                logits_rows: bool) -> torch.Tensor:  # fmt: skip
-        slots = step.lora_logits_slots if logits_rows else step.lora_slots
-        if (isinstance(weight, TorchLinear) and weight.bias is None and slots is None
+        if (isinstance(weight, TorchLinear) and weight.bias is None and _lora_slots(step, logits_rows) is None
                 and self._one_row(x, weight.weight)):  # fmt: skip
             return gemv.gemv_swiglu(x, weight.weight)  # one launch, no gate_up activations
         return self._silu_mul(self.lora(self.linear(x, weight), x, layer, "gate_up", step, logits_rows))

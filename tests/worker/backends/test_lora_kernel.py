@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.worker.backends.lora_interpreted import lora_case
-from worker.backends import lora_kernel
+from worker.backends import lora_kernel, sm_count
 from worker.backends.lora_kernel import add_lora, add_lora_reference
 
 TOLERANCE = {"float16": 1e-2, "float32": 1e-5}
@@ -165,7 +165,7 @@ def test_interpreted_kernels_match_the_reference(interpreted: dict[str, dict[str
 
 
 def test_the_default_cases_take_the_paths_they_are_named_for() -> None:
-    sms = lora_kernel._INTERPRETER_SMS
+    sms = sm_count.INTERPRETER_SMS
     assert not lora_kernel.launch_config(64, 256, 48, 5, sms).grouped
     assert lora_kernel.launch_config(65, 256, 16, 3, sms).grouped
     assert lora_kernel.launch_config(300, 256, 96, 6, sms).block_m == 16

@@ -107,9 +107,9 @@ def test_fp8_kv_cache_halves_the_bytes_and_stays_close(tiny_llama: Path) -> None
 
 _GEMV_CHECK = """
 import numpy as np, torch
-from worker.backends import quant_linear as ql
+from worker.backends import quant_linear as ql, sm_count
 from worker.models.quantization import Int4Weight, dequantize, pack_int4
-ql._NUM_SMS[0] = 2  # few SMs: the plan splits K, so the last-program reduction runs
+sm_count.INTERPRETER_SMS = 2  # few SMs: the plan splits K, so the last-program reduction runs
 # groups of 128 and 64: one per tile; of 32 (on load: float zeros) and 64: two or four per tile
 cases = [(300, 512, None, 128), (256, 512, "int", 128), (96, 576, None, 64), (128, 1024, "int", 64),
          (264, 512, "float", 32), (96, 576, "float", 32)]
