@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -451,9 +452,17 @@ def synthetic_step(num_seqs: int, q_len: int, ctx: int, block_size: int, vocab: 
     )
 
 
-def profile_steps(backend: Any, cfg: Any, num_blocks: int, block_size: int) -> None:
+# Kernel breakdowns: a decode step of each workload's kind (128/128 at batch 512; 1000/1000
+# at batch 128), a prefill, batch 1.
+PROFILED_STEPS = [(512, 1, 192), (128, 1, 1536), (64, 128, 128), (1, 1, 2048)]
+
+
+def profile_steps(backend: Any, cfg: Any, num_blocks: int, block_size: int,
+                  profiled: Sequence[tuple[int, int, int]] = PROFILED_STEPS,
+                  name: str = "profile") -> None:  # fmt: skip
     """Median time of single forward + greedy sample steps, straight on the backend, and
-    where the GPU time goes (torch profiler) for a big generation step and a prefill."""
+    where the GPU time goes (torch profiler) for the `profiled` (sequences, new tokens,
+    context) steps, saved as $OUT/{name}_{n}x{q}_{ctx}.txt."""
     from worker.backends.base import SamplingBatch
 
     def greedy(n: int) -> SamplingBatch:
@@ -485,15 +494,16 @@ def profile_steps(backend: Any, cfg: Any, num_blocks: int, block_size: int) -> N
     from torch.profiler import ProfilerActivity, profile
 
     out = os.environ.get("OUT", "/tmp")
-    # A decode step of each workload's kind (128/128 at batch 512; 1000/1000 at batch 128), a prefill, batch 1.
-    for n, q, ctx in [(512, 1, 192), (128, 1, 1536), (64, 128, 128), (1, 1, 2048)]:
+    for n, q, ctx in profiled:
+        if n * -(-ctx // block_size) > num_blocks:
+            continue
         batch, sampling = synthetic_step(n, q, ctx, block_size, cfg.vocab_size), greedy(n)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 backend.sample(backend.forward(batch), sampling)
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
-        with open(os.path.join(out, f"profile_{n}x{q}_{ctx}.txt"), "w") as f:
+        with open(os.path.join(out, f"{name}_{n}x{q}_{ctx}.txt"), "w") as f:
             f.write(table)
         print(f"--- profile: {n} seqs x {q} tokens at context {ctx}, 3 steps\n{table}", flush=True)
 
@@ -805,8 +815,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=int, default=0,
                    help="pipeline micro-batches per step (0: one per stage)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["fp8"],
-                   help="an e4m3 KV cache over several GPUs or at the 70B shape (bench/tp_bench.py); on one GPU "
-                        "--quantization fp8 runs its own FP8-cache row (bench/quant_bench.py)")  # fmt: skip
+                   help="an e4m3 KV cache; with --quantization fp8 on one GPU, only the FP8-cache rows of "
+                        "bench/quant_bench.py (which runs both caches without it)")  # fmt: skip
     p.add_argument("--model-shape", default="8b", choices=["8b", "70b"],
                    help="Llama-3.1-8B or -70B shape (70b needs enough GPUs for its shards)")
     p.add_argument("--quantization", default=None, choices=["fp8", "int4"],

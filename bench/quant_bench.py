@@ -2,8 +2,10 @@
 random model quantized on the GPU at start, against the roofline recomputed for the
 quantized bytes and the FP8 GEMM FLOP/s measured in the same run.
 
-- fp8: 128/128 and 1000/1000 offline throughput with the bf16 KV cache, then 1000/1000
-  again with the FP8 (e4m3) KV cache (its KV tokens reported beside the bf16 cache's).
+- fp8: 128/128 and 1000/1000 offline throughput with the bf16 KV cache, then both again
+  with the FP8 (e4m3) KV cache (its KV tokens reported beside the bf16 cache's).
+  `--profile` adds each engine's kernel breakdown of decode steps and a prefill;
+  `--workloads` and `--kv-cache-dtype fp8` narrow the runs to those named.
   Goals: 128/128 >= 28,312 output tok/s (TensorRT-LLM's published H100 FP8 figure for
   Llama-3.1-8B), 1000/1000 >= 15,220; the FP8 cache holds twice the tokens and is not slower.
 - int4 (W4A16, RTN: asymmetric groups of 32, as quantizing on load makes them): batch-1
@@ -38,6 +40,7 @@ from bench.gpu_bench import (
     mean_decode_batch,
     measure_bandwidth,
     measure_gemm,
+    profile_steps,
     prompts_for,
     random_weights,
     roofline_for,
@@ -214,15 +217,18 @@ def run_quantized(args: argparse.Namespace) -> list[dict[str, Any]]:
     weights = random_weights(cfg, device, torch.bfloat16)
     rows: list[dict[str, Any]] = []
     workloads = TINY_WORKLOADS if args.tiny else FP8_WORKLOADS
+    if args.workloads:
+        workloads = [w for w in workloads if f"{w[0]}/{w[1]}" in args.workloads.split(",")]
     kv_runs: list[str | None] = [None, "fp8"] if args.quantization == "fp8" else [None]
+    if args.kv_cache_dtype == "fp8" and args.quantization == "fp8":  # the FP8 cache's rows alone
+        kv_runs = ["fp8"]
     for kv in kv_runs:
         roof = quantized_roofline(cfg, args.quantization, 1 if kv == "fp8" else 2, bandwidth, flops)
         executor = _engine(args, cfg, weights, device, kv)
         if kv is None:
             log(f"roofline: weights {roof.weight_bytes / 1e9:.2f} GB read per step -> batch-1 TPOT floor "
                 f"{roof.decode_floor(0) * 1e3:.2f} ms")  # fmt: skip
-        picked = workloads if kv is None else workloads[-1:]  # the FP8 cache: the long workload
-        for prompt, output, n in picked if args.quantization == "fp8" else []:
+        for prompt, output, n in workloads if args.quantization == "fp8" else []:
             row = _offline(executor, cfg, prompt, output, max(1, int(n * args.scale)), roof, args.max_batch,
                            args.block_size)  # fmt: skip
             row["kv_cache"] = kv or "bf16"
@@ -238,6 +244,12 @@ def run_quantized(args: argparse.Namespace) -> list[dict[str, Any]]:
                 single["goal_of_floor"] = INT4_TPOT_GOAL
             rows.append(single)
             log(f"{args.quantization} batch 1: {single}")
+        if args.profile and device.type == "cuda":
+            # decode steps of 128/128 at batch 512 and 1024, 1000/1000 at the batch its KV cache holds, a prefill
+            fits = executor.core.blocks.num_blocks * args.block_size // 2000
+            steps = [(512, 1, 192), (1024, 1, 192), (min(fits, args.max_batch), 1, 1536), (64, 128, 128), (1, 1, 2048)]
+            profile_steps(executor.core.backend, cfg, executor.core.blocks.num_blocks, args.block_size, steps,
+                          f"profile_{args.quantization}_kv_{kv or 'bf16'}")  # fmt: skip
         executor.shutdown()
         del executor
         gc.collect()
