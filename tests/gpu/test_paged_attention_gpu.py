@@ -2,7 +2,9 @@
 same bf16 / float32 inputs), over random block tables, lengths, GQA ratios and windows.
 
 Tolerance, as ||out - ref|| / ||ref||: bf16 inputs 1e-2 (bf16 P·V operands; seen ~3e-3),
-float32 inputs 1e-5 (the kernel uses IEEE dots for float32)."""
+float32 inputs 1e-5 (the kernel uses IEEE dots for float32). An e4m3 cache with bf16 queries
+is held to bf16's: the kernel widens the cache exactly and the reference reads the same
+e4m3 values, so only the bf16 math differs."""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 
 
 def check_case(seed: int, heads: int, kv_heads: int, head_dim: int, block_size: int, decode: bool,
-             window: int | None, dtype: torch.dtype, splits: int = 1) -> None:  # fmt: skip
+             window: int | None, dtype: torch.dtype, splits: int = 1,
+             cache_dtype: torch.dtype | None = None) -> None:  # fmt: skip
     rng = np.random.default_rng(seed)
     n_seqs = int(rng.integers(1, 12))
     ctx = rng.integers(1, 600, n_seqs)
@@ -42,8 +45,8 @@ def check_case(seed: int, heads: int, kv_heads: int, head_dim: int, block_size: 
         tables[i, :nb] = perm[used : used + nb]
         used += nb
     dev = "cuda"
-    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=dev).to(dtype)
-    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=dev).to(dtype)
+    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=dev).to(cache_dtype or dtype)
+    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=dev).to(cache_dtype or dtype)
     query_start = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int64)
     q = torch.randn(int(query_start[-1]), heads, head_dim, device=dev).to(dtype)
     block_q = 1 if decode else PREFILL_BLOCK_Q
@@ -75,6 +78,14 @@ def test_kernel_matches_reference(heads: int, kv_heads: int, head_dim: int, deco
     if decode:  # keys spread over several programs per sequence (flash-decoding), then merged
         for seed, splits in ((5, 2), (6, 4), (7, 16)):
             check_case(seed, heads, kv_heads, head_dim, 16, decode, None, dtype, splits)
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_kernel_over_an_fp8_cache_matches_reference(decode: bool) -> None:
+    # decode steps take their own tile and pipeline depth over an e4m3 cache (FP8_DECODE_*)
+    for seed in range(4):
+        check_case(seed + 20, 32, 8, 128, 16 if seed % 2 else 32, decode, None, torch.bfloat16,
+                   4 if decode and seed > 1 else 1, torch.float8_e4m3fn)  # fmt: skip
 
 
 @pytest.mark.parametrize("decode", [True, False])
