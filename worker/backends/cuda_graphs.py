@@ -46,7 +46,7 @@ class GraphedBackend(Protocol):
     scratch_slot: int  # the KV slot that padded rows write to
     lora_enabled: bool  # graphs run each row's LoRA adapter (slot -1: none, and for padded rows)
 
-    def run_model(self, inp: StepInputs) -> torch.Tensor: ...
+    def run_model(self, inp: StepInputs, logits_out: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def resolve_pending(self, tokens: torch.Tensor, host_tokens: np.ndarray) -> None: ...
 
@@ -276,7 +276,8 @@ class DecodeGraphs:
         logits = self.logits[: b * q]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            # The graph's own logits go back to the pool for the next capture.
-            logits.copy_(self.backend.run_model(inputs))
+            out = self.backend.run_model(inputs, logits)
+            if out.data_ptr() != logits.data_ptr():  # (else the lm head wrote there itself)
+                logits.copy_(out)  # the graph's own logits go back to the pool for the next capture
         self.graphs[b, q] = _Graph(graph, meta, block_tables, logits, inputs, lora_slots)
         return self.graphs[b, q]

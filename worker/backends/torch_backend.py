@@ -386,9 +386,14 @@ class TorchBackend:
     def decode_splits(self, num_seqs: int) -> int:
         return paged_attention.decode_splits(num_seqs, self.ops.config.num_kv_heads, self._num_sms)
 
-    def run_model(self, inp: StepInputs) -> torch.Tensor:
-        """The decoder over one packed step; returns float32 logits for the sampled rows."""
-        return llama.forward(self.model, self.ops, inp, self.stage)
+    def run_model(self, inp: StepInputs, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder over one packed step; returns float32 logits for the sampled rows,
+        in `logits_out` when the lm head can write them there."""
+        self.ops.logits_out = logits_out
+        try:
+            return llama.forward(self.model, self.ops, inp, self.stage)
+        finally:
+            self.ops.logits_out = None
 
 
 def _weights_of(

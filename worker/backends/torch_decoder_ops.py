@@ -69,6 +69,9 @@ class TorchDecoderOps:
         # parts * max_rank], each part's rank zero-padded to max_rank (lora_kernel.add_lora).
         self.lora_a: dict[tuple[int, LinearRole], torch.Tensor] = {}
         self.lora_b: dict[tuple[int, LinearRole], torch.Tensor] = {}
+        # Where the lm head writes its logits when they are exactly its shape: a CUDA graph's
+        # rows of the shared logits buffer (TorchBackend.run_model), saving a copy there.
+        self.logits_out: torch.Tensor | None = None
 
     # -- the KV pool ------------------------------------------------------------------------
 
@@ -227,4 +230,10 @@ class TorchDecoderOps:
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._one_row(x, weight):
             return gemv.gemv(x, weight, out_dtype=torch.float32)
-        return F.linear(x, weight).float()
+        if not x.is_cuda:
+            return F.linear(x, weight).float()
+        # float32 straight from cuBLAS's accumulator: no bf16 logits to widen in a pass of their own.
+        out = self.logits_out
+        if out is not None and out.shape == (x.shape[0], weight.shape[0]):
+            return torch.mm(x, weight.t(), out_dtype=torch.float32, out=out)
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
