@@ -68,17 +68,20 @@ def check_silu_mul() -> None:
 
 
 def check_rope_and_cache() -> None:
-    heads, kv_heads, dim, t = 4, 2, 32, 9
-    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim)
-    pos = torch.randint(0, 100, (t,), dtype=torch.int32)
-    cos_sin = torch.randn(128, dim)
-    slots = torch.randperm(8 * 4)[:t].to(torch.int32)
-    caches = [torch.zeros(8, 4, kv_heads, dim) for _ in range(4)]
-    q1 = torch_ops.rope_and_cache_triton(qkv.clone(), pos, cos_sin, caches[0], caches[1], slots, heads, kv_heads, dim)
-    q2 = torch_ops.rope_and_cache_torch(qkv.clone(), pos, cos_sin, caches[2], caches[3], slots, heads, kv_heads, dim)
-    torch.testing.assert_close(q1, q2, atol=ATOL, rtol=1e-5)
-    torch.testing.assert_close(caches[0], caches[2], atol=ATOL, rtol=1e-5)
-    assert torch.equal(caches[1], caches[3])
+    heads, kv_heads, dim = 4, 2, 32
+    for t in (9, 70):  # a few tokens (2 heads a program), many (16 heads a program)
+        qkv = torch.randn(t, (heads + 2 * kv_heads) * dim)
+        pos = torch.randint(0, 100, (t,), dtype=torch.int32)
+        cos_sin = torch.randn(128, dim)
+        slots = torch.randperm(32 * 4)[:t].to(torch.int32)
+        caches = [torch.zeros(32, 4, kv_heads, dim) for _ in range(4)]
+        q1 = torch_ops.rope_and_cache_triton(qkv.clone(), pos, cos_sin, caches[0], caches[1], slots, heads,
+                                             kv_heads, dim)  # fmt: skip
+        q2 = torch_ops.rope_and_cache_torch(qkv.clone(), pos, cos_sin, caches[2], caches[3], slots, heads,
+                                            kv_heads, dim)  # fmt: skip
+        torch.testing.assert_close(q1, q2, atol=ATOL, rtol=1e-5)
+        torch.testing.assert_close(caches[0], caches[2], atol=ATOL, rtol=1e-5)
+        assert torch.equal(caches[1], caches[3])
 
 
 def check_paged_attention() -> None:
