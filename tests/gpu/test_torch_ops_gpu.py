@@ -31,6 +31,26 @@ def test_add_rmsnorm(with_residual: bool) -> None:
         check_close(r1, r2)
 
 
+@pytest.mark.parametrize("rows", [1, 77, 300])
+def test_fp8_outputs_equal_the_row_quantization(rows: int) -> None:
+    """The norm's and SwiGLU's e4m3 codes and scales, made in their own pass, are those
+    quant_linear.quantize_rows_fp8 makes of their output."""
+    from worker.backends import quant_linear
+
+    x, w, res = torch.randn(rows, 4096, **BF16), torch.randn(4096, **BF16), torch.randn(rows, 4096, **BF16)
+    res2 = res.clone()
+    gate_up = torch.randn(rows, 2 * 14336, **BF16) * 3
+    normed = torch_ops.add_rmsnorm_fp8_triton(x, res, w, 1e-5)
+    assert torch.equal(normed[0], torch_ops.add_rmsnorm_triton(x, res2, w, 1e-5))
+    assert torch.equal(res, res2)
+    silu = torch_ops.silu_mul_fp8_triton(gate_up)
+    assert torch.equal(silu[0], torch_ops.silu_mul_triton(gate_up))
+    for out, codes, scales in (normed, silu):
+        want_codes, want_scales = quant_linear.quantize_rows_fp8(out)
+        assert torch.equal(scales, want_scales)
+        assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+
+
 def test_silu_mul() -> None:
     gu = torch.randn(33, 2 * 14336, **BF16)
     check_close(torch_ops.silu_mul_triton(gu), torch_ops.silu_mul_torch(gu))

@@ -3,8 +3,10 @@ makes from a quantized checkpoint's weights (worker.models.quantization) or quan
 float weights on the device, and the GEMMs `linear` runs on them.
 
 - `Fp8Linear`: e4m3 weights with per-output-channel scales; activations quantized per
-  token (one Triton pass per row: amax, scale, cast) or with the checkpoint's static scale,
-  then one `torch._scaled_mm` (cuBLASLt FP8, row-wise scales, bf16 out).
+  token (one Triton pass per row: amax, scale, cast, or the codes the norm / SwiGLU kernel
+  that made the input wrote beside it) or with the checkpoint's static scale, then one
+  `torch._scaled_mm` (cuBLASLt FP8, row-wise scales, bf16 out), or at one row the GEMV
+  (gemv.py) on the codes.
 - `Int4Linear`: W4A16. Weights packed eight to an int32 along the input dimension,
   [in // 8, out], so that a tile of consecutive inputs for a run of outputs is one
   coalesced load; scales (and zero points) per group as float32 [groups, out], a
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.backends import pdl
+from worker.backends import gemv, pdl
 from worker.backends.sm_count import num_sms
 from worker.models.quantization import FP8_MAX, INT4_GROUP_SIZE, Fp8Weight, Int4Weight, QuantizedWeight
 
@@ -50,12 +52,16 @@ class Fp8Linear:
     input_scale: torch.Tensor | None  # float32 [1, 1], static; None: per token at run time
     bias: torch.Tensor | None  # [out], compute dtype
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`quantized`: x's per-token e4m3 codes and scales, when the kernel that made x
+        wrote them too (torch_ops.add_rmsnorm_fp8_triton); used with dynamic scales only."""
         if self.input_scale is None:
-            xq, x_scale = quantize_rows_fp8(x)
+            xq, x_scale = quantized or quantize_rows_fp8(x)
         else:
             xq = (x.float() / self.input_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
             x_scale = self.input_scale.expand(x.shape[0], 1).contiguous()
+        if x.shape[0] == 1 and x.is_cuda and triton is not None:
+            return gemv.gemv(xq, self.weight, self.bias, out_dtype=x.dtype, scales=(x_scale, self.scale))
         out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale, out_dtype=x.dtype)
         # The bias is added apart: not every torch's row-wise _scaled_mm takes one.
         return out if self.bias is None else out + self.bias

@@ -69,6 +69,11 @@ class TorchDecoderOps:
         # parts * max_rank], each part's rank zero-padded to max_rank (lora_kernel.add_lora).
         self.lora_a: dict[tuple[int, LinearRole], torch.Tensor] = {}
         self.lora_b: dict[tuple[int, LinearRole], torch.Tensor] = {}
+        # FP8 projections with per-token scales (on CUDA): the norms and SwiGLU also write
+        # their output's e4m3 codes and scales, kept here as (output, codes, scales) until
+        # the projection that reads that output takes them.
+        self.fp8_activations = False
+        self._fp8_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # Where the lm head writes its logits when they are exactly its shape: a CUDA graph's
         # rows of the shared logits buffer (TorchBackend.run_model), saving a copy there.
         self.logits_out: torch.Tensor | None = None
@@ -153,7 +158,10 @@ class TorchDecoderOps:
     ) -> TorchLinear | quant_linear.QuantLinear:
         """On CUDA the FP8 / W4A16 GEMMs (quant_linear.py); on the CPU the dequantized reference."""
         if self.device.type == "cuda":
-            return quant_linear.quantized_linear(parts, bias, self.quantize, self.device)
+            layer = quant_linear.quantized_linear(parts, bias, self.quantize, self.device)
+            if isinstance(layer, quant_linear.Fp8Linear) and layer.input_scale is None and self.use_triton:
+                self.fp8_activations = True
+            return layer
         host = [p if isinstance(p, Fp8Weight | Int4Weight) else torch.as_tensor(p).float().numpy() for p in parts]
         fused = self._fused(reference_parts(host, self.quantize))
         inputs = fp8_inputs(parts, self.quantize)
@@ -183,6 +191,10 @@ class TorchDecoderOps:
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fp8_activations:
+            out, codes, scales = torch_ops.add_rmsnorm_fp8_triton(x, residual, weight, eps)
+            self._fp8_rows = (out, codes, scales)
+            return out, x if residual is None else residual
         if residual is None:
             return self._add_rmsnorm(x, None, weight, eps), x
         return self._add_rmsnorm(x, residual, weight, eps), residual
@@ -192,6 +204,10 @@ class TorchDecoderOps:
             if self._one_row(x, weight.weight):
                 return gemv.gemv(x, weight.weight, weight.bias)
             return F.linear(x, weight.weight, weight.bias)
+        if isinstance(weight, quant_linear.Fp8Linear):
+            made = self._fp8_rows
+            self._fp8_rows = None
+            return weight(x, made[1:] if made is not None and made[0] is x else None)
         return weight(x)
 
     def _one_row(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -222,7 +238,12 @@ class TorchDecoderOps:
         if (isinstance(weight, TorchLinear) and weight.bias is None and _lora_slots(step, logits_rows) is None
                 and self._one_row(x, weight.weight)):  # fmt: skip
             return gemv.gemv_swiglu(x, weight.weight)  # one launch, no gate_up activations
-        return self._silu_mul(self.lora(self.linear(x, weight), x, layer, "gate_up", step, logits_rows))
+        gate_up = self.lora(self.linear(x, weight), x, layer, "gate_up", step, logits_rows)
+        if self.fp8_activations:
+            out, codes, scales = torch_ops.silu_mul_fp8_triton(gate_up)
+            self._fp8_rows = (out, codes, scales)
+            return out
+        return self._silu_mul(gate_up)
 
     def logits_rows(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         return x if step.logits_indices is None else x[step.logits_indices]

@@ -8,6 +8,9 @@ activations; for generation steps the CUDA graph already hides the launches.
 - add_rmsnorm: residual += x (in the activation dtype, as transformers does), then
   RMSNorm of the sum in float32.
 - silu_mul: SwiGLU's silu(gate) * up over the fused gate_up projection.
+- both, for a model with FP8 projections: the output's per-token e4m3 codes and scales
+  too (`*_fp8_triton`), so the qkv, gate_up and down inputs need no pass of their own to
+  be quantized (quant_linear.Fp8Linear takes them).
 - rope_and_cache: rotary embedding (rotate-half layout) applied in place to the
   q and k heads of the fused qkv projection, and the new K and V written to their
   paged cache slots, in one pass.
@@ -91,8 +94,8 @@ if triton is not None:
 
     @triton.jit
     def _add_rmsnorm_kernel(  # type: ignore[no-untyped-def]
-        x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, stride_x, stride_r, stride_o,
-        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+        x_ptr, res_ptr, w_ptr, out_ptr, q_ptr, s_ptr, n_cols, eps, stride_x, stride_r, stride_o,
+        HAS_RES: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -107,20 +110,35 @@ if triton is not None:
         inv = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
         y = (xf * inv).to(x.dtype).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + offs, (y * w).to(out_ptr.dtype.element_ty), mask=ok)
+        out = (y * w).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_o + offs, out, mask=ok)
+        if QUANT:
+            _store_fp8_row(out.to(tl.float32), q_ptr + row * n_cols + offs, s_ptr + row, ok)
+
+    @triton.jit
+    def _store_fp8_row(y, q_ptrs, s_ptr, ok):  # type: ignore[no-untyped-def]
+        # A row's per-token e4m3 codes and scale, as quant_linear.quantize_rows_fp8 makes them.
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
+        q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+        tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=ok)
+        tl.store(s_ptr, scale)
 
     @triton.jit
     def _silu_mul_kernel(  # type: ignore[no-untyped-def]
-        gu_ptr, out_ptr, n_cols, stride_gu, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr
-    ):
+        gu_ptr, out_ptr, q_ptr, s_ptr, n_cols, stride_gu, stride_o, QUANT: tl.constexpr, BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
+    ):  # fmt: skip
+        # QUANT: a program takes a whole row (BLOCK >= n_cols), for its amax.
         pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n_cols
         g = tl.load(gu_ptr + row * stride_gu + offs, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * stride_gu + n_cols + offs, mask=ok, other=0.0).to(tl.float32)
-        y = g / (1.0 + tl.exp(-g)) * u
-        tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+        y = (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_o + offs, y, mask=ok)
+        if QUANT:
+            _store_fp8_row(y.to(tl.float32), q_ptr + row * n_cols + offs, s_ptr + row, ok)
 
     @triton.jit
     def _rope_cache_kernel(  # type: ignore[no-untyped-def]
@@ -169,27 +187,61 @@ if triton is not None:
 def add_rmsnorm_triton(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
+    return _add_rmsnorm(x, residual, weight, eps, quantize=False)[0]
+
+
+def add_rmsnorm_fp8_triton(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """add_rmsnorm_triton, and its output's per-token FP8 codes [T, H] and float32
+    scales [T, 1] from the same pass (the input an FP8 projection takes)."""
+    out, q, scale = _add_rmsnorm(x, residual, weight, eps, quantize=True)
+    assert q is not None and scale is not None
+    return out, q, scale
+
+
+def _add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 quantize: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     n_rows, n_cols = x.shape
     out = torch.empty_like(x)
+    q, scale = _fp8_rows(n_rows, n_cols, x.device) if quantize else (None, None)
     res = residual if residual is not None else x
     block = triton.next_power_of_2(n_cols)
     _add_rmsnorm_kernel[(n_rows,)](
-        x, res, weight, out, n_cols, eps, x.stride(0), res.stride(0), out.stride(0),
-        HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-        **pdl.options(x.device, n_rows),
+        x, res, weight, out, out if q is None else q, out if scale is None else scale, n_cols, eps, x.stride(0),
+        res.stride(0), out.stride(0), HAS_RES=residual is not None, QUANT=quantize, BLOCK=block,
+        num_warps=min(16, max(1, block // 256)), **pdl.options(x.device, n_rows),
     )  # fmt: skip
-    return out
+    return out, q, scale
+
+
+def _fp8_rows(n_rows: int, n_cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty((n_rows, n_cols), dtype=torch.float8_e4m3fn, device=device),
+            torch.empty((n_rows, 1), dtype=torch.float32, device=device))  # fmt: skip
 
 
 def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    return _silu_mul(gate_up, quantize=False)[0]
+
+
+def silu_mul_fp8_triton(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """silu_mul_triton, and its output's per-token FP8 codes and scales (as add_rmsnorm_fp8_triton)."""
+    out, q, scale = _silu_mul(gate_up, quantize=True)
+    assert q is not None and scale is not None
+    return out, q, scale
+
+
+def _silu_mul(gate_up: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     n_rows, n_cols = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((n_rows, n_cols), dtype=gate_up.dtype, device=gate_up.device)
-    block = 1024
+    q, scale = _fp8_rows(n_rows, n_cols, gate_up.device) if quantize else (None, None)
+    block = triton.next_power_of_2(n_cols) if quantize else 1024
     _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](
-        gate_up, out, n_cols, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+        gate_up, out, out if q is None else q, out if scale is None else scale, n_cols, gate_up.stride(0),
+        out.stride(0), QUANT=quantize, BLOCK=block, num_warps=min(16, max(4, block // 1024)),
         **pdl.options(out.device, n_rows),
     )  # fmt: skip
-    return out
+    return out, q, scale
 
 
 def rope_and_cache_triton(

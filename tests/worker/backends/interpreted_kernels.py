@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import triton  # type: ignore[import-not-found,unused-ignore]
 
-from worker.backends import gemv, logits_argmax, torch_ops
+from worker.backends import gemv, logits_argmax, quant_linear, torch_ops
 from worker.backends.paged_attention import PREFILL_BLOCK_Q, paged_attention_torch, paged_attention_triton, tile_map
 
 ATOL = 1e-5
@@ -30,6 +31,25 @@ def check_add_rmsnorm() -> None:
                                    torch_ops.add_rmsnorm_torch(x, r2, w, 1e-5), atol=ATOL, rtol=1e-5)  # fmt: skip
         if r1 is not None and r2 is not None:
             torch.testing.assert_close(r1, r2)
+
+
+def check_fp8_outputs() -> None:
+    """The norm's and SwiGLU's e4m3 codes and scales equal those the row-quantization
+    kernel makes of their output (the pass a projection would otherwise make). Both run
+    interpreted: the interpreter's e4m3 rounding is its own (it can differ from torch's by
+    an exponent step), so the codes are compared kernel to kernel."""
+    x, w, res = torch.randn(5, 256), torch.randn(256), torch.randn(5, 256)
+    gate_up = torch.randn(5, 2 * 384) * 3
+    for out, codes, scales in (torch_ops.add_rmsnorm_fp8_triton(x, res, w, 1e-5),
+                               torch_ops.silu_mul_fp8_triton(gate_up)):  # fmt: skip
+        rows, cols = out.shape
+        want_codes, want_scales = torch.empty_like(codes), torch.empty_like(scales)
+        quant_linear._quant_rows_kernel[(rows,)](out, want_codes, want_scales, cols, out.stride(0),
+                                                 BLOCK=triton.next_power_of_2(cols))  # fmt: skip
+        torch.testing.assert_close(scales, want_scales, atol=0, rtol=0)
+        assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), "e4m3 codes differ"
+    torch.testing.assert_close(torch_ops.silu_mul_fp8_triton(gate_up)[0], torch_ops.silu_mul_torch(gate_up),
+                               atol=ATOL, rtol=1e-5)  # fmt: skip
 
 
 def check_gemv() -> None:
@@ -114,8 +134,8 @@ def check_paged_attention() -> None:
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-CHECKS: list[Callable[[], None]] = [check_add_rmsnorm, check_gemv, check_gemv_swiglu, check_argmax_logsumexp,
-                                   check_silu_mul, check_rope_and_cache, check_paged_attention]
+CHECKS: list[Callable[[], None]] = [check_add_rmsnorm, check_fp8_outputs, check_gemv, check_gemv_swiglu,
+                                   check_argmax_logsumexp, check_silu_mul, check_rope_and_cache, check_paged_attention]
 
 
 def main() -> int:
