@@ -225,7 +225,8 @@ def run_quantized(args: argparse.Namespace) -> list[dict[str, Any]]:
     for kv in kv_runs:
         roof = quantized_roofline(cfg, args.quantization, 1 if kv == "fp8" else 2, bandwidth, flops)
         executor = _engine(args, cfg, weights, device, kv)
-        if kv is None:
+        first = kv == kv_runs[0]  # the engine that also runs the batch-1 row
+        if first:
             log(f"roofline: weights {roof.weight_bytes / 1e9:.2f} GB read per step -> batch-1 TPOT floor "
                 f"{roof.decode_floor(0) * 1e3:.2f} ms")  # fmt: skip
         for prompt, output, n in workloads if args.quantization == "fp8" else []:
@@ -234,12 +235,13 @@ def run_quantized(args: argparse.Namespace) -> list[dict[str, Any]]:
             row["kv_cache"] = kv or "bf16"
             rows.append(row)
             log(f"{args.quantization} weights, {row['kv_cache']} KV: {row}")
-        if kv is None:
+        if first:
             prompt, output = (16, 16) if args.tiny else (128, 128)
             ttft, tpot = run_executor_single(executor, prompts_for(1, prompt, cfg.vocab_size, 2)[0], output)
             floor = roof.decode_floor(prompt + output // 2) * 1e3
             single = {"workload": f"batch 1, {prompt}/{output}", "ttft_ms": round(ttft, 2), "tpot_ms": round(tpot, 3),
-                      "tpot_floor_ms": round(floor, 3), "of_floor": round(tpot / floor, 2)}  # fmt: skip
+                      "tpot_floor_ms": round(floor, 3), "of_floor": round(tpot / floor, 2),
+                      "kv_cache": kv or "bf16"}  # fmt: skip
             if args.quantization == "int4":
                 single["goal_of_floor"] = INT4_TPOT_GOAL
             rows.append(single)

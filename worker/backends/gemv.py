@@ -9,7 +9,10 @@ rows and walks K in BLOCK_K-wide tiles: every weight is loaded once, in long coa
 rows, and the row sums are reduced in registers, so a call is one launch with no split-K
 combine. The output may be float32 (the LM head's logits) without a cast launch; its
 values are rounded to x's precision, as cuBLAS's then a cast would give them, so greedy
-choices between near-tied logits do not move.
+choices between near-tied logits do not move. FP8 projections (W8A8, per-token input and
+per-channel weight scales) take it too, on their e4m3 codes: at one row torch._scaled_mm
+reads the weights at a third of the bandwidth (33 us for the 8B's qkv on the H100, where
+the bf16 GEMV takes 25 us for twice the bytes).
 
 Why hand-written: neither cuBLAS nor torch has a GEMV entry point that picks this shape
 for bf16, and no maintained library ships one that installs from the registry onto the
@@ -34,9 +37,9 @@ if triton is not None:
 
     @triton.jit  # type: ignore[misc,unused-ignore]
     def _gemv_kernel(  # type: ignore[no-untyped-def]
-        x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_w,
-        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ROUND: tl.constexpr, SWIGLU: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+        x_ptr, w_ptr, b_ptr, xs_ptr, ws_ptr, out_ptr, N, K, stride_w,
+        HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, EVEN_K: tl.constexpr, ROUND: tl.constexpr,
+        SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         if SWIGLU:  # the tile's rows: gate row n, up row n (N further down), for BLOCK_N / 2 n
             offs_n = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
@@ -63,8 +66,10 @@ if triton is not None:
                 x = tl.load(x_ptr + k, mask=k < K, other=0.0)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         total = tl.sum(acc, axis=1)
-        if SWIGLU:  # rounded to x's dtype first, as the projection's output is before silu_mul reads it
-            gate, up = tl.split(tl.reshape(total.to(x_ptr.dtype.element_ty).to(tl.float32), (BLOCK_N // 2, 2)))
+        if SCALED:  # e4m3 codes: the input's scale and each weight row's
+            total *= tl.load(xs_ptr) * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
+        if SWIGLU:  # rounded to the output's dtype (x's) first, as the projection's output is before silu_mul
+            gate, up = tl.split(tl.reshape(total.to(out_ptr.dtype.element_ty).to(tl.float32), (BLOCK_N // 2, 2)))
             offs_out = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
             y = gate / (1.0 + tl.exp(-gate)) * up
             tl.store(out_ptr + offs_out, y.to(out_ptr.dtype.element_ty), mask=offs_out < N)
@@ -76,25 +81,32 @@ if triton is not None:
         tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def _plan(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps), from the H100 sweep over the 8B's projections: the
-    wide and the deep layers like 1024-input tiles and 8 warps, the 4096-square o_proj
-    512 and 4 (more programs per SM hide its shorter rows)."""
+def _plan(n: int, k: int, weight_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps), from the H100 sweep over the 8B's bf16 projections:
+    the wide and the deep layers like 1024-input tiles and 8 warps, the 4096-square o_proj
+    512 and 4 (more programs per SM hide its shorter rows). One-byte weights take tiles
+    twice as wide, the same bytes a load."""
+    widen = 2 if weight_bytes == 1 else 1
     if n >= 8192 or k >= 8192:
-        return 4, 1024, 8
-    return 4, 512, 4
+        return 4, 1024 * widen, 8
+    return 4, 512 * widen, 4
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
-    """x [1, K] @ weight [N, K]^T (+ bias [N]) -> [1, N] in `out_dtype` (default x's)."""
+         out_dtype: torch.dtype | None = None,
+         scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+    """x [1, K] @ weight [N, K]^T (+ bias [N]) -> [1, N] in `out_dtype` (default x's).
+    `scales` (x's [1, 1], the weight's [1, N]): x and weight are e4m3 codes (W8A8), their
+    product scaled back before the bias; `out_dtype` is then required."""
     n, k = weight.shape
-    block_n, block_k, warps = _plan(n, k)
+    block_n, block_k, warps = _plan(n, k, weight.element_size())
     out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
+    x_scale, w_scale = scales if scales is not None else (weight, weight)  # (unused then)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x.contiguous(), weight, weight if bias is None else bias, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, ROUND=out.dtype != x.dtype, SWIGLU=False,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3, **pdl.options(x.device, 1),
+        x.contiguous(), weight, weight if bias is None else bias, x_scale, w_scale, out, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, SCALED=scales is not None, EVEN_K=k % block_k == 0,
+        ROUND=scales is None and out.dtype != x.dtype, SWIGLU=False, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=3, **pdl.options(x.device, 1),
     )  # fmt: skip
     return out
 
@@ -105,11 +117,11 @@ def gemv_swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     gemv then silu_mul. A program's rows are gate and up rows in pairs, summed as gemv sums
     a row, and rounded to x's dtype before the activation."""
     two_n, k = gate_up.shape
-    block_n, block_k, warps = _plan(two_n, k)
+    block_n, block_k, warps = _plan(two_n, k, gate_up.element_size())
     out = torch.empty((1, two_n // 2), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(two_n, block_n),)](
-        x.contiguous(), gate_up, gate_up, out, two_n // 2, k, gate_up.stride(0), HAS_BIAS=False,
-        EVEN_K=k % block_k == 0, ROUND=False, SWIGLU=True, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=3, **pdl.options(x.device, 1),
+        x.contiguous(), gate_up, gate_up, gate_up, gate_up, out, two_n // 2, k, gate_up.stride(0), HAS_BIAS=False,
+        SCALED=False, EVEN_K=k % block_k == 0, ROUND=False, SWIGLU=True, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=3, **pdl.options(x.device, 1),
     )  # fmt: skip
     return out
