@@ -50,25 +50,27 @@ def final_results(ex: Executor, ids: list[int]) -> dict[int, Result]:
 
 
 def assert_same_up_to_a_near_tie(tokens: list[list[int]], want_tokens: list[list[int]], logits: list[np.ndarray],
-                                 want_logits: list[np.ndarray]) -> None:  # fmt: skip
+                                 want_logits: list[np.ndarray], near_tie: float = NEAR_TIE,
+                                 bound: float = 3e-2) -> None:  # fmt: skip
     """Each run's tokens equal the reference's up to a step where the reference's top two
-    logits are within NEAR_TIE, and the logits until then within bf16 rounding."""
+    logits are within `near_tie`, and the logits until then within `bound` (relative L2;
+    bf16 rounding by default)."""
     for got, want, got_logits, want_logit in zip(tokens, want_tokens, logits, want_logits, strict=True):
         same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(want))
         if same < len(want):  # past here the two runs decode different texts
             top2 = np.sort(want_logit[same])[-2:]
-            assert top2[1] - top2[0] < NEAR_TIE, (same, top2)
+            assert top2[1] - top2[0] < near_tie, (same, top2)
         upto = same + 1 if same < len(want) else same
         rel = np.linalg.norm(got_logits[:upto] - want_logit[:upto]) / np.linalg.norm(want_logit[:upto])
-        assert rel < 3e-2, rel
+        assert rel < bound, rel
 
 
-def _run(model: Path, tp: int, pp: int, dtype: str,
-         all_logits: bool = False) -> tuple[list[list[int]], list[np.ndarray]]:  # fmt: skip
+def _run(model: Path, tp: int, pp: int, dtype: str, all_logits: bool = False,
+         quantization: str | None = None) -> tuple[list[list[int]], list[np.ndarray]]:  # fmt: skip
     """Greedy tokens of every prompt, and the generation logits of the first (of all with
     `all_logits`). max_num_tokens 64 puts the long prompts in chunks beside generation."""
     config = ExecutorConfig(backend="torch", dtype=dtype, max_num_tokens=64, parallel_config=ParallelConfig(tp, pp),
-                            kv_cache_config=KvCacheConfig(max_tokens=4096))  # fmt: skip
+                            kv_cache_config=KvCacheConfig(max_tokens=4096), quantization=quantization)  # fmt: skip
     ex = Executor.from_model(model, config)
     try:
         greedy = SamplingConfig(temperature=0.0)
@@ -110,3 +112,17 @@ def test_bf16_parallel_greedy_equals_one_gpu_up_to_a_near_tie(tp: int, pp: int, 
     tokens, logits = _run(model, tp, pp, "bfloat16", all_logits=True)
     want_tokens, want_logits = _run(model, 1, 1, "bfloat16", all_logits=True)
     assert_same_up_to_a_near_tie(tokens, want_tokens, logits, want_logits)
+
+
+def test_fp8_tp2_greedy_equals_one_gpu_up_to_a_near_tie(tmp_path: Path) -> None:
+    """FP8 quantized on load, TP=2 against one GPU. A rank quantizes its own cut, so o and
+    down (cut along their inputs) get per-channel weight scales from half the inputs, and
+    their inputs per-token scales from half the row. An input near an e4m3 boundary then
+    rounds one step (6-12 %) apart, and the layers carry that on, as between the GPU and the
+    CPU in test_quant_gpu.py (0.15 there): bound 0.25 relative L2 as there (0.121 measured
+    on two H200s), near ties widened to 1.0. Tokens must agree up to such a tie. This runs
+    the fused norm / SwiGLU e4m3 outputs and the one-row FP8 GEMV on each rank's cut."""
+    model = make_checkpoint("llama_gqa", tmp_path / "llama_gqa")
+    tokens, logits = _run(model, 2, 1, "bfloat16", all_logits=True, quantization="fp8")
+    want_tokens, want_logits = _run(model, 1, 1, "bfloat16", all_logits=True, quantization="fp8")
+    assert_same_up_to_a_near_tie(tokens, want_tokens, logits, want_logits, near_tie=1.0, bound=0.25)
