@@ -39,6 +39,20 @@ def chunks_per_row(rows: int, vocab: int, num_sms: int) -> int:
 if triton is not None:
 
     @triton.jit  # type: ignore[misc,unused-ignore]
+    def _merge(best, best_at, total, V):  # type: ignore[no-untyped-def]
+        """(max, first index of the max (V: none), sum of exp(x - max)) of several
+        (max, index, sum) triples, lanes' or chunks'; a triple of -inf adds nothing."""
+        m = tl.max(best, axis=0)
+        at = tl.min(tl.where(best == m, best_at, V), axis=0)
+        s = tl.sum(tl.where(best > float("-inf"), total * tl.exp(best - m), 0.0), axis=0)
+        return m, at, s
+
+    @triton.jit  # type: ignore[misc,unused-ignore]
+    def _store_row(ids_ptr, lse_ptr, row, m, at, s, V):  # type: ignore[no-untyped-def]
+        tl.store(ids_ptr + row, tl.where(at == V, 0, at).to(tl.int64))
+        tl.store(lse_ptr + row, m + tl.log(s))
+
+    @triton.jit  # type: ignore[misc,unused-ignore]
     def _argmax_lse_kernel(  # type: ignore[no-untyped-def]
         logits_ptr, ids_ptr, lse_ptr, part_ptr, counts_ptr, V, stride_row, chunk,
         CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
@@ -60,12 +74,9 @@ if triton is not None:
             total = total * tl.exp(best - shift) + tl.exp(x - shift)
             best_at = tl.where(better, k0 + offs, best_at)
             best = new
-        m = tl.max(best, axis=0)
-        at = tl.min(tl.where(best == m, best_at, V), axis=0)
-        s = tl.sum(tl.where(best > float("-inf"), total * tl.exp(best - m), 0.0), axis=0)
+        m, at, s = _merge(best, best_at, total, V)
         if CHUNKS == 1:
-            tl.store(ids_ptr + row, tl.where(at == V, 0, at).to(tl.int64))
-            tl.store(lse_ptr + row, m + tl.log(s))
+            _store_row(ids_ptr, lse_ptr, row, m, at, s, V)
         else:
             part = part_ptr + (row * CHUNKS + c) * 3
             tl.store(part, m)
@@ -78,11 +89,8 @@ if triton is not None:
                 ms = tl.load(parts, cache_modifier=".cg")
                 ats = tl.load(parts + 1, cache_modifier=".cg").to(tl.int32, bitcast=True)
                 ss = tl.load(parts + 2, cache_modifier=".cg")
-                m = tl.max(ms, axis=0)
-                at = tl.min(tl.where(ms == m, ats, V), axis=0)
-                s = tl.sum(tl.where(ms > float("-inf"), ss * tl.exp(ms - m), 0.0), axis=0)
-                tl.store(ids_ptr + row, tl.where(at == V, 0, at).to(tl.int64))
-                tl.store(lse_ptr + row, m + tl.log(s))
+                m, at, s = _merge(ms, ats, ss, V)
+                _store_row(ids_ptr, lse_ptr, row, m, at, s, V)
                 tl.store(counts_ptr + row, 0)
 
 

@@ -234,16 +234,23 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 if triton is not None:
 
     @triton.jit  # type: ignore[misc,unused-ignore]
+    def store_fp8_row(y, q_ptrs, s_ptr, ok):  # type: ignore[no-untyped-def]
+        """A row's per-token e4m3 codes and scale (row amax / 448), from float32 values
+        in registers: the row quantization of every FP8 projection's input, here and in
+        the norm / SwiGLU kernels that write it beside their output (torch_ops.py)."""
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
+        q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+        tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=ok)
+        tl.store(s_ptr, scale)
+
+    @triton.jit  # type: ignore[misc,unused-ignore]
     def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         # One row per program, read once: amax, scale and cast from registers.
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < K
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
-        q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
-        tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + row, scale)
+        store_fp8_row(x, q_ptr + row * K + offs, s_ptr + row, mask)
 
     @triton.jit  # type: ignore[misc,unused-ignore]
     def _w4a16_kernel(  # type: ignore[no-untyped-def]

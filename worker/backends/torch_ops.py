@@ -91,6 +91,7 @@ def rope_and_cache_torch(
 
 if triton is not None:
     from worker.backends.pdl import wait as pdl_wait
+    from worker.backends.quant_linear import store_fp8_row
 
     @triton.jit
     def _add_rmsnorm_kernel(  # type: ignore[no-untyped-def]
@@ -113,15 +114,7 @@ if triton is not None:
         out = (y * w).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_o + offs, out, mask=ok)
         if QUANT:
-            _store_fp8_row(out.to(tl.float32), q_ptr + row * n_cols + offs, s_ptr + row, ok)
-
-    @triton.jit
-    def _store_fp8_row(y, q_ptrs, s_ptr, ok):  # type: ignore[no-untyped-def]
-        # A row's per-token e4m3 codes and scale, as quant_linear.quantize_rows_fp8 makes them.
-        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
-        q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
-        tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=ok)
-        tl.store(s_ptr, scale)
+            store_fp8_row(out.to(tl.float32), q_ptr + row * n_cols + offs, s_ptr + row, ok)
 
     @triton.jit
     def _silu_mul_kernel(  # type: ignore[no-untyped-def]
@@ -138,7 +131,7 @@ if triton is not None:
         y = (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_o + offs, y, mask=ok)
         if QUANT:
-            _store_fp8_row(y.to(tl.float32), q_ptr + row * n_cols + offs, s_ptr + row, ok)
+            store_fp8_row(y.to(tl.float32), q_ptr + row * n_cols + offs, s_ptr + row, ok)
 
     @triton.jit
     def _rope_cache_kernel(  # type: ignore[no-untyped-def]
@@ -204,7 +197,7 @@ def _add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                  quantize: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     n_rows, n_cols = x.shape
     out = torch.empty_like(x)
-    q, scale = _fp8_rows(n_rows, n_cols, x.device) if quantize else (None, None)
+    q, scale = _empty_fp8_rows(n_rows, n_cols, x.device) if quantize else (None, None)
     res = residual if residual is not None else x
     block = triton.next_power_of_2(n_cols)
     _add_rmsnorm_kernel[(n_rows,)](
@@ -215,7 +208,7 @@ def _add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return out, q, scale
 
 
-def _fp8_rows(n_rows: int, n_cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _empty_fp8_rows(n_rows: int, n_cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.empty((n_rows, n_cols), dtype=torch.float8_e4m3fn, device=device),
             torch.empty((n_rows, 1), dtype=torch.float32, device=device))  # fmt: skip
 
@@ -234,7 +227,7 @@ def silu_mul_fp8_triton(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 def _silu_mul(gate_up: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     n_rows, n_cols = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((n_rows, n_cols), dtype=gate_up.dtype, device=gate_up.device)
-    q, scale = _fp8_rows(n_rows, n_cols, gate_up.device) if quantize else (None, None)
+    q, scale = _empty_fp8_rows(n_rows, n_cols, gate_up.device) if quantize else (None, None)
     block = triton.next_power_of_2(n_cols) if quantize else 1024
     _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](
         gate_up, out, out if q is None else q, out if scale is None else scale, n_cols, gate_up.stride(0),
