@@ -47,10 +47,12 @@ def tile_map(query_start: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndar
 # Keys per loop iteration: several cache blocks at once, so each program keeps
 # enough bytes in flight (one 16-token block per step starves the memory system).
 KEYS_PER_ITER = 64
-# A decode step over an e4m3 cache: twice the keys and a third stage. On an H100, 380
-# sequences at context 1536 took 628 us a layer with bf16's 64 keys and two stages, 512 us
-# so (at context 192, 132 against 128 us).
-FP8_DECODE_KEYS_PER_ITER, FP8_DECODE_STAGES = 128, 3
+# A decode step over an e4m3 cache: a third stage, and at most 128 registers a thread, so
+# four programs fit an SM where three did (168 registers; ncu: 19 % occupancy, half the
+# cycles with no warp ready). On an H100 a layer at 380 sequences x context 1536 took 471 us
+# against 519 us with 128 keys, three stages and no cap, and 194 against 253 us at 1024 x 192
+# (bench/results/attention_fp8_occupancy_h100_2026-11-27.txt).
+FP8_DECODE_KEYS_PER_ITER, FP8_DECODE_STAGES, FP8_DECODE_MAX_REGISTERS = 64, 3, 128
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
@@ -62,6 +64,8 @@ def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
 if triton is not None:
     from worker.backends.pdl import wait as pdl_wait
 
+    _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
     @triton.jit
     def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, block_tables_ptr, query_start_ptr,
@@ -69,7 +73,8 @@ if triton is not None:
         stride_kh, stride_ot, stride_oh, stride_bt,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-        NUM_HEADS: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+        NUM_HEADS: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, COMPUTE: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         pdl_wait(PDL)
         tile = tl.program_id(0)
@@ -92,7 +97,7 @@ if triton is not None:
         d_ok = offs_d < HEAD_DIM
 
         q_rows = (q_begin + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh
-        q = tl.load(q_ptr + q_rows + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(q_ptr + q_rows + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(COMPUTE)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -116,7 +121,7 @@ if triton is not None:
             phys = tl.load(table_row + k_pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
             kv_off = (phys * stride_kb + (k_pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh)[:, None]
             kv_mask = in_seq[:, None] & d_ok[None, :]
-            # An e4m3 cache widens to the queries' dtype in registers (a no-op for bf16).
+            # An e4m3 cache widens to the compute dtype in registers (a no-op for bf16).
             k = tl.load(k_cache_ptr + kv_off + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
             v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
@@ -212,8 +217,11 @@ def paged_attention_triton(
     block_m = max(16, triton.next_power_of_2(block_q * group))
     block_d = triton.next_power_of_2(head_dim)
     grid = (tile_seq.shape[0], num_kv_heads, splits)
-    fp8_decode = k_cache.element_size() == 1 and block_q == 1
-    keys, stages = (FP8_DECODE_KEYS_PER_ITER, FP8_DECODE_STAGES) if fp8_decode else (KEYS_PER_ITER, 2)
+    fp8 = k_cache.element_size() == 1
+    keys, stages, launch = KEYS_PER_ITER, 2, pdl.options(q.device, num_tokens)
+    if fp8 and block_q == 1:
+        keys, stages = FP8_DECODE_KEYS_PER_ITER, FP8_DECODE_STAGES
+        launch["maxnreg"] = FP8_DECODE_MAX_REGISTERS
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_ml, block_tables, query_start, seq_lens, tile_seq, tile_q0,
         scale, sliding_window or 0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -221,9 +229,14 @@ def paged_attention_triton(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=max(keys, block_size), SPLITS=splits, NUM_HEADS=num_heads,
         USE_WINDOW=bool(sliding_window),
+        # An e4m3 cache is read as fp16: e4m3 widens to fp16 in one packed instruction a pair (to
+        # bf16 through float32, an instruction an element), and fp16 holds the queries and
+        # probabilities at least as well as bf16. It is what lets the capped registers pay (above),
+        # and a prefill tile over an e4m3 cache took 348 against 402 us (32 x 512 tokens).
+        COMPUTE=tl.float16 if fp8 and q.dtype != torch.float32 else _TL_DTYPE[q.dtype],
         # float32 caches (parity runs) get full-precision dots, not TF32.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_m <= 64 else 8, num_stages=stages, **pdl.options(q.device, num_tokens),
+        num_warps=4 if block_m <= 64 else 8, num_stages=stages, **launch,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
