@@ -82,7 +82,7 @@ def test_kernel_matches_reference(heads: int, kv_heads: int, head_dim: int, deco
 
 @pytest.mark.parametrize("decode", [True, False])
 def test_kernel_over_an_fp8_cache_matches_reference(decode: bool) -> None:
-    # decode steps take their own tile and pipeline depth over an e4m3 cache (FP8_DECODE_*)
+    # decode steps take their own pipeline depth and register cap over an e4m3 cache (FP8_DECODE_*)
     for seed in range(4):
         check_case(seed + 20, 32, 8, 128, 16 if seed % 2 else 32, decode, None, torch.bfloat16,
                    4 if decode and seed > 1 else 1, torch.float8_e4m3fn)  # fmt: skip

@@ -50,9 +50,10 @@ KEYS_PER_ITER = 64
 # A decode step over an e4m3 cache: a third stage, and at most 128 registers a thread, so
 # four programs fit an SM where three did (168 registers; ncu: 19 % occupancy, half the
 # cycles with no warp ready). On an H100 a layer at 380 sequences x context 1536 took 471 us
-# against 519 us with 128 keys, three stages and no cap, and 194 against 253 us at 1024 x 192
+# against 519 us with 128 keys, three stages and no cap, and 194 against 253 us at 1024 x 192;
+# other tiles, stages, caps and warp counts were no faster
 # (bench/results/attention_fp8_occupancy_h100_2026-11-27.txt).
-FP8_DECODE_KEYS_PER_ITER, FP8_DECODE_STAGES, FP8_DECODE_MAX_REGISTERS = 64, 3, 128
+FP8_DECODE_STAGES, FP8_DECODE_MAX_REGISTERS = 3, 128
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
@@ -218,16 +219,15 @@ def paged_attention_triton(
     block_d = triton.next_power_of_2(head_dim)
     grid = (tile_seq.shape[0], num_kv_heads, splits)
     fp8 = k_cache.element_size() == 1
-    keys, stages, launch = KEYS_PER_ITER, 2, pdl.options(q.device, num_tokens)
+    stages, launch = 2, pdl.options(q.device, num_tokens)
     if fp8 and block_q == 1:
-        keys, stages = FP8_DECODE_KEYS_PER_ITER, FP8_DECODE_STAGES
-        launch["maxnreg"] = FP8_DECODE_MAX_REGISTERS
+        stages, launch["maxnreg"] = FP8_DECODE_STAGES, FP8_DECODE_MAX_REGISTERS
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_ml, block_tables, query_start, seq_lens, tile_seq, tile_q0,
         scale, sliding_window or 0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCK_N=max(keys, block_size), SPLITS=splits, NUM_HEADS=num_heads,
+        BLOCK_SIZE=block_size, BLOCK_N=max(KEYS_PER_ITER, block_size), SPLITS=splits, NUM_HEADS=num_heads,
         USE_WINDOW=bool(sliding_window),
         # An e4m3 cache is read as fp16: e4m3 widens to fp16 in one packed instruction a pair (to
         # bf16 through float32, an instruction an element), and fp16 holds the queries and
