@@ -333,6 +333,11 @@ def dump_iterations(stats: list[Any]) -> None:
             json.dump([asdict(s) for s in stats], f, default=str)
 
 
+def preemptions(executor: Any, since: int) -> int:
+    """Sequences the scheduler sent back to recompute since the count was `since` (MAX_UTILIZATION only)."""
+    return int(executor.core.scheduler.num_preemptions - since)
+
+
 def mean_decode_batch(stats: list[Any]) -> float:
     gen = [s.num_generation_requests for s in stats if s.num_generation_requests]
     return float(np.mean(gen)) if gen else math.nan
@@ -353,18 +358,26 @@ def bench_tokenwire(args: argparse.Namespace, cfg: Any, weights: dict[str, torch
     return rows
 
 
-def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: list[tuple[int, int, int, int]],
-                   roof: Roofline) -> list[Row]:  # fmt: skip
-    """The executor over `backend` (a TorchBackend, or tensor-parallel rank 0's backend)."""
-    from worker.executor import EngineCore, Executor, ExecutorConfig, KvCacheConfig
+def executor_config(args: argparse.Namespace, kv_cache_dtype: str | None) -> Any:
+    """The executor configuration every offline workload runs under (this bench and quant_bench)."""
+    from worker.executor import CapacitySchedulerPolicy, ExecutorConfig, KvCacheConfig, SchedulerConfig
 
-    config = ExecutorConfig(
+    return ExecutorConfig(
         max_batch_size=args.max_batch,
         max_num_tokens=args.max_num_tokens,
         kv_cache_config=KvCacheConfig(tokens_per_block=args.block_size, free_memory_fraction=0.9,
-                                      enable_block_reuse=False, dtype=args.kv_cache_dtype),
+                                      enable_block_reuse=False, dtype=kv_cache_dtype),
+        scheduler_config=SchedulerConfig(CapacitySchedulerPolicy(args.scheduler_policy)),
         iteration_stats_max=1_000_000,
     )  # fmt: skip
+
+
+def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: list[tuple[int, int, int, int]],
+                   roof: Roofline) -> list[Row]:  # fmt: skip
+    """The executor over `backend` (a TorchBackend, or tensor-parallel rank 0's backend)."""
+    from worker.executor import EngineCore, Executor
+
+    config = executor_config(args, args.kv_cache_dtype)
     t0 = time.perf_counter()
     # --direct and the host timer drive one backend
     single_device = getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1) == 1
@@ -393,6 +406,7 @@ def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: 
     for prompt, output, n, _ in workloads:
         name = f"{prompt}/{output}"
         executor.get_latest_iteration_stats()  # drains: what follows is this run's alone
+        preempted = executor.core.scheduler.num_preemptions
         if timer is not None:
             timer.take()
         seconds, tokens = run_executor_offline(executor, prompts_for(n, prompt, cfg.vocab_size, 1), output)
@@ -406,7 +420,8 @@ def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: 
             dump_iterations(stats)
         ttft, tpot = run_executor_single(executor, prompts_for(1, prompt, cfg.vocab_size, 2)[0], output)
         row = Row(name, n, seconds, tokens, ttft_ms=ttft, tpot_ms=tpot, mean_batch=batch)
-        row.extra = {**summary, **host, "kv_tokens": kv_tokens, "max_batch": args.max_batch}
+        row.extra = {**summary, **host, "kv_tokens": kv_tokens, "max_batch": args.max_batch,
+                     "preemptions": preemptions(executor, since=preempted)}  # fmt: skip
         # The most sequences that fit at once: the batch limit, or our KV cache at full length.
         concurrency = min(args.max_batch, n, kv_tokens // (prompt + output))
         row.roofline_tok_s = roof.offline_tok_s(prompt, output, n, concurrency)
@@ -797,6 +812,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", default="", help="comma-separated prompt/output pairs to run, e.g. 128/128")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every request count")
     p.add_argument("--max-batch", type=int, default=512)
+    p.add_argument("--scheduler-policy", default="guaranteed_no_evict",
+                   choices=["guaranteed_no_evict", "max_utilization"],
+                   help="the capacity scheduler policy (TensorRT-LLM's default, or admit on current length and "
+                        "preempt by recompute); the roofline models the guaranteed schedule either way")  # fmt: skip
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=32)

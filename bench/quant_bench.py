@@ -36,10 +36,12 @@ from bench.gpu_bench import (
     TINY,
     Roofline,
     environment,
+    executor_config,
     log,
     mean_decode_batch,
     measure_bandwidth,
     measure_gemm,
+    preemptions,
     profile_steps,
     prompts_for,
     random_weights,
@@ -158,7 +160,7 @@ def int4_gemv_rows(cfg: Any, bandwidth: float, device: torch.device) -> list[dic
 def _engine(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.Tensor], device: torch.device,
             kv_cache_dtype: str | None) -> Any:  # fmt: skip
     from worker.backends.torch_backend import TorchBackend
-    from worker.executor import EngineCore, Executor, ExecutorConfig, KvCacheConfig
+    from worker.executor import EngineCore, Executor
 
     t0 = time.perf_counter()
     backend = TorchBackend(cfg, device, "bfloat16", weights=weights, max_num_tokens=args.max_num_tokens,
@@ -167,14 +169,7 @@ def _engine(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.Tensor]
     sync(device)
     log(f"{args.quantization} model built (quantized on the GPU) in {time.perf_counter() - t0:.1f} s, "
         f"{torch.cuda.memory_allocated(device) / 1e9 if device.type == 'cuda' else 0:.1f} GB allocated")  # fmt: skip
-    config = ExecutorConfig(
-        max_batch_size=args.max_batch,
-        max_num_tokens=args.max_num_tokens,
-        kv_cache_config=KvCacheConfig(tokens_per_block=args.block_size, free_memory_fraction=0.9,
-                                      enable_block_reuse=False, dtype=kv_cache_dtype),
-        iteration_stats_max=1_000_000,
-    )  # fmt: skip
-    executor = Executor(EngineCore(backend, config))
+    executor = Executor(EngineCore(backend, executor_config(args, kv_cache_dtype)))
     if backend._graphs is not None:
         backend._graphs.capture_all()
     run_executor_offline(executor, prompts_for(4, 64, cfg.vocab_size, 99), 8)  # warm-up: Triton compiles
@@ -184,6 +179,7 @@ def _engine(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.Tensor]
 def _offline(executor: Any, cfg: Any, prompt: int, output: int, n: int, roof: Roofline, batch_limit: int,
              block_size: int) -> dict[str, Any]:  # fmt: skip
     executor.get_latest_iteration_stats()
+    preempted = executor.core.scheduler.num_preemptions
     seconds, tokens = run_executor_offline(executor, prompts_for(n, prompt, cfg.vocab_size, 1), output)
     if tokens != n * output:
         raise RuntimeError(f"{prompt}/{output}: {tokens} output tokens, expected {n * output}")
@@ -193,6 +189,7 @@ def _offline(executor: Any, cfg: Any, prompt: int, output: int, n: int, roof: Ro
         "workload": f"{prompt}/{output}", "requests": n, "tok_s": round(tokens / seconds),
         "roofline_tok_s": round(roof.offline_tok_s(prompt, output, n, concurrency)),
         "mean_batch": round(mean_decode_batch(executor.get_latest_iteration_stats()), 1), "kv_tokens": kv_tokens,
+        "preemptions": preemptions(executor, since=preempted),
     }  # fmt: skip
     goal = GOALS_TOK_S.get(row["workload"])
     if goal:
