@@ -87,6 +87,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=POSITIVE_INT, default=None,
                    help="the largest LoRA rank accepted (default: the executor's, 64)")
     p.add_argument("--max-batch-size", type=POSITIVE_INT, default=64)
+    p.add_argument(
+        "--scheduler-policy",
+        default="guaranteed_no_evict",
+        choices=["guaranteed_no_evict", "max_utilization"],
+        help="admit a request when the KV cache holds it at its longest (never preempts; the default), or when "
+        "it holds it now, preempting the newest by recompute when the cache fills: more throughput on long "
+        "outputs (bf16 1000/1000 on an H100: +12 %%), later tokens for the preempted",
+    )
     p.add_argument("--max-num-tokens", type=POSITIVE_INT, default=2048)
     p.add_argument("--max-beam-width", type=POSITIVE_INT, default=4, help="widest beam search accepted")
     p.add_argument("--kv-tokens", type=POSITIVE_INT, default=None, help="KV cache size in tokens (default: by memory)")
@@ -204,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size,
         max_num_tokens=args.max_num_tokens,
         max_beam_width=args.max_beam_width,
+        scheduler_policy=args.scheduler_policy,
         kv_tokens=args.kv_tokens,
         logits_post_processors=tuple(args.logits_post_processor),
         backend=args.backend,

@@ -86,6 +86,7 @@ class EngineConfig:
     # LoRA is on (device slots set aside before the KV cache is sized) when either is given.
     lora_adapters: tuple[tuple[str, str], ...] = ()
     peft_cache_config: ex.PeftCacheConfig | None = None
+    scheduler_policy: str = "guaranteed_no_evict"  # a CapacitySchedulerPolicy's value
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +245,14 @@ def _widen(pipe: Connection) -> None:
 
 
 def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
-    from worker.executor import EngineCore, ExecutorConfig, KvCacheConfig, ParallelConfig
+    from worker.executor import (
+        CapacitySchedulerPolicy,
+        EngineCore,
+        ExecutorConfig,
+        KvCacheConfig,
+        ParallelConfig,
+        SchedulerConfig,
+    )
     from worker.models.default_model import resolve_model
 
     path = Path(config.model) if Path(config.model).exists() else resolve_model(config.model)
@@ -262,6 +270,7 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
         quantization=config.quantization,
         lora_adapters=dict(config.lora_adapters),
         peft_cache_config=config.peft_cache_config,
+        scheduler_config=SchedulerConfig(CapacitySchedulerPolicy(config.scheduler_policy)),
     )
     block = executor_config.kv_cache_config.tokens_per_block
     if config.kv_tokens is not None and config.kv_tokens < block:
