@@ -18,6 +18,7 @@ Needs only torch, triton, numpy, safetensors, tokenizers and transformers.
 from __future__ import annotations
 
 import argparse
+import bisect
 import datetime
 import gc
 import json
@@ -175,6 +176,47 @@ class Roofline:
 
         decode = full * wave(min(batch, requests)) + (wave(rest) if rest else 0.0)
         return requests * output / (prefill + decode)
+
+    def max_utilization_tok_s(self, prompt: int, output: int, requests: int, batch: int, kv_tokens: int) -> float:
+        """Best output tokens/s under MAX_UTILIZATION: step by step, the oldest waiting sequences
+        admitted while the cache holds their tokens now (at most `batch` running), the newest
+        running one dropped when the next step's tokens do not fit, and recomputed (prompt and
+        generated tokens) when admitted again; each step at its floor, block rounding ignored."""
+        waiting = [(i, 0) for i in range(requests)]  # (arrival, tokens generated), oldest first
+        running: list[list[int]] = []  # [arrival, tokens in the cache, tokens generated]
+        seconds, done = 0.0, 0
+        while done < requests:
+            held = sum(s[1] + 1 for s in running)  # each decodes one token this step
+            admitted: list[list[int]] = []
+            while waiting and len(running) + len(admitted) < batch:
+                arrival, generated = waiting[0]
+                if held + prompt + generated > kv_tokens:
+                    break
+                waiting.pop(0)
+                admitted.append([arrival, prompt + generated, generated + 1])  # its prefill samples a token
+                held += prompt + generated
+            computed = sum(s[1] for s in admitted)
+            seconds += self.step_floor(len(running) + computed, len(running) + len(admitted),
+                                       sum(s[1] + 1 for s in running) + sum(s[1] ** 2 / 2 for s in admitted),
+                                       sum(s[1] + 1 for s in running))  # fmt: skip
+            for s in running:
+                s[1] += 1
+                s[2] += 1
+            running = sorted(running + admitted)
+            done += sum(1 for s in running if s[2] == output)
+            running = [s for s in running if s[2] < output]
+            while running and sum(s[1] + 1 for s in running) > kv_tokens:
+                arrival, _, generated = running.pop()  # the newest
+                bisect.insort(waiting, (arrival, generated))
+        return requests * output / seconds
+
+    def for_schedule(self, prompt: int, output: int, requests: int, max_batch: int, kv_tokens: int,
+                     policy: str) -> float:  # fmt: skip
+        """Best output tokens/s of an offline workload under the capacity scheduler `policy`."""
+        if policy == "max_utilization":
+            return self.max_utilization_tok_s(prompt, output, requests, max_batch, kv_tokens)
+        # GUARANTEED_NO_EVICT: as many at once as the cache holds at full length
+        return self.offline_tok_s(prompt, output, requests, min(max_batch, requests, kv_tokens // (prompt + output)))
 
 
 def roofline_for(cfg: Any, bandwidth: float, flops: float, dtype_bytes: int, stages: int = 1,
@@ -422,9 +464,7 @@ def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: 
         row = Row(name, n, seconds, tokens, ttft_ms=ttft, tpot_ms=tpot, mean_batch=batch)
         row.extra = {**summary, **host, "kv_tokens": kv_tokens, "max_batch": args.max_batch,
                      "preemptions": preemptions(executor, since=preempted)}  # fmt: skip
-        # The most sequences that fit at once: the batch limit, or our KV cache at full length.
-        concurrency = min(args.max_batch, n, kv_tokens // (prompt + output))
-        row.roofline_tok_s = roof.offline_tok_s(prompt, output, n, concurrency)
+        row.roofline_tok_s = roof.for_schedule(prompt, output, n, args.max_batch, kv_tokens, args.scheduler_policy)
         row.extra["tpot_floor_ms"] = roof.decode_floor(prompt + output // 2) * 1e3
         log(f"tokenwire {name}: {row.tok_s:,.0f} tok/s (mean decode batch {batch:.0f}), "
             f"TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms; iterations {row.extra}")  # fmt: skip
@@ -748,6 +788,7 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
             "pipeline_parallel_size": args.pipeline_parallel_size,
             "quantization": args.quantization,
             "kv_cache_dtype": args.kv_cache_dtype,
+            "scheduler_policy": args.scheduler_policy,
             "dtype": args.dtype,
             "rows": [asdict(r) | {"tok_s": r.tok_s, "hf_tok_s": r.hf_tok_s} for r in rows],
         }
@@ -796,7 +837,8 @@ def table_from_json(path: str) -> tuple[list[str], list[list[str]]]:
         kv_tokens = int(row.extra.get("kv_tokens", 13773 * 32))
         n = row.requests
         max_batch = int(row.extra.get("max_batch", 512))  # runs saved before it was recorded ran at 512
-        row.roofline_tok_s = roof.offline_tok_s(prompt, output, n, min(max_batch, n, kv_tokens // (prompt + output)))
+        row.roofline_tok_s = roof.for_schedule(prompt, output, n, max_batch, kv_tokens,
+                                               saved.get("scheduler_policy", "guaranteed_no_evict"))  # fmt: skip
     env = saved["environment"]
     print(f"{env.get('gpu', 'cpu')} | torch {env['torch']} | triton {env['triton']} | transformers "
           f"{env['transformers']} | {env['date']}")  # fmt: skip
@@ -814,8 +856,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=512)
     p.add_argument("--scheduler-policy", default="guaranteed_no_evict",
                    choices=["guaranteed_no_evict", "max_utilization"],
-                   help="the capacity scheduler policy (TensorRT-LLM's default, or admit on current length and "
-                        "preempt by recompute); the roofline models the guaranteed schedule either way")  # fmt: skip
+                   help="the capacity scheduler policy (TensorRT-LLM's default, or admit on current length "
+                        "and preempt by recompute); the roofline is that policy's schedule at the floor")  # fmt: skip
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=32)

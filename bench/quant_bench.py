@@ -177,17 +177,16 @@ def _engine(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.Tensor]
 
 
 def _offline(executor: Any, cfg: Any, prompt: int, output: int, n: int, roof: Roofline, batch_limit: int,
-             block_size: int) -> dict[str, Any]:  # fmt: skip
+             block_size: int, policy: str) -> dict[str, Any]:  # fmt: skip
     executor.get_latest_iteration_stats()
     preempted = executor.core.scheduler.num_preemptions
     seconds, tokens = run_executor_offline(executor, prompts_for(n, prompt, cfg.vocab_size, 1), output)
     if tokens != n * output:
         raise RuntimeError(f"{prompt}/{output}: {tokens} output tokens, expected {n * output}")
     kv_tokens = executor.core.blocks.num_blocks * block_size
-    concurrency = min(batch_limit, n, kv_tokens // (prompt + output))
     row = {
         "workload": f"{prompt}/{output}", "requests": n, "tok_s": round(tokens / seconds),
-        "roofline_tok_s": round(roof.offline_tok_s(prompt, output, n, concurrency)),
+        "roofline_tok_s": round(roof.for_schedule(prompt, output, n, batch_limit, kv_tokens, policy)),
         "mean_batch": round(mean_decode_batch(executor.get_latest_iteration_stats()), 1), "kv_tokens": kv_tokens,
         "preemptions": preemptions(executor, since=preempted),
     }  # fmt: skip
@@ -228,7 +227,7 @@ def run_quantized(args: argparse.Namespace) -> list[dict[str, Any]]:
                 f"{roof.decode_floor(0) * 1e3:.2f} ms")  # fmt: skip
         for prompt, output, n in workloads if args.quantization == "fp8" else []:
             row = _offline(executor, cfg, prompt, output, max(1, int(n * args.scale)), roof, args.max_batch,
-                           args.block_size)  # fmt: skip
+                           args.block_size, args.scheduler_policy)  # fmt: skip
             row["kv_cache"] = kv or "bf16"
             rows.append(row)
             log(f"{args.quantization} weights, {row['kv_cache']} KV: {row}")
