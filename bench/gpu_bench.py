@@ -195,6 +195,8 @@ class Roofline:
                 waiting.pop(0)
                 admitted.append([arrival, prompt + generated, generated + 1])  # its prefill samples a token
                 held += prompt + generated
+            if not running and not admitted:
+                raise ValueError(f"a request's {prompt + waiting[0][1]} tokens do not fit a {kv_tokens}-token cache")
             computed = sum(s[1] for s in admitted)
             seconds += self.step_floor(len(running) + computed, len(running) + len(admitted),
                                        sum(s[1] + 1 for s in running) + sum(s[1] ** 2 / 2 for s in admitted),

@@ -38,3 +38,8 @@ def test_max_utilization_runs_more_at_once_on_long_outputs() -> None:
     roof = roofline_for(ModelConfig.from_hf(LLAMA_8B), 3.0e12, 800e12, 2)
     guaranteed = roof.for_schedule(1000, 1000, 256, 512, 430_720, "guaranteed_no_evict")
     assert roof.for_schedule(1000, 1000, 256, 512, 430_720, "max_utilization") > 1.05 * guaranteed
+
+
+def test_a_request_the_cache_cannot_hold_is_refused() -> None:
+    with pytest.raises(ValueError, match="a request's 8 tokens do not fit a 6-token cache"):
+        one_second_steps().for_schedule(8, 4, 2, 2, 6, "max_utilization")
