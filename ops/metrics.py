@@ -174,6 +174,11 @@ class WorkerMetrics(_Metrics):
                                     registry=self.registry)
         self.accepted_draft_tokens = Counter("tokenwire_worker_accepted_draft_tokens",
                                              "Draft tokens accepted (speculative decoding)", registry=self.registry)
+        # Under --scheduler-policy max_utilization: how often a full KV cache cost a sequence its
+        # cache (it recomputes its tokens later); always 0 under guaranteed_no_evict.
+        self.preemptions = Counter("tokenwire_worker_preemptions",
+                                   "Sequences preempted to make room in the KV cache (recomputed later)",
+                                   registry=self.registry)  # fmt: skip
 
     def watch(
         self,
@@ -205,6 +210,10 @@ class WorkerMetrics(_Metrics):
     def finished(self, key: object, how: str) -> None:
         self.requests.labels(self.model, how).inc()
         self.streams.end(key)
+
+    def preempted(self, sequences: int) -> None:
+        if sequences:
+            self.preemptions.inc(sequences)
 
     def speculated(self, drafted: int, accepted: int) -> None:
         if drafted:

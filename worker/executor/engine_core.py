@@ -947,6 +947,7 @@ class EngineCore:
             reused_blocks=self.blocks.reused_blocks,
             num_draft_tokens=self._num_drafted,
             num_accepted_draft_tokens=self._num_accepted,
+            num_preempted=len(batch.preempted),
         ))
         if self.config.request_stats_max_iterations > 0:
             for entry in self._entries.values():

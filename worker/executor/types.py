@@ -337,6 +337,9 @@ class IterationStats:
     # Speculative decoding in this step: tokens proposed, and how many were accepted.
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    # Sequences whose KV this step's schedule dropped to make room (MAX_UTILIZATION): they
+    # recompute their tokens when admitted again.
+    num_preempted: int = 0
 
 
 @dataclass(slots=True)

@@ -637,6 +637,7 @@ class WorkerService:
         for s in step.request_stats:
             exec_stats[s.request_id] = s
             self.metrics.speculated(s.num_draft_tokens, s.num_accepted_draft_tokens)
+        self.metrics.preempted(sum(it.num_preempted for it in step.iteration_stats))
         if finished:
             for entry, wire in finished:
                 self._record_finished(entry, wire, exec_stats.pop(entry.exec_id, None))

@@ -218,7 +218,8 @@ def test_kv_invariants_under_random_load_with_cancels_preemption_and_reuse(
 
     # A cache of 40 blocks (160 tokens) for up to 64 concurrent requests.
     tight = config(kv=KvCacheConfig(tokens_per_block=4, max_tokens=160), overlap_scheduling=overlap,
-                   scheduler_config=SchedulerConfig(capacity_scheduler_policy=policy))
+                   scheduler_config=SchedulerConfig(capacity_scheduler_policy=policy),
+                   iteration_stats_max=1_000_000)  # every step's record: their preemptions are summed
     with Executor.from_model(tiny_llama, tight) as ex:
         cancel = set(rng.sample(range(len(requests)), 30))
         ids = ex.enqueue_requests(requests)
@@ -248,3 +249,4 @@ def test_kv_invariants_under_random_load_with_cancels_preemption_and_reuse(
         assert preemptions > 0, "the tight cache never forced a preemption"
     else:
         assert preemptions == 0
+    assert sum(s.num_preempted for s in stats) == preemptions  # what the iteration stats report
