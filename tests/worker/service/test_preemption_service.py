@@ -9,22 +9,14 @@ from pathlib import Path
 
 import protocol
 from tests.integration.test_metrics import scrape, value
-from tests.procs import HEARTBEAT_S, Stack, free_port
-from tests.worker.service.test_worker_service import FakeGateway
-from worker.executor import EngineCore, ExecutorConfig, Request
+from tests.procs import Stack, free_port
+from tests.worker.service.test_worker_service import FakeGateway, greedy_tokens
 
 
 def test_worker_preempts_under_max_utilization_and_loses_no_token(long_model: Path, redis_server,
                                                                   tmp_path: Path) -> None:  # fmt: skip
     prompts = {f"r{i}": [11 + i, 12 + i, 13 + i] * 7 for i in range(3)}  # 21 tokens: one block of 32 each
-    core = EngineCore.from_model(long_model, ExecutorConfig(backend="numpy"))
-    core.add_requests((i, Request(input_token_ids=p, max_tokens=40, end_id=-1)) for i, p in enumerate(prompts.values()))
-    want: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    while core.has_work:
-        for r in core.step().all_responses():
-            assert r.result is not None
-            want[r.request_id] += r.result.output_token_ids[0]
-    expected = dict(zip(prompts, want.values(), strict=True))
+    expected = greedy_tokens(long_model, prompts, 40)
 
     s = Stack(long_model, redis_server.url, tmp_path)
     port = free_port()
@@ -32,15 +24,12 @@ def test_worker_preempts_under_max_utilization_and_loses_no_token(long_model: Pa
         # 3 blocks of 32 tokens: the three prompts at once, but each needs a second block past 32 tokens.
         w = s.worker("--scheduler-policy", "max_utilization", "--kv-tokens", "96", "--metrics-port", str(port))
         w.wait_log("redis: connected")
-        gw = FakeGateway(w.endpoint)
-        gw.send(protocol.Hello(sender_id="fake-gw", role="gateway", heartbeat_interval_s=HEARTBEAT_S))
-        gw.recv_until(lambda: any(isinstance(m, protocol.Ready) for m in gw.messages))
+        gw = FakeGateway.greeted(w.endpoint)
         for name, prompt in prompts.items():
             gw.send(protocol.Submit(request_id=name, input_token_ids=prompt, max_tokens=40, end_id=-1, streaming=True))
         gw.recv_until(lambda: all(gw.final(name) for name in prompts))
         for name in prompts:
-            results = [r.result for r in gw.responses(name)]
-            assert [t for r in results if r is not None for t in r.output_token_ids[0]] == expected[name], name
+            assert gw.tokens(name) == expected[name], name
         deadline = time.monotonic() + 10  # iteration stats reach the worker in batches
         while value(scrape(port), "tokenwire_worker_preemptions_total") == 0:
             assert time.monotonic() < deadline, "no preemption counted"

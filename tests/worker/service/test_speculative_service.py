@@ -11,32 +11,21 @@ from pathlib import Path
 
 import protocol
 from tests.integration.test_metrics import scrape, value
-from tests.procs import HEARTBEAT_S, REPO, Stack, free_port
-from tests.worker.service.test_worker_service import FakeGateway
-from worker.executor import EngineCore, ExecutorConfig, Request
+from tests.procs import REPO, Stack, free_port
+from tests.worker.service.test_worker_service import FakeGateway, greedy_tokens
 
 
 def test_worker_speculates_by_default_and_per_submit(long_model: Path, redis_server, tmp_path: Path) -> None:
     body = [40, 41, 42, 43, 44, 45, 46, 47]
     prompts = {"lookup": body + body + body[:3], "external": [7, 8, 9, 10], "off": body + body}
-    core = EngineCore.from_model(long_model, ExecutorConfig(backend="numpy"))
-    core.add_requests((i, Request(input_token_ids=p, max_tokens=24, end_id=-1))
-                      for i, p in enumerate(prompts.values()))
-    want: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    while core.has_work:
-        for r in core.step().all_responses():
-            assert r.result is not None
-            want[r.request_id] += r.result.output_token_ids[0]
-    expected = dict(zip(prompts, want.values(), strict=True))
+    expected = greedy_tokens(long_model, prompts, 24)
 
     s = Stack(long_model, redis_server.url, tmp_path)
     port = free_port()
     try:
         w = s.worker("--speculative", "prompt_lookup", "--num-draft-tokens", "4", "--metrics-port", str(port))
         w.wait_log("redis: connected")
-        gw = FakeGateway(w.endpoint)
-        gw.send(protocol.Hello(sender_id="fake-gw", role="gateway", heartbeat_interval_s=HEARTBEAT_S))
-        gw.recv_until(lambda: any(isinstance(m, protocol.Ready) for m in gw.messages))
+        gw = FakeGateway.greeted(w.endpoint)
         specs = {
             "lookup": None,  # the worker's default
             # The expected continuation with one wrong token: accepted up to there, then verified token by token.
@@ -49,8 +38,7 @@ def test_worker_speculates_by_default_and_per_submit(long_model: Path, redis_ser
                                     streaming=True, speculative_config=specs[name]))
         gw.recv_until(lambda: all(gw.final(name) for name in prompts))
         for name in prompts:
-            results = [r.result for r in gw.responses(name)]
-            assert [t for r in results if r is not None for t in r.output_token_ids[0]] == expected[name], name
+            assert gw.tokens(name) == expected[name], name
         records = {name: s.request_stats(name) for name in prompts}
         # Output token 0 comes with the prompt; drafts 1-6 are accepted with a bonus token 7, then 8.
         assert int(records["external"]["accepted_draft_tokens"]) >= 7

@@ -13,10 +13,32 @@ import zmq
 import protocol
 from tests.procs import HEARTBEAT_S, MISSED, Stack
 from tests.worker.service.processors import FORCED_TOKEN
+from worker.executor import EngineCore, ExecutorConfig, Request
+
+
+def greedy_tokens(model: Path, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    """What each prompt's request streams from an in-process engine core on a roomy cache."""
+    core = EngineCore.from_model(model, ExecutorConfig(backend="numpy"))
+    core.add_requests((i, Request(input_token_ids=p, max_tokens=max_tokens, end_id=-1))
+                      for i, p in enumerate(prompts.values()))  # fmt: skip
+    got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    while core.has_work:
+        for r in core.step().all_responses():
+            assert r.result is not None
+            got[r.request_id] += r.result.output_token_ids[0]
+    return dict(zip(prompts, got.values(), strict=True))
 
 
 class FakeGateway:
     """Sends only what the test says: no automatic heartbeats."""
+
+    @classmethod
+    def greeted(cls, endpoint: str) -> FakeGateway:
+        """One that has said Hello and heard the worker's Ready."""
+        g = cls(endpoint)
+        g.send(protocol.Hello(sender_id="fake-gw", role="gateway", heartbeat_interval_s=HEARTBEAT_S))
+        g.recv_until(lambda: any(isinstance(m, protocol.Ready) for m in g.messages))
+        return g
 
     def __init__(self, endpoint: str, name: str = "fake-gw") -> None:
         self.ctx = zmq.Context()
@@ -52,6 +74,10 @@ class FakeGateway:
     def final(self, request_id: str) -> bool:
         return any(r.is_final for r in self.responses(request_id))
 
+    def tokens(self, request_id: str) -> list[int]:
+        """The request's streamed tokens (its first sequence)."""
+        return [t for r in self.responses(request_id) if r.result is not None for t in r.result.output_token_ids[0]]
+
     def close(self) -> None:
         self.sock.close(0)
         self.ctx.term()
@@ -70,9 +96,7 @@ def worker(long_model, redis_server, tmp_path_factory):
 
 @pytest.fixture
 def gw(worker):
-    g = FakeGateway(worker[1].endpoint)
-    g.send(protocol.Hello(sender_id="fake-gw", role="gateway", heartbeat_interval_s=HEARTBEAT_S))
-    g.recv_until(lambda: any(isinstance(m, protocol.Ready) for m in g.messages))
+    g = FakeGateway.greeted(worker[1].endpoint)
     yield g
     g.close()
 
