@@ -59,6 +59,7 @@ class IterationStats(Message):
     reused_blocks: Count
     num_draft_tokens: Count = 0
     num_accepted_draft_tokens: Count = 0
+    num_preempted: Count = 0
 
 
 class RequestStats(Message):
