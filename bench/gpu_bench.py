@@ -186,7 +186,8 @@ class Roofline:
         running: list[list[int]] = []  # [arrival, tokens in the cache, tokens generated]
         seconds, done = 0.0, 0
         while done < requests:
-            held = sum(s[1] + 1 for s in running)  # each decodes one token this step
+            read = sum(s[1] + 1 for s in running)  # each decodes one token this step, over its cache
+            held = read
             admitted: list[list[int]] = []
             while waiting and len(running) + len(admitted) < batch:
                 arrival, generated = waiting[0]
@@ -199,8 +200,7 @@ class Roofline:
                 raise ValueError(f"a request's {prompt + waiting[0][1]} tokens do not fit a {kv_tokens}-token cache")
             computed = sum(s[1] for s in admitted)
             seconds += self.step_floor(len(running) + computed, len(running) + len(admitted),
-                                       sum(s[1] + 1 for s in running) + sum(s[1] ** 2 / 2 for s in admitted),
-                                       sum(s[1] + 1 for s in running))  # fmt: skip
+                                       read + sum(s[1] ** 2 / 2 for s in admitted), read)  # fmt: skip
             for s in running:
                 s[1] += 1
                 s[2] += 1
@@ -377,9 +377,9 @@ def dump_iterations(stats: list[Any]) -> None:
             json.dump([asdict(s) for s in stats], f, default=str)
 
 
-def preemptions(executor: Any, since: int) -> int:
-    """Sequences the scheduler sent back to recompute since the count was `since` (MAX_UTILIZATION only)."""
-    return int(executor.core.scheduler.num_preemptions - since)
+def preemptions(executor: Any) -> int:
+    """Sequences the scheduler has sent back to recompute so far (MAX_UTILIZATION only)."""
+    return int(executor.core.scheduler.num_preemptions)
 
 
 def mean_decode_batch(stats: list[Any]) -> float:
@@ -450,7 +450,7 @@ def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: 
     for prompt, output, n, _ in workloads:
         name = f"{prompt}/{output}"
         executor.get_latest_iteration_stats()  # drains: what follows is this run's alone
-        preempted = executor.core.scheduler.num_preemptions
+        preempted = preemptions(executor)
         if timer is not None:
             timer.take()
         seconds, tokens = run_executor_offline(executor, prompts_for(n, prompt, cfg.vocab_size, 1), output)
@@ -465,7 +465,7 @@ def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: 
         ttft, tpot = run_executor_single(executor, prompts_for(1, prompt, cfg.vocab_size, 2)[0], output)
         row = Row(name, n, seconds, tokens, ttft_ms=ttft, tpot_ms=tpot, mean_batch=batch)
         row.extra = {**summary, **host, "kv_tokens": kv_tokens, "max_batch": args.max_batch,
-                     "preemptions": preemptions(executor, since=preempted)}  # fmt: skip
+                     "preemptions": preemptions(executor) - preempted}  # fmt: skip
         row.roofline_tok_s = roof.for_schedule(prompt, output, n, args.max_batch, kv_tokens, args.scheduler_policy)
         row.extra["tpot_floor_ms"] = roof.decode_floor(prompt + output // 2) * 1e3
         log(f"tokenwire {name}: {row.tok_s:,.0f} tok/s (mean decode batch {batch:.0f}), "

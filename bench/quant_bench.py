@@ -179,7 +179,7 @@ def _engine(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.Tensor]
 def _offline(executor: Any, cfg: Any, prompt: int, output: int, n: int, roof: Roofline, batch_limit: int,
              block_size: int, policy: str) -> dict[str, Any]:  # fmt: skip
     executor.get_latest_iteration_stats()
-    preempted = executor.core.scheduler.num_preemptions
+    preempted = preemptions(executor)
     seconds, tokens = run_executor_offline(executor, prompts_for(n, prompt, cfg.vocab_size, 1), output)
     if tokens != n * output:
         raise RuntimeError(f"{prompt}/{output}: {tokens} output tokens, expected {n * output}")
@@ -188,7 +188,7 @@ def _offline(executor: Any, cfg: Any, prompt: int, output: int, n: int, roof: Ro
         "workload": f"{prompt}/{output}", "requests": n, "tok_s": round(tokens / seconds),
         "roofline_tok_s": round(roof.for_schedule(prompt, output, n, batch_limit, kv_tokens, policy)),
         "mean_batch": round(mean_decode_batch(executor.get_latest_iteration_stats()), 1), "kv_tokens": kv_tokens,
-        "preemptions": preemptions(executor, since=preempted),
+        "preemptions": preemptions(executor) - preempted,
     }  # fmt: skip
     goal = GOALS_TOK_S.get(row["workload"])
     if goal:

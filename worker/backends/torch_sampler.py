@@ -94,8 +94,7 @@ def sample_all(
     """As sample_tokens, plus the top-N tokens and log probs when sampling.top_n asks."""
     device = logits.device
     logits = process_logits(logits, sampling)
-    one_pass = logits.is_cuda and logits_argmax.triton is not None and logits.dtype == torch.float32
-    if one_pass and logits.stride(1) == 1:
+    if logits.is_cuda and logits_argmax.triton is not None and logits.dtype == torch.float32 and logits.stride(1) == 1:
         chosen, lse = logits_argmax.argmax_logsumexp(logits)
     else:
         chosen, lse = logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1)
