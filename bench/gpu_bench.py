@@ -416,6 +416,15 @@ def executor_config(args: argparse.Namespace, kv_cache_dtype: str | None) -> Any
     )  # fmt: skip
 
 
+def log_fp8_gemm_choices(backend: Any) -> None:
+    """What the backend timed for its decode graphs' FP8 GEMMs, a line per row count
+    (worker/backends/fp8_gemm.py); nothing for a float model."""
+    for rows, timings in sorted(getattr(getattr(backend, "inner", backend), "fp8_gemm_timings", {}).items()):
+        log(f"FP8 GEMMs at {rows} rows (out x in: cuBLAS / best Triton us): " + "; ".join(
+            f"{t.out_features}x{t.in_features} {t.cublas_us:.1f} / {t.triton_us:.1f}"
+            + (f" -> Triton {t.kept.block_m}x{t.kept.block_n}" if t.kept else "") for t in timings))  # fmt: skip
+
+
 def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: list[tuple[int, int, int, int]],
                    roof: Roofline) -> list[Row]:  # fmt: skip
     """The executor over `backend` (a TorchBackend, or tensor-parallel rank 0's backend)."""
@@ -442,6 +451,7 @@ def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: 
         log(f"GPU memory: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, "
             f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved by torch, "
             f"{torch.cuda.mem_get_info()[0] / 2**30:.2f} GiB free")  # fmt: skip
+    log_fp8_gemm_choices(backend)
     # Warm-up: compiles the Triton kernels for prefill shapes, touches every path once.
     run_executor_offline(executor, prompts_for(4, 64, cfg.vocab_size, 99), 8)
     # ... and a prompt alone: its prefill keeps a single logits row, a shape of its own for the kernels.

@@ -38,6 +38,7 @@ from bench.gpu_bench import (
     environment,
     executor_config,
     log,
+    log_fp8_gemm_choices,
     mean_decode_batch,
     measure_bandwidth,
     measure_gemm,
@@ -170,6 +171,7 @@ def _engine(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.Tensor]
     log(f"{args.quantization} model built (quantized on the GPU) in {time.perf_counter() - t0:.1f} s, "
         f"{torch.cuda.memory_allocated(device) / 1e9 if device.type == 'cuda' else 0:.1f} GB allocated")  # fmt: skip
     executor = Executor(EngineCore(backend, executor_config(args, kv_cache_dtype)))
+    log_fp8_gemm_choices(backend)
     if backend._graphs is not None:
         backend._graphs.capture_all()
     run_executor_offline(executor, prompts_for(4, 64, cfg.vocab_size, 99), 8)  # warm-up: Triton compiles

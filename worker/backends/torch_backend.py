@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.backends import paged_attention
+from worker.backends import fp8_gemm, paged_attention
 from worker.backends.base import ForwardBatch, SampleOutput, SamplingBatch
 from worker.backends.cuda_graphs import MAX_QUERY, DecodeGraphs
 from worker.backends.memory_plan import WorkingMemory, gib, plan_working_memory
-from worker.backends.quant_linear import QuantLinear
+from worker.backends.quant_linear import Fp8Linear, QuantLinear
 from worker.backends.torch_decoder_ops import TorchDecoderOps, TorchLinear
 from worker.backends.torch_sampler import sample_all
 from worker.backends.torch_step import PinnedStaging, StepInputs
@@ -158,6 +158,8 @@ class TorchBackend:
         self.max_batch_size = max_batch_size or max_graph_batch
         self._free_memory = free_memory
         self._max_verify_graph_batch = max_verify_graph_batch
+        # Row count -> the FP8 GEMM timings that chose each projection's kernel (tune_gemms).
+        self.fp8_gemm_timings: dict[int, list[fp8_gemm.Timing]] = {}
         # The previous launch's sampled ids, still on the device: the next step's
         # placeholder tokens (-(k + 1) for row k) are read from here. Tensor-parallel
         # ranks other than 0 receive them from rank 0 (worker/parallel/ranks.py).
@@ -235,6 +237,7 @@ class TorchBackend:
             self._graphs = DecodeGraphs(self, self._max_graph_batch, max_blocks, block_size=block_size,
                                         max_verify_batch=self._max_verify_graph_batch,
                                         max_tokens=self.max_num_tokens)
+            self.tune_gemms(self._graphs.buckets)
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.ops.copy_blocks(src, dst)
@@ -385,6 +388,26 @@ class TorchBackend:
 
     def decode_splits(self, num_seqs: int) -> int:
         return paged_attention.decode_splits(num_seqs, self.ops.config.num_kv_heads, self._num_sms)
+
+    def tune_gemms(self, row_counts: list[int]) -> None:
+        """For the decode graphs' row counts: cuBLAS or the Triton FP8 GEMM for each FP8
+        projection's shape, whichever was faster here (fp8_gemm.py). At start-up, so that no
+        request waits on the timing or on Triton compiling."""
+        linears = [linear for layer in self.model.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                   if isinstance(linear, Fp8Linear)]  # fmt: skip
+        for rows in row_counts if linears else []:
+            if rows < fp8_gemm.MIN_ROWS or rows in self.fp8_gemm_timings:
+                continue
+            timings = fp8_gemm.tune(rows, [(linear.weight, linear.scale) for linear in linears], self.dtype)
+            self.fp8_gemm_timings[rows] = timings
+            kept = {(t.out_features, t.in_features): t.kept for t in timings}
+            for linear in linears:
+                tile = kept.get((linear.weight.shape[0], linear.weight.shape[1]))
+                if tile is not None:
+                    linear.tiles[rows] = tile
+            for t in timings:
+                log.info("FP8 GEMM %d x %d at %d rows: cuBLAS %.1f us, Triton %.1f us (%s) -> %s", t.out_features,
+                         t.in_features, rows, t.cublas_us, t.triton_us, t.fastest, t.kept or "cuBLAS")  # fmt: skip
 
     def run_model(self, inp: StepInputs, logits_out: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder over one packed step; returns float32 logits for the sampled rows,

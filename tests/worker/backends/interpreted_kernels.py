@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import triton  # type: ignore[import-not-found,unused-ignore]
 
-from worker.backends import gemv, logits_argmax, quant_linear, torch_ops
+from worker.backends import fp8_gemm, gemv, logits_argmax, quant_linear, torch_ops
 from worker.backends.paged_attention import PREFILL_BLOCK_Q, paged_attention_torch, paged_attention_triton, tile_map
 
 ATOL = 1e-5
@@ -50,6 +50,20 @@ def check_fp8_outputs() -> None:
         assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), "e4m3 codes differ"
     torch.testing.assert_close(torch_ops.silu_mul_fp8_triton(gate_up)[0], torch_ops.silu_mul_torch(gate_up),
                                atol=ATOL, rtol=1e-5)  # fmt: skip
+
+
+def check_fp8_gemm() -> None:
+    """Every tile of the Triton FP8 GEMM against the product of the dequantized codes, with
+    rows and outputs that leave partial tiles."""
+    for m in (19, 70):
+        x, w = torch.randn(m, 256), torch.randn(200, 256)
+        xq, x_scale = quant_linear.quantize_rows_fp8(x)
+        w_scale = w.abs().amax(dim=1)[None, :] / 448.0
+        wq = (w / w_scale.t()).to(torch.float8_e4m3fn)
+        want = (xq.float() * x_scale) @ (wq.float() * w_scale.t()).t()
+        for tile in fp8_gemm.TILES:
+            got = fp8_gemm.fp8_matmul(xq, x_scale, wq, w_scale, torch.float32, tile)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
 
 
 def check_gemv() -> None:
@@ -134,7 +148,7 @@ def check_paged_attention() -> None:
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-CHECKS: list[Callable[[], None]] = [check_add_rmsnorm, check_fp8_outputs, check_gemv, check_gemv_swiglu,
+CHECKS: list[Callable[[], None]] = [check_add_rmsnorm, check_fp8_outputs, check_fp8_gemm, check_gemv, check_gemv_swiglu,
                                    check_argmax_logsumexp, check_silu_mul, check_rope_and_cache, check_paged_attention]
 
 

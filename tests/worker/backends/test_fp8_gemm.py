@@ -1,0 +1,32 @@
+"""The choice between cuBLAS and the Triton FP8 GEMM (fp8_gemm.choose), and which products
+the kernel takes. The kernel's arithmetic is checked in Triton's interpreter
+(interpreted_kernels.check_fp8_gemm) and against cuBLAS on the GPU (tests/gpu/test_quant_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.backends import fp8_gemm
+from worker.backends.fp8_gemm import MARGIN, TILES, choose
+
+
+def test_a_clearly_faster_tile_replaces_cublas() -> None:
+    # the H100's qkv at 256 rows: cuBLAS 43.4 us, the best tile 23.9
+    timings = {TILES[0]: 30.0, TILES[2]: 23.9, TILES[3]: 26.0}
+    assert choose(43.4, timings) == TILES[2]
+
+
+def test_a_near_tie_or_a_loss_keeps_cublas() -> None:
+    assert choose(20.0, {TILES[0]: 20.0 * MARGIN * 1.01, TILES[1]: 25.0}) is None
+    assert choose(17.7, {TILES[0]: 24.0}) is None  # o at 256 rows: cuBLAS wins
+
+
+def test_the_margin_itself_is_a_win() -> None:
+    assert choose(10.0, {TILES[1]: 10.0 * MARGIN}) == TILES[1]
+
+
+@pytest.mark.skipif(fp8_gemm.triton is None, reason="needs Triton")
+@pytest.mark.parametrize(("rows", "k", "taken"), [(256, 4096, True), (16, 14336, True), (8, 4096, False),
+                                                  (256, 4000, False)])  # fmt: skip
+def test_the_kernel_takes_whole_k_tiles_and_sixteen_rows_or_more(rows: int, k: int, taken: bool) -> None:
+    assert fp8_gemm.supports(rows, k) is taken

@@ -1,0 +1,199 @@
+"""A Triton FP8 GEMM, and the per-shape choice between it and cuBLAS made when the decode
+graphs are captured.
+
+out [M, N] = (xq [M, K] @ wq [N, K]^T) * x_scale [M] * w_scale [N]: e4m3 in, float32
+accumulation on the FP8 tensor cores (tl.dot), bf16 out; what `torch._scaled_mm` computes
+with row-wise scales. Why by hand: for some row counts of decode steps cuBLASLt's
+heuristics pick FP8 kernels that run far below the weights' bandwidth, and no maintained
+library that installs on the GPU host offers another FP8 GEMM. Timed in CUDA graphs over cold weights
+on an H100 (bench/results/fp8_gemm_graph_sweep_h100_2026-11-27.txt), the 8B's layer at 448
+rows took 256 us with cuBLAS and 207 with this kernel (gate_up 129.5 -> 110.8, qkv 36.7 ->
+22.6), at 320 rows 203 against 177; at 256, 384 and 512 rows cuBLAS is as fast or faster
+(it splits K; this kernel does not, so narrow outputs leave SMs idle). Hence a choice,
+made per (rows, out, in) on the device at hand, not a replacement.
+
+Each program computes one [BLOCK_M, BLOCK_N] tile over all of K; the programs that share a
+weight tile run next to each other (M varies fastest), so the weights are read from HBM
+about once and the other row tiles find them in L2.
+
+`tune` times cuBLAS and each of `TILES` over the model's own weights, every layer's in
+turn so that the weights come cold from HBM as in a step, replayed in a CUDA graph as the
+decode steps run them, and keeps the Triton GEMM for
+that row count only where it beats cuBLAS by `MARGIN`: a near tie keeps cuBLAS, so the
+choice (and with it the rounding of the products) does not flip from one start to the next.
+The choice holds inside the decode graphs only (quant_linear.Fp8Linear): eager steps,
+prefill chunks and mixed steps among them, run cuBLAS.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton  # type: ignore[import-not-found,unused-ignore]
+    import triton.language as tl  # type: ignore[import-not-found,unused-ignore]
+except ImportError:  # the CPU host
+    triton = None
+
+BLOCK_K = 128
+# Fewer rows than this stay on cuBLAS (and one row on the GEMV, gemv.py): tl.dot takes
+# 16-row tiles, and the sweep found nothing to gain below.
+MIN_ROWS = 16
+# The Triton GEMM replaces cuBLAS only when it takes at most this fraction of cuBLAS's time.
+MARGIN = 0.9
+TIMED_PASSES = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Tile:
+    """A launch of the Triton GEMM: its tile and software pipeline."""
+
+    block_m: int
+    block_n: int
+    stages: int
+    warps: int
+
+
+# Each was the fastest somewhere in a graph-timed sweep of the 8B's and the 70B's (per
+# tensor-parallel rank of two) projections at 16-512 rows on an H100
+# (bench/results/fp8_gemm_graph_sweep_h100_2026-11-27.txt): small tiles for few rows and
+# narrow outputs, wide ones for gate_up.
+TILES = (Tile(64, 64, 4, 4), Tile(64, 128, 5, 4), Tile(64, 128, 3, 4), Tile(128, 128, 3, 8), Tile(128, 128, 4, 8),
+         Tile(128, 256, 3, 8))  # fmt: skip
+
+
+def supports(rows: int, k: int) -> bool:
+    """Whether the kernel takes this product: whole BLOCK_K tiles of the input (no mask
+    along K), and at least MIN_ROWS rows."""
+    return triton is not None and k % BLOCK_K == 0 and rows >= MIN_ROWS
+
+
+def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+               out_dtype: torch.dtype, tile: Tile) -> torch.Tensor:  # fmt: skip
+    """xq e4m3 [M, K] (rows contiguous), x_scale float32 [M, 1]; wq e4m3 [N, K], w_scale
+    float32 [1, N]; K a multiple of BLOCK_K (`supports`)."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
+    _fp8_gemm_kernel[grid](
+        xq, wq, x_scale, w_scale, out, m, n, k, xq.stride(0), wq.stride(0), out.stride(0),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=BLOCK_K, num_warps=tile.warps, num_stages=tile.stages,
+    )  # fmt: skip
+    return out
+
+
+def scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """The same product through cuBLASLt (row-wise scales)."""
+    return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """One shape's measurement at one row count: microseconds a product, cuBLAS's and the
+    fastest tile's, and the tile kept (None: cuBLAS)."""
+
+    rows: int
+    out_features: int
+    in_features: int
+    cublas_us: float
+    triton_us: float
+    fastest: Tile
+    kept: Tile | None
+
+
+def choose(cublas_us: float, triton_us: dict[Tile, float]) -> Tile | None:
+    """The fastest tile, where it takes at most MARGIN of cuBLAS's time; else None (cuBLAS)."""
+    fastest = min(triton_us, key=lambda t: triton_us[t])
+    return fastest if triton_us[fastest] <= MARGIN * cublas_us else None
+
+
+@torch.inference_mode()
+def tune(rows: int, weights: Sequence[tuple[torch.Tensor, torch.Tensor]], out_dtype: torch.dtype) -> list[Timing]:
+    """Time cuBLAS and every tile at `rows` rows over `weights` ((e4m3 [N, K], float32
+    scales [1, N]) of every layer), grouped by shape; one Timing per shape the kernel takes."""
+    by_shape: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for w, s in weights:
+        by_shape.setdefault((w.shape[0], w.shape[1]), []).append((w, s))
+    return [_time_shape(rows, group, out_dtype) for (_, k), group in by_shape.items() if supports(rows, k)]
+
+
+def _time_shape(rows: int, group: list[tuple[torch.Tensor, torch.Tensor]], out_dtype: torch.dtype) -> Timing:
+    n, k = group[0][0].shape
+    device = group[0][0].device
+    xq = torch.randn(rows, k, device=device).to(torch.float8_e4m3fn)
+    x_scale = torch.rand(rows, 1, device=device) + 0.5
+
+    def per_product(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
+        def one_pass() -> None:
+            for w, s in group:
+                product(w, s)  # each output freed at once: one product's memory in the graph's pool
+
+        return _graph_microseconds(one_pass) / len(group)
+
+    cublas = per_product(lambda w, s: scaled_mm(xq, x_scale, w, s, out_dtype))
+    tiles = {t: per_product(functools.partial(_tiled, xq, x_scale, out_dtype=out_dtype, tile=t)) for t in TILES}
+    fastest = min(tiles, key=lambda t: tiles[t])
+    return Timing(rows, n, k, cublas, tiles[fastest], fastest, choose(cublas, tiles))
+
+
+def _tiled(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, s: torch.Tensor, *, out_dtype: torch.dtype,
+           tile: Tile) -> torch.Tensor:  # fmt: skip
+    return fp8_matmul(xq, x_scale, w, s, out_dtype, tile)
+
+
+def _graph_microseconds(one_pass: Callable[[], None]) -> float:
+    """The fastest of TIMED_PASSES replays of `one_pass` captured in a CUDA graph, as the
+    decode graphs run it: launched from Python, a Triton call costs more host time than
+    a small product takes on the GPU, and the timing would measure the host."""
+    one_pass()  # Triton compiles, cuBLAS picks its kernel
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        one_pass()
+    graph.replay()
+    best = float("inf")
+    for _ in range(TIMED_PASSES):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3)
+    return best
+
+
+if triton is not None:
+
+    @triton.jit  # type: ignore[misc,unused-ignore]
+    def _fp8_gemm_kernel(  # type: ignore[no-untyped-def]
+        x_ptr, w_ptr, sx_ptr, sw_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        pid_m = pid % tiles_m
+        pid_n = pid // tiles_m
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for _ in range(K // BLOCK_K):
+            a = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            b = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc)  # both K-major, as the FP8 tensor cores take them
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        sx = tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)
+        sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=0.0)
+        out = acc * sx[:, None] * sw[None, :]
+        o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
