@@ -358,14 +358,17 @@ def device_is_cuda(backend: Any) -> bool:
 
 
 def iteration_summary(stats: list[Any]) -> dict[str, float]:
-    """Iteration counts and mean latencies (ms) of generation-only and mixed iterations."""
+    """Iteration counts, mean latencies (ms) and summed seconds of generation-only and
+    mixed iterations: against a run's wall time, the sums show how much of it the steps fill."""
     gen = [s.iter_latency_ms for s in stats if not s.num_context_requests]
     ctx = [s.iter_latency_ms for s in stats if s.num_context_requests]
     return {
         "gen_iters": len(gen),
         "gen_ms": round(float(np.mean(gen)), 2) if gen else math.nan,
+        "gen_s": round(sum(gen) / 1e3, 2),
         "ctx_iters": len(ctx),
         "ctx_ms": round(float(np.mean(ctx)), 2) if ctx else math.nan,
+        "ctx_s": round(sum(ctx) / 1e3, 2),
     }
 
 
@@ -409,7 +412,7 @@ def executor_config(args: argparse.Namespace, kv_cache_dtype: str | None) -> Any
     return ExecutorConfig(
         max_batch_size=args.max_batch,
         max_num_tokens=args.max_num_tokens,
-        kv_cache_config=KvCacheConfig(tokens_per_block=args.block_size, free_memory_fraction=0.9,
+        kv_cache_config=KvCacheConfig(tokens_per_block=args.block_size, free_memory_fraction=args.free_memory_fraction,
                                       enable_block_reuse=False, dtype=kv_cache_dtype),
         scheduler_config=SchedulerConfig(CapacitySchedulerPolicy(args.scheduler_policy)),
         iteration_stats_max=1_000_000,
@@ -870,6 +873,9 @@ def parser() -> argparse.ArgumentParser:
                    choices=["guaranteed_no_evict", "max_utilization"],
                    help="the capacity scheduler policy (TensorRT-LLM's default, or admit on current length "
                         "and preempt by recompute); the roofline is that policy's schedule at the floor")  # fmt: skip
+    p.add_argument("--free-memory-fraction", type=float, default=0.9,
+                   help="of the device memory free after the weights and working memory, what the KV cache takes "
+                        "(TensorRT-LLM's kv_cache_free_gpu_mem_fraction: 0.9 by default, 0.95 in its published runs)")
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=32)

@@ -37,6 +37,7 @@ from bench.gpu_bench import (
     Roofline,
     environment,
     executor_config,
+    iteration_summary,
     log,
     log_fp8_gemm_choices,
     mean_decode_batch,
@@ -186,11 +187,12 @@ def _offline(executor: Any, cfg: Any, prompt: int, output: int, n: int, roof: Ro
     if tokens != n * output:
         raise RuntimeError(f"{prompt}/{output}: {tokens} output tokens, expected {n * output}")
     kv_tokens = executor.core.blocks.num_blocks * block_size
+    stats = executor.get_latest_iteration_stats()
     row = {
         "workload": f"{prompt}/{output}", "requests": n, "tok_s": round(tokens / seconds),
         "roofline_tok_s": round(roof.for_schedule(prompt, output, n, batch_limit, kv_tokens, policy)),
-        "mean_batch": round(mean_decode_batch(executor.get_latest_iteration_stats()), 1), "kv_tokens": kv_tokens,
-        "preemptions": preemptions(executor) - preempted,
+        "mean_batch": round(mean_decode_batch(stats), 1), "kv_tokens": kv_tokens,
+        "preemptions": preemptions(executor) - preempted, "wall_s": round(seconds, 2), **iteration_summary(stats),
     }  # fmt: skip
     goal = GOALS_TOK_S.get(row["workload"])
     if goal:

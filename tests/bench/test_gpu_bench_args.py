@@ -23,3 +23,9 @@ def test_an_unknown_scheduler_policy_is_refused(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit):
         parser().parse_args(["--scheduler-policy", "static_batch"])
     assert "invalid choice: 'static_batch'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "fraction"), [([], 0.9), (["--free-memory-fraction", "0.95"], 0.95)])
+def test_free_memory_fraction_reaches_the_kv_cache_config(flag: list[str], fraction: float) -> None:
+    config = executor_config(parser().parse_args(flag), None)
+    assert config.kv_cache_config.free_memory_fraction == fraction
