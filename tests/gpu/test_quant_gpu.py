@@ -127,7 +127,7 @@ def test_fp8_graphs_tune_their_row_counts_and_run_the_tile_chosen() -> None:
         backend.allocate_kv_cache(num_blocks=128, block_size=16)
         backends.append(backend)
     tuned, plain = backends
-    assert sorted(tuned.fp8_gemm_timings) == [16, 24, 32, 40, 48, 56, 64]
+    assert sorted(tuned.fp8_gemm_timings) == [16, 24, 32, 40, 48, 56, 64, 8192]  # the graphs', a prefill chunk's
     linears = [getattr(layer, role) for layer in tuned.model.layers for role in ("qkv", "o", "gate_up", "down")]
     for rows, timings in tuned.fp8_gemm_timings.items():
         assert len(timings) == 4  # qkv, o, gate_up and down differ in shape
@@ -135,13 +135,13 @@ def test_fp8_graphs_tune_their_row_counts_and_run_the_tile_chosen() -> None:
             assert t.kept is None or (t.kept == t.fastest and t.triton_us <= fp8_gemm.MARGIN * t.cublas_us)
             for linear in linears:
                 if tuple(linear.weight.shape) == (t.out_features, t.in_features):
-                    assert linear.tiles.get(rows) == t.kept
+                    assert (linear.eager_tiles if rows == 8192 else linear.graph_tiles).get(rows) == t.kept
     # 16 sequences decode in the 16-row graph: every projection on a Triton tile, against cuBLAS
     for linear in linears:
-        linear.tiles[16] = fp8_gemm.TILES[0]
+        linear.graph_tiles[16] = fp8_gemm.TILES[0]
     for layer in plain.model.layers:
         for role in ("qkv", "o", "gate_up", "down"):
-            getattr(layer, role).tiles.clear()
+            getattr(layer, role).graph_tiles.clear()
     prompts = {str(i): np.random.default_rng(i).integers(0, 4096, 9 + i).tolist() for i in range(16)}
     got, want = decode_logits(tuned, prompts), decode_logits(plain, prompts)
     assert not torch.equal(got, want), "the graph ran cuBLAS, not the Triton tile"
@@ -150,6 +150,28 @@ def test_fp8_graphs_tune_their_row_counts_and_run_the_tile_chosen() -> None:
     # a value across a code boundary: the bound of the CPU-reference comparison above, for
     # the same reason (0.095 measured on an H100).
     assert rel(got, want) < 0.25, rel(got, want)
+
+
+def test_fp8_full_prefill_chunk_runs_the_eager_tile() -> None:
+    cfg = mid_config()
+    weights = mid_weights(cfg)
+    tuned, plain = (TorchBackend(cfg, CUDA, weights=weights, quantization="fp8", use_cuda_graphs=False,
+                                 max_num_tokens=64) for _ in range(2))  # fmt: skip
+    logits = []
+    for backend, tile in ((tuned, fp8_gemm.TILES[1]), (plain, None)):
+        backend.allocate_kv_cache(num_blocks=64, block_size=16)
+        assert sorted(backend.fp8_gemm_timings) == [64]  # no graphs: the full chunk's row count alone
+        for layer in backend.model.layers:
+            for role in ("qkv", "o", "gate_up", "down"):
+                tiles = getattr(layer, role).eager_tiles
+                tiles.clear()
+                if tile is not None:
+                    tiles[64] = tile
+        prompts = {s: np.random.default_rng(i).integers(0, 4096, 32).tolist() for i, s in enumerate("ab")}
+        step = PagedSequences(64, 16, seed=2).step([(s, p, 0, 32) for s, p in prompts.items()])  # 64 rows
+        logits.append(backend.forward(step).clone())
+    assert not torch.equal(logits[0], logits[1]), "the prefill chunk ran cuBLAS, not the Triton tile"
+    assert rel(logits[0], logits[1]) < 0.25, rel(logits[0], logits[1])  # as in the graph test above
 
 
 def test_fp8_row_quantization_kernel_matches_torch() -> None:

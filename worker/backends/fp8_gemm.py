@@ -21,8 +21,10 @@ turn so that the weights come cold from HBM as in a step, replayed in a CUDA gra
 decode steps run them, and keeps the Triton GEMM for
 that row count only where it beats cuBLAS by `MARGIN`: a near tie keeps cuBLAS, so the
 choice (and with it the rounding of the products) does not flip from one start to the next.
-The choice holds inside the decode graphs only (quant_linear.Fp8Linear): eager steps,
-prefill chunks and mixed steps among them, run cuBLAS.
+The row counts timed are the decode graphs' and the full prefill chunk's (max_num_tokens,
+which most prefill steps fill); the graphs' choices hold inside the graphs only, so an eager
+step at a graph's row count runs cuBLAS as before (quant_linear.Fp8Linear). Other row counts
+run cuBLAS.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ float weights on the device, and the GEMMs `linear` runs on them.
   token (one Triton pass per row: amax, scale, cast, or the codes the norm / SwiGLU kernel
   that made the input wrote beside it) or with the checkpoint's static scale, then one
   `torch._scaled_mm` (cuBLASLt FP8, row-wise scales, bf16 out), or the Triton FP8 GEMM at
-  the row counts where it was timed faster (fp8_gemm.py), or at one row the GEMV (gemv.py)
-  on the codes.
+  the row counts where it was timed faster (fp8_gemm.py: the decode graphs' and the full
+  prefill chunk's), or at one row the GEMV (gemv.py) on the codes.
 - `Int4Linear`: W4A16. Weights packed eight to an int32 along the input dimension,
   [in // 8, out], so that a tile of consecutive inputs for a run of outputs is one
   coalesced load; scales (and zero points) per group as float32 [groups, out], a
@@ -52,10 +52,11 @@ class Fp8Linear:
     scale: torch.Tensor  # float32 [1, out]
     input_scale: torch.Tensor | None  # float32 [1, 1], static; None: per token at run time
     bias: torch.Tensor | None  # [out], compute dtype
-    # Row counts whose product runs the Triton GEMM in the decode graphs, and its tile; the
-    # rest, and eager steps, run cuBLAS. Filled in when the graphs are set up
-    # (TorchBackend.tune_gemms).
-    tiles: dict[int, fp8_gemm.Tile] = field(default_factory=dict)
+    # Row counts whose product runs the Triton GEMM, and its tile: in the decode graphs, and
+    # in eager steps (full prefill chunks); other row counts run cuBLAS. Filled in when the KV
+    # cache is allocated (TorchBackend.tune_gemms).
+    graph_tiles: dict[int, fp8_gemm.Tile] = field(default_factory=dict)
+    eager_tiles: dict[int, fp8_gemm.Tile] = field(default_factory=dict)
 
     def __call__(self, x: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """`quantized`: x's per-token e4m3 codes and scales, when the kernel that made x
@@ -67,9 +68,9 @@ class Fp8Linear:
             x_scale = self.input_scale.expand(x.shape[0], 1).contiguous()
         if x.shape[0] == 1 and x.is_cuda and triton is not None:
             return gemv.gemv(xq, self.weight, self.bias, out_dtype=x.dtype, scales=(x_scale, self.scale))
-        # The tuned choice is the decode graphs' (being captured here); eager steps keep
-        # cuBLAS, so that a graph step and its eager twin differ only where tuned.
-        tile = self.tiles.get(x.shape[0]) if self.tiles and torch.cuda.is_current_stream_capturing() else None
+        # Apart, so that an eager step at a graph's row count runs what it ran before tuning.
+        tiles = self.graph_tiles if torch.cuda.is_current_stream_capturing() else self.eager_tiles
+        tile = tiles.get(x.shape[0])
         if tile is not None:
             out = fp8_gemm.fp8_matmul(xq, x_scale, self.weight, self.scale, x.dtype, tile)
         else:

@@ -237,7 +237,7 @@ class TorchBackend:
             self._graphs = DecodeGraphs(self, self._max_graph_batch, max_blocks, block_size=block_size,
                                         max_verify_batch=self._max_verify_graph_batch,
                                         max_tokens=self.max_num_tokens)
-            self.tune_gemms(self._graphs.buckets)
+        self.tune_gemms(self._graphs.buckets if self._graphs is not None else [], [self.max_num_tokens])
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.ops.copy_blocks(src, dst)
@@ -389,25 +389,33 @@ class TorchBackend:
     def decode_splits(self, num_seqs: int) -> int:
         return paged_attention.decode_splits(num_seqs, self.ops.config.num_kv_heads, self._num_sms)
 
-    def tune_gemms(self, row_counts: list[int]) -> None:
-        """For the decode graphs' row counts: cuBLAS or the Triton FP8 GEMM for each FP8
-        projection's shape, whichever was faster here (fp8_gemm.py). At start-up, so that no
-        request waits on the timing or on Triton compiling."""
+    def tune_gemms(self, graph_rows: list[int], eager_rows: list[int]) -> None:
+        """cuBLAS or the Triton FP8 GEMM for each FP8 projection's shape, whichever was faster
+        here (fp8_gemm.py): at the decode graphs' row counts for their products, and at
+        `eager_rows` for eager ones (the full prefill chunk, max_num_tokens, which most prefill
+        steps run). At start-up, so that no request waits on the timing or on Triton compiling."""
         linears = [linear for layer in self.model.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
                    if isinstance(linear, Fp8Linear)]  # fmt: skip
-        for rows in row_counts if linears else []:
-            if rows < fp8_gemm.MIN_ROWS or rows in self.fp8_gemm_timings:
-                continue
+        if not linears:
+            return
+        for row_counts, graphed in ((graph_rows, True), (eager_rows, False)):
+            for rows in row_counts:
+                if rows < fp8_gemm.MIN_ROWS:
+                    continue
+                kept = {(t.out_features, t.in_features): t.kept for t in self._fp8_gemm_timing(rows, linears)}
+                for linear in linears:
+                    tile = kept.get((linear.weight.shape[0], linear.weight.shape[1]))
+                    if tile is not None:
+                        (linear.graph_tiles if graphed else linear.eager_tiles)[rows] = tile
+
+    def _fp8_gemm_timing(self, rows: int, linears: list[Fp8Linear]) -> list[fp8_gemm.Timing]:
+        if rows not in self.fp8_gemm_timings:
             timings = fp8_gemm.tune(rows, [(linear.weight, linear.scale) for linear in linears], self.dtype)
             self.fp8_gemm_timings[rows] = timings
-            kept = {(t.out_features, t.in_features): t.kept for t in timings}
-            for linear in linears:
-                tile = kept.get((linear.weight.shape[0], linear.weight.shape[1]))
-                if tile is not None:
-                    linear.tiles[rows] = tile
             for t in timings:
                 log.info("FP8 GEMM %d x %d at %d rows: cuBLAS %.1f us, Triton %.1f us (%s) -> %s", t.out_features,
                          t.in_features, rows, t.cublas_us, t.triton_us, t.fastest, t.kept or "cuBLAS")  # fmt: skip
+        return self.fp8_gemm_timings[rows]
 
     def run_model(self, inp: StepInputs, logits_out: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder over one packed step; returns float32 logits for the sampled rows,
