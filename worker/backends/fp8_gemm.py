@@ -1,16 +1,15 @@
-"""A Triton FP8 GEMM, and the per-shape choice between it and cuBLAS made when the decode
-graphs are captured.
+"""A Triton FP8 GEMM, and the per-shape choice between it and cuBLAS made at start-up.
 
 out [M, N] = (xq [M, K] @ wq [N, K]^T) * x_scale [M] * w_scale [N]: e4m3 in, float32
 accumulation on the FP8 tensor cores (tl.dot), bf16 out; what `torch._scaled_mm` computes
-with row-wise scales. Why by hand: for some row counts of decode steps cuBLASLt's
-heuristics pick FP8 kernels that run far below the weights' bandwidth, and no maintained
-library that installs on the GPU host offers another FP8 GEMM. Timed in CUDA graphs over cold weights
-on an H100 (bench/results/fp8_gemm_graph_sweep_h100_2026-11-27.txt), the 8B's layer at 448
-rows took 256 us with cuBLAS and 207 with this kernel (gate_up 129.5 -> 110.8, qkv 36.7 ->
-22.6), at 320 rows 203 against 177; at 256, 384 and 512 rows cuBLAS is as fast or faster
-(it splits K; this kernel does not, so narrow outputs leave SMs idle). Hence a choice,
-made per (rows, out, in) on the device at hand, not a replacement.
+with row-wise scales. Why by hand: at some row counts cuBLASLt's heuristics pick FP8
+kernels well below what the shape allows, and no maintained library that installs on the
+GPU host offers another FP8 GEMM. Timed in CUDA graphs over cold weights on an H100
+(bench/results/fp8_gemm_graph_sweep_h100_2026-11-27.txt), the 8B's layer at 448 rows took
+256 us with cuBLAS and 207 with this kernel (gate_up 129.5 -> 110.8, qkv 36.7 -> 22.6), at
+320 rows 203 against 177; at 256, 384 and 512 rows cuBLAS is as fast or faster (it splits
+K; this kernel does not, so narrow outputs leave SMs idle). Hence a choice, made per (rows,
+out, in) on the device at hand, not a replacement.
 
 Each program computes one [BLOCK_M, BLOCK_N] tile over all of K; the programs that share a
 weight tile run next to each other (M varies fastest), so the weights are read from HBM
@@ -18,9 +17,10 @@ about once and the other row tiles find them in L2.
 
 `tune` times cuBLAS and each of `TILES` over the model's own weights, every layer's in
 turn so that the weights come cold from HBM as in a step, replayed in a CUDA graph as the
-decode steps run them, and keeps the Triton GEMM for
-that row count only where it beats cuBLAS by `MARGIN`: a near tie keeps cuBLAS, so the
-choice (and with it the rounding of the products) does not flip from one start to the next.
+decode steps run them, and keeps the Triton GEMM for that row count only where it beats
+cuBLAS by `MARGIN`: a near tie keeps cuBLAS, so the choice (and with it the rounding of the
+products) does not flip from one start to the next.
+
 The row counts timed are the decode graphs' and the full prefill chunk's (max_num_tokens,
 which most prefill steps fill); the graphs' choices hold inside the graphs only, so an eager
 step at a graph's row count runs cuBLAS as before (quant_linear.Fp8Linear). Other row counts
@@ -29,7 +29,6 @@ run cuBLAS.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -43,7 +42,7 @@ except ImportError:  # the CPU host
 
 BLOCK_K = 128
 # Fewer rows than this stay on cuBLAS (and one row on the GEMV, gemv.py): tl.dot takes
-# 16-row tiles, and the sweep found nothing to gain below.
+# tiles of 16 rows or more.
 MIN_ROWS = 16
 # The Triton GEMM replaces cuBLAS only when it takes at most this fraction of cuBLAS's time.
 MARGIN = 0.9
@@ -138,15 +137,13 @@ def _time_shape(rows: int, group: list[tuple[torch.Tensor, torch.Tensor]], out_d
 
         return _graph_microseconds(one_pass) / len(group)
 
+    def on_tile(tile: Tile) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        return lambda w, s: fp8_matmul(xq, x_scale, w, s, out_dtype, tile)
+
     cublas = per_product(lambda w, s: scaled_mm(xq, x_scale, w, s, out_dtype))
-    tiles = {t: per_product(functools.partial(_tiled, xq, x_scale, out_dtype=out_dtype, tile=t)) for t in TILES}
+    tiles = {t: per_product(on_tile(t)) for t in TILES}
     fastest = min(tiles, key=lambda t: tiles[t])
     return Timing(rows, n, k, cublas, tiles[fastest], fastest, choose(cublas, tiles))
-
-
-def _tiled(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, s: torch.Tensor, *, out_dtype: torch.dtype,
-           tile: Tile) -> torch.Tensor:  # fmt: skip
-    return fp8_matmul(xq, x_scale, w, s, out_dtype, tile)
 
 
 def _graph_microseconds(one_pass: Callable[[], None]) -> float:

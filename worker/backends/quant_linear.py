@@ -68,7 +68,8 @@ class Fp8Linear:
             x_scale = self.input_scale.expand(x.shape[0], 1).contiguous()
         if x.shape[0] == 1 and x.is_cuda and triton is not None:
             return gemv.gemv(xq, self.weight, self.bias, out_dtype=x.dtype, scales=(x_scale, self.scale))
-        # Apart, so that an eager step at a graph's row count runs what it ran before tuning.
+        # Graph and eager choices apart: an eager step at a graph's row count runs cuBLAS, as
+        # it did before the graphs' row counts were timed.
         tiles = self.graph_tiles if torch.cuda.is_current_stream_capturing() else self.eager_tiles
         tile = tiles.get(x.shape[0])
         if tile is not None:
