@@ -110,6 +110,18 @@ def test_triton_fp8_gemm_matches_cublas(m: int, tile: fp8_gemm.Tile) -> None:
     assert rel(got, want) < 5e-3, rel(got, want)
 
 
+def test_a_tile_the_device_cannot_run_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    runnable = fp8_gemm.TILES[0]
+    too_deep = fp8_gemm.Tile(128, 256, 20, 8)  # 20 stages of 48 KB: more shared memory than any GPU has
+    monkeypatch.setattr(fp8_gemm, "TILES", (too_deep, runnable))
+    layer = quant_linear.quantize_fp8(torch.randn(1024, 1024, device=CUDA) * 0.02, None)
+    (timing,) = fp8_gemm.tune(64, [(layer.weight, layer.scale)], torch.bfloat16)
+    assert timing.fastest == runnable and timing.triton_us < float("inf")
+    monkeypatch.setattr(fp8_gemm, "TILES", (too_deep,))
+    (timing,) = fp8_gemm.tune(64, [(layer.weight, layer.scale)], torch.bfloat16)
+    assert timing.fastest is None and timing.kept is None  # cuBLAS it is
+
+
 def decode_logits(backend: TorchBackend, prompts: dict[str, list[int]]) -> torch.Tensor:
     """One eager prefill of every prompt, then one decode step of them all (a CUDA graph)."""
     paged = PagedSequences(num_blocks=128, block_size=16, seed=3)

@@ -29,6 +29,8 @@ run cuBLAS.
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -39,6 +41,8 @@ try:
     import triton.language as tl  # type: ignore[import-not-found,unused-ignore]
 except ImportError:  # the CPU host
     triton = None
+
+log = logging.getLogger(__name__)
 
 BLOCK_K = 128
 # Fewer rows than this stay on cuBLAS (and one row on the GEMV, gemv.py): tl.dot takes
@@ -103,15 +107,15 @@ class Timing:
     out_features: int
     in_features: int
     cublas_us: float
-    triton_us: float
-    fastest: Tile
+    triton_us: float  # inf: no tile ran on this device
+    fastest: Tile | None
     kept: Tile | None
 
 
 def choose(cublas_us: float, triton_us: dict[Tile, float]) -> Tile | None:
     """The fastest tile, where it takes at most MARGIN of cuBLAS's time; else None (cuBLAS)."""
-    fastest = min(triton_us, key=lambda t: triton_us[t])
-    return fastest if triton_us[fastest] <= MARGIN * cublas_us else None
+    fastest = min(triton_us, key=lambda t: triton_us[t], default=None)
+    return fastest if fastest is not None and triton_us[fastest] <= MARGIN * cublas_us else None
 
 
 @torch.inference_mode()
@@ -141,7 +145,16 @@ def _time_shape(rows: int, group: list[tuple[torch.Tensor, torch.Tensor]], out_d
         return lambda w, s: fp8_matmul(xq, x_scale, w, s, out_dtype, tile)
 
     cublas = per_product(lambda w, s: scaled_mm(xq, x_scale, w, s, out_dtype))
-    tiles = {t: per_product(on_tile(t)) for t in TILES}
+    tiles = {}
+    for tile in TILES:
+        try:
+            tiles[tile] = per_product(on_tile(tile))
+        except Exception as e:
+            # Triton's compile or launch errors: this device cannot run the tile (a GPU with
+            # less shared memory than its pipeline stages take, say), so it is left out.
+            log.info("FP8 GEMM tile %s left out at %d rows: %s: %s", tile, rows, type(e).__name__, e)
+    if not tiles:
+        return Timing(rows, n, k, cublas, math.inf, None, None)
     fastest = min(tiles, key=lambda t: tiles[t])
     return Timing(rows, n, k, cublas, tiles[fastest], fastest, choose(cublas, tiles))
 

@@ -21,6 +21,10 @@ def test_a_near_tie_or_a_loss_keeps_cublas() -> None:
     assert choose(17.7, {TILES[0]: 24.0}) is None  # o at 256 rows: cuBLAS wins
 
 
+def test_no_tile_that_ran_keeps_cublas() -> None:
+    assert choose(10.0, {}) is None  # every tile failed to compile or launch on this device
+
+
 def test_the_margin_itself_is_a_win() -> None:
     assert choose(10.0, {TILES[1]: 10.0 * MARGIN}) == TILES[1]
 
