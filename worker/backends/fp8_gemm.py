@@ -6,8 +6,8 @@ with row-wise scales. Why by hand: at some row counts cuBLASLt's heuristics pick
 kernels well below what the shape allows, and no maintained library that installs on the
 GPU host offers another FP8 GEMM. Timed in CUDA graphs over cold weights on an H100
 (bench/results/fp8_gemm_graph_sweep_h100_2026-11-27.txt), the 8B's layer at 448 rows took
-256 us with cuBLAS and 207 with this kernel (gate_up 129.5 -> 110.8, qkv 36.7 -> 22.6), at
-320 rows 203 against 177; at 256, 384 and 512 rows cuBLAS is as fast or faster (it splits
+250 us with cuBLAS and 200 with this kernel (gate_up 129.5 -> 110.8, qkv 36.7 -> 22.6), at
+320 rows 198 against 166; at 256, 384 and 512 rows cuBLAS is as fast or faster (it splits
 K; this kernel does not, so narrow outputs leave SMs idle). Hence a choice, made per (rows,
 out, in) on the device at hand, not a replacement.
 
