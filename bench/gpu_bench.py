@@ -422,10 +422,10 @@ def executor_config(args: argparse.Namespace, kv_cache_dtype: str | None) -> Any
 def log_fp8_gemm_choices(backend: Any) -> None:
     """What the backend timed for its decode graphs' FP8 GEMMs, a line per row count
     (worker/backends/fp8_gemm.py); nothing for a float model."""
+    from worker.backends.fp8_gemm import describe
+
     for rows, timings in sorted(getattr(getattr(backend, "inner", backend), "fp8_gemm_timings", {}).items()):
-        log(f"FP8 GEMMs at {rows} rows (out x in: cuBLAS / best Triton us): " + "; ".join(
-            f"{t.out_features}x{t.in_features} {t.cublas_us:.1f} / {t.triton_us:.1f}"
-            + (f" -> Triton {t.kept.block_m}x{t.kept.block_n}" if t.kept else "") for t in timings))  # fmt: skip
+        log(f"FP8 GEMMs at {rows} rows (out x in: cuBLAS / best Triton us): {describe(timings)}")
 
 
 def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: list[tuple[int, int, int, int]],

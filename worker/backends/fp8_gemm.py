@@ -112,6 +112,16 @@ class Timing:
     kept: Tile | None
 
 
+def describe(timings: Sequence[Timing]) -> str:
+    """One row count's timings on a line: each shape's cuBLAS / fastest Triton microseconds,
+    and the tile kept."""
+    def one(t: Timing) -> str:
+        kept = f" -> Triton {t.kept.block_m}x{t.kept.block_n}" if t.kept else ""
+        return f"{t.out_features}x{t.in_features} {t.cublas_us:.1f} / {t.triton_us:.1f}{kept}"
+
+    return "; ".join(one(t) for t in timings)
+
+
 def choose(cublas_us: float, triton_us: dict[Tile, float]) -> Tile | None:
     """The fastest tile, where it takes at most MARGIN of cuBLAS's time; else None (cuBLAS)."""
     fastest = min(triton_us, key=lambda t: triton_us[t], default=None)

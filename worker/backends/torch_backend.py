@@ -412,9 +412,7 @@ class TorchBackend:
         if rows not in self.fp8_gemm_timings:
             timings = fp8_gemm.tune(rows, [(linear.weight, linear.scale) for linear in linears], self.dtype)
             self.fp8_gemm_timings[rows] = timings
-            for t in timings:
-                log.info("FP8 GEMM %d x %d at %d rows: cuBLAS %.1f us, Triton %.1f us (%s) -> %s", t.out_features,
-                         t.in_features, rows, t.cublas_us, t.triton_us, t.fastest, t.kept or "cuBLAS")  # fmt: skip
+            log.info("FP8 GEMMs at %d rows (out x in: cuBLAS / best Triton us): %s", rows, fp8_gemm.describe(timings))
         return self.fp8_gemm_timings[rows]
 
     def run_model(self, inp: StepInputs, logits_out: torch.Tensor | None = None) -> torch.Tensor:

@@ -34,3 +34,9 @@ def test_the_margin_itself_is_a_win() -> None:
                                                   (256, 4000, False)])  # fmt: skip
 def test_the_kernel_takes_whole_k_tiles_and_sixteen_rows_or_more(rows: int, k: int, taken: bool) -> None:
     assert fp8_gemm.supports(rows, k) is taken
+
+
+def test_a_row_counts_timings_on_one_line() -> None:
+    timings = [fp8_gemm.Timing(448, 6144, 4096, 34.8, 23.1, TILES[2], TILES[2]),
+               fp8_gemm.Timing(448, 4096, 4096, 16.0, 16.5, TILES[0], None)]  # fmt: skip
+    assert fp8_gemm.describe(timings) == "6144x4096 34.8 / 23.1 -> Triton 64x128; 4096x4096 16.0 / 16.5"
