@@ -358,17 +358,14 @@ def device_is_cuda(backend: Any) -> bool:
 
 
 def iteration_summary(stats: list[Any]) -> dict[str, float]:
-    """Iteration counts, mean latencies (ms) and summed seconds of generation-only and
-    mixed iterations: against a run's wall time, the sums show how much of it the steps fill."""
+    """Iteration counts and mean latencies (ms) of generation-only and mixed iterations."""
     gen = [s.iter_latency_ms for s in stats if not s.num_context_requests]
     ctx = [s.iter_latency_ms for s in stats if s.num_context_requests]
     return {
         "gen_iters": len(gen),
         "gen_ms": round(float(np.mean(gen)), 2) if gen else math.nan,
-        "gen_s": round(sum(gen) / 1e3, 2),
         "ctx_iters": len(ctx),
         "ctx_ms": round(float(np.mean(ctx)), 2) if ctx else math.nan,
-        "ctx_s": round(sum(ctx) / 1e3, 2),
     }
 
 
