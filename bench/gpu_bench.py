@@ -417,8 +417,9 @@ def executor_config(args: argparse.Namespace, kv_cache_dtype: str | None) -> Any
 
 
 def log_fp8_gemm_choices(backend: Any) -> None:
-    """What the backend timed for its decode graphs' FP8 GEMMs, a line per row count
-    (worker/backends/fp8_gemm.py); nothing for a float model."""
+    """What the backend timed for its FP8 GEMMs (the decode graphs' row counts and the full
+    prefill chunk's), a line per row count (worker/backends/fp8_gemm.py); nothing for a
+    float model."""
     from worker.backends.fp8_gemm import describe
 
     for rows, timings in sorted(getattr(getattr(backend, "inner", backend), "fp8_gemm_timings", {}).items()):
