@@ -426,6 +426,13 @@ def log_fp8_gemm_choices(backend: Any) -> None:
         log(f"FP8 GEMMs at {rows} rows (out x in: cuBLAS / best Triton us): {describe(timings)}")
 
 
+def log_decode_graphs(backend: Any) -> None:
+    """The decode graphs' replay times and routes (worker/backends/cuda_graphs.py)."""
+    graphs = getattr(getattr(backend, "inner", backend), "_graphs", None)
+    if graphs is not None and graphs.decode_micros:
+        log(graphs.describe())
+
+
 def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: list[tuple[int, int, int, int]],
                    roof: Roofline) -> list[Row]:  # fmt: skip
     """The executor over `backend` (a TorchBackend, or tensor-parallel rank 0's backend)."""
@@ -440,19 +447,18 @@ def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: 
     if timer is not None:
         timer.attach(core)
     executor = Executor(core)
-    t_graphs = time.perf_counter()
-    backend.capture_graphs()
     kv_tokens = executor.core.blocks.num_blocks * args.block_size
     working = backend.working_memory() if hasattr(backend, "working_memory") else None
-    log(f"executor up in {time.perf_counter() - t0:.1f} s: {executor.core.blocks.num_blocks} KV blocks of "
-        f"{args.block_size} ({kv_tokens} tokens: max_batch {args.max_batch} x {kv_tokens // args.max_batch}); "
-        f"CUDA graphs captured in {time.perf_counter() - t_graphs:.1f} s"
+    log(f"executor up in {time.perf_counter() - t0:.1f} s (its decode CUDA graphs captured and timed): "
+        f"{executor.core.blocks.num_blocks} KV blocks of {args.block_size} ({kv_tokens} tokens: max_batch "
+        f"{args.max_batch} x {kv_tokens // args.max_batch})"
         + (f"; working memory {working.describe()}" if working else ""))  # fmt: skip
     if device_is_cuda(backend):
         log(f"GPU memory: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, "
             f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved by torch, "
             f"{torch.cuda.mem_get_info()[0] / 2**30:.2f} GiB free")  # fmt: skip
     log_fp8_gemm_choices(backend)
+    log_decode_graphs(backend)
     # Warm-up: compiles the Triton kernels for prefill shapes, touches every path once.
     run_executor_offline(executor, prompts_for(4, 64, cfg.vocab_size, 99), 8)
     # ... and a prompt alone: its prefill keeps a single logits row, a shape of its own for the kernels.

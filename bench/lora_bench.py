@@ -139,7 +139,6 @@ def start_executor(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.
         peft_cache_config=PeftCacheConfig(max_device_adapters=len(adapters), max_rank=args.rank) if adapters else None,
     )  # fmt: skip
     executor = Executor(EngineCore(backend, config))
-    backend.capture_graphs()
     log(f"executor ({len(adapters)} adapters) up in {time.perf_counter() - t0:.1f} s: "
         f"{executor.core.blocks.num_blocks} KV blocks of {args.block_size}")  # fmt: skip
     return executor

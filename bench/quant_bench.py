@@ -39,6 +39,7 @@ from bench.gpu_bench import (
     executor_config,
     iteration_summary,
     log,
+    log_decode_graphs,
     log_fp8_gemm_choices,
     mean_decode_batch,
     measure_bandwidth,
@@ -173,8 +174,7 @@ def _engine(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.Tensor]
         f"{torch.cuda.memory_allocated(device) / 1e9 if device.type == 'cuda' else 0:.1f} GB allocated")  # fmt: skip
     executor = Executor(EngineCore(backend, executor_config(args, kv_cache_dtype)))
     log_fp8_gemm_choices(backend)
-    if backend._graphs is not None:
-        backend._graphs.capture_all()
+    log_decode_graphs(backend)
     run_executor_offline(executor, prompts_for(4, 64, cfg.vocab_size, 99), 8)  # warm-up: Triton compiles
     return executor
 

@@ -229,7 +229,6 @@ def executor_8b(args: argparse.Namespace) -> tuple[Any, int]:
     backend = TorchBackend(cfg, device, weights=weights, max_num_tokens=args.max_num_tokens, max_model_len=4096,
                            max_graph_batch=args.max_batch, max_batch_size=args.max_batch)  # fmt: skip
     executor = Executor(EngineCore(backend, executor_config(args)))
-    backend.capture_graphs()
     return executor, cfg.vocab_size
 
 

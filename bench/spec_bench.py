@@ -205,12 +205,12 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def _capture_graphs(backends: list[Any], max_batch: int) -> None:
-    """Every CUDA graph a run may use (decode and verification steps), before any is timed."""
+    """Every verification CUDA graph a run may use, before any is timed (the decode graphs are
+    captured with the KV cache)."""
     from worker.backends.torch_backend import TorchBackend
 
     for backend in backends:
         if isinstance(backend, TorchBackend):
-            backend.capture_graphs()
             backend.capture_verification_graphs(max_batch)
 
 

@@ -116,6 +116,26 @@ def test_cuda_graph_steps_match_eager(tmp_path: Path) -> None:
     assert results[0] == results[1]
 
 
+def test_decode_graphs_are_timed_and_a_routed_batch_matches_eager(tmp_path: Path) -> None:
+    """Every decode graph is captured and timed with the KV cache; a batch sent to a larger
+    graph than its bucket (as a route to a faster one does) decodes what eager steps do."""
+    directory = mid_llama(tmp_path / "mid")
+    routed = TorchBackend.from_checkpoint(directory, device="cuda", max_graph_batch=64)
+    eager = TorchBackend.from_checkpoint(directory, device="cuda", use_cuda_graphs=False)
+    routed.allocate_kv_cache(num_blocks=128, block_size=16)
+    graphs = routed._graphs
+    assert graphs is not None
+    assert sorted(graphs.decode_micros) == graphs.buckets == sorted(b for b, q in graphs.graphs if q == 1)
+    assert all(t > 0 for t in graphs.decode_micros.values())
+    assert all(r >= b for b, r in graphs.routes.items()), graphs.routes
+    print("decode graph us:", graphs.decode_micros, "routes:", {b: r for b, r in graphs.routes.items() if r != b})
+    graphs.routes = dict.fromkeys(graphs.buckets, 64)
+    eager.allocate_kv_cache(num_blocks=128, block_size=16)
+    prompts = {s: np.random.default_rng(i).integers(0, 4096, 20 + 7 * i).tolist() for i, s in enumerate("abcde")}
+    results = [greedy_run(b, prompts, 24, seed=1, block_size=16, num_blocks=128, chunk=64) for b in (routed, eager)]
+    assert results[0] == results[1]
+
+
 def default_model_path() -> Path | None:
     path = os.environ.get("TOKENWIRE_GPU_DEFAULT_MODEL")
     return Path(path) if path and Path(path).exists() else None

@@ -3,8 +3,9 @@
 
 A generation step is ~10 kernels per layer on tiny activations, so without a graph
 the GPU waits on Python launching them. A graph is keyed by (batch bucket, q): b
-sequences of q query tokens each, captured the first time a step of that shape
-arrives, over static input buffers. A step of n sequences whose longest has q
+sequences of q query tokens each, over static input buffers: every decode graph is
+captured with the KV cache (`capture_all`), a verification graph the first time a step
+of its shape arrives. A step of n sequences whose longest has q
 tokens runs graph (smallest bucket >= n, q):
 - extra sequences are padded (no KV history, writes going to the backend's
   scratch slot);
@@ -21,10 +22,19 @@ logits buffer, each writing its rows there: a step's logits are read before the 
 step runs, and a buffer per graph would hold every graph's rows at once (about 9,400
 rows, 4.8 GB, for decode buckets to 1024 at a 128k vocabulary). With LoRA on, each
 graph also reads a static per-token adapter slot buffer (-1 for padded tokens).
+
+A larger decode graph can be the faster one: cuBLAS picks its kernels per row count, and
+some counts get poor ones (on an H100, the 8B's bf16 gate_up takes 288 us at 448 rows and
+157 at 512). So when every decode graph is captured at start-up (`capture_all`), each is
+timed, and a batch goes to the fastest graph at or above its bucket where that one takes
+at most ROUTE_MARGIN of the bucket's own time (`fastest_buckets`); padded rows cost the
+GEMMs' extra rows only (their attention reads no key).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,8 +44,15 @@ import torch
 from worker.backends.base import ForwardBatch
 from worker.backends.torch_step import PinnedStaging, StepInputs
 
+log = logging.getLogger(__name__)
+
 # Query tokens per sequence a verification graph takes: the last token and up to 8 drafts.
 MAX_QUERY = 9
+# A larger decode graph takes a batch only when it is at least 5 % faster than the batch's own
+# bucket: a near tie keeps the smaller graph, so the routes do not flip between starts.
+ROUTE_MARGIN = 0.95
+# Replays timed per decode graph at start-up (the fastest counts).
+TIMED_REPLAYS = 3
 
 
 class GraphedBackend(Protocol):
@@ -57,6 +74,17 @@ def batch_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then steps of 8 to 64, of 32 to 256, of 64 beyond."""
     sizes = [1, 2, 4, *range(8, 65, 8), *range(96, 257, 32), *range(320, max_batch + 64, 64)]
     return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+def fastest_buckets(micros: dict[int, float], margin: float = ROUTE_MARGIN) -> dict[int, int]:
+    """Bucket -> the graph that runs its batches: the fastest bucket at or above it by the
+    measured replay times, where that takes at most `margin` of the bucket's own time."""
+    sizes = sorted(micros)
+    routes = {}
+    for i, b in enumerate(sizes):
+        best = min(sizes[i:], key=lambda s: (micros[s], s))
+        routes[b] = best if micros[best] <= margin * micros[b] else b
+    return routes
 
 
 def query_width(batch: ForwardBatch) -> int:
@@ -172,9 +200,18 @@ class DecodeGraphs:
         # One stream for every warm-up (made at the first): the allocator caches freed blocks
         # per stream, so a new stream per capture would keep each warm-up's activations reserved.
         self.side: torch.cuda.Stream | None = None
+        # Each decode graph's replay time (us) and the graph each bucket's batches run, once
+        # capture_all has timed them (until then every batch runs its own bucket).
+        self.decode_micros: dict[int, float] = {}
+        self.routes: dict[int, int] = {}
 
     def bucket(self, b: int) -> int:
         return next(s for s in self.buckets if s >= b)
+
+    def decode_bucket(self, n: int) -> int:
+        """The decode graph that runs a step of n sequences."""
+        b = self.bucket(n)
+        return self.routes.get(b, b)
 
     def key(self, batch: ForwardBatch) -> tuple[int, int] | None:
         """The graph (bucket, q) that runs this step, or None: eager."""
@@ -183,7 +220,7 @@ class DecodeGraphs:
             return None  # (given embeddings, prompt tuning, run eagerly)
         if batch.num_tokens == n:
             if n <= self.max_batch and batch.logits_indices.shape[0] == n:
-                return self.bucket(n), 1
+                return self.decode_bucket(n), 1
             return None
         if n > self.max_verify_batch:
             return None
@@ -196,12 +233,43 @@ class DecodeGraphs:
     def fits(self, batch: ForwardBatch) -> bool:
         return self.key(batch) is not None
 
-    def capture_all(self) -> None:
-        """Capture every decode bucket now (largest first), rather than on first use;
-        verification graphs are captured as their shapes arrive."""
+    def capture_all(self, agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Capture every decode bucket now (largest first), rather than on first use, then
+        time them and route each bucket's batches to the fastest graph (module doc);
+        verification graphs are captured as their shapes arrive. `agree`: makes every
+        tensor-parallel rank take the same timings (rank 0's), so that all run one graph."""
+        if self.routes:
+            return
         with torch.inference_mode():
             for b in reversed(self.buckets):
                 self._get(b, 1)
+            micros = torch.tensor([self._replay_micros(self.graphs[b, 1]) for b in self.buckets], dtype=torch.float64)
+        if agree is not None:
+            micros = agree(micros.to(self.device)).cpu()
+        self.decode_micros = dict(zip(self.buckets, micros.tolist(), strict=True))
+        self.routes = fastest_buckets(self.decode_micros)
+        log.info("%s", self.describe())
+
+    def describe(self) -> str:
+        """The decode graphs' replay times and the buckets that run in a larger graph: one line."""
+        moved = ", ".join(f"{b} -> {r} ({self.decode_micros[b]:.0f} -> {self.decode_micros[r]:.0f} us)"
+                          for b, r in self.routes.items() if r != b)  # fmt: skip
+        times = ", ".join(f"{b}: {t:.0f}" for b, t in self.decode_micros.items())
+        return f"decode graphs (rows: us a replay): {times}; run in a larger graph: {moved or 'none'}"
+
+    def _replay_micros(self, g: _Graph) -> float:
+        """The fastest of TIMED_REPLAYS replays of a graph as captured (every row padded:
+        its GEMMs, norms and head, no attention)."""
+        g.graph.replay()
+        best = float("inf")
+        for _ in range(TIMED_REPLAYS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.graph.replay()
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) * 1e3)
+        return best
 
     def capture_verification(self, max_batch: int) -> None:
         """Capture now every verification graph a step of up to `max_batch` sequences may use."""

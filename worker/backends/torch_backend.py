@@ -153,6 +153,7 @@ class TorchBackend:
         self.staging = PinnedStaging(self.device)
         self._graphs: DecodeGraphs | None = None
         self._use_cuda_graphs = use_cuda_graphs and self.on_cuda and self.stage is None
+        self._world = world  # tensor-parallel ranks agree on the decode graphs' timings
         self.lora_enabled = False  # LoRA slots allocated: decode graphs take each row's slot
         self._max_graph_batch = max_graph_batch
         self.max_batch_size = max_batch_size or max_graph_batch
@@ -238,6 +239,10 @@ class TorchBackend:
                                         max_verify_batch=self._max_verify_graph_batch,
                                         max_tokens=self.max_num_tokens)
         self.tune_gemms(self._graphs.buckets if self._graphs is not None else [], [self.max_num_tokens])
+        if self._graphs is not None:
+            # Every decode graph now, not on first use: no request waits on a capture, and the
+            # graphs are timed so that a batch can run in a faster larger one (cuda_graphs.py).
+            self._graphs.capture_all(self._world.broadcast if self._world is not None else None)
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.ops.copy_blocks(src, dst)
@@ -255,12 +260,6 @@ class TorchBackend:
             adapter = layout.stage_lora(adapter, self.stage.layers)
         with torch.inference_mode():
             self.ops.load_lora_slot(slot, adapter)
-
-    def capture_graphs(self) -> None:
-        """Capture every generation-step CUDA graph now rather than on first use
-        (benchmarks: no capture inside a timed run)."""
-        if self._graphs is not None:
-            self._graphs.capture_all()
 
     def capture_verification_graphs(self, max_batch: int) -> None:
         """Capture the speculative-verification CUDA graphs of up to `max_batch`

@@ -134,10 +134,6 @@ class DistributedBackend:
     def logits_to_host(self, logits: torch.Tensor) -> np.ndarray:
         return self.inner.logits_to_host(logits)
 
-    def capture_graphs(self) -> None:
-        self._send(("capture_graphs", None))
-        self.inner.capture_graphs()
-
     def _share_sampled(self, rows: int) -> None:
         self._send(("sampled", rows))
         assert self.inner.last_ids is not None
@@ -303,8 +299,6 @@ def serve(backend: TorchBackend, world: World, inbox: Connection) -> None:
             backend.enable_lora(*body)
         elif kind == "load_lora_slot":
             backend.load_lora_slot(*body)
-        elif kind == "capture_graphs":
-            backend.capture_graphs()
         else:  # stop
             break
     backend.release_graphs()

@@ -14,7 +14,14 @@ import torch
 
 from tests.worker.backends.paged_batches import PagedSequences
 from worker.backends.base import ForwardBatch
-from worker.backends.cuda_graphs import MAX_QUERY, DecodeGraphs, graph_inputs, layout, query_width
+from worker.backends.cuda_graphs import (
+    MAX_QUERY,
+    DecodeGraphs,
+    fastest_buckets,
+    graph_inputs,
+    layout,
+    query_width,
+)
 from worker.backends.torch_backend import TorchBackend
 from worker.models.loader import load_model
 
@@ -118,6 +125,35 @@ def test_graph_keys_are_bounded(tiny_llama: Path) -> None:
     verify_buckets = [b for b in graphs.buckets if b <= 24]
     assert len(keys - {None}) <= len(verify_buckets) * (MAX_QUERY - 1)
     assert query_width(step([1, 4, 2])) == 4
+
+
+def test_a_bucket_runs_in_the_fastest_graph_at_or_above_it() -> None:
+    # Replay times (us a layer) shaped like the 8B's bf16 GEMMs on an H100, where cuBLAS's 448-row
+    # gate_up takes 288 us and its 512-row one 157.
+    micros = {256: 201.0, 320: 260.0, 384: 300.0, 448: 429.0, 512: 296.0}
+    routes = fastest_buckets(micros)
+    assert routes == {256: 256, 320: 320, 384: 384, 448: 512, 512: 512}  # 384: 296 is within 5 % of 300
+    assert fastest_buckets({8: 20.0, 16: 5.0, 24: 4.0}) == {8: 24, 16: 24, 24: 24}
+    assert fastest_buckets({8: 5.0, 16: 20.0}) == {8: 8, 16: 16}  # never a smaller graph
+    assert fastest_buckets({8: 10.0, 16: 9.6}) == {8: 8, 16: 16}  # a near tie keeps the batch's own
+
+
+def test_a_batch_routed_to_a_larger_graph_gives_transformers_logits(tiny_llama: Path) -> None:
+    """A decode step laid out for the graph its bucket routes to (more padded sequences)."""
+    backend = TorchBackend(load_model(tiny_llama), device="cpu")
+    backend.allocate_kv_cache(num_blocks=64, block_size=BLOCK_SIZE)
+    graphs = DecodeGraphs(backend, 16, 32, block_size=BLOCK_SIZE)
+    graphs.routes = fastest_buckets({1: 30.0, 2: 30.0, 4: 30.0, 8: 50.0, 16: 20.0})
+    rng = np.random.default_rng(5)
+    seqs = {s: rng.integers(0, backend.config.vocab_size, n).tolist() for s, n in (("a", 21), ("b", 14), ("c", 9))}
+    paged = PagedSequences(num_blocks=64, block_size=BLOCK_SIZE)
+    backend.forward(paged.step([(s, t, 0, len(t) - 1) for s, t in seqs.items()]))
+    batch = paged.step([(s, t, len(t) - 1, 1) for s, t in seqs.items()])
+    assert graphs.key(batch) == (16, 1)  # bucket 4, routed to 16
+    got = padded_forward(backend, graphs, batch)
+    for row, (name, tokens) in enumerate(seqs.items()):
+        diff = float(np.abs(got[row] - hf_logits(tiny_llama, tokens)[-1]).max())
+        assert diff < LOGITS_ATOL, f"{name}: max |diff| {diff:.2e}"
 
 
 @pytest.mark.parametrize("q", [2, 5, MAX_QUERY])
