@@ -7,13 +7,19 @@ kernels well below what the shape allows, and no maintained library that install
 GPU host offers another FP8 GEMM. Timed in CUDA graphs over cold weights on an H100
 (bench/results/fp8_gemm_graph_sweep_h100_2026-11-27.txt), the 8B's layer at 448 rows took
 250 us with cuBLAS and 200 with this kernel (gate_up 129.5 -> 110.8, qkv 36.7 -> 22.6), at
-320 rows 198 against 166; at 256, 384 and 512 rows cuBLAS is as fast or faster (it splits
-K; this kernel does not, so narrow outputs leave SMs idle). Hence a choice, made per (rows,
-out, in) on the device at hand, not a replacement.
+320 rows 198 against 166; at 256, 384 and 512 rows cuBLAS is as fast or faster. Hence a
+choice, made per (rows, out, in) on the device at hand, not a replacement.
 
-Each program computes one [BLOCK_M, BLOCK_N] tile over all of K; the programs that share a
-weight tile run next to each other (M varies fastest), so the weights are read from HBM
-about once and the other row tiles find them in L2.
+Each program computes one [BLOCK_M, BLOCK_N] tile over all of K, or over one of SPLIT_K
+equal parts of it; the programs that share a weight tile run next to each other (M varies
+fastest), so the weights are read from HBM about once and the other row tiles find them in
+L2. Split tiles are for few rows: a narrow output (the 8B's o and down: 4096 columns, 64
+programs of 64) would leave most SMs idle while each program walks all of K. Their parts
+are written as float32 planes and summed in a fixed order (torch), so a product is
+reproducible. On an H100 the 8B's down at 2-64 rows takes 27-32 us split four ways,
+against 38-46 with cuBLAS and about 36 unsplit, and with the Triton tiles below 16 rows
+too a decode step of 2-8 sequences went from 5.1 to 4.3 ms
+(bench/results/fp8_gemm_split_h100_2026-11-27_s15.txt).
 
 `tune` times cuBLAS and each of `TILES` over the model's own weights, every layer's in
 turn so that the weights come cold from HBM as in a step, replayed in a CUDA graph as the
@@ -45,9 +51,11 @@ except ImportError:  # the CPU host
 log = logging.getLogger(__name__)
 
 BLOCK_K = 128
-# Fewer rows than this stay on cuBLAS (and one row on the GEMV, gemv.py): tl.dot takes
-# tiles of 16 rows or more.
-MIN_ROWS = 16
+# One row runs the GEMV (gemv.py); rows short of a tile are masked.
+MIN_ROWS = 2
+# Split tiles are timed up to this many rows: past it there are tiles enough without, and
+# the float32 planes would cost more than they save.
+MAX_SPLIT_ROWS = 128
 # The Triton GEMM replaces cuBLAS only when it takes at most this fraction of cuBLAS's time.
 MARGIN = 0.9
 TIMED_PASSES = 3
@@ -61,6 +69,7 @@ class Tile:
     block_n: int
     stages: int
     warps: int
+    split_k: int = 1  # programs that share one output tile, each over K / split_k
 
 
 # Each was the fastest somewhere in a graph-timed sweep of the 8B's and the 70B's (per
@@ -68,7 +77,13 @@ class Tile:
 # (bench/results/fp8_gemm_graph_sweep_h100_2026-11-27.txt): small tiles for few rows and
 # narrow outputs, wide ones for gate_up.
 TILES = (Tile(64, 64, 4, 4), Tile(64, 128, 5, 4), Tile(64, 128, 3, 4), Tile(128, 128, 3, 8), Tile(128, 128, 4, 8),
-         Tile(128, 256, 3, 8))  # fmt: skip
+         Tile(128, 256, 3, 8), Tile(64, 64, 4, 4, 2), Tile(64, 64, 4, 4, 4), Tile(64, 64, 4, 4, 8))  # fmt: skip
+
+
+def takes(tile: Tile, rows: int, k: int) -> bool:
+    """Whether `tile` runs a product of `rows` rows over k inputs: every split whole BLOCK_K
+    tiles, and split tiles only for few rows."""
+    return k % (BLOCK_K * tile.split_k) == 0 and (tile.split_k == 1 or rows <= MAX_SPLIT_ROWS)
 
 
 def supports(rows: int, k: int) -> bool:
@@ -83,13 +98,17 @@ def fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scal
     float32 [1, N]; K a multiple of BLOCK_K (`supports`)."""
     m, k = xq.shape
     n = wq.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
-    grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
+    split = tile.split_k
+    if k % (BLOCK_K * split):
+        raise ValueError(f"the FP8 GEMM splits {k} inputs into {split} parts of whole {BLOCK_K}-input tiles")
+    out = torch.empty((split, m, n), dtype=out_dtype if split == 1 else torch.float32, device=xq.device)
+    grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n), split)
     _fp8_gemm_kernel[grid](
-        xq, wq, x_scale, w_scale, out, m, n, k, xq.stride(0), wq.stride(0), out.stride(0),
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=BLOCK_K, num_warps=tile.warps, num_stages=tile.stages,
+        xq, wq, x_scale, w_scale, out, m, n, k, xq.stride(0), wq.stride(0), n,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=BLOCK_K, SPLIT_K=split, num_warps=tile.warps,
+        num_stages=tile.stages,
     )  # fmt: skip
-    return out
+    return out[0] if split == 1 else out.sum(0).to(out_dtype)
 
 
 def scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
@@ -116,7 +135,8 @@ def describe(timings: Sequence[Timing]) -> str:
     """One row count's timings on a line: each shape's cuBLAS / fastest Triton microseconds,
     and the tile kept."""
     def one(t: Timing) -> str:
-        kept = f" -> Triton {t.kept.block_m}x{t.kept.block_n}" if t.kept else ""
+        split = f"/{t.kept.split_k}" if t.kept and t.kept.split_k > 1 else ""
+        kept = f" -> Triton {t.kept.block_m}x{t.kept.block_n}{split}" if t.kept else ""
         return f"{t.out_features}x{t.in_features} {t.cublas_us:.1f} / {t.triton_us:.1f}{kept}"
 
     return "; ".join(one(t) for t in timings)
@@ -156,7 +176,7 @@ def _time_shape(rows: int, group: list[tuple[torch.Tensor, torch.Tensor]], out_d
 
     cublas = per_product(lambda w, s: scaled_mm(xq, x_scale, w, s, out_dtype))
     tiles = {}
-    for tile in TILES:
+    for tile in (t for t in TILES if takes(t, rows, k)):
         try:
             tiles[tile] = per_product(on_tile(tile))
         except Exception as e:
@@ -194,21 +214,23 @@ if triton is not None:
     @triton.jit  # type: ignore[misc,unused-ignore]
     def _fp8_gemm_kernel(  # type: ignore[no-untyped-def]
         x_ptr, w_ptr, sx_ptr, sw_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
+        part = tl.program_id(1)  # this program's share of K, and its output plane
         tiles_m = tl.cdiv(M, BLOCK_M)
         pid_m = pid % tiles_m
         pid_n = pid // tiles_m
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
+        k_tiles = K // BLOCK_K // SPLIT_K
+        offs_k = part * k_tiles * BLOCK_K + tl.arange(0, BLOCK_K)
         m_ok = offs_m < M
         n_ok = offs_n < N
         x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
         w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for _ in range(K // BLOCK_K):
+        for _ in range(k_tiles):
             a = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             b = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             acc = tl.dot(a, tl.trans(b), acc)  # both K-major, as the FP8 tensor cores take them
@@ -217,5 +239,6 @@ if triton is not None:
         sx = tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)
         sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=0.0)
         out = acc * sx[:, None] * sw[None, :]
-        o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+        plane = out_ptr + part.to(tl.int64) * M * stride_out
+        o_ptrs = plane + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

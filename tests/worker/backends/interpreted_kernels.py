@@ -53,10 +53,10 @@ def check_fp8_outputs() -> None:
 
 
 def check_fp8_gemm() -> None:
-    """Every tile of the Triton FP8 GEMM against the product of the dequantized codes, with
-    rows and outputs that leave partial tiles."""
-    for m in (19, 70):
-        x, w = torch.randn(m, 256), torch.randn(200, 256)
+    """Every tile of the Triton FP8 GEMM (split ones too) against the product of the
+    dequantized codes, with rows and outputs that leave partial tiles."""
+    for m in (3, 70):
+        x, w = torch.randn(m, 1024), torch.randn(200, 1024)
         xq, x_scale = quant_linear.quantize_rows_fp8(x)
         w_scale = w.abs().amax(dim=1)[None, :] / 448.0
         wq = (w / w_scale.t()).to(torch.float8_e4m3fn)

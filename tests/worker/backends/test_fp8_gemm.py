@@ -30,13 +30,24 @@ def test_the_margin_itself_is_a_win() -> None:
 
 
 @pytest.mark.skipif(fp8_gemm.triton is None, reason="needs Triton")
-@pytest.mark.parametrize(("rows", "k", "taken"), [(256, 4096, True), (16, 14336, True), (8, 4096, False),
-                                                  (256, 4000, False)])  # fmt: skip
-def test_the_kernel_takes_whole_k_tiles_and_sixteen_rows_or_more(rows: int, k: int, taken: bool) -> None:
-    assert fp8_gemm.supports(rows, k) is taken
+@pytest.mark.parametrize(("rows", "k", "taken"), [(256, 4096, True), (16, 14336, True), (2, 4096, True),
+                                                  (1, 4096, False), (256, 4000, False)])  # fmt: skip
+def test_the_kernel_takes_whole_k_tiles_and_two_rows_or_more(rows: int, k: int, taken: bool) -> None:
+    assert fp8_gemm.supports(rows, k) is taken  # one row is the GEMV's
+
+
+def test_a_split_tile_takes_whole_k_tiles_in_every_part_and_few_rows() -> None:
+    split4 = fp8_gemm.Tile(64, 64, 4, 4, split_k=4)
+    assert fp8_gemm.takes(split4, 16, 14336)  # 112 tiles of 128 inputs: 28 a part
+    assert not fp8_gemm.takes(split4, 16, 128 * 6)  # 6 tiles do not split 4 ways
+    assert not fp8_gemm.takes(split4, fp8_gemm.MAX_SPLIT_ROWS + 1, 4096)
+    assert fp8_gemm.takes(TILES[0], fp8_gemm.MAX_SPLIT_ROWS + 1, 4096)  # unsplit tiles take any row count
 
 
 def test_a_row_counts_timings_on_one_line() -> None:
+    split = fp8_gemm.Tile(64, 64, 4, 4, split_k=4)
     timings = [fp8_gemm.Timing(448, 6144, 4096, 34.8, 23.1, TILES[2], TILES[2]),
-               fp8_gemm.Timing(448, 4096, 4096, 16.0, 16.5, TILES[0], None)]  # fmt: skip
-    assert fp8_gemm.describe(timings) == "6144x4096 34.8 / 23.1 -> Triton 64x128; 4096x4096 16.0 / 16.5"
+               fp8_gemm.Timing(448, 4096, 4096, 16.0, 16.5, TILES[0], None),
+               fp8_gemm.Timing(16, 4096, 14336, 38.1, 22.0, split, split)]  # fmt: skip
+    assert fp8_gemm.describe(timings) == ("6144x4096 34.8 / 23.1 -> Triton 64x128; 4096x4096 16.0 / 16.5; "
+                                          "4096x14336 38.1 / 22.0 -> Triton 64x64/4")
