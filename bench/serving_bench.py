@@ -16,11 +16,14 @@ one gateway process, a private Redis, the ZeroMQ client here; bench/service_benc
 starts them). Models: `default` (SmolLM2-135M, both paths), `tiny` (a 2-layer random
 Llama with the default model's tokenizer, both paths: the CPU smoke run), `8b` (the
 Llama-3.1-8B shape with random bf16 weights made on the GPU, in process only: the
-service loads checkpoints from disk), or a checkpoint directory.
+service loads checkpoints from disk), or a checkpoint directory. `--quantization` and
+`--kv-cache-dtype` run every model quantized on load (the worker's own flags on the
+service path); the model column says so (`8b fp8+fp8kv`).
 
     python -m bench.serving_bench                               # GPU: 8b in process, then default, both paths
     python -m bench.serving_bench --model tiny --requests 24    # the CPU
     python -m bench.serving_bench --model 8b --prompt 1000 --output 100
+    python -m bench.serving_bench --model 8b --quantization fp8 --kv-cache-dtype fp8
 """
 
 from __future__ import annotations
@@ -207,13 +210,20 @@ def tiny_checkpoint(directory: Path) -> Path:
 def executor_config(args: argparse.Namespace) -> Any:
     from worker.executor import ExecutorConfig, KvCacheConfig
 
-    kv = KvCacheConfig(max_tokens=args.kv_tokens) if args.kv_tokens else KvCacheConfig()
+    kv = KvCacheConfig(max_tokens=args.kv_tokens or None, dtype=args.kv_cache_dtype)
     return ExecutorConfig(max_batch_size=args.max_batch, max_num_tokens=args.max_num_tokens, kv_cache_config=kv,
-                          device=args.device)  # fmt: skip
+                          device=args.device, quantization=args.quantization)  # fmt: skip
+
+
+def variant(args: argparse.Namespace) -> str:
+    """How the model runs beyond its weights as stored: '' or ' fp8', ' fp8+fp8kv', ' +fp8kv'."""
+    kv = "+fp8kv" if args.kv_cache_dtype else ""
+    return f" {args.quantization or ''}{kv}" if args.quantization or kv else ""
 
 
 def executor_8b(args: argparse.Namespace) -> tuple[Any, int]:
-    """An Executor over the 8B shape with random bf16 weights on the GPU (bench/gpu_bench.py)."""
+    """An Executor over the 8B shape with random bf16 weights on the GPU (bench/gpu_bench.py),
+    quantized there when asked."""
     import torch
 
     from bench.gpu_bench import LLAMA_8B, random_weights
@@ -227,7 +237,8 @@ def executor_8b(args: argparse.Namespace) -> tuple[Any, int]:
     device = torch.device(args.device or "cuda")
     weights = random_weights(cfg, device, torch.bfloat16)
     backend = TorchBackend(cfg, device, weights=weights, max_num_tokens=args.max_num_tokens, max_model_len=4096,
-                           max_graph_batch=args.max_batch, max_batch_size=args.max_batch)  # fmt: skip
+                           max_graph_batch=args.max_batch, max_batch_size=args.max_batch,
+                           quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     executor = Executor(EngineCore(backend, executor_config(args)))
     return executor, cfg.vocab_size
 
@@ -281,7 +292,7 @@ def bench_model(args: argparse.Namespace, name: str, log: Callable[[str], None])
                 raise SkipSection(str(e)) from None
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         executor = Executor.from_model(path, executor_config(args))
-    label = name if name in ("tiny", "default", "8b") else Path(name).name
+    label = (name if name in ("tiny", "default", "8b") else Path(name).name) + variant(args)
     runs: list[RateRun] = []
     try:
         with executor:
@@ -304,6 +315,8 @@ def bench_model(args: argparse.Namespace, name: str, log: Callable[[str], None])
             # slower path (the first serving tables were measured so: 17,408 tokens, 68 requests).
             worker_args += ["--kv-tokens", str(min(kv_tokens, n * (p + o + blocks.block_size)))]
             worker_args += ["--device", args.device] if args.device else []
+            worker_args += ["--quantization", args.quantization] if args.quantization else []
+            worker_args += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []
             stack = _Stack(path, *worker_args)
             try:
                 remote, _ = sweep(lambda rate, i: asyncio.run(_service_run(
@@ -356,6 +369,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--kv-tokens", type=int, default=0, help="KV cache tokens (default: sized from free memory)")
     p.add_argument("--device", default=None, help="torch device for the model (default: cuda when present)")
+    p.add_argument("--quantization", default=None, choices=["fp8", "int4"], help="quantize every model on load")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["fp8"], help="an e4m3 KV cache (the torch backend)")
     return p
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.serving_bench import arrivals, prompts_for, run_in_process
+from bench.serving_bench import arrivals, executor_config, parser, prompts_for, run_in_process, variant
 from tests.checkpoints import VOCAB_SIZE, make_checkpoint
 from worker.executor import Executor, ExecutorConfig, KvCacheConfig
 
@@ -34,3 +34,21 @@ def test_in_process_run_counts_every_request(tmp_path: Path) -> None:
     assert all(e >= t for e, t in zip(sorted(run.e2e_ms), sorted(run.ttft_ms), strict=True))
     # Six sends at 40 / s span about 0.125 s: the run lasts at least until the last send.
     assert run.seconds >= float(arrivals(n, 40.0, seed=3)[-1])
+
+
+def test_a_quantized_run_says_so_and_loads_the_model_quantized(tmp_path: Path) -> None:
+    args = parser().parse_args(["--quantization", "int4", "--kv-cache-dtype", "fp8", "--kv-tokens", "4096"])
+    config = executor_config(args)
+    assert config.quantization == "int4" and config.kv_cache_config.dtype == "fp8"
+    assert config.kv_cache_config.max_tokens == 4096
+    assert variant(args) == " int4+fp8kv"
+    assert variant(parser().parse_args([])) == ""
+    assert variant(parser().parse_args(["--kv-cache-dtype", "fp8"])) == " +fp8kv"
+    # The int4 config on the CPU's numpy backend (an e4m3 cache is the torch backend's, on CUDA).
+    directory = make_checkpoint("llama_gqa", tmp_path / "llama_gqa")
+    cpu = ExecutorConfig(backend="numpy", max_batch_size=8, kv_cache_config=KvCacheConfig(max_tokens=4096),
+                         quantization=config.quantization)  # fmt: skip
+    with Executor.from_model(directory, cpu) as executor:
+        assert str(getattr(executor.core.backend, "quantization", "")).startswith("int4 (quantized on load")
+        run = run_in_process(executor, "tiny", prompts_for(3, 12, VOCAB_SIZE, 0), 4, rate=math.inf, seed=1)
+    assert run.requests == 3 and run.tokens == 3 * 4
