@@ -51,7 +51,7 @@ MAX_QUERY = 9
 # A larger decode graph takes a batch only when it is at least 5 % faster than the batch's own
 # bucket: a near tie keeps the smaller graph, so the routes do not flip between starts.
 ROUTE_MARGIN = 0.95
-# Replays timed per decode graph at start-up (the fastest counts).
+# Replays timed per graph (the fastest counts).
 TIMED_REPLAYS = 3
 
 
@@ -74,6 +74,20 @@ def batch_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then steps of 8 to 64, of 32 to 256, of 64 beyond."""
     sizes = [1, 2, 4, *range(8, 65, 8), *range(96, 257, 32), *range(320, max_batch + 64, 64)]
     return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+def replay_microseconds(graph: torch.cuda.CUDAGraph) -> float:
+    """The fastest of TIMED_REPLAYS replays of a captured graph, after one untimed."""
+    graph.replay()
+    best = float("inf")
+    for _ in range(TIMED_REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3)
+    return best
 
 
 def fastest_buckets(micros: dict[int, float], margin: float = ROUTE_MARGIN) -> dict[int, int]:
@@ -243,7 +257,9 @@ class DecodeGraphs:
         with torch.inference_mode():
             for b in reversed(self.buckets):
                 self._get(b, 1)
-            micros = torch.tensor([self._replay_micros(self.graphs[b, 1]) for b in self.buckets], dtype=torch.float64)
+            # Each graph as captured: every row padded, so its GEMMs, norms and head, no attention.
+            micros = torch.tensor([replay_microseconds(self.graphs[b, 1].graph) for b in self.buckets],
+                                  dtype=torch.float64)  # fmt: skip
         if agree is not None:
             micros = agree(micros.to(self.device)).cpu()
         self.decode_micros = dict(zip(self.buckets, micros.tolist(), strict=True))
@@ -256,20 +272,6 @@ class DecodeGraphs:
                           for b, r in self.routes.items() if r != b)  # fmt: skip
         times = ", ".join(f"{b}: {t:.0f}" for b, t in self.decode_micros.items())
         return f"decode graphs (rows: us a replay): {times}; run in a larger graph: {moved or 'none'}"
-
-    def _replay_micros(self, g: _Graph) -> float:
-        """The fastest of TIMED_REPLAYS replays of a graph as captured (every row padded:
-        its GEMMs, norms and head, no attention)."""
-        g.graph.replay()
-        best = float("inf")
-        for _ in range(TIMED_REPLAYS):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.graph.replay()
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) * 1e3)
-        return best
 
     def capture_verification(self, max_batch: int) -> None:
         """Capture now every verification graph a step of up to `max_batch` sequences may use."""

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.backends.cuda_graphs import replay_microseconds
+
 try:
     import triton  # type: ignore[import-not-found,unused-ignore]
     import triton.language as tl  # type: ignore[import-not-found,unused-ignore]
@@ -58,7 +60,6 @@ MIN_ROWS = 2
 MAX_SPLIT_ROWS = 128
 # The Triton GEMM replaces cuBLAS only when it takes at most this fraction of cuBLAS's time.
 MARGIN = 0.9
-TIMED_PASSES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,23 +191,14 @@ def _time_shape(rows: int, group: list[tuple[torch.Tensor, torch.Tensor]], out_d
 
 
 def _graph_microseconds(one_pass: Callable[[], None]) -> float:
-    """The fastest of TIMED_PASSES replays of `one_pass` captured in a CUDA graph, as the
-    decode graphs run it: launched from Python, a Triton call costs more host time than
-    a small product takes on the GPU, and the timing would measure the host."""
+    """`one_pass` captured in a CUDA graph and timed replaying, as the decode graphs run it:
+    launched from Python, a Triton call costs more host time than a small product takes on
+    the GPU, and the timing would measure the host."""
     one_pass()  # Triton compiles, cuBLAS picks its kernel
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         one_pass()
-    graph.replay()
-    best = float("inf")
-    for _ in range(TIMED_PASSES):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3)
-    return best
+    return replay_microseconds(graph)
 
 
 if triton is not None:
