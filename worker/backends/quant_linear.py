@@ -406,13 +406,16 @@ def _gemv_split(n: int, k: int, group_size: int, num_sms: int) -> tuple[int, int
     each walking whole tiles of BLOCK_KW words, 8 where the layer allows, over 512 outputs
     (from a sweep on the H100 over the 8B projections, bench/results/int4_gemv_sweep_h100_
     2026-11-27.txt). A tile lies inside one group, or holds GROUPS whole ones (groups of 32:
-    two per tile of 64 inputs)."""
+    two per tile of 64 inputs). SPLIT_K is the fewest parts, each of whole tiles, that give
+    four programs an SM: any divisor of the tile count, not only a power of two, so that the
+    8B's down (224 tiles, 8 column tiles) splits 112 ways, 896 programs, where powers of two
+    stopped at 32 (256 programs, two an SM)."""
     block_kw = next(kw for kw in (8, 4, 2, 1)
                     if k % (kw * 8) == 0 and (group_size % (kw * 8) == 0 or (kw * 8) % group_size == 0))  # fmt: skip
     tiles = -(-n // GEMV_BLOCK_N)
-    split = 1
-    while tiles * split < 4 * num_sms and k % (split * 2 * block_kw * 8) == 0:
-        split *= 2
+    k_tiles = k // (block_kw * 8)
+    parts = [d for d in range(1, k_tiles + 1) if k_tiles % d == 0]
+    split = next((d for d in parts if tiles * d >= 4 * num_sms), parts[-1])
     return split, block_kw, max(1, block_kw * 8 // group_size)
 
 
