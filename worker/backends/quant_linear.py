@@ -102,6 +102,9 @@ class Int4Linear:
 
 
 GEMV_BLOCK_N = 512
+# Four programs of four warps an SM in one wave: 128 registers a thread at most (ptxas gave
+# the kernel 136, three programs an SM).
+GEMV_PROGRAMS_PER_SM, GEMV_MAX_REGISTERS = 4, 128
 
 
 def int4_linear(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int,
@@ -370,8 +373,10 @@ if triton is not None:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         rows = tl.arange(0, BLOCK_KW)
-        k_span = K // SPLIT_K
-        k_start = pid_k * k_span
+        # This program's run of whole tiles: the runs differ by at most one tile.
+        k_tiles = K // (BLOCK_KW * 8)
+        k_start = (pid_k * k_tiles // SPLIT_K) * (BLOCK_KW * 8)
+        k_end = ((pid_k + 1) * k_tiles // SPLIT_K) * (BLOCK_KW * 8)
         # The weights are no kernel's output: the first tile is read before the wait for the
         # kernel before (PDL), so its latency overlaps that kernel's end.
         words = tl.load(w_ptr + (k_start // 8 + rows)[:, None].to(tl.int64) * N + offs_n[None, :],
@@ -379,7 +384,7 @@ if triton is not None:
         pdl_wait(PDL)
         acc = _int4_tile_dot(words, x_ptr, k_start, s_ptr, z_ptr, offs_n, n_ok, N, group_size, HAS_ZERO, BLOCK_N,
                              BLOCK_KW, GROUPS)  # fmt: skip
-        for k0 in range(k_start + BLOCK_KW * 8, k_start + k_span, BLOCK_KW * 8):
+        for k0 in range(k_start + BLOCK_KW * 8, k_end, BLOCK_KW * 8):
             words = tl.load(w_ptr + (k0 // 8 + rows)[:, None].to(tl.int64) * N + offs_n[None, :], mask=n_ok[None, :],
                             other=0)  # fmt: skip
             acc += _int4_tile_dot(words, x_ptr, k0, s_ptr, z_ptr, offs_n, n_ok, N, group_size, HAS_ZERO, BLOCK_N,
@@ -402,21 +407,25 @@ if triton is not None:
 
 
 def _gemv_split(n: int, k: int, group_size: int, num_sms: int) -> tuple[int, int, int]:
-    """(SPLIT_K, BLOCK_KW, GROUPS) for a batch-1 product: enough programs for four per SM,
-    each walking whole tiles of BLOCK_KW words, 8 where the layer allows, over 512 outputs
-    (from a sweep on the H100 over the 8B projections, bench/results/int4_gemv_sweep_h100_
-    2026-11-27.txt). A tile lies inside one group, or holds GROUPS whole ones (groups of 32:
-    two per tile of 64 inputs). SPLIT_K is the fewest parts, each of whole tiles, that give
-    four programs an SM: any divisor of the tile count, not only a power of two, so that the
-    8B's down (224 tiles, 8 column tiles) splits 112 ways, 896 programs, where powers of two
-    stopped at 32 (256 programs, two an SM)."""
+    """(SPLIT_K, BLOCK_KW, GROUPS) for a batch-1 product over 512-output column tiles. Tiles
+    of BLOCK_KW words, 8 where the layer allows (a sweep on the H100 over the 8B projections,
+    bench/results/int4_gemv_sweep_h100_2026-11-27.txt); a tile lies inside one group, or
+    holds GROUPS whole ones (groups of 32: two per tile of 64 inputs).
+
+    The grid is one wave: at most GEMV_PROGRAMS_PER_SM programs an SM (its registers capped
+    so that they fit), each with a run of whole tiles of K; SPLIT_K is the fewest runs that
+    give the shortest longest run, so no program waits on a second wave and the last
+    program sums as few partial rows as it can. Grids of two or more waves (as many
+    programs as fit twice over) took 8 % longer over the 8B's four projections (cold weights:
+    84.2 against 77.3 us a layer; bench/results/int4_gemv_waves_h100_2026-11-28_s16.txt):
+    the second wave's ramp-up and the tail, with 12-16 warps an SM to hide memory latency."""
     block_kw = next(kw for kw in (8, 4, 2, 1)
                     if k % (kw * 8) == 0 and (group_size % (kw * 8) == 0 or (kw * 8) % group_size == 0))  # fmt: skip
     tiles = -(-n // GEMV_BLOCK_N)
     k_tiles = k // (block_kw * 8)
-    parts = [d for d in range(1, k_tiles + 1) if k_tiles % d == 0]
-    split = next((d for d in parts if tiles * d >= 4 * num_sms), parts[-1])
-    return split, block_kw, max(1, block_kw * 8 // group_size)
+    most = max(1, min(k_tiles, GEMV_PROGRAMS_PER_SM * num_sms // tiles))
+    longest = -(-k_tiles // most)
+    return -(-k_tiles // longest), block_kw, max(1, block_kw * 8 // group_size)
 
 
 def w4a16_gemv(x: torch.Tensor, w: Int4Linear) -> torch.Tensor:
@@ -430,7 +439,7 @@ def w4a16_gemv(x: torch.Tensor, w: Int4Linear) -> torch.Tensor:
     _w4a16_gemv_kernel[grid](
         x.contiguous(), w.qweight, w.scale, w.scale if w.zero is None else w.zero, w.split_sums, w.split_counts, out,
         n, k, w.group_size, HAS_ZERO=w.zero is not None, SPLIT_K=split, BLOCK_N=GEMV_BLOCK_N, BLOCK_KW=block_kw,
-        GROUPS=groups, num_warps=4, num_stages=3, **pdl.options(x.device, 1),
+        GROUPS=groups, num_warps=4, num_stages=1, maxnreg=GEMV_MAX_REGISTERS, **pdl.options(x.device, 1),
     )  # fmt: skip
     return out
 
