@@ -8,7 +8,17 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.serving_bench import arrivals, executor_config, parser, prompts_for, run_in_process, variant
+from bench.serving_bench import (
+    WARM_UP,
+    RateRun,
+    arrivals,
+    executor_config,
+    parser,
+    prompts_for,
+    run_in_process,
+    sweep,
+    variant,
+)
 from tests.checkpoints import VOCAB_SIZE, make_checkpoint
 from worker.executor import Executor, ExecutorConfig, KvCacheConfig
 
@@ -52,3 +62,22 @@ def test_a_quantized_run_says_so_and_loads_the_model_quantized(tmp_path: Path) -
         assert str(getattr(executor.core.backend, "quantization", "")).startswith("int4 (quantized on load")
         run = run_in_process(executor, "tiny", prompts_for(3, 12, VOCAB_SIZE, 0), 4, rate=math.inf, seed=1)
     assert run.requests == 3 and run.tokens == 3 * 4
+
+
+def test_the_sweep_warms_up_unreported_first(tmp_path: Path) -> None:
+    """A burst and a run at the lowest rate go first (Triton compiles on a variant's first
+    launch) with prompts and arrivals of their own; only the burst and the rates are reported."""
+    directory = make_checkpoint("llama_gqa", tmp_path / "llama_gqa")
+    config = ExecutorConfig(backend="numpy", max_batch_size=8, kv_cache_config=KvCacheConfig(max_tokens=4096))
+    calls: list[tuple[float, int]] = []
+    with Executor.from_model(directory, config) as executor:
+
+        def run(rate: float, i: int) -> RateRun:
+            calls.append((rate, i))
+            return run_in_process(executor, "tiny", prompts_for(4, 12, VOCAB_SIZE, 10 + i), 4, rate, seed=i)
+
+        runs, rates = sweep(run, [30.0, 60.0], lambda line: None)
+    assert calls == [(math.inf, WARM_UP), (30.0, WARM_UP + 1), (math.inf, 0), (30.0, 1), (60.0, 2)]
+    assert rates == [30.0, 60.0]
+    assert [r.rate for r in runs] == [math.inf, 30.0, 60.0]
+    assert all(r.requests == 4 and r.tokens == 16 for r in runs)
