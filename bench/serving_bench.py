@@ -282,7 +282,7 @@ def sweep(run: Callable[[float, int], RateRun], rates: Sequence[float] | None, l
 
 
 def bench_model(args: argparse.Namespace, name: str, log: Callable[[str], None]) -> list[RateRun]:
-    from worker.executor import Executor, Request
+    from worker.executor import Executor
 
     n, p, o = args.requests, args.prompt, args.output
     path: Path | None = None
@@ -306,9 +306,6 @@ def bench_model(args: argparse.Namespace, name: str, log: Callable[[str], None])
     runs: list[RateRun] = []
     try:
         with executor:
-            warm = executor.enqueue_request(Request(input_token_ids=[100, 101, 102] * (p // 3 + 1), max_tokens=4))
-            while not any(r.result and r.result.is_final for r in executor.await_responses(warm, timeout=300)):
-                pass
             blocks = executor.core.blocks
             kv_tokens = blocks.num_blocks * blocks.block_size
             log(f"{label}, in process: {n} requests x {p} / {o} tokens, KV cache {kv_tokens} tokens")
