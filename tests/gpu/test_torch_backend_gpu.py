@@ -1,13 +1,17 @@
 """The torch backend on CUDA: float32 greedy parity with transformers on the tiny
 checkpoints, bf16 logits against transformers' bf16 logits, CUDA-graph steps against
-eager ones, and greedy parity in bf16 on the real default model (SmolLM2-135M).
+eager ones, greedy parity in bf16 on the real default model (SmolLM2-135M), and no Triton
+compile after start-up.
 
 bf16 tolerance: ||ours - hf_bf16|| / ||hf_bf16|| < 3e-2 over the logits, and our
 error against float32 at most twice transformers' own bf16 error against float32."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +70,17 @@ def mid_llama(directory: Path) -> Path:
     model: Any = LlamaForCausalLM(cfg)
     model.to(torch.bfloat16).save_pretrained(directory)
     return directory
+
+
+def test_no_kernel_compiles_after_start_up(tmp_path: Path) -> None:
+    """Start-up compiles every Triton kernel a served step runs: prefill chunks, graph and
+    eager decode steps and the sampler's argmax at every batch size (a 131,072-token
+    vocabulary: each of its seven chunk counts) compile nothing more, in a fresh process."""
+    directory = make_checkpoint("llama_gqa", tmp_path / "wide_vocab", vocab_size=131072)
+    done = subprocess.run([sys.executable, "-m", "tests.gpu.compiles_after_start_up", str(directory)],
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == []
 
 
 def test_bf16_logits_close_to_transformers(tmp_path: Path) -> None:

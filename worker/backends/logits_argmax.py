@@ -99,6 +99,25 @@ if triton is not None:
 _COUNTS: dict[int, torch.Tensor] = {}
 
 
+def _chunks(rows: int, vocab: int, sms: int) -> int:
+    return int(triton.next_power_of_2(chunks_per_row(rows, vocab, sms)))
+
+
+def compile_kernels(device: torch.device, vocab: int, max_rows: int) -> None:
+    """Compile, without running, the kernel for each chunk count a step of 1..max_rows rows
+    of `vocab` logits uses (CHUNKS is a constant of the kernel: up to seven variants). At
+    start-up: Triton compiles on first use, 0.2-0.3 s each on the H100, and a serving
+    step that met a new batch size waited on it (an 8B's first FP8 burst: 9,518 tok/s
+    against 21,376 once compiled)."""
+    sms = num_sms(device)
+    with torch.cuda.device(device):
+        for chunks in sorted({_chunks(rows, vocab, sms) for rows in range(1, max_rows + 1)}):
+            _argmax_lse_kernel.warmup(
+                torch.float32, torch.int64, torch.float32, torch.float32, torch.int32, vocab, vocab,
+                -(-vocab // chunks), CHUNKS=chunks, BLOCK=BLOCK, num_warps=4, grid=(1,),
+            )  # fmt: skip
+
+
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 logits [S, V] on CUDA, rows contiguous -> (argmax int64 [S], log-sum-exp
     float32 [S])."""
@@ -106,7 +125,7 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dev = logits.device.index or 0
     if dev not in _COUNTS or _COUNTS[dev].numel() < rows:
         _COUNTS[dev] = torch.zeros(max(rows, 1024), dtype=torch.int32, device=logits.device)
-    chunks = triton.next_power_of_2(chunks_per_row(rows, vocab, num_sms(logits.device)))
+    chunks = _chunks(rows, vocab, num_sms(logits.device))
     chunk = -(-vocab // chunks)
     ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
