@@ -103,29 +103,33 @@ def _chunks(rows: int, vocab: int, sms: int) -> int:
     return int(triton.next_power_of_2(chunks_per_row(rows, vocab, sms)))
 
 
-def compile_kernels(device: torch.device, vocab: int, max_rows: int) -> None:
-    """Compile, without running, the kernel for each chunk count a step of 1..max_rows rows
-    of `vocab` logits uses (CHUNKS is a constant of the kernel: up to seven variants). At
-    start-up: Triton compiles on first use, 0.2-0.3 s each on the H100, and a serving
-    step that met a new batch size waited on it (an 8B's first FP8 burst: 9,518 tok/s
-    against 21,376 once compiled)."""
+def load_kernels(device: torch.device, vocab: int, max_rows: int) -> None:
+    """Run once, on a row of zeros, the kernel of every chunk count a step of 1..max_rows
+    rows of `vocab` logits uses (CHUNKS is a constant of the kernel: up to seven variants),
+    at start-up. A variant's first launch compiles it (0.2-0.3 s on the H100) and then,
+    even when compiled ahead (Triton's `warmup`), loads it (CompiledKernel._init_handles:
+    the launcher, the module): an 8B's first serving burst, with every variant compiled
+    ahead, still spent 260, 93 and 98 ms of host time launching the sampler in the three
+    steps that met a new one, 0.5 ms after (17,340 tok/s against 20,589 for the next burst;
+    bench/results/start_up_compiles_h100_2026-11-28_s17.txt)."""
     sms = num_sms(device)
-    with torch.cuda.device(device):
-        for chunks in sorted({_chunks(rows, vocab, sms) for rows in range(1, max_rows + 1)}):
-            _argmax_lse_kernel.warmup(
-                torch.float32, torch.int64, torch.float32, torch.float32, torch.int32, vocab, vocab,
-                -(-vocab // chunks), CHUNKS=chunks, BLOCK=BLOCK, num_warps=4, grid=(1,),
-            )  # fmt: skip
+    zeros = torch.zeros((1, vocab), dtype=torch.float32, device=device)
+    for chunks in sorted({_chunks(rows, vocab, sms) for rows in range(1, max_rows + 1)}):
+        _argmax_lse(zeros, chunks)
 
 
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 logits [S, V] on CUDA, rows contiguous -> (argmax int64 [S], log-sum-exp
     float32 [S])."""
     rows, vocab = logits.shape
+    return _argmax_lse(logits, _chunks(rows, vocab, num_sms(logits.device)))
+
+
+def _argmax_lse(logits: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, vocab = logits.shape
     dev = logits.device.index or 0
     if dev not in _COUNTS or _COUNTS[dev].numel() < rows:
         _COUNTS[dev] = torch.zeros(max(rows, 1024), dtype=torch.int32, device=logits.device)
-    chunks = _chunks(rows, vocab, num_sms(logits.device))
     chunk = -(-vocab // chunks)
     ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)

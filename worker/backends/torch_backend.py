@@ -247,13 +247,13 @@ class TorchBackend:
             self._compile_eager_kernels()
 
     def _compile_eager_kernels(self) -> None:
-        """At start-up, what the decode graphs' capture did not compile: the kernels of an
+        """At start-up, run once what the decode graphs' capture did not: the kernels of an
         eager prefill step, of eager decode steps at each attention split count the graphs
         do not cover (batches larger than the largest graph, or no graphs), and each variant
-        of the sampler's argmax. Triton compiles on first use, and on the H100 an 8B's first
-        serving burst ran at 9,518 tok/s against 21,376 while it did (logits_argmax.py).
-        The dummy steps keep their K and V in the scratch block; every tensor-parallel rank
-        runs them, as each captured the graphs."""
+        of the sampler's argmax. Triton compiles and loads a kernel on its first launch, and
+        on the H100 an 8B's first serving burst ran at 9,518 tok/s against 21,376 while it
+        did (logits_argmax.py). The dummy steps keep their K and V in the scratch block;
+        every tensor-parallel rank runs them, as each captured the graphs."""
         if self.stage is None:
             self.forward(self._scratch_batch(1, min(self.block_size, paged_attention.PREFILL_BLOCK_Q)))
             graphed = self._max_graph_batch if self._graphs is not None else 0
@@ -262,7 +262,7 @@ class TorchBackend:
                 first_of_splits.setdefault(self.decode_splits(seqs), seqs)
             for seqs in first_of_splits.values():
                 self.forward(self._scratch_batch(seqs, 1))
-        logits_argmax.compile_kernels(self.device, self.config.vocab_size, self.max_num_tokens)
+        logits_argmax.load_kernels(self.device, self.config.vocab_size, self.max_num_tokens)
 
     def _scratch_batch(self, seqs: int, tokens: int) -> ForwardBatch:
         """A step of `seqs` sequences of `tokens` tokens (at most a block), all in the scratch block."""

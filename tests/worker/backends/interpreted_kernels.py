@@ -96,6 +96,19 @@ def check_argmax_logsumexp() -> None:
     assert not logits_argmax._COUNTS[0].any()
 
 
+def check_argmax_at_every_chunk_count() -> None:
+    """One row cut into any of the chunk counts a batch size may use gives torch's argmax
+    and log-sum-exp (load_kernels runs every count on one row), and leaves the counters at
+    zero, load_kernels too."""
+    x = torch.randn(1, 5000)
+    for chunks in (1, 2, 4, 8, 16, 32, 64):
+        ids, lse = logits_argmax._argmax_lse(x, chunks)
+        assert torch.equal(ids, x.argmax(dim=-1)), chunks
+        torch.testing.assert_close(lse, torch.logsumexp(x, dim=-1), atol=1e-5, rtol=1e-5)
+    logits_argmax.load_kernels(torch.device("cpu"), 5000, 300)
+    assert not logits_argmax._COUNTS[0].any()
+
+
 def check_silu_mul() -> None:
     gu = torch.randn(5, 2 * 384)
     torch.testing.assert_close(torch_ops.silu_mul_triton(gu), torch_ops.silu_mul_torch(gu), atol=ATOL, rtol=1e-5)
@@ -148,8 +161,10 @@ def check_paged_attention() -> None:
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-CHECKS: list[Callable[[], None]] = [check_add_rmsnorm, check_fp8_outputs, check_fp8_gemm, check_gemv, check_gemv_swiglu,
-                                   check_argmax_logsumexp, check_silu_mul, check_rope_and_cache, check_paged_attention]
+CHECKS: list[Callable[[], None]] = [
+    check_add_rmsnorm, check_fp8_outputs, check_fp8_gemm, check_gemv, check_gemv_swiglu, check_argmax_logsumexp,
+    check_argmax_at_every_chunk_count, check_silu_mul, check_rope_and_cache, check_paged_attention,
+]
 
 
 def main() -> int:
