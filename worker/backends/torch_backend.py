@@ -244,25 +244,26 @@ class TorchBackend:
             # graphs are timed so that a batch can run in a faster larger one (cuda_graphs.py).
             self._graphs.capture_all(self._world.broadcast if self._world is not None else None)
         if self.on_cuda:
-            self._compile_eager_kernels()
+            self.warm_up()
 
-    def _compile_eager_kernels(self) -> None:
-        """At start-up, run once what the decode graphs' capture did not: the kernels of an
-        eager prefill step, of eager decode steps at each attention split count the graphs
-        do not cover (batches larger than the largest graph, or no graphs), and each variant
-        of the sampler's argmax. Triton compiles and loads a kernel on its first launch, and
-        on the H100 an 8B's first serving burst ran at 9,518 tok/s against 21,376 while it
-        did (logits_argmax.py). The dummy steps keep their K and V in the scratch block;
-        every tensor-parallel rank runs them, as each captured the graphs."""
-        if self.stage is None:
-            self.forward(self._scratch_batch(1, min(self.block_size, paged_attention.PREFILL_BLOCK_Q)))
-            graphed = self._max_graph_batch if self._graphs is not None else 0
-            first_of_splits: dict[int, int] = {}
-            for seqs in range(graphed + 1, self.max_batch_size + 1):
-                first_of_splits.setdefault(self.decode_splits(seqs), seqs)
-            for seqs in first_of_splits.values():
-                self.forward(self._scratch_batch(seqs, 1))
-        logits_argmax.load_kernels(self.device, self.config.vocab_size, self.max_num_tokens)
+    def warm_up(self) -> None:
+        """Run once what the decode graphs' capture did not (allocate_kv_cache does, on
+        CUDA): the kernels of an eager prefill step, of eager decode steps at each attention
+        split count the graphs do not cover (batches larger than the largest graph, or no
+        graphs), and on CUDA each variant of the sampler's argmax. Triton compiles and loads
+        a kernel on its first launch, and on the H100 an 8B's first serving burst ran at
+        9,518 tok/s against 21,376 while it did (logits_argmax.py). The dummy steps keep
+        their K and V in the scratch block; every rank runs them at the same point of its
+        start-up, as any step (a pipeline's stages pass their activations on)."""
+        self.forward(self._scratch_batch(1, min(self.block_size, paged_attention.PREFILL_BLOCK_Q)))
+        graphed = self._max_graph_batch if self._graphs is not None else 0
+        first_of_splits: dict[int, int] = {}
+        for seqs in range(graphed + 1, self.max_batch_size + 1):
+            first_of_splits.setdefault(self.decode_splits(seqs), seqs)
+        for seqs in first_of_splits.values():
+            self.forward(self._scratch_batch(seqs, 1))
+        if self.on_cuda:
+            logits_argmax.load_kernels(self.device, self.config.vocab_size, self.max_num_tokens)
 
     def _scratch_batch(self, seqs: int, tokens: int) -> ForwardBatch:
         """A step of `seqs` sequences of `tokens` tokens (at most a block), all in the scratch block."""

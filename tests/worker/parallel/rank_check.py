@@ -1,7 +1,8 @@
 """What each spawned rank of test_sharded_backend.py runs: its part of every tiny
 checkpoint (its tensor-parallel shard of its pipeline stage's layers) beside the whole
-model (TP=1) in the same process, over the same packed steps, reporting how far its
-logits (the last stage's) and its KV shard are from the whole model's."""
+model (TP=1) in the same process, over the start-up warm-up's steps and the same packed
+steps, reporting how far its logits (the last stage's) and its KV shard are from the
+whole model's."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def check(rank: int, tp: int, port: int, checkpoints: list[str], results: Any, p
         part = TorchBackend(model, world=world)
         for b in (whole, part):
             b.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+            b.warm_up()  # as on CUDA: every rank at once, its dummy K and V equal the whole model's
         last = part.stage is None or part.stage.is_last
         logits_diff = 0.0
         for step in _steps(model.config.vocab_size):
