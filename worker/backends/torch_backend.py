@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -255,6 +256,7 @@ class TorchBackend:
         9,518 tok/s against 21,376 while it did (logits_argmax.py). The dummy steps keep
         their K and V in the scratch block; every rank runs them at the same point of its
         start-up, as any step (a pipeline's stages pass their activations on)."""
+        started = time.perf_counter()
         self.forward(self._scratch_batch(1, min(self.block_size, paged_attention.PREFILL_BLOCK_Q)))
         graphed = self._max_graph_batch if self._graphs is not None else 0
         first_of_splits: dict[int, int] = {}
@@ -264,6 +266,9 @@ class TorchBackend:
             self.forward(self._scratch_batch(seqs, 1))
         if self.on_cuda:
             logits_argmax.load_kernels(self.device, self.config.vocab_size, self.max_num_tokens)
+            torch.cuda.synchronize(self.device)
+        log.info("warm-up: an eager prefill step, %d eager decode steps and the sampler's kernels in %.1f s",
+                 len(first_of_splits), time.perf_counter() - started)  # fmt: skip
 
     def _scratch_batch(self, seqs: int, tokens: int) -> ForwardBatch:
         """A step of `seqs` sequences of `tokens` tokens (at most a block), all in the scratch block."""
