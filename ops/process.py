@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
@@ -48,9 +49,15 @@ def settle_gc() -> None:
     worker those took up to 100 ms, every stream's tokens waiting behind them. Young
     collections run every GC_YOUNG_THRESHOLD allocations instead of 700. Reference
     counting still frees almost everything at once; the collector only finds cycles.
+
+    At exit the frozen heap goes back to the collector, so that interpreter shutdown
+    frees its cycles as usual: left frozen, they outlive their extension modules, and
+    Triton's bindings (nanobind, Triton 3.9) then print a "leaked instances" report
+    of some 40 lines to stderr, into the journal of every stopped worker.
     """
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)
     _, middle, old = gc.get_threshold()
     gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
