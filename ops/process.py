@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import logging
 import os
+import signal
 import subprocess
 import threading
 from collections.abc import Sequence
@@ -33,6 +35,23 @@ def exit_on_thread_crash() -> None:
         os._exit(1)
 
     threading.excepthook = crash
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when `parent` ends, however it ends (Linux's PR_SET_PDEATHSIG;
+    call it first thing in a child started by the parent's main thread, which is the one
+    the kernel watches). A child that waits on its parent's pipe notices the parent's end
+    by itself, but not one stuck elsewhere: in a CUDA call, an NCCL collective or a hung
+    loop, it would live on holding the device."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        log.warning("PR_SET_PDEATHSIG is not available: this process may outlive its parent")
+    if os.getppid() != parent:  # the parent ended before the kernel was asked
+        os._exit(1)
 
 
 # Net new container objects between young-generation collections (CPython: 700, a

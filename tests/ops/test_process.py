@@ -1,11 +1,16 @@
 """ops.process: a thread dying of an exception ends the process non-zero (so that
 systemd restarts it), with the reason in the log; settle_gc keeps the loaded heap
-out of the collector's way, and hands it back at exit."""
+out of the collector's way, and hands it back at exit; die_with_parent ends a child
+whose parent is killed."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +93,53 @@ def test_a_settled_process_that_loaded_triton_exits_without_a_leak_report() -> N
     )
     assert run.returncode == 0, run.stderr
     assert "leaked" not in run.stderr, run.stderr
+
+
+# A parent that starts a child which ignores SIGTERM and blocks without reading anything,
+# prints the child's pid, and waits to be killed.
+PARENT_SCRIPT = """
+import multiprocessing, os, signal, sys, time
+
+def child(parent, follow):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if follow:
+        from ops.process import die_with_parent
+        die_with_parent(parent)
+    time.sleep(600)
+
+if __name__ == "__main__":
+    p = multiprocessing.get_context("spawn").Process(target=child, args=(os.getpid(), sys.argv[1] == "follow"))
+    p.start()
+    print(p.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("follow", [True, False], ids=["die_with_parent", "without"])
+def test_die_with_parent_ends_a_stuck_child_when_its_parent_is_killed(tmp_path: Path, follow: bool) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    parent = subprocess.Popen([sys.executable, str(script), "follow" if follow else "no"], env=env,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    try:
+        assert _running(child)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + (5 if follow else 1)
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # Without it, the child lives on: the test tells the two apart.
+        assert _running(child) is not follow
+    finally:
+        if _running(child):
+            os.kill(child, signal.SIGKILL)

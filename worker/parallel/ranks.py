@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -39,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ops.process import die_with_parent
 from worker.backends.base import ForwardBatch, SampleOutput, SamplingBatch, StepHandle
 from worker.backends.torch_backend import TorchBackend
 from worker.executor.types import ParallelConfig
@@ -47,9 +47,6 @@ from worker.parallel import layout
 from worker.parallel.group import World, join, leave
 
 log = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-
 
 @dataclass(frozen=True, slots=True)
 class RankSpec:
@@ -317,9 +314,4 @@ def follow(parent: int) -> None:
     process group)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        log.warning("PR_SET_PDEATHSIG is not available: this rank may outlive rank 0")
-    if os.getppid() != parent:
-        os._exit(1)
+    die_with_parent(parent)

@@ -134,7 +134,8 @@ class EngineProcess:
             _widen(end)
         self._turned = ctx.Value("d", time.monotonic(), lock=False)
         self.process = ctx.Process(
-            target=_engine_main, args=(config, to_engine, from_engine, self._turned), name="tokenwire-engine"
+            target=_engine_main, args=(config, to_engine, from_engine, self._turned, os.getpid()),
+            name="tokenwire-engine",
         )
         self.process.start()
         to_engine.close()  # the engine's ends: its exit must read as end-of-file here
@@ -287,14 +288,18 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
     return core, path
 
 
-def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, turned: ctypes.c_double) -> None:
+def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, turned: ctypes.c_double,
+                 worker: int) -> None:  # fmt: skip
     from ops.logs import setup_logging
-    from ops.process import exit_on_thread_crash, settle_gc
+    from ops.process import die_with_parent, exit_on_thread_crash, settle_gc
 
     # The worker process decides when this one stops: a terminal's Ctrl-C reaches
     # the whole process group (so may a supervisor's SIGTERM), and the worker drains first.
+    # A worker killed outright takes the engine along, whatever the engine is doing
+    # (outside systemd, whose KillMode=mixed would kill it too).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent(worker)
     setup_logging("worker", config.log_level, config.log_format)
     exit_on_thread_crash()
     try:

@@ -144,31 +144,41 @@ def test_a_model_that_cannot_load_names_why(tmp_path: Path) -> None:
         EngineProcess(_config(tmp_path / "missing-model"))
 
 
-def test_the_engine_exits_when_the_worker_process_dies(long_model: Path) -> None:
+@pytest.mark.parametrize("hang", [None, 0.0], ids=["idle", "hung loop"])
+def test_the_engine_exits_when_the_worker_process_dies(long_model: Path, hang: float | None) -> None:
     """kill -9 of the worker leaves it no time to stop its engine, which must not
-    live on holding the device."""
+    live on holding the device: neither an idle engine (it reads the end of its pipe)
+    nor one whose loop hangs, which reads nothing (the kernel kills it)."""
     script = (
         "import sys, time\n"
         "from worker.service.engine import EngineConfig, EngineProcess\n"
-        f"e = EngineProcess(EngineConfig({str(long_model)!r}, 8, 512, 1, 4096, (), 'numpy', None, 'WARNING', 'text'))\n"
+        f"e = EngineProcess(EngineConfig({str(long_model)!r}, 8, 512, 1, 4096, (), 'numpy', None, 'WARNING', 'text',"
+        f" test_hang_loop_after_s={hang!r}))\n"
         "print(e.process.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    worker = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    worker = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    engine_pid = None
     try:
-        assert worker.stdout is not None
+        assert worker.stdout is not None and worker.stderr is not None
         engine_pid = int(worker.stdout.readline())
         os.kill(engine_pid, 0)  # it runs
+        if hang is not None:  # the engine's log (its stderr is the worker's)
+            while "the engine loop hangs now" not in (line := worker.stderr.readline()):
+                assert line, "the engine ended before its loop hung"
         worker.send_signal(signal.SIGKILL)
         worker.wait()
         deadline = time.monotonic() + 10
-        while Path(f"/proc/{engine_pid}").exists() and _state(engine_pid) != "Z":
+        while _state(engine_pid) not in ("Z", "gone"):
             assert time.monotonic() < deadline, "the engine outlived its worker"
             time.sleep(0.05)
     finally:
         worker.kill()
         worker.wait()
+        if engine_pid is not None and _state(engine_pid) not in ("Z", "gone"):
+            os.kill(engine_pid, signal.SIGKILL)
 
 
 def _state(pid: int) -> str:
