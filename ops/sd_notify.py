@@ -1,6 +1,12 @@
 """The systemd notify protocol, spoken directly: one datagram per message to the
 AF_UNIX socket named by $NOTIFY_SOCKET (an abstract socket when it starts with
 '@'). Without $NOTIFY_SOCKET (not under systemd) every call does nothing.
+
+Sends never wait: a datagram socket's queue holds few messages (Linux's
+net.unix.max_dgram_qlen, 10 by default), and a reader that falls behind (or stops
+reading, as `tokenwire up` once did after start-up) would otherwise stall the loop
+that sends, which is the service's main loop. A message that finds the queue full
+is dropped; STATUS and WATCHDOG are sent again soon anyway.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ class Notifier:
         self._last_ping = 0.0
         self._ready = False
         self._lock = threading.Lock()
+        self._dropping = False  # since the last message that got through
 
     def notify(self, *fields: str) -> None:
         """Send 'KEY=value' fields as one message; a failure is logged, never raised
@@ -38,7 +45,13 @@ class Notifier:
         message = "\n".join(fields).encode()
         try:
             with self._lock:
-                self._sock.sendto(message, self._address)
+                self._sock.sendto(message, socket.MSG_DONTWAIT, self._address)
+                self._dropping = False
+        except BlockingIOError:
+            if not self._dropping:  # once an outage, not on every tick
+                self._dropping = True
+                log.warning("sd_notify: the notify socket's queue is full (its reader is behind): dropping %r "
+                            "and what follows until it drains", fields)  # fmt: skip
         except OSError as e:
             log.warning("sd_notify: could not send %r: %s", fields, e)
 
