@@ -3,8 +3,8 @@
 Redis (started here only if nothing answers at --redis), one worker, one gateway
 with its OpenAI-compatible HTTP front (--http-port, 8000 by default) and one job
 consumer, as child processes; "up" once every one of them listens; a streamed
-chat demo through the gateway; then serving until Ctrl-C, which stops every
-child this command started, Redis last (the others deregister there).
+chat demo through the gateway; then serving until Ctrl-C (or SIGTERM, SIGHUP), which
+stops every child this command started, Redis last (the others deregister there).
 
 The children log to files under --log-dir, so the demo's text is not mixed with
 their log lines; a child that exits has its last log line printed (its one-line
@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -55,7 +57,12 @@ def register(subparsers: Subparsers) -> None:
 
 class _Children:
     """The processes started here, each logging to its own file and saying when it
-    listens as under systemd (READY=1 on the notify socket this command holds)."""
+    listens as under systemd (READY=1 on the notify socket this command holds).
+
+    A thread reads that socket for as long as the children run, as systemd would: they
+    keep sending (STATUS on every tick, WATCHDOG=1), and a datagram socket queues only
+    a few messages (net.unix.max_dgram_qlen, 10 by default), after which what they
+    send is dropped."""
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
@@ -64,8 +71,21 @@ class _Children:
         self._notify_dir = Path(tempfile.mkdtemp(prefix="tw-up-"))  # AF_UNIX paths are short: not under log_dir
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notify.bind(str(self._notify_dir / "notify"))
-        self.notify.setblocking(False)
+        self.notify.settimeout(0.2)  # how long the reader takes to notice stop()
         self.ready_pids: set[int] = set()
+        self._stopping = threading.Event()
+        self._reader = threading.Thread(target=self._read_notifications, name="notify-reader", daemon=True)
+        self._reader.start()
+
+    def _read_notifications(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                lines = self.notify.recv(4096).decode(errors="replace").splitlines()
+            except TimeoutError:
+                continue
+            fields = dict(line.split("=", 1) for line in lines if "=" in line)
+            if fields.get("READY") == "1" and fields.get("MAINPID", "").isdigit():
+                self.ready_pids.add(int(fields["MAINPID"]))
 
     def start(self, name: str, args: list[str]) -> None:
         log = (self.log_dir / f"{name}.log").open("wb")
@@ -74,14 +94,6 @@ class _Children:
         self.procs.append((name, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)))
 
     def all_ready(self) -> bool:
-        while True:
-            try:
-                lines = self.notify.recv(4096).decode().splitlines()
-            except BlockingIOError:
-                break
-            fields = dict(line.split("=", 1) for line in lines if "=" in line)
-            if fields.get("READY") == "1" and fields.get("MAINPID", "").isdigit():
-                self.ready_pids.add(int(fields["MAINPID"]))
         return all(proc.pid in self.ready_pids for _, proc in self.procs)
 
     def exited(self) -> str | None:
@@ -99,11 +111,23 @@ class _Children:
             stop_children([redis])
         for log in self._logs:
             log.close()
+        self._stopping.set()
+        self._reader.join()
         self.notify.close()
         shutil.rmtree(self._notify_dir, ignore_errors=True)
 
 
+def _stop_like_ctrl_c(signum: int, frame: object) -> None:
+    """SIGTERM (kill, a supervisor) and SIGHUP (the terminal closed) stop everything
+    as Ctrl-C does: left to their default, this process would end alone and leave its
+    children serving, holding their ports (and a GPU)."""
+    signal.signal(signum, signal.SIG_IGN)  # a second one must not cut the stopping short
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop_like_ctrl_c)
     redis_proc = None
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tokenwire-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -57,18 +57,35 @@ def _bindable(port: int) -> bool:
         return True
 
 
-def test_up_runs_a_demo_serves_and_stops_on_ctrl_c(service_model: Path, redis_url: str) -> None:
-    ports = [free_port(), free_port(), free_port()]
-    gateway = f"tcp://127.0.0.1:{ports[0]}"
+def _up(service_model: Path, redis_url: str, ports: list[int], log_dir: Path, *extra: str) -> subprocess.Popen[str]:
     args = [sys.executable, "-m", "clients.cli", "up", "--model", str(service_model), "--redis", redis_url,
-            "--gateway-bind", gateway, "--worker-bind", f"tcp://127.0.0.1:{ports[1]}", "--http-port", str(ports[2]),
-            "--backend", "numpy", "--max-tokens", "6"]  # fmt: skip
+            "--gateway-bind", f"tcp://127.0.0.1:{ports[0]}", "--worker-bind", f"tcp://127.0.0.1:{ports[1]}",
+            "--http-port", str(ports[2]), "--backend", "numpy", "--log-dir", str(log_dir), *extra]  # fmt: skip
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    """As an operator would: SIGTERM (which stops the children too), kill -9 only if that fails."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_up_runs_a_demo_serves_and_stops_on_ctrl_c(service_model: Path, redis_url: str, tmp_path: Path) -> None:
+    ports = [free_port(), free_port(), free_port()]
+    gateway = f"tcp://127.0.0.1:{ports[0]}"
+    log_dir = tmp_path / "logs"
+    proc = _up(service_model, redis_url, ports, log_dir, "--max-tokens", "6")
     try:
         lines = _lines(proc)
         out = _read_until(lines, "serving;", timeout=90)
+        up_at = time.monotonic()
         assert "tokenwire is up" in out
         assert re.search(r"\[[1-6] tokens in [0-9.]+ s, first token after \d+ ms\]", out), out
         assert " INFO " not in out, "the children's logs go to files, not between the demo's text"
@@ -85,11 +102,31 @@ def test_up_runs_a_demo_serves_and_stops_on_ctrl_c(service_model: Path, redis_ur
             result = client.generate("The quick brown fox", max_tokens=4, min_tokens=4, temperature=0.0, timeout=30)
         assert len(result.token_ids) == 4 and result.text
 
+        # Still serving once the children have sent more notifications (STATUS each second,
+        # WATCHDOG=1) than an unread notify socket queues (10): `up` reads them all along.
+        time.sleep(max(0.0, up_at + 12 - time.monotonic()))
+        with Client([gateway]) as client:
+            assert len(client.generate("Again", max_tokens=2, min_tokens=2, timeout=30).token_ids) == 2
+        for name in ("worker", "gateway", "consumer"):
+            assert "queue is full" not in (log_dir / f"{name}.log").read_text(), f"the {name}'s notifications piled up"
+
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         assert "stopping" in out + _read_until(lines, "stopping", timeout=5)
         assert all(_bindable(port) for port in ports), "a child still holds its port"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
+
+
+def test_sigterm_stops_up_and_its_children_as_ctrl_c_does(service_model: Path, redis_url: str, tmp_path: Path) -> None:
+    ports = [free_port(), free_port(), free_port()]
+    proc = _up(service_model, redis_url, ports, tmp_path / "logs", "--no-demo", "--no-consumer")
+    try:
+        lines = _lines(proc)
+        _read_until(lines, "serving;", timeout=90)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        _read_until(lines, "stopping", timeout=5)
+        assert all(_bindable(port) for port in ports), "a child still holds its port"
+    finally:
+        _stop(proc)
