@@ -83,7 +83,10 @@ class _Common(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    # OpenAI's default, as vLLM and SGLang keep it: an OpenAI client that leaves it out
+    # samples (n > 1 gives n different choices). Native clients keep TensorRT-LLM's
+    # default, greedy; temperature 0 is greedy here too.
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=128)
     stop: str | list[str] | None = None

@@ -36,11 +36,15 @@ def test_completion_defaults_and_json_object() -> None:
     body = api.CompletionRequest.model_validate({"model": "m", "prompt": [[5, 6, 7]], "logprobs": 0})
     submit = api.submit_for(body, "cmpl-1", "m", None, 2048)
     assert submit.input_token_ids == [5, 6, 7] and submit.max_tokens == 16  # OpenAI's default
+    assert submit.sampling_config.temperature == 1.0  # OpenAI's default: sampled, not greedy
     assert submit.output_config.return_log_probs and submit.output_config.top_n_log_probs == 0
     chat = api.ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
                                            "response_format": {"type": "json_object"}})  # fmt: skip
     submit = api.submit_for(chat, "chatcmpl-2", "m", [1, 2, 3], 100)
     assert submit.max_tokens == 97  # a chat may fill the context
+    assert submit.sampling_config.temperature == 1.0
+    greedy = api.ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "temperature": 0})
+    assert api.submit_for(greedy, "chatcmpl-3", "m", [1], 100).sampling_config.temperature == 0.0
     assert submit.guided_decoding_params is not None and submit.guided_decoding_params.guide_type == "json"
 
 
