@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
                 cancel_poll_interval_s=args.cancel_poll_interval,
                 stats_stream_maxlen=args.stats_stream_maxlen,
                 request_stats_ttl_s=args.request_stats_ttl,
-                device=args.device or args.backend,
+                device=args.device or engine.info.backend,  # what auto chose, for `tokenwire stats`
                 drain_timeout_s=args.drain_timeout,
                 curve=curve,
                 lora_dir=args.lora_dir,

@@ -87,7 +87,7 @@ class FakeGateway:
 def worker(long_model, redis_server, tmp_path_factory):
     s = Stack(long_model, redis_server.url, tmp_path_factory.mktemp("worker_service"))
     try:
-        w = s.worker("--stats-stream-maxlen", "10", "--request-stats-ttl", "120")
+        w = s.worker("--stats-stream-maxlen", "10", "--request-stats-ttl", "120", "--backend", "auto")
         w.wait_log("redis: connected")
         yield s, w
     finally:
@@ -115,6 +115,7 @@ def test_ready_and_registry(worker, gw):
     assert info.models == ["tiny-llama-long"]
     assert info.max_batch_size == 64
     assert info.state == "serving"
+    assert info.device == "numpy"  # what --backend auto chose on this CPU host
     assert 0 < s.redis.pttl(s.keys.worker(w.worker_id)) <= 3000
     assert s.redis.zscore(s.keys.workers(), w.worker_id) is not None
 
