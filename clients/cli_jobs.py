@@ -146,13 +146,15 @@ def _fail(message: str) -> int:
 def submit(args: argparse.Namespace) -> int:
     import redis
 
+    from clients.jobs import JobSpecError
+
     with _queue(args) as q:
         try:
             job_id = q.submit(
                 args.prompt, job_id=args.job_id, max_tokens=args.max_tokens, temperature=args.temperature,
                 seed=args.seed, model=args.model, lora=args.lora, priority=args.priority, deadline_s=args.deadline,
             )  # fmt: skip
-        except ValueError as e:  # pydantic's ValidationError included: it names the field
+        except JobSpecError as e:
             return _fail(str(e))
         except redis.RedisError as e:
             return _fail(f"could not reach Redis at {redact(args.redis)}: {e}")
@@ -194,6 +196,8 @@ def cancel(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     import redis
 
+    from clients.jobs import JobSpecError
+
     specs, origins = [], []
     try:
         lines = args.prompts.read_text().splitlines()
@@ -217,8 +221,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             ids = q.submit_many(specs)
             consumers = q.stats().consumers
-        except ValueError as e:  # pydantic's ValidationError included: it names the field
-            return _fail(f"{args.prompts}: {e}")
+        except JobSpecError as e:
+            return _fail(f"{args.prompts}:{origins[e.index]['line']}: {e}")
         except redis.RedisError as e:
             return _fail(f"could not reach Redis at {args.redis}: {e}")
         origin = dict(zip(ids, origins, strict=True))  # a repeated job id is one job: its last line

@@ -25,14 +25,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from pydantic import ValidationError
 
 from clients.job_scripts import Scripts, ensure_group
 from clients.params import SamplingParams, sampling_params
 from clients.wire import Prompt, to_submit
-from protocol import CANCEL_TTL_S, DEFAULT_PREFIX, Keys
+from protocol import CANCEL_TTL_S, DEFAULT_PREFIX, Keys, describe_invalid
 from protocol.jobs import DEFAULT_RESULT_TTL_S, Job, JobResult, JobStatus, pack, unpack_job, unpack_result
 
-__all__ = ["JobQueue", "JobResult", "JobStatus", "QueueStats"]
+__all__ = ["JobQueue", "JobResult", "JobSpecError", "JobStatus", "QueueStats"]
 
 # Results are polled: every _POLL_S[0] s while few are awaited, _POLL_S[1] while many
 # (each poll reads them all), growing to _POLL_S[2] while none arrive.
@@ -40,6 +41,15 @@ _POLL_S = (0.005, 0.05, 0.5)
 _FEW = 16
 _SUBMIT_CHUNK = 500
 _THROUGHPUT_WINDOW_S = 10
+
+
+class JobSpecError(ValueError):
+    """A job submit_many refused, before anything was queued: `index` is its place in
+    the batch; the message names the field and the problem, in one line."""
+
+    def __init__(self, index: int, problem: str) -> None:
+        super().__init__(problem)
+        self.index = index
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +112,13 @@ class JobQueue:
     def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
         """Queue many jobs, pipelined; each mapping holds submit's arguments by name
         (`prompt` required, `params` a SamplingParams). Returns the ids in order.
-        All are validated first."""
-        records = [self._job(dict(spec)) for spec in jobs]
+        All are validated first: JobSpecError names the first bad one's place."""
+        records = []
+        for index, spec in enumerate(jobs):
+            try:
+                records.append(self._job(dict(spec)))
+            except ValueError as e:
+                raise JobSpecError(index, str(e)) from None
         self._ensure_group()
         now = str(time.time())
         for i in range(0, len(records), _SUBMIT_CHUNK):
@@ -118,6 +133,13 @@ class JobQueue:
         return [job.job_id for job in records]
 
     def _job(self, spec: dict[str, Any]) -> Job:
+        """ValueError, in one line, for a bad spec."""
+        try:
+            return self._validated_job(spec)
+        except ValidationError as e:
+            raise ValueError(describe_invalid("job", e)) from None
+
+    def _validated_job(self, spec: dict[str, Any]) -> Job:
         if ("prompt" in spec) == ("messages" in spec):
             raise ValueError(f"a job needs a 'prompt' (text or token ids) or chat 'messages'; got keys {sorted(spec)}")
         prompt = spec.pop("prompt", None)

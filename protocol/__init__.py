@@ -2,7 +2,7 @@
 limits, and the names of Redis keys. Imports nothing else of tokenwire."""
 
 from protocol.base import Message, WireModel
-from protocol.codec import KINDS, VERSION, decode, encode, encode_payload, unpack
+from protocol.codec import KINDS, VERSION, decode, describe_invalid, encode, encode_payload, unpack
 from protocol.control import (
     Cancel,
     Drain,
@@ -71,6 +71,7 @@ __all__ = [
     "WorkerInfo",
     "WorkerLoad",
     "decode",
+    "describe_invalid",
     "encode",
     "encode_payload",
     "unpack",

@@ -97,7 +97,7 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
     try:
         return cls.model_validate(payload, context=Unpacking(limits.max_packed_values))
     except ValidationError as e:
-        raise ProtocolError(_describe(kind, e), kind=kind, request_id=_request_id(payload)) from None
+        raise ProtocolError(describe_invalid(kind, e), kind=kind, request_id=_request_id(payload)) from None
 
 
 def unpack(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Any:
@@ -161,7 +161,8 @@ def _brief(value: Any, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def _describe(kind: str, error: ValidationError) -> str:
+def describe_invalid(kind: str, error: ValidationError) -> str:
+    """One line naming each field that failed validation, its rule and its value."""
     problems = []
     for item in error.errors(include_url=False)[:_MAX_ERRORS_SHOWN]:
         if item["loc"]:

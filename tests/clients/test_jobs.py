@@ -12,11 +12,10 @@ from typing import Any
 
 import pytest
 import redis
-from pydantic import ValidationError
 
 from clients.cli import main as cli
 from clients.job_scripts import Scripts, ensure_group
-from clients.jobs import JobQueue, JobStatus
+from clients.jobs import JobQueue, JobSpecError, JobStatus
 from clients.params import SamplingParams
 from clients.wire import to_submit
 from protocol.jobs import JobOutput, JobResult, pack, unpack_job
@@ -79,8 +78,9 @@ def test_same_job_id_is_queued_once(queue: JobQueue):
     ],
 )
 def test_a_bad_job_queues_nothing(queue: JobQueue, spec: dict[str, Any], match: str):
-    with pytest.raises((ValueError, ValidationError), match=match):
+    with pytest.raises(JobSpecError, match=match) as refused:
         queue.submit_many([{"prompt": "fine", "max_tokens": 2}, spec])
+    assert refused.value.index == 1
     assert queue.redis.exists(queue.keys.jobs()) == 0 or _entries(queue) == []
 
 
@@ -183,7 +183,8 @@ def test_cli_submit_status_result_cancel(redis_url: str, capsys: pytest.CaptureF
     assert cli(["jobs", "status", "nope", "--redis", redis_url]) == 1
     assert "no job 'nope'" in capsys.readouterr().err
     assert cli(["jobs", "submit", "x", "--max-tokens", "0", "--redis", redis_url]) == 1
-    assert "max_tokens" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err == "error: invalid job: max_tokens: Input should be greater than or equal to 1 (got 0)\n"
 
 
 @pytest.mark.parametrize(
@@ -195,7 +196,9 @@ def test_cli_submit_status_result_cancel(redis_url: str, capsys: pytest.CaptureF
         ('{"custom_id": "a", "body": {"messages": [], "colour": 1}}', "prompts.jsonl:2: unknown fields ['colour']"),
         ("[1, 2]", "prompts.jsonl:2: each line must be a JSON object"),
         ('{"prompt": "x", "colour": "red"}', "prompts.jsonl:2: unknown fields ['colour']"),
-        ('{"prompt": "x", "max_tokens": -1}', "max_tokens"),
+        ('{"prompt": "x", "max_tokens": -1}',
+         "prompts.jsonl:2: invalid job: max_tokens: Input should be greater than or equal to 1 (got -1)"),
+        ('{"prompt": "x", "temperature": -1}', "prompts.jsonl:2: invalid job: sampling_config.temperature:"),
     ],
 )
 def test_cli_run_refuses_a_bad_file(
@@ -205,7 +208,8 @@ def test_cli_run_refuses_a_bad_file(
     prompts.write_text('{"prompt": "fine"}\n' + line + "\n")
     out = tmp_path / "out.jsonl"
     assert cli(["jobs", "run", str(prompts), "--out", str(out), "--redis", redis_url]) == 1
-    assert match in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert match in err and err.count("\n") == 1, err
     assert redis.Redis.from_url(redis_url).exists("tokenwire:jobs") == 0
 
 
