@@ -127,7 +127,8 @@ def _stop_like_ctrl_c(signum: int, frame: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _stop_like_ctrl_c)
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # under nohup, a closed terminal stops nothing
+            signal.signal(sig, _stop_like_ctrl_c)
     redis_proc = None
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tokenwire-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)

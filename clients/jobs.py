@@ -117,6 +117,8 @@ class JobQueue:
         for index, spec in enumerate(jobs):
             try:
                 records.append(self._job(dict(spec)))
+            except ValidationError as e:  # pydantic's report is several lines, with URLs
+                raise JobSpecError(index, describe_invalid("job", e)) from None
             except ValueError as e:
                 raise JobSpecError(index, str(e)) from None
         self._ensure_group()
@@ -133,13 +135,6 @@ class JobQueue:
         return [job.job_id for job in records]
 
     def _job(self, spec: dict[str, Any]) -> Job:
-        """ValueError, in one line, for a bad spec."""
-        try:
-            return self._validated_job(spec)
-        except ValidationError as e:
-            raise ValueError(describe_invalid("job", e)) from None
-
-    def _validated_job(self, spec: dict[str, Any]) -> Job:
         if ("prompt" in spec) == ("messages" in spec):
             raise ValueError(f"a job needs a 'prompt' (text or token ids) or chat 'messages'; got keys {sorted(spec)}")
         prompt = spec.pop("prompt", None)
