@@ -138,9 +138,14 @@ def run(args: argparse.Namespace) -> int:
             redis_proc = _start_redis(args.redis)
         else:
             print(f"using the Redis at {args.redis}")
+        from worker.models.config import CheckpointError
         from worker.models.default_model import resolve_model
 
-        path = Path(args.model) if Path(args.model).exists() else resolve_model(args.model)
+        try:
+            path = Path(args.model) if Path(args.model).exists() else resolve_model(args.model)
+        except (CheckpointError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         py = sys.executable
         children.start("worker", [py, "-m", "worker.service", "--model", str(path), "--bind", args.worker_bind,
                                   "--redis", args.redis, "--backend", args.backend])  # fmt: skip

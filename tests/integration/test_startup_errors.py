@@ -110,6 +110,11 @@ def test_up_reports_a_child_that_cannot_start(service_model, redis_url, busy_por
     assert "tokenwire is up" not in "\n".join(lines)
 
 
+def test_up_with_a_model_that_does_not_exist(redis_url, tmp_path):
+    lines = _run(["clients.cli", "up", "--model", str(tmp_path / "nothing"), "--redis", redis_url, "--no-demo"])
+    assert lines[-1].startswith(f"error: {tmp_path / 'nothing'}: no such checkpoint directory"), lines
+
+
 def test_a_redis_that_refuses_the_password_is_reported(service_model, tmp_path):
     """Issue 22, finding 7: a refused password was not reported; the gateway sat without workers."""
     port = free_port()
