@@ -55,8 +55,8 @@ def invalid(e: ValidationError | ValueError) -> ApiError:
     if isinstance(e, ValidationError):
         first = e.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
-        return ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], "invalid_request_error",
-                        "invalid_value", param)  # fmt: skip
+        msg = str(first["msg"]).removeprefix("Value error, ")  # a validator's ValueError, as pydantic words it
+        return ApiError(400, f"{param}: {msg}" if param else msg, "invalid_request_error", "invalid_value", param)
     return ApiError(400, str(e), "invalid_request_error", "invalid_value")
 
 

@@ -53,6 +53,7 @@ def test_completion_defaults_and_json_object() -> None:
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "", "max_tokens": 4}, None),
     ({"prompt": "x", "no_such_option": 1}, None),
+    ({"prompt": ["a", "b"]}, None),
 ])  # fmt: skip
 def test_bad_parameters_are_400s_naming_the_field(raw: dict[str, object], param: str | None) -> None:
     try:
@@ -67,3 +68,4 @@ def test_bad_parameters_are_400s_naming_the_field(raw: dict[str, object], param:
         assert error.param == param and param in error.message
     else:
         assert "prompt" in error.message or "no_such_option" in error.message
+    assert not error.message.startswith("Value error"), "pydantic's wording for a validator's ValueError"
