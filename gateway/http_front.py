@@ -265,43 +265,77 @@ class HttpFront:
     async def _generate(self, request: Request, chat: bool) -> Response:
         try:
             body = await self._body(request, chat)
+            # Several prompts (completions) are a request each, answered together.
+            parts = body.each_prompt() if isinstance(body, api.CompletionRequest) else [body]
             # On a thread: a long prompt's tokenizing would hold up every other HTTP client.
-            model, submit, prompt_tokens = await asyncio.to_thread(self._submit, body, chat)
+            prepared = [await asyncio.to_thread(self._submit, part, chat) for part in parts]
         except api.ApiError as e:
             return JSONResponse(e.body(), e.status)
         assert self.bridge is not None
-        call = await self.bridge.submit(submit)
+        model, submit, prompt_tokens = prepared[0]
         tokenizer = self.gateway.tokenizers.get(submit.model or model)  # a LoRA adapter's: its model's
         text = api.TokenText(tokenizer)
-        if body.stream:
-            await call.wait()
-            first = call.events[0]  # an error before any output is still an HTTP error
-            if isinstance(first, api.ApiError):
-                return JSONResponse(first.body(), first.status)
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = self._sse(call, submit, model, chat, prompt_tokens, include_usage, text)
-            return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        # A whole response is awaited here, not in a body iterator that ASGI would end: a client
-        # that goes away meanwhile is watched for, and its request cancelled.
-        whole = asyncio.ensure_future(self._whole(call, submit))
+        if not body.stream:
+            return await self._answer_whole(request, chat, prepared, text)
+        call = await self.bridge.submit(submit)
+        await call.wait()
+        first = call.events[0]  # an error before any output is still an HTTP error
+        if isinstance(first, api.ApiError):
+            return JSONResponse(first.body(), first.status)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        stream = self._sse(call, submit, model, chat, prompt_tokens, include_usage, text)
+        return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _answer_whole(self, request: Request, chat: bool,
+                            prepared: list[tuple[str, protocol.Submit, int | None]], text: api.TokenText) -> Response:
+        """A whole (not streamed) response: one request, or one for each of a completion's
+        prompts, run side by side; choice k * n + i is prompt k's i-th, as OpenAI numbers
+        them, and one failure fails the whole. Awaited here, not in a body iterator that
+        ASGI would end: a client that goes away meanwhile is watched for, and its requests
+        cancelled."""
+        assert self.bridge is not None
+        calls = [(await self.bridge.submit(submit), submit) for _, submit, _ in prepared]
+        ids = [submit.request_id for _, submit in calls]
+        each = [asyncio.ensure_future(self._whole(call, submit)) for call, submit in calls]
+        whole = asyncio.gather(*each)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             whole.cancel()
-            await self.bridge.cancel(submit.request_id)
+            await self._cancel_all(ids)
             raise
         finally:
             gone.cancel()
         if not whole.done():
             whole.cancel()
-            await self.bridge.cancel(submit.request_id)
+            await self._cancel_all(ids)
             return Response(status_code=499)  # nobody reads it: the client is gone
         try:
-            choices = whole.result()
+            answers = whole.result()
         except api.ApiError as e:
+            for task in each:  # the others wait on requests stopped here
+                task.cancel()
+            await self._cancel_all(ids)
             return JSONResponse(e.body(), e.status)
-        return JSONResponse(api.whole_response(chat, submit.request_id, model, choices, prompt_tokens, text))
+        finally:
+            for request_id in ids:
+                self.bridge.forget(request_id)
+        n = calls[0][1].num_return_sequences
+        choices = []
+        for k, answer in enumerate(answers):
+            for choice in answer:
+                choice.index += k * n
+                choices.append(choice)
+        counts = [tokens for _, _, tokens in prepared]
+        prompt_tokens = None if None in counts else sum(c for c in counts if c is not None)
+        return JSONResponse(api.whole_response(chat, ids[0], prepared[0][0], choices, prompt_tokens, text))
+
+    async def _cancel_all(self, request_ids: list[str]) -> None:
+        assert self.bridge is not None
+        for request_id in request_ids:
+            with contextlib.suppress(Exception):
+                await self.bridge.cancel(request_id)
 
     async def _body(self, request: Request, chat: bool) -> api.CompletionRequest | api.ChatRequest:
         try:

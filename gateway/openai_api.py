@@ -113,23 +113,41 @@ class _Common(BaseModel):
         return extra
 
 
+MAX_PROMPTS = 128  # a list of prompts in one completion request: each is a request of its own
+
+
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> CompletionRequest:
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str | list):
-            if len(p) != 1:
-                raise ValueError("prompt: one prompt per request (send several requests for a batch)")
-            self.prompt = p[0]
-        if not self.prompt:
+    def _prompts_given(self) -> CompletionRequest:
+        prompts = self.prompts()
+        if not prompts or not all(prompts):
             raise ValueError("prompt: must not be empty")
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts a request, got {len(prompts)}")
+        if len(prompts) > 1 and self.stream:
+            raise ValueError("stream: a streamed completion takes one prompt (send a request for each)")
         if self.echo:
             raise ValueError("echo: not supported")
+        if len(prompts) == 1:
+            self.prompt = prompts[0]  # a list of one is that one
         return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, as OpenAI takes them: one (text or token ids), or a list of either;
+        choice k*n + i of the response is prompt k's i-th."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            return list(p)
+        return [p]  # type: ignore[list-item]
+
+    def each_prompt(self) -> list[CompletionRequest]:
+        """This request once for each prompt."""
+        prompts = self.prompts()
+        return [self] if len(prompts) == 1 else [self.model_copy(update={"prompt": p}) for p in prompts]
 
 
 class ChatMessageIn(BaseModel):

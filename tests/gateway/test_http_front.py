@@ -114,6 +114,16 @@ def test_n_and_seed(client):
     assert sample(8) != first
 
 
+def test_several_prompts_are_a_request_each_answered_in_order(client):
+    prompts = ["The quick brown fox", "héllo"]
+    singles = [client.completions.create(model=MODEL, prompt=p, max_tokens=8, **FIXED) for p in prompts]
+    both = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, n=2, **FIXED)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]  # choice k * n + i: prompt k's i-th
+    assert [c.text for c in both.choices] == [s.choices[0].text for s in singles for _ in range(2)]
+    assert both.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert both.usage.completion_tokens == 4 * 8
+
+
 def test_stop_string_cuts_the_text(client):
     full = client.completions.create(model=MODEL, prompt="tokenwire streams", max_tokens=24, **FIXED)
     text = full.choices[0].text

@@ -48,12 +48,25 @@ def test_completion_defaults_and_json_object() -> None:
     assert submit.guided_decoding_params is not None and submit.guided_decoding_params.guide_type == "json"
 
 
+def test_a_list_of_prompts_is_a_request_for_each() -> None:
+    body = api.CompletionRequest.model_validate({"prompt": ["a", "b"], "n": 2, "max_tokens": 3})
+    parts = body.each_prompt()
+    assert [p.prompt for p in parts] == ["a", "b"]
+    assert all((p.n, p.max_tokens) == (2, 3) for p in parts)
+    ids = api.CompletionRequest.model_validate({"prompt": [[5, 6], [7]]}).each_prompt()
+    assert [api.submit_for(p, "cmpl-1", "m", None, 2048).input_token_ids for p in ids] == [[5, 6], [7]]
+    (one,) = api.CompletionRequest.model_validate({"prompt": [[7, 8]]}).each_prompt()
+    assert one.prompt == [7, 8]  # a list of one prompt is that prompt
+
+
 @pytest.mark.parametrize(("raw", "param"), [
     ({"prompt": "x", "temperature": 3}, "temperature"),
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "", "max_tokens": 4}, None),
     ({"prompt": "x", "no_such_option": 1}, None),
-    ({"prompt": ["a", "b"]}, None),
+    ({"prompt": ["a", "b"], "stream": True}, None),
+    ({"prompt": ["a"] * (api.MAX_PROMPTS + 1)}, None),
+    ({"prompt": ["a", ""]}, None),
 ])  # fmt: skip
 def test_bad_parameters_are_400s_naming_the_field(raw: dict[str, object], param: str | None) -> None:
     try:
