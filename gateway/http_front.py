@@ -236,6 +236,13 @@ class HttpFront:
                     models[m] = w.max_seq_len
         return models
 
+    def _vocab_size(self, model: str | None) -> int | None:
+        """The model's vocabulary size, from a ready worker that serves it."""
+        for w in list(self.gateway.workers.values()):
+            if w.ready and model in w.models and w.vocab_size is not None:
+                return w.vocab_size
+        return None
+
     # -- endpoints -------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
@@ -376,7 +383,8 @@ class HttpFront:
                     prompt_ids = self.gateway.tokenizers.prompt_ids(model, body.prompt, None, max_seq_len)
                 else:
                     prompt_ids = list(body.prompt)  # type: ignore[arg-type]
-            submit = api.submit_for(body, request_id, model, prompt_ids, max_seq_len, lora)
+            vocab_size = self._vocab_size(model) if body.logit_bias else None
+            submit = api.submit_for(body, request_id, model, prompt_ids, max_seq_len, lora, vocab_size)
         except ValidationError as e:
             raise api.invalid(e) from e
         except (ValueError, ChatTemplateError) as e:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -75,6 +75,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MAX_PROMPTS = 128  # a list of prompts in one completion request: each is a request of its own
+MAX_BIASED = 1024  # tokens a logit_bias may name
+
+
 class _Common(BaseModel):
     """Fields both endpoints take. Unknown fields are allowed: tokenwire's options
     are checked by name against SamplingConfig (`extra_sampling`)."""
@@ -95,6 +99,8 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # Token id (as a string, as JSON keys are) -> a bias added to its logit, -100 (banned) to 100 (forced).
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=MAX_BIASED)
     user: str | None = None
     # tokenwire's own, as vLLM names the common ones.
     ignore_eos: bool = False
@@ -113,7 +119,6 @@ class _Common(BaseModel):
         return extra
 
 
-MAX_PROMPTS = 128  # a list of prompts in one completion request: each is a request of its own
 
 
 class CompletionRequest(_Common):
@@ -182,9 +187,11 @@ def submit_for(
     prompt_ids: list[int] | None,
     max_seq_len: int | None,
     lora: str | None = None,
+    vocab_size: int | None = None,
 ) -> protocol.Submit:
     """The Submit for `body`, with `prompt_ids` when the caller tokenized it, under the LoRA
-    adapter `lora` if given; raises ValueError (or ValidationError) for a bad parameter."""
+    adapter `lora` if given; raises ValueError (or ValidationError) for a bad parameter.
+    `vocab_size` (the model's) is needed for a logit_bias only."""
     chat = isinstance(body, ChatRequest)
     max_tokens = (body.max_completion_tokens if isinstance(body, ChatRequest) else None) or body.max_tokens
     if max_tokens is None:
@@ -219,6 +226,7 @@ def submit_for(
         "num_return_sequences": body.n,
         "guided_decoding_params": _guide(body.response_format) if isinstance(body, ChatRequest) else None,
         "lora_config": None if lora is None else {"name": lora},
+        "embedding_bias": None if not body.logit_bias else _dense_bias(body.logit_bias, vocab_size),
     }
     if prompt_ids is not None:
         fields["input_token_ids"] = prompt_ids
@@ -229,6 +237,23 @@ def submit_for(
     else:
         fields["input_token_ids"] = body.prompt
     return protocol.Submit.model_validate(fields)
+
+
+def _dense_bias(logit_bias: dict[str, float], vocab_size: int | None) -> list[float]:
+    """OpenAI's sparse logit_bias as the executor's embedding_bias: a value for every token
+    (packed float32 on the wire: 4 bytes a token of the vocabulary)."""
+    if vocab_size is None:
+        raise ValueError("logit_bias: the model's vocabulary is not known yet (no worker ready); retry")
+    bias = [0.0] * vocab_size
+    for key, value in logit_bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ValueError(f"logit_bias: keys are token ids, got {key!r}") from None
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"logit_bias: token id {token} is outside the vocabulary (size {vocab_size})")
+        bias[token] = value
+    return bias
 
 
 def _guide(fmt: ResponseFormat | None) -> dict[str, Any] | None:

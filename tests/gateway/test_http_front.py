@@ -124,6 +124,19 @@ def test_several_prompts_are_a_request_each_answered_in_order(client):
     assert both.usage.completion_tokens == 4 * 8
 
 
+def test_logit_bias_reaches_the_sampler(client, long_model):
+    # The dense bias it becomes is checked in test_openai_api; here, that it acts.
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(long_model / "tokenizer.json"))
+    for token in (42, 77):
+        forced = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, logit_bias={str(token): 100},
+                                           **FIXED)  # fmt: skip
+        assert forced.choices[0].text == tokenizer.decode([token] * 4)
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"100000": 5})
+
+
 def test_stop_string_cuts_the_text(client):
     full = client.completions.create(model=MODEL, prompt="tokenwire streams", max_tokens=24, **FIXED)
     text = full.choices[0].text

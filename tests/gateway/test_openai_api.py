@@ -4,6 +4,7 @@ each parameter where tokenwire keeps it; bad ones are a 400 naming the field."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from pydantic import ValidationError
@@ -46,6 +47,22 @@ def test_completion_defaults_and_json_object() -> None:
     greedy = api.ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "temperature": 0})
     assert api.submit_for(greedy, "chatcmpl-3", "m", [1], 100).sampling_config.temperature == 0.0
     assert submit.guided_decoding_params is not None and submit.guided_decoding_params.guide_type == "json"
+
+
+def test_logit_bias_becomes_the_embedding_bias_over_the_vocabulary() -> None:
+    body = api.CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"3": 100, "5": -100}})
+    submit = api.submit_for(body, "cmpl-1", "m", None, 2048, vocab_size=8)
+    assert submit.embedding_bias == [0, 0, 0, 100, 0, -100, 0, 0]
+    assert api.submit_for(api.CompletionRequest.model_validate({"prompt": "x"}), "cmpl-2", "m", None, 2048,
+                          vocab_size=8).embedding_bias is None  # fmt: skip
+    for bias, vocab, problem in [({"9": 1}, 8, "token id 9 is outside the vocabulary (size 8)"),
+                                 ({"x": 1}, 8, "keys are token ids, got 'x'"),
+                                 ({"1": 1}, None, "vocabulary is not known yet")]:  # fmt: skip
+        bad = api.CompletionRequest.model_validate({"prompt": "x", "logit_bias": bias})
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            api.submit_for(bad, "cmpl-3", "m", None, 2048, vocab_size=vocab)
+    with pytest.raises(ValidationError, match="logit_bias"):
+        api.CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"1": 101}})
 
 
 def test_a_list_of_prompts_is_a_request_for_each() -> None:
