@@ -36,6 +36,14 @@ def free_port() -> int:
         return port
 
 
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has: it waits to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def long_context_checkpoint(checkpoint: Path, directory: Path, max_positions: int = 8192) -> Path:
     """The same tiny checkpoint with a longer context, for requests that must run
     for seconds (cancel and kill tests): the weights do not depend on it."""

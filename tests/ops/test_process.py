@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import REPO
+from tests.procs import REPO, running
 
 SCRIPT = """
 import logging, threading, time
@@ -115,13 +115,6 @@ if __name__ == "__main__":
 """
 
 
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.parametrize("follow", [True, False], ids=["die_with_parent", "without"])
 def test_die_with_parent_ends_a_stuck_child_when_its_parent_is_killed(tmp_path: Path, follow: bool) -> None:
     script = tmp_path / "parent.py"
@@ -132,14 +125,14 @@ def test_die_with_parent_ends_a_stuck_child_when_its_parent_is_killed(tmp_path: 
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
     try:
-        assert _running(child)
+        assert running(child)
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         deadline = time.monotonic() + (5 if follow else 1)
-        while _running(child) and time.monotonic() < deadline:
+        while running(child) and time.monotonic() < deadline:
             time.sleep(0.05)
         # Without it, the child lives on: the test tells the two apart.
-        assert _running(child) is not follow
+        assert running(child) is not follow
     finally:
-        if _running(child):
+        if running(child):
             os.kill(child, signal.SIGKILL)

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.procs import REPO, running
 from worker.executor import Executor, ExecutorConfig, KvCacheConfig, Request, SamplingConfig
 from worker.executor import types as ex
 from worker.executor.engine_core import StepOutput
 from worker.service.engine import EngineConfig, EngineFailed, EngineProcess
-
-REPO = Path(__file__).resolve().parents[3]
 
 
 def _config(model: Path | str) -> EngineConfig:
@@ -171,18 +170,11 @@ def test_the_engine_exits_when_the_worker_process_dies(long_model: Path, hang: f
         worker.send_signal(signal.SIGKILL)
         worker.wait()
         deadline = time.monotonic() + 10
-        while _state(engine_pid) not in ("Z", "gone"):
+        while running(engine_pid):
             assert time.monotonic() < deadline, "the engine outlived its worker"
             time.sleep(0.05)
     finally:
         worker.kill()
         worker.wait()
-        if engine_pid is not None and _state(engine_pid) not in ("Z", "gone"):
+        if engine_pid is not None and running(engine_pid):
             os.kill(engine_pid, signal.SIGKILL)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return "gone"

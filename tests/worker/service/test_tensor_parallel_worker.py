@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import protocol
-from tests.procs import Stack
+from tests.procs import Stack, running
 from tests.worker.service.test_worker_service import FakeGateway
 
 
@@ -21,13 +21,6 @@ def _spawned(pid: int) -> list[int]:
     """The processes `pid` started with multiprocessing's spawn (not its resource tracker)."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.parametrize("split", ["--tensor-parallel-size", "--pipeline-parallel-size"])
@@ -49,9 +42,9 @@ def test_a_killed_rank_ends_the_requests_and_the_worker(
         assert error.request_id == "doomed" and error.code == protocol.ErrorCode.INTERNAL
         assert w.process.wait(timeout=30) == 1
         deadline = time.monotonic() + 10
-        while _alive(engine) and time.monotonic() < deadline:
+        while running(engine) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(engine) and not _alive(rank1)
+        assert not running(engine) and not running(rank1)
         assert "model rank tokenwire-rank1 exited" in w.log()
         g.close()
     finally:
