@@ -12,7 +12,7 @@ import pytest
 from clients.client import Client, FinishReason
 from clients.connection import RequestError
 from protocol import ErrorCode
-from tests.procs import HEARTBEAT_S, Stack
+from tests.procs import HEARTBEAT_S, MISSED, Stack
 
 LONG = {"max_tokens": 6000, "min_tokens": 6000, "temperature": 0.0}  # cannot finish within the bound
 SHORT = {"max_tokens": 40, "min_tokens": 40, "temperature": 0.0}  # finishes within it
@@ -24,9 +24,10 @@ def test_sigterm_during_50_streams(long_model, redis_url, tmp_path):
         draining = s.worker("--drain-timeout", "3")
         s.gateway("--no-worker-timeout", "20")
         s.gateways[0].wait_workers(1)
-        # The client's default heartbeat: while the second worker loads, a 2-core machine can
-        # leave the gateway silent for longer than three of the test's short intervals.
-        with Client([s.gateways[0].endpoint]) as client:
+        # While the second worker loads, a 2-core machine can leave the gateway silent for
+        # longer than three of its short (test) heartbeat intervals, when a client with the
+        # default missed_heartbeats gives it up (CI once saw 0.9 s): this one allows MISSED.
+        with Client([s.gateways[0].endpoint], missed_heartbeats=MISSED) as client:
             futures = [client.stream([5 + i % 50, 6, 7], **(LONG if i % 2 else SHORT)) for i in range(50)]
             for f in futures:
                 next(iter(f))  # every one has streamed a token: all 50 run on the worker
