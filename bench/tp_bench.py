@@ -98,10 +98,11 @@ def _rank_setup(rank: int, args: argparse.Namespace) -> tuple[Any, Any, float, f
 
 
 def _follower(rank: int, inbox: Connection, parent: int, args: argparse.Namespace) -> None:
+    from ops.process import follow_parent
     from worker.parallel.group import leave
-    from worker.parallel.ranks import follow, serve
+    from worker.parallel.ranks import serve
 
-    follow(parent)
+    follow_parent(parent)
     world, backend, _, _ = _rank_setup(rank, args)
     serve(backend, world, inbox)
     leave()

@@ -275,7 +275,7 @@ class HttpFront:
             # Several prompts (completions) are a request each, answered together.
             parts = body.each_prompt() if isinstance(body, api.CompletionRequest) else [body]
             # On a thread: a long prompt's tokenizing would hold up every other HTTP client.
-            prepared = [await asyncio.to_thread(self._submit, part, chat) for part in parts]
+            prepared = await asyncio.to_thread(lambda: [self._submit(part, chat) for part in parts])
         except api.ApiError as e:
             return JSONResponse(e.body(), e.status)
         assert self.bridge is not None

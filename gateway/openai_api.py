@@ -119,8 +119,6 @@ class _Common(BaseModel):
         return extra
 
 
-
-
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)

@@ -40,12 +40,17 @@ def exit_on_thread_crash() -> None:
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent: int) -> None:
-    """SIGKILL this process when `parent` ends, however it ends (Linux's PR_SET_PDEATHSIG;
-    call it first thing in a child started by the parent's main thread, which is the one
-    the kernel watches). A child that waits on its parent's pipe notices the parent's end
-    by itself, but not one stuck elsewhere: in a CUDA call, an NCCL collective or a hung
-    loop, it would live on holding the device."""
+def follow_parent(parent: int) -> None:
+    """What a child process that serves `parent` does first (the engine process, the
+    model ranks): leave stopping to the parent (a terminal's Ctrl-C, or a supervisor's
+    SIGTERM, reaches the whole process group, and the parent drains first), and get
+    SIGKILL when the parent ends, however it ends (Linux's PR_SET_PDEATHSIG; the kernel
+    watches the thread that started the child: start it from the main thread). A child
+    that waits on its parent's pipe notices the parent's end by itself, but not one stuck
+    elsewhere: in a CUDA call, an NCCL collective or a hung loop, it would live on
+    holding the device."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):

@@ -1,6 +1,6 @@
 """ops.process: a thread dying of an exception ends the process non-zero (so that
 systemd restarts it), with the reason in the log; settle_gc keeps the loaded heap
-out of the collector's way, and hands it back at exit; die_with_parent ends a child
+out of the collector's way, and hands it back at exit; follow_parent ends a child
 whose parent is killed."""
 
 from __future__ import annotations
@@ -95,16 +95,15 @@ def test_a_settled_process_that_loaded_triton_exits_without_a_leak_report() -> N
     assert "leaked" not in run.stderr, run.stderr
 
 
-# A parent that starts a child which ignores SIGTERM and blocks without reading anything,
-# prints the child's pid, and waits to be killed.
+# A parent that starts a child which blocks without reading anything, prints the
+# child's pid, and waits to be killed.
 PARENT_SCRIPT = """
-import multiprocessing, os, signal, sys, time
+import multiprocessing, os, sys, time
 
 def child(parent, follow):
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if follow:
-        from ops.process import die_with_parent
-        die_with_parent(parent)
+        from ops.process import follow_parent
+        follow_parent(parent)
     time.sleep(600)
 
 if __name__ == "__main__":
@@ -115,8 +114,8 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("follow", [True, False], ids=["die_with_parent", "without"])
-def test_die_with_parent_ends_a_stuck_child_when_its_parent_is_killed(tmp_path: Path, follow: bool) -> None:
+@pytest.mark.parametrize("follow", [True, False], ids=["follow_parent", "without"])
+def test_follow_parent_ends_a_stuck_child_when_its_parent_is_killed(tmp_path: Path, follow: bool) -> None:
     script = tmp_path / "parent.py"
     script.write_text(PARENT_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -381,9 +381,11 @@ class TorchBackend:
         # The attention kernel takes the tables' width as their row stride, and Triton compiles
         # a kernel apart for a stride of 1, one of a multiple of 16 and any other: padded to a
         # multiple of 16, every step's tables take the kernel compiled at start-up.
-        b, width = batch.block_tables.shape
-        tables = np.zeros((b, -(-max(width, 1) // 16) * 16), dtype=np.int64)
-        tables[:, :width] = batch.block_tables
+        tables = batch.block_tables
+        b, width = tables.shape
+        if width == 0 or width % 16:
+            tables = np.zeros((b, -(-max(width, 1) // 16) * 16), dtype=np.int64)
+            tables[:, :width] = batch.block_tables
         parts = [
             batch.token_ids, batch.positions, batch.slot_mapping, batch.query_start, batch.context_lens,
             tables.reshape(-1), tile_seq, tile_q0, batch.logits_indices,

@@ -25,7 +25,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import signal
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -38,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ops.process import die_with_parent
+from ops.process import follow_parent
 from worker.backends.base import ForwardBatch, SampleOutput, SamplingBatch, StepHandle
 from worker.backends.torch_backend import TorchBackend
 from worker.executor.types import ParallelConfig
@@ -258,7 +257,7 @@ def _free_port() -> int:
 
 
 def _follower_main(rank: int, inbox: Connection, parent: int, spec: RankSpec) -> None:
-    follow(parent)
+    follow_parent(parent)  # die with rank 0, which decides when to stop
     from worker.models.loader import load_model
 
     world = _join(rank, spec)
@@ -307,11 +306,3 @@ def _receive_sampled(backend: TorchBackend, world: World, rows: int) -> None:
         return
     backend.last_ids = world.broadcast(torch.empty(rows, dtype=torch.int64, device=backend.device))
 
-
-def follow(parent: int) -> None:
-    """What every rank but 0 does first: die with rank 0 (SIGKILL when it ends, however
-    it ends; Linux), and leave stopping to it (a terminal's Ctrl-C reaches the whole
-    process group)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    die_with_parent(parent)

@@ -26,7 +26,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -291,15 +290,11 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
 def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, turned: ctypes.c_double,
                  worker: int) -> None:  # fmt: skip
     from ops.logs import setup_logging
-    from ops.process import die_with_parent, exit_on_thread_crash, settle_gc
+    from ops.process import exit_on_thread_crash, follow_parent, settle_gc
 
-    # The worker process decides when this one stops: a terminal's Ctrl-C reaches
-    # the whole process group (so may a supervisor's SIGTERM), and the worker drains first.
-    # A worker killed outright takes the engine along, whatever the engine is doing
-    # (outside systemd, whose KillMode=mixed would kill it too).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    die_with_parent(worker)
+    # The worker decides when this process stops (it drains first); a worker killed
+    # outright takes the engine along, whatever the engine is doing.
+    follow_parent(worker)
     setup_logging("worker", config.log_level, config.log_format)
     exit_on_thread_crash()
     try:
