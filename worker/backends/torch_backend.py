@@ -30,7 +30,7 @@ from worker.backends.cuda_graphs import MAX_QUERY, DecodeGraphs
 from worker.backends.memory_plan import WorkingMemory, gib, plan_working_memory
 from worker.backends.quant_linear import Fp8Linear, QuantLinear
 from worker.backends.torch_decoder_ops import TorchDecoderOps, TorchLinear
-from worker.backends.torch_sampler import sample_all
+from worker.backends.torch_sampler import sample_all, warm_up_batch
 from worker.backends.torch_step import PinnedStaging, StepInputs
 from worker.models import llama
 from worker.models.config import CheckpointError, ModelConfig
@@ -251,9 +251,10 @@ class TorchBackend:
         """Run once what the decode graphs' capture did not (allocate_kv_cache does, on
         CUDA): the kernels of an eager prefill step, of eager decode steps at each attention
         split count the graphs do not cover (batches larger than the largest graph, or no
-        graphs), and on CUDA each variant of the sampler's argmax. Triton compiles and loads
-        a kernel on its first launch, and on the H100 an 8B's first serving burst ran at
-        9,518 tok/s against 21,376 while it did (logits_argmax.py). The dummy steps keep
+        graphs), and on CUDA each variant of the sampler's argmax and each of its rules
+        (torch_sampler.warm_up_batch). Triton compiles and loads a kernel on its first
+        launch, and on the H100 an 8B's first serving burst ran at 9,518 tok/s against
+        21,376 while it did (logits_argmax.py). The dummy steps keep
         their K and V in the scratch block; every rank runs them at the same point of its
         start-up, as any step (a pipeline's stages pass their activations on)."""
         started = time.perf_counter()
@@ -266,6 +267,9 @@ class TorchBackend:
             self.forward(self._scratch_batch(seqs, 1))
         if self.on_cuda:
             logits_argmax.load_kernels(self.device, self.config.vocab_size, self.max_num_tokens)
+            logits = torch.zeros((2, self.config.vocab_size), dtype=torch.float32, device=self.device)
+            self._sample_async(logits, warm_up_batch(self.config.vocab_size)).result()
+            self.last_ids = None  # no step has sampled yet
             torch.cuda.synchronize(self.device)
         log.info("warm-up: an eager prefill step, %d eager decode steps and the sampler's kernels in %.1f s",
                  len(first_of_splits), time.perf_counter() - started)  # fmt: skip

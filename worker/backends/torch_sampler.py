@@ -110,6 +110,34 @@ def sample_all(
     return chosen, log_probs, (top_n(logits, sampling.top_n) if sampling.top_n else None)
 
 
+def warm_up_batch(vocab: int) -> SamplingBatch:
+    """Two rows that take every rule of the sampler once: a greedy row with a ban, a grammar
+    mask and penalties, and a sampled row with bias, top-k, top-p and min-p, top-N for both.
+    Sampled at start-up (TorchBackend.warm_up): on the H100 the first greedy step with a ban
+    held the host 45 ms and the first sampled row 238 ms, 0.4 and 2.7 ms after (CUDA loads
+    each torch kernel's module on its first launch), while every running request waited."""
+    return SamplingBatch(
+        temperature=np.array([0.0, 1.0], np.float32),
+        top_k=np.array([0, 2], np.int64),
+        top_p=np.array([1.0, 0.9], np.float32),
+        min_p=np.array([0.0, 0.1], np.float32),
+        uniform=np.array([0.0, 0.5]),
+        ban_rows=np.array([0], np.int64),
+        ban_tokens=np.array([0], np.int64),
+        bias_rows=np.array([1], np.int64),
+        bias=np.zeros((1, vocab), np.float32),
+        repetition_penalty=np.array([1.1, 1.0], np.float32),
+        presence_penalty=np.array([0.5, 0.0], np.float32),
+        frequency_penalty=np.array([0.5, 0.0], np.float32),
+        seen_rows=np.array([0], np.int64),
+        seen_tokens=np.array([1], np.int64),
+        seen_counts=np.array([1], np.int64),
+        mask_rows=np.array([0], np.int64),
+        token_mask=np.full((1, -(-vocab // 32)), -1, np.int32),
+        top_n=2,
+    )
+
+
 def _sample_rows(logits: torch.Tensor, sampling: SamplingBatch, rows: np.ndarray) -> torch.Tensor:
     device = logits.device
     temperature = _to(device, sampling.temperature[rows], torch.float64)

@@ -102,3 +102,25 @@ def test_sampled_rows_in_chunks_pick_what_the_reference_picks() -> None:
     np.testing.assert_allclose(log_probs.numpy(), want.log_probs, atol=1e-5)
     last_chunk = np.arange(2 * SAMPLE_CHUNK_ROWS, rows)
     assert (want.token_ids[last_chunk] != logits[last_chunk].argmax(axis=1)).any(), "the last chunk sampled nothing"
+
+
+def test_the_warm_up_batch_takes_every_rule_of_the_sampler() -> None:
+    """Start-up samples this batch so that no request pays for a kernel's first launch: every
+    optional rule is on (a new SamplingBatch field left out fails here), a row is greedy and
+    a row sampled with top-k, top-p and min-p, and it samples what the reference does."""
+    from dataclasses import fields
+
+    from worker.backends.torch_sampler import sample_all, warm_up_batch
+
+    vocab = 300
+    batch = warm_up_batch(vocab)
+    for f in fields(SamplingBatch):
+        value = getattr(batch, f.name)
+        assert value is not None and np.size(value) > 0 and (f.name != "top_n" or value > 0), f.name
+    greedy, sampled = batch.temperature == 0, batch.temperature > 0
+    assert greedy.any() and sampled.any()
+    assert (batch.top_k[sampled] > 0).all() and (batch.top_p[sampled] < 1).all() and (batch.min_p[sampled] > 0).all()
+    logits = np.random.default_rng(2).standard_normal((2, vocab)).astype(np.float32)
+    ids, _, top = sample_all(torch.from_numpy(logits), batch)
+    np.testing.assert_array_equal(ids.numpy(), sample(logits, batch).token_ids)
+    assert top is not None and top[0].shape == (2, 2)
