@@ -43,3 +43,35 @@ def test_max_utilization_runs_more_at_once_on_long_outputs() -> None:
 def test_a_request_the_cache_cannot_hold_is_refused() -> None:
     with pytest.raises(ValueError, match="a request's 8 tokens do not fit a 6-token cache"):
         one_second_steps().for_schedule(8, 4, 2, 2, 6, "max_utilization")
+
+
+def test_the_sustained_roofline_is_the_same_model_at_the_held_rate() -> None:
+    # 128/128 at batch 512 is compute-bound: a lower held GEMM rate lowers it; batch 1 reads
+    # the weights and is not; unmeasured, there is no sustained roofline
+    roof = roofline_for(ModelConfig.from_hf(LLAMA_8B), 3.0e12, 800e12, 2)
+    assert roof.at_sustained() is None
+    roof.sustained_flops = 600e12
+    held = roof.at_sustained()
+    assert held is not None and held.flops == 600e12 and roof.flops == 800e12
+    burst = roof.for_schedule(128, 128, 1024, 512, 430_720, "guaranteed_no_evict")
+    assert held.for_schedule(128, 128, 1024, 512, 430_720, "guaranteed_no_evict") < 0.85 * burst
+    assert held.for_schedule(128, 128, 1, 1, 430_720, "guaranteed_no_evict") == pytest.approx(
+        roof.for_schedule(128, 128, 1, 1, 430_720, "guaranteed_no_evict"), rel=1e-3)
+
+
+def test_a_sustained_rate_times_only_the_second_half_of_its_run() -> None:
+    # a product that slows to a quarter of its speed after 0.2 s, as a GPU does at its power cap
+    import time
+
+    import torch
+
+    from bench.gpu_bench import product_rate
+
+    started = time.perf_counter()
+
+    def product() -> None:
+        time.sleep(0.001 if time.perf_counter() - started < 0.2 else 0.004)
+
+    burst = product_rate(product, 1.0, torch.device("cpu"))
+    sustained = product_rate(product, 1.0, torch.device("cpu"), sustained_s=0.8)
+    assert sustained < 0.6 * burst
