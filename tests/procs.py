@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -26,6 +27,10 @@ from ops.process import stop_children
 
 HEARTBEAT_S = 0.25
 MISSED = 8  # a peer is declared gone after HEARTBEAT_S * MISSED = 2 s: tolerant of a loaded 2-core CI machine
+# What the tests' clients are given for the test gateways: their heartbeat interval, and MISSED
+# silent intervals before one is given up (the client's default, 3, is 0.75 s here: a loaded 2-core
+# CI host has paused a gateway for 0.9 s, and the request then failed "gateway lost").
+CLIENT_OPTIONS: dict[str, Any] = {"heartbeat_interval_s": HEARTBEAT_S, "missed_heartbeats": MISSED}
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -11,7 +11,7 @@ import pytest
 from clients.async_client import AsyncClient
 from clients.client import Client, FinishReason, RequestError, SamplingParams
 from clients.wire import to_submit
-from tests.procs import HEARTBEAT_S, free_port, stack
+from tests.procs import CLIENT_OPTIONS, free_port, stack
 
 SEEDED = {"max_tokens": 12, "temperature": 0.8, "top_k": 20, "seed": 11}
 
@@ -24,7 +24,7 @@ def service(long_model, redis_server, tmp_path_factory):
 
 @pytest.fixture
 def client(service):
-    with Client([service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as c:
+    with Client([service.gateways[0].endpoint], **CLIENT_OPTIONS) as c:
         yield c
 
 
@@ -95,7 +95,7 @@ def test_one_client_shared_by_many_threads(client):
 
 def test_async_client(service):
     async def main() -> None:
-        async with AsyncClient([service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as ac:
+        async with AsyncClient([service.gateways[0].endpoint], **CLIENT_OPTIONS) as ac:
             whole = await ac.generate("Paged attention", timeout=30, **SEEDED)
             chunks = [c async for c in ac.stream("Paged attention", **SEEDED)]
             assert [t for c in chunks for t in c.token_ids] == whole.token_ids
@@ -114,7 +114,7 @@ def test_async_client(service):
 
 def test_unstarted_requests_fail_over_to_the_next_gateway(service):
     dead = f"tcp://127.0.0.1:{free_port()}"  # nothing listens here
-    with Client([dead, service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as c:
+    with Client([dead, service.gateways[0].endpoint], **CLIENT_OPTIONS) as c:
         result = c.generate([13, 14], max_tokens=5, timeout=30)
         assert len(result.token_ids) == 5
         assert c.gateway == service.gateways[0].endpoint

@@ -12,7 +12,7 @@ import pytest
 import protocol
 from clients.client import Client, RequestError
 from tests.integration.wire import WireClient
-from tests.procs import HEARTBEAT_S, stack
+from tests.procs import CLIENT_OPTIONS, stack
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def wire(service):
 
 
 def _still_serving(service) -> None:
-    with Client([service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+    with Client([service.gateways[0].endpoint], **CLIENT_OPTIONS) as client:
         assert len(client.generate([5, 6, 7], max_tokens=4, timeout=30).token_ids) == 4
     for p in [*service.workers, *service.gateways]:
         assert p.alive, p.log()[-2000:]
@@ -159,7 +159,7 @@ def test_text_prompt_is_tokenized_by_the_gateway(service, wire):
 def test_busy_beyond_the_per_client_limit(service):
     gw = service.gateway("--max-inflight-per-client", "2")
     gw.wait_workers(1)
-    with Client([gw.endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+    with Client([gw.endpoint], **CLIENT_OPTIONS) as client:
         long = {"max_tokens": 400, "min_tokens": 400}
         running = [client.submit([5, 6], **long) for _ in range(2)]
         refused = client.submit([5, 6], **long)
@@ -188,7 +188,7 @@ def test_over_limit_messages_are_refused_by_request_id(service, wire, change):
 
 
 def test_the_client_checks_the_limits_before_sending(service):
-    with Client([service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+    with Client([service.gateways[0].endpoint], **CLIENT_OPTIONS) as client:
         with pytest.raises(protocol.ProtocolError, match="exceeds"):
             client.generate("x" * 5_000_000, max_tokens=4, timeout=5)
         with pytest.raises(protocol.ProtocolError, match="exceeds"):
@@ -198,7 +198,7 @@ def test_the_client_checks_the_limits_before_sending(service):
 def test_huge_text_prompts_do_not_stall_other_clients(service, wire):
     """Issue 22, finding 3: the gateway tokenized a 4 MB prompt on its socket loop for
     seconds, so workers declared it silent and every other client's stream failed."""
-    with Client([service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+    with Client([service.gateways[0].endpoint], **CLIENT_OPTIONS) as client:
         stream = client.stream([5, 6, 7], max_tokens=200, min_tokens=200, temperature=0.0)
         next(iter(stream))
         for i in range(3):

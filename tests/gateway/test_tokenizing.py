@@ -11,7 +11,7 @@ import pytest
 
 from clients.client import Client, FinishReason, RequestError
 from gateway.server import INLINE_TEXT_CHARS
-from tests.procs import HEARTBEAT_S, MISSED, Stack, long_context_checkpoint
+from tests.procs import CLIENT_OPTIONS, HEARTBEAT_S, MISSED, Stack, long_context_checkpoint
 
 # A context this long lets ~3 MB of text pass the byte bound (context x the tiny vocabulary's
 # 12-byte longest token), so each prompt is tokenized in full, for seconds, before its length
@@ -38,8 +38,8 @@ def service(service_model, redis_server, tmp_path_factory):
 def test_a_burst_of_long_prompts_leaves_another_clients_stream_whole(service):
     assert INLINE_TEXT_CHARS < len(TEXT) < CONTEXT * 12
     gateway = service.gateways[0].endpoint
-    with Client([gateway], heartbeat_interval_s=HEARTBEAT_S) as victim, \
-            Client([gateway], heartbeat_interval_s=HEARTBEAT_S) as flooder:  # fmt: skip
+    with Client([gateway], **CLIENT_OPTIONS) as victim, \
+            Client([gateway], **CLIENT_OPTIONS) as flooder:  # fmt: skip
         stream = victim.stream([5, 6, 7], max_tokens=STREAM_TOKENS, min_tokens=STREAM_TOKENS, temperature=0.0)
         next(iter(stream))
         started = time.monotonic()

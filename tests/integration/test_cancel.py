@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from clients.client import Client, FinishReason, RequestFuture
-from tests.procs import HEARTBEAT_S, stack
+from tests.procs import CLIENT_OPTIONS, stack
 
 # Seconds of work for the tiny model, so every cancel lands mid-stream.
 LONG = {"max_tokens": 6000, "min_tokens": 6000, "temperature": 0.0}
@@ -40,7 +40,7 @@ def _assert_cancelled_and_freed(service, future: RequestFuture) -> None:
 
 
 def test_client_cancel(service):
-    with Client([service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+    with Client([service.gateways[0].endpoint], **CLIENT_OPTIONS) as client:
         future = client.stream([5, 6, 7, 8], **LONG)
         _started(future)
         future.cancel()
@@ -50,7 +50,7 @@ def test_client_cancel(service):
 def test_cli_cancel_through_redis_only(service):
     exe = shutil.which("tokenwire", path=str(Path(sys.executable).parent))
     command = [exe] if exe else [sys.executable, "-m", "clients.cli"]
-    with Client([service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+    with Client([service.gateways[0].endpoint], **CLIENT_OPTIONS) as client:
         future = client.stream([9, 10, 11], **LONG)
         _started(future)
         done = subprocess.run(
@@ -62,7 +62,7 @@ def test_cli_cancel_through_redis_only(service):
 
 
 def test_client_disconnect_cancels(service):
-    client = Client([service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S)
+    client = Client([service.gateways[0].endpoint], **CLIENT_OPTIONS)
     future = client.stream([12, 13, 14], **LONG)
     _started(future)
     client.close()  # the socket goes away without a word; the gateway notices the silence

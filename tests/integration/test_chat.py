@@ -12,7 +12,7 @@ import pytest
 
 from clients.client import Client
 from clients.jobs import JobQueue, JobStatus
-from tests.procs import HEARTBEAT_S, REPO, Proc, free_port, stack
+from tests.procs import CLIENT_OPTIONS, REPO, Proc, free_port, stack
 from tests.worker.conftest import default_gguf
 
 __all__ = ["default_gguf"]
@@ -43,7 +43,7 @@ def test_http_chat_answers_paris(service):
 
 
 def test_client_chat_answers_paris(service):
-    with Client([service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+    with Client([service.gateways[0].endpoint], **CLIENT_OPTIONS) as client:
         out = client.chat(MESSAGES, max_tokens=24, temperature=0.0, timeout=120)
     assert "Paris" in out.text
 

@@ -17,7 +17,7 @@ import protocol
 from clients.client import Client
 from clients.connection import GatewayUnavailableError
 from ops import curve
-from tests.procs import HEARTBEAT_S, Stack
+from tests.procs import CLIENT_OPTIONS, HEARTBEAT_S, Stack
 
 
 def _keys(root: Path) -> Path:
@@ -35,7 +35,7 @@ def _client(root: Path, endpoint: str, name: str | None) -> Client:
     pair = None
     if name is not None:
         pair = curve.ClientCurve.from_files(root / "pairs" / f"{name}.key_secret", root / "pairs" / "gateway.key")
-    return Client([endpoint], heartbeat_interval_s=HEARTBEAT_S, connect_timeout_s=1.0, connect_attempts=1,
+    return Client([endpoint], **CLIENT_OPTIONS, connect_timeout_s=1.0, connect_attempts=1,
                   curve=pair)
 
 

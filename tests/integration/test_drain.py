@@ -12,7 +12,7 @@ import pytest
 from clients.client import Client, FinishReason
 from clients.connection import RequestError
 from protocol import ErrorCode
-from tests.procs import HEARTBEAT_S, MISSED, Stack
+from tests.procs import CLIENT_OPTIONS, MISSED, Stack
 
 LONG = {"max_tokens": 6000, "min_tokens": 6000, "temperature": 0.0}  # cannot finish within the bound
 SHORT = {"max_tokens": 40, "min_tokens": 40, "temperature": 0.0}  # finishes within it
@@ -71,7 +71,7 @@ def test_second_sigterm_ends_the_drain_at_once(long_model, redis_url, tmp_path):
         worker = s.worker("--drain-timeout", "600")
         s.gateway()
         s.gateways[0].wait_workers(1)
-        with Client([s.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+        with Client([s.gateways[0].endpoint], **CLIENT_OPTIONS) as client:
             future = client.stream([5, 6, 7], **LONG)
             next(iter(future))
             worker.process.send_signal(signal.SIGTERM)
@@ -98,7 +98,7 @@ def test_drains_finish_started_streams_and_keep_their_stats(long_model, redis_ur
         worker = s.worker("--drain-timeout", "20")
         gateway = s.gateway("--drain-timeout", "20")
         gateway.wait_workers(1)
-        with Client([gateway.endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+        with Client([gateway.endpoint], **CLIENT_OPTIONS) as client:
             futures = [client.stream([5 + i, 6, 7], **medium) for i in range(6)]
             for f in futures:
                 next(iter(f))

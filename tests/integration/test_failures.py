@@ -9,7 +9,7 @@ import time
 import pytest
 
 from clients.client import Client, FinishReason, GatewayLostError, RequestError
-from tests.procs import HEARTBEAT_S, MISSED, stack
+from tests.procs import CLIENT_OPTIONS, HEARTBEAT_S, MISSED, stack
 
 # A worker's streams must end within this bound after kill -9: the gateway
 # declares it lost after MISSED silent heartbeat intervals, checked once per
@@ -23,7 +23,7 @@ def test_kill_worker_mid_stream(long_model, redis_url, tmp_path):
         for _ in range(2):
             s.worker("--max-batch-size", "2")
         s.gateway().wait_workers(2)
-        with Client([s.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+        with Client([s.gateways[0].endpoint], **CLIENT_OPTIONS) as client:
             futures = [
                 client.stream([20 + i, 21, 22], max_tokens=1500, min_tokens=1500, temperature=0.0)
                 for i in range(6)
@@ -122,7 +122,7 @@ def test_redis_down_for_10_s(service_model, redis_server_factory, tmp_path):
                     except BaseException as e:
                         failures.append(e)
 
-        with Client([s.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+        with Client([s.gateways[0].endpoint], **CLIENT_OPTIONS) as client:
             thread = threading.Thread(target=load, args=(client,))
             thread.start()
             time.sleep(1.0)

@@ -26,7 +26,7 @@ from clients.lora_control import LoraControlError, change_lora, registered_worke
 from tests.conftest import RedisServer
 from tests.integration.test_jobs import Consumer
 from tests.integration.wire import WireClient
-from tests.procs import HEARTBEAT_S, Stack, free_port
+from tests.procs import CLIENT_OPTIONS, Stack, free_port
 from tests.worker.peft_adapters import make_adapter
 
 pytest.importorskip("peft")
@@ -75,7 +75,7 @@ def service(service_model: Path, adapters: dict[str, Path], redis_server: Any,
 
 @pytest.fixture
 def client(service: Stack) -> Iterator[Client]:
-    with Client([service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as c:
+    with Client([service.gateways[0].endpoint], **CLIENT_OPTIONS) as c:
         yield c
 
 
@@ -283,7 +283,7 @@ def test_a_request_for_an_adapter_in_a_lora_dir_goes_there_and_loads_it(dir_serv
     worker1 = dir_service.workers[1]
     _forget(dir_service, "b")
     loads = worker1.log().count("loading LoRA adapter 'b'")
-    with Client([dir_service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+    with Client([dir_service.gateways[0].endpoint], **CLIENT_OPTIONS) as client:
         under_b = client.generate(PROMPT, lora="b", request_id="first-b", timeout=60, **FIXED)
         assert under_b.token_ids == expected(llm, "b")
         assert dir_service.request_stats("first-b")["worker"] == "worker1"
@@ -321,7 +321,7 @@ def test_an_adapter_that_does_not_load_fails_that_request_alone(dir_service: Sta
         assert plain.result is not None and plain.result.output_token_ids[0] == expected(llm, None)
     finally:
         wire.close()
-    with Client([dir_service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+    with Client([dir_service.gateways[0].endpoint], **CLIENT_OPTIONS) as client:
         with pytest.raises(RequestError, match=r"cannot load LoRA adapter 'broken': .*adapter_model"):
             client.generate(PROMPT, lora="broken", timeout=60, **FIXED)
         # Still announced as loadable (its files may be fixed), and the worker serves on.

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from clients.client import Client, FinishReason
 from clients.connection import RequestError
-from tests.procs import HEARTBEAT_S, Stack, free_port
+from tests.procs import CLIENT_OPTIONS, Stack, free_port
 
 LONG = {"max_tokens": 6000, "min_tokens": 6000, "temperature": 0.0}
 SHORT = {"max_tokens": 8, "min_tokens": 8, "temperature": 0.0}
@@ -40,7 +40,7 @@ def test_metrics_match_the_requests_sent(long_model, redis_url, tmp_path):
         worker = s.worker("--metrics-port", str(wport))
         gateway = s.gateway("--metrics-port", str(gport))
         gateway.wait_workers(1)
-        with Client([gateway.endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+        with Client([gateway.endpoint], **CLIENT_OPTIONS) as client:
             long = [client.stream([5, 6, 7, i + 8], **LONG) for i in range(4)]
             for f in long:
                 next(iter(f))

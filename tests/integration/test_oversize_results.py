@@ -18,7 +18,7 @@ import pytest
 from clients.client import Client, FinishReason
 from clients.connection import RequestError
 from tests.checkpoints import write_tokenizer
-from tests.procs import HEARTBEAT_S, stack
+from tests.procs import CLIENT_OPTIONS, stack
 
 WIDE_VOCAB = 32768
 ROW_BYTES = WIDE_VOCAB * 4
@@ -57,7 +57,7 @@ def test_results_over_the_message_limit_fail_alone_and_cost_no_stream_a_token(
         return [int(t) for t in rng.integers(5, 300, n)]
 
     with stack(wide_model, redis_url, tmp_path) as s, \
-            Client([s.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:  # fmt: skip
+            Client([s.gateways[0].endpoint], **CLIENT_OPTIONS) as client:  # fmt: skip
         streams = [
             client.stream(prompt(8), max_tokens=STREAM_TOKENS, min_tokens=STREAM_TOKENS, temperature=0.0)
             for _ in range(4)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from clients.client import Client, FinishReason, RequestFuture, RequestOutput
-from tests.procs import HEARTBEAT_S, stack
+from tests.procs import CLIENT_OPTIONS, stack
 
 GREEDY = {"temperature": 0.0}
 PROMPTS = ([5, 6, 7, 8], [40, 41, 42])
@@ -22,7 +22,7 @@ def service(long_model, redis_server, tmp_path_factory):
 
 
 def _client(service) -> Client:
-    return Client([service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S)
+    return Client([service.gateways[0].endpoint], **CLIENT_OPTIONS)
 
 
 def _solo(service, prompt: list[int], max_tokens: int) -> RequestOutput:

@@ -9,12 +9,12 @@ import sys
 import time
 
 from clients.client import Client
-from tests.procs import HEARTBEAT_S, REPO, stack
+from tests.procs import CLIENT_OPTIONS, REPO, stack
 
 
 def test_stats_watch_redraws_until_interrupted(service_model, redis_url, tmp_path):
     with stack(service_model, redis_url, tmp_path) as s:
-        with Client([s.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+        with Client([s.gateways[0].endpoint], **CLIENT_OPTIONS) as client:
             client.generate([5, 6, 7], max_tokens=16, min_tokens=16, timeout=30)
         watch = subprocess.Popen(
             [sys.executable, "-m", "clients.cli", "stats", "--watch", "0.3", "--redis", redis_url],

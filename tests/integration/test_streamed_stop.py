@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from clients.client import Client, FinishReason
-from tests.procs import HEARTBEAT_S, stack
+from tests.procs import CLIENT_OPTIONS, stack
 
 PROMPT = [5, 6, 7]
 
@@ -18,7 +18,7 @@ def service(long_model, redis_server, tmp_path_factory):
 
 
 def test_a_stop_string_ends_a_streamed_request(service):
-    with Client([service.gateways[0].endpoint], heartbeat_interval_s=HEARTBEAT_S) as client:
+    with Client([service.gateways[0].endpoint], **CLIENT_OPTIONS) as client:
         full = client.generate(PROMPT, max_tokens=40, min_tokens=40, temperature=0.0, timeout=30)
         text = full.text
         # Three characters of the random model's text, from well into it, first seen there.
