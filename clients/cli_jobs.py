@@ -279,11 +279,13 @@ def consume(args: argparse.Namespace) -> int:
     from clients.jobs_consumer import Consumer, ConsumerConfig
     from ops.config import apply_config
     from ops.logs import setup_logging
+    from ops.process import stop_with_launcher
     from ops.sd_notify import Notifier
 
     apply_config(args)
     args.redis = redis_url(args.redis, DEFAULT_REDIS, args.redis_password_file)
     setup_logging("consumer", args.log_level, args.log_format)
+    stop_with_launcher()
     consumer = Consumer(
         ConsumerConfig(
             redis_url=args.redis,

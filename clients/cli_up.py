@@ -30,7 +30,7 @@ from typing import IO
 from urllib.parse import urlparse
 
 from clients.cli import Subparsers
-from ops.process import stop_children
+from ops.process import LAUNCHER_ENV, stop_children
 
 DEMO_PROMPT = "In one sentence, what is a message queue?"
 
@@ -90,7 +90,9 @@ class _Children:
     def start(self, name: str, args: list[str]) -> None:
         log = (self.log_dir / f"{name}.log").open("wb")
         self._logs.append(log)
-        env = {**os.environ, "NOTIFY_SOCKET": str(self._notify_dir / "notify")}
+        # The launcher's pid: each child gets SIGTERM when this process ends, kill -9 included
+        # (ops.process.stop_with_launcher). A redis-server started here does not: it stays.
+        env = {**os.environ, "NOTIFY_SOCKET": str(self._notify_dir / "notify"), LAUNCHER_ENV: str(os.getpid())}
         self.procs.append((name, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)))
 
     def all_ready(self) -> bool:

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from gateway.server import Gateway, GatewayConfig
     from ops.config import apply_config
     from ops.logs import setup_logging
-    from ops.process import exit_on_thread_crash, settle_gc
+    from ops.process import exit_on_thread_crash, settle_gc, stop_with_launcher
     from ops.sd_notify import Notifier
     from ops.secrets import redis_url
 
@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     curve = curve_config(args)
     setup_logging("gateway", args.log_level, args.log_format)
     exit_on_thread_crash()
+    stop_with_launcher()
     try:  # every socket bound before serving: a port in use is one line and exit status 1
         gw = Gateway(
             GatewayConfig(

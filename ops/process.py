@@ -51,12 +51,37 @@ def follow_parent(parent: int) -> None:
     holding the device."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        log.warning("PR_SET_PDEATHSIG is not available: this process may outlive its parent")
+    _signal_when_parent_ends(signal.SIGKILL)
     if os.getppid() != parent:  # the parent ended before the kernel was asked
         os._exit(1)
+
+
+# `tokenwire up` puts its pid here in its children's environment.
+LAUNCHER_ENV = "TOKENWIRE_LAUNCHER_PID"
+
+
+def stop_with_launcher() -> None:
+    """A service that `tokenwire up` started gets SIGTERM when `up` ends, however it ends
+    (kill -9, a crash), and stops as it does on a supervisor's SIGTERM (drains,
+    deregisters); else it would serve on with no one left to stop it, holding its ports
+    and its GPU. Called from the main thread before loading; a process that finds `up`
+    already gone exits 1. Outside `up` (systemd, a shell) the variable is absent and
+    nothing changes. The variable is removed, so that this process's own children (the
+    engine, the model ranks) do not take it for theirs: they follow this one."""
+    launcher = os.environ.pop(LAUNCHER_ENV, "")
+    if not launcher.isdigit():
+        return
+    _signal_when_parent_ends(signal.SIGTERM)
+    if os.getppid() != int(launcher):
+        log.critical("tokenwire up (pid %s), which started this process, has ended; exiting", launcher)
+        raise SystemExit(1)
+
+
+def _signal_when_parent_ends(sig: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+    except (OSError, AttributeError):
+        log.warning("PR_SET_PDEATHSIG is not available: this process may outlive its parent")
 
 
 # Net new container objects between young-generation collections (CPython: 700, a

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from clients.client import Client
 from clients.jobs import JobQueue, JobStatus
-from tests.procs import REPO, free_port
+from tests.procs import REPO, free_port, running
 
 
 def _lines(proc: subprocess.Popen[str]) -> queue.Queue[str]:
@@ -130,3 +130,39 @@ def test_sigterm_stops_up_and_its_children_as_ctrl_c_does(service_model: Path, r
         assert all(_bindable(port) for port in ports), "a child still holds its port"
     finally:
         _stop(proc)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def test_kill_9_of_up_stops_its_children(service_model: Path, redis_url: str, tmp_path: Path) -> None:
+    """up cannot stop anything when it is killed with SIGKILL: its children get SIGTERM from
+    the kernel then (ops.process.stop_with_launcher), and drain and exit as on a supervisor's."""
+    ports = [free_port(), free_port(), free_port()]
+    log_dir = tmp_path / "logs"
+    proc = _up(service_model, redis_url, ports, log_dir, "--no-demo")
+    try:
+        _read_until(_lines(proc), "serving;", timeout=90)
+        children = _children(proc.pid)
+        assert len(children) == 3, children  # worker, gateway, consumer (the test's Redis is its own)
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while any(running(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(running(pid) for pid in children), [p for p in children if running(p)]
+        assert all(_bindable(port) for port in ports), "a child still holds its port"
+        assert "drain" in (log_dir / "worker.log").read_text().lower(), "the worker did not stop as on SIGTERM"
+    finally:
+        _stop(proc)
+        for pid in _children(proc.pid):
+            os.kill(pid, signal.SIGKILL)

@@ -135,3 +135,21 @@ def test_follow_parent_ends_a_stuck_child_when_its_parent_is_killed(tmp_path: Pa
     finally:
         if running(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_a_service_whose_launcher_has_ended_exits_at_once_and_hides_the_launcher_from_its_children() -> None:
+    code = (
+        "import logging, os; logging.basicConfig(level='INFO')\n"
+        "from ops.process import LAUNCHER_ENV, stop_with_launcher\n"
+        "stop_with_launcher()\n"
+        "print('served on', os.environ.get(LAUNCHER_ENV))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for launcher, served in ((os.getpid(), True), (1, False)):  # its parent; a process that is not
+        done = subprocess.run([sys.executable, "-c", code], env={**env, "TOKENWIRE_LAUNCHER_PID": str(launcher)},
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+        if served:
+            assert done.returncode == 0 and done.stdout.strip() == "served on None", done
+        else:
+            assert done.returncode == 1 and "has ended; exiting" in done.stderr, done
+            assert "Traceback" not in done.stderr

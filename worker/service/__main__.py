@@ -188,7 +188,7 @@ def lora_options(args: argparse.Namespace) -> tuple[tuple[tuple[str, str], ...],
 def run(args: argparse.Namespace) -> int:
     from ops.config import apply_config
     from ops.logs import setup_logging
-    from ops.process import exit_on_thread_crash, settle_gc
+    from ops.process import exit_on_thread_crash, settle_gc, stop_with_launcher
     from ops.sd_notify import Notifier
     from worker.service.engine import EngineConfig, EngineFailed, EngineProcess
     from worker.service.server import Listener, ListenError, ServiceConfig, WorkerService
@@ -199,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("worker", args.log_level, args.log_format)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     exit_on_thread_crash()
+    stop_with_launcher()
     try:  # bound before the model loads (minutes, on a GPU): a port in use is reported at once
         listener = Listener.open(args.bind, curve, args.metrics_host, args.metrics_port)
     except ListenError as e:
