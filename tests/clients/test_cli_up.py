@@ -150,6 +150,7 @@ def test_kill_9_of_up_stops_its_children(service_model: Path, redis_url: str, tm
     ports = [free_port(), free_port(), free_port()]
     log_dir = tmp_path / "logs"
     proc = _up(service_model, redis_url, ports, log_dir, "--no-demo")
+    children: list[int] = []
     try:
         _read_until(_lines(proc), "serving;", timeout=90)
         children = _children(proc.pid)
@@ -164,5 +165,6 @@ def test_kill_9_of_up_stops_its_children(service_model: Path, redis_url: str, tm
         assert "drain" in (log_dir / "worker.log").read_text().lower(), "the worker did not stop as on SIGTERM"
     finally:
         _stop(proc)
-        for pid in _children(proc.pid):
-            os.kill(pid, signal.SIGKILL)
+        for pid in children:  # reparented once up is gone: only this list still names them
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
