@@ -18,6 +18,7 @@ from pathlib import Path
 
 from clients.client import Client
 from clients.jobs import JobQueue, JobStatus
+from tests import procs
 from tests.procs import REPO, free_port, running
 
 
@@ -132,18 +133,6 @@ def test_sigterm_stops_up_and_its_children_as_ctrl_c_does(service_model: Path, r
         _stop(proc)
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
 def test_kill_9_of_up_stops_its_children(service_model: Path, redis_url: str, tmp_path: Path) -> None:
     """up cannot stop anything when it is killed with SIGKILL: its children get SIGTERM from
     the kernel then (ops.process.stop_with_launcher), and drain and exit as on a supervisor's."""
@@ -153,7 +142,7 @@ def test_kill_9_of_up_stops_its_children(service_model: Path, redis_url: str, tm
     children: list[int] = []
     try:
         _read_until(_lines(proc), "serving;", timeout=90)
-        children = _children(proc.pid)
+        children = procs.children(proc.pid)
         assert len(children) == 3, children  # worker, gateway, consumer (the test's Redis is its own)
         proc.kill()
         proc.wait(timeout=10)

@@ -254,9 +254,9 @@ class TorchBackend:
         graphs), and on CUDA each variant of the sampler's argmax and each of its rules
         (torch_sampler.warm_up_batch). Triton compiles and loads a kernel on its first
         launch, and on the H100 an 8B's first serving burst ran at 9,518 tok/s against
-        21,376 while it did (logits_argmax.py). The dummy steps keep
-        their K and V in the scratch block; every rank runs them at the same point of its
-        start-up, as any step (a pipeline's stages pass their activations on)."""
+        21,376 while it did (logits_argmax.py). The dummy steps keep their K and V in the
+        scratch block; every rank runs them at the same point of its start-up, as any step
+        (a pipeline's stages pass their activations on)."""
         started = time.perf_counter()
         self.forward(self._scratch_batch(1, min(self.block_size, paged_attention.PREFILL_BLOCK_Q)))
         graphed = self._max_graph_batch if self._graphs is not None else 0

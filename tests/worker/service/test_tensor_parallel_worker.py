@@ -13,14 +13,8 @@ from pathlib import Path
 import pytest
 
 import protocol
-from tests.procs import Stack, running
+from tests.procs import Stack, running, spawned
 from tests.worker.service.test_worker_service import FakeGateway
-
-
-def _spawned(pid: int) -> list[int]:
-    """The processes `pid` started with multiprocessing's spawn (not its resource tracker)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
 @pytest.mark.parametrize("split", ["--tensor-parallel-size", "--pipeline-parallel-size"])
@@ -34,8 +28,8 @@ def test_a_killed_rank_ends_the_requests_and_the_worker(
         g.send(protocol.Submit(request_id="doomed", input_token_ids=[5, 6], max_tokens=6000, streaming=True,
                                sampling_config=protocol.SamplingConfig(min_tokens=6000)))  # fmt: skip
         g.recv_until(lambda: bool(g.responses("doomed")), timeout=60)
-        (engine,) = _spawned(w.process.pid)  # rank 0: the engine process, which started rank 1
-        (rank1,) = _spawned(engine)
+        (engine,) = spawned(w.process.pid)  # rank 0: the engine process, which started rank 1
+        (rank1,) = spawned(engine)
         os.kill(rank1, signal.SIGKILL)
         g.recv_until(lambda: bool(g.errors()), timeout=30)
         (error,) = g.errors()

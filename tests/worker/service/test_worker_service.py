@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 import protocol
-from tests.procs import HEARTBEAT_S, MISSED, Stack
+from tests.procs import HEARTBEAT_S, MISSED, Stack, spawned
 from tests.worker.service.processors import FORCED_TOKEN
 from worker.executor import EngineCore, ExecutorConfig, Request
 
@@ -270,8 +270,7 @@ def test_a_dead_engine_ends_its_requests_and_the_worker(long_model, redis_server
                                sampling_config=protocol.SamplingConfig(min_tokens=6000)))  # fmt: skip
         g.recv_until(lambda: bool(g.responses("doomed")))
         pid = w.process.pid
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        (engine_pid,) = (int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
+        (engine_pid,) = spawned(pid)
         os.kill(engine_pid, signal.SIGKILL)
         g.recv_until(lambda: bool(g.errors()))
         (error,) = g.errors()
