@@ -68,6 +68,24 @@ if triton is not None:
     _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
     @triton.jit
+    def _e4m3_to_f16(x):  # type: ignore[no-untyped-def]
+        """e4m3 codes to fp16, as an operation Triton may not move (is_pure=False).
+
+        Why: P·V contracts over keys, and the MMA wants two keys' values of one dimension in a
+        register pair, bytes 128 apart in the tile. Left to itself, Triton moves the e4m3 V tile
+        into the MMA's layout first and widens after, gathering single bytes from shared memory
+        (64 ld.shared.b8 a thread an iteration); widened first, the tile goes through shared
+        memory as fp16 and comes back by ldmatrix.trans. With the block table read an iteration
+        ahead, a decode layer over an e4m3 cache on an H200 took 0.92-0.93x the time from 512
+        sequences up (1.01x at 128 and 256), FP8 1000/1000 13,496 -> 13,931 tok/s; each change
+        alone, or K widened first too, was no faster, and prefill tiles were slower
+        (bench/results/attention_fp8_v_widen_h200_2026-11-28_s20.txt)."""
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4,
+        )  # fmt: skip
+
+    @triton.jit
     def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, block_tables_ptr, query_start_ptr,
         seq_lens_ptr, tile_seq_ptr, tile_q0_ptr, scale, window, stride_qt, stride_qh, stride_kb, stride_ks,
@@ -75,7 +93,7 @@ if triton is not None:
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
         NUM_HEADS: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, COMPUTE: tl.constexpr,
-        PDL: tl.constexpr,
+        FP8_DECODE: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         pdl_wait(PDL)
         tile = tl.program_id(0)
@@ -123,15 +141,26 @@ if triton is not None:
             it_end = tl.minimum(it_end, it_begin + per_split)
         offs_n = tl.arange(0, BLOCK_N)
         table_row = block_tables_ptr + seq * stride_bt
+        if FP8_DECODE:
+            # Block-table entries one iteration ahead: an iteration's K and V loads need not wait
+            # behind a dependent load of the table (see _e4m3_to_f16 for the figures).
+            next_pos = it_begin * BLOCK_N + offs_n
+            next_phys = tl.load(table_row + next_pos // BLOCK_SIZE, mask=next_pos < kv_end, other=0)
         for it in range(it_begin, it_end):
             k_pos = it * BLOCK_N + offs_n
             in_seq = k_pos < kv_end
-            phys = tl.load(table_row + k_pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
+            if FP8_DECODE:
+                phys = next_phys.to(tl.int64)
+                next_pos = k_pos + BLOCK_N
+                next_phys = tl.load(table_row + next_pos // BLOCK_SIZE, mask=next_pos < kv_end, other=0)
+            else:
+                phys = tl.load(table_row + k_pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
             kv_off = (phys * stride_kb + (k_pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh)[:, None]
             kv_mask = in_seq[:, None] & d_ok[None, :]
             # An e4m3 cache widens to the compute dtype in registers (a no-op for bf16).
             k = tl.load(k_cache_ptr + kv_off + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-            v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = _e4m3_to_f16(v) if FP8_DECODE else v.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             ok = (k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
             if USE_WINDOW:
@@ -242,6 +271,7 @@ def paged_attention_triton(
         # probabilities at least as well as bf16. It is what lets the capped registers pay (above),
         # and a prefill tile over an e4m3 cache took 348 against 402 us (32 x 512 tokens).
         COMPUTE=tl.float16 if fp8 and q.dtype != torch.float32 else _TL_DTYPE[q.dtype],
+        FP8_DECODE=fp8 and block_q == 1 and q.dtype != torch.float32,
         # float32 caches (parity runs) get full-precision dots, not TF32.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4 if block_m <= 64 else 8, num_stages=stages, **launch,
