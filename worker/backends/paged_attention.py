@@ -72,14 +72,14 @@ if triton is not None:
         """e4m3 codes to fp16, as an operation Triton may not move (is_pure=False).
 
         Why: P·V contracts over keys, and the MMA wants two keys' values of one dimension in a
-        register pair, bytes 128 apart in the tile. Left to itself, Triton moves the e4m3 V tile
-        into the MMA's layout first and widens after, gathering single bytes from shared memory
-        (64 ld.shared.b8 a thread an iteration); widened first, the tile goes through shared
-        memory as fp16 and comes back by ldmatrix.trans. With the block table read an iteration
-        ahead, a decode layer over an e4m3 cache on an H200 took 0.92-0.93x the time from 512
-        sequences up (1.01x at 128 and 256), FP8 1000/1000 13,496 -> 13,931 tok/s; each change
-        alone, or K widened first too, was no faster, and prefill tiles were slower
-        (bench/results/attention_fp8_v_widen_h200_2026-11-28_s20.txt)."""
+        register pair, a tile row apart. Left to itself, Triton moves the e4m3 V tile into the
+        MMA's layout first and widens after (past a pure conversion too), gathering single
+        bytes from shared memory (64 ld.shared.b8 a thread an iteration); widened first, the
+        tile goes through shared memory as fp16 and comes back by ldmatrix.trans. With the
+        block table read an iteration ahead, a decode layer over an e4m3 cache on an H200 took
+        0.92-0.93x the time from 512 sequences up (1.01x at 128 and 256), FP8 1000/1000 13,496
+        -> 13,931 tok/s; each change alone, or K widened first too, was no faster, and prefill
+        tiles were slower (bench/results/attention_fp8_v_widen_h200_2026-11-28_s20.txt)."""
         return tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
             "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4,
