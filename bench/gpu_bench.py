@@ -153,11 +153,11 @@ def product_rate(product: Callable[[], object], flop: float, device: torch.devic
     return flop * calls / (time.perf_counter() - timed_from)
 
 
-def sustained_note(roof: Roofline) -> str:
-    """`; N sustained, ...` for a log line, or nothing when the rate was not measured."""
-    if math.isnan(roof.sustained_flops):
+def sustained_note(sustained_flops: float) -> str:
+    """`; N sustained, ...` for a log line, or nothing when the rate was not measured (nan)."""
+    if math.isnan(sustained_flops):
         return ""
-    return f"; {roof.sustained_flops / 1e12:.0f} sustained, the last {SUSTAINED_S / 2:.0f} s of {SUSTAINED_S:.0f}"
+    return f"; {sustained_flops / 1e12:.0f} sustained, the last {SUSTAINED_S / 2:.0f} s of {SUSTAINED_S:.0f}"
 
 
 def measure_gemm(device: torch.device, sustained_s: float = 0.0) -> float:
@@ -848,8 +848,8 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
         if device.type == "cuda":
             roof.sustained_flops = measure_gemm(device, SUSTAINED_S)
         floor_ms = roof.weight_bytes / bandwidth * 1e3
-        log(f"roofline: {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s{sustained_note(roof)}; weights "
-            f"{roof.weight_bytes / 1e9:.2f} GB -> batch-1 TPOT floor {floor_ms:.2f} ms")  # fmt: skip
+        log(f"roofline: {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s{sustained_note(roof.sustained_flops)}; "
+            f"weights {roof.weight_bytes / 1e9:.2f} GB -> batch-1 TPOT floor {floor_ms:.2f} ms")  # fmt: skip
         t0 = time.perf_counter()
         weights = random_weights(cfg, device, dtype)
         sync(device)
@@ -890,7 +890,7 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
           f"{env['transformers']} | {env['date']}")  # fmt: skip
     gemm = "fp8" if args.quantization == "fp8" and device.type == "cuda" else "bf16"
     print(f"roofline inputs: HBM {bandwidth / 1e12:.2f} TB/s (D2D copy, read+write), {gemm} GEMM {flops / 1e12:.0f} "
-          f"TFLOP/s (8192^3, 20 products{sustained_note(roof)}), summed over {gpus} GPU(s); "
+          f"TFLOP/s (8192^3, 20 products{sustained_note(roof.sustained_flops)}), summed over {gpus} GPU(s); "
           f"{args.quantization or args.dtype} weights {roof.weight_bytes / 1e9:.2f} GB read per step")  # fmt: skip
     return header, table
 

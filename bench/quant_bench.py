@@ -53,6 +53,7 @@ from bench.gpu_bench import (
     roofline_for,
     run_executor_offline,
     run_executor_single,
+    sustained_note,
     sync,
 )
 from worker.models.quantization import INT4_GROUP_SIZE
@@ -211,9 +212,8 @@ def run_quantized(args: argparse.Namespace) -> list[dict[str, Any]]:
     if device.type == "cuda":
         sustained = (measure_fp8_gemm if args.quantization == "fp8" else measure_gemm)(device, SUSTAINED_S)
     log(f"HBM {bandwidth / 1e12:.2f} TB/s; GEMM bf16 {bf16_flops / 1e12:.0f} TFLOP/s, fp8 {fp8_flops / 1e12:.0f} "
-        f"TFLOP/s (8192^3, 20 products, measured now); {'fp8' if args.quantization == 'fp8' else 'bf16'} "
-        f"{sustained / 1e12:.0f} TFLOP/s sustained (the last {SUSTAINED_S / 2:.0f} s of "
-        f"{SUSTAINED_S:.0f})")  # fmt: skip
+        f"TFLOP/s (8192^3, 20 products, measured now); the roofline's GEMM "
+        f"{'fp8' if args.quantization == 'fp8' else 'bf16'}{sustained_note(sustained)}")  # fmt: skip
     gemv = int4_gemv_rows(cfg, bandwidth, device) if args.quantization == "int4" and device.type == "cuda" else []
     weights = random_weights(cfg, device, torch.bfloat16)
     rows: list[dict[str, Any]] = []
