@@ -134,8 +134,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--metrics-port", type=PORT, default=0, help="serve Prometheus /metrics on this port (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics listens on")
-    # Makes the executor loop hang after this many seconds, so tests see the watchdog pings stop.
-    p.add_argument("--test-hang-loop-after", type=float, default=None, help=argparse.SUPPRESS)
     add_config_options(p, "worker")
 
 
@@ -220,7 +218,6 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         log_level=args.log_level,
         log_format=args.log_format,
-        test_hang_loop_after_s=args.test_hang_loop_after,
         speculative_config=speculative_config(args),
         draft_model=args.draft_model,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -71,7 +71,6 @@ class EngineConfig:
     device: str | None
     log_level: str
     log_format: str
-    test_hang_loop_after_s: float | None = None
     # Speculative decoding for requests that do not choose (None: off), and the draft model's checkpoint.
     speculative_config: ex.SpeculativeConfig | None = None
     draft_model: str | None = None
@@ -278,7 +277,7 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
     if config.backend != "echo":
         return EngineCore.from_model(path, executor_config), path
     from worker.models.loader import load_model
-    from worker.service.echo_backend import EchoBackend
+    from worker.backends.echo_backend import EchoBackend
 
     log.warning("echo backend: TRANSPORT TEST ONLY, no model runs")
     meta = load_model(path, load_weights=False)  # config and tokenizer: gateways detokenize as usual
@@ -322,16 +321,14 @@ def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, tu
         lora_adapters=tuple(core.lora_names()),
     )))  # fmt: skip
     settle_gc()
-    hang_at = None if config.test_hang_loop_after_s is None else time.monotonic() + config.test_hang_loop_after_s
-    _serve(core, inbox, outbox, turned, hang_at)
+    _serve(core, inbox, outbox, turned)
 
 
 def _token_text(tokenizer: Any, token_id: int | None) -> str | None:
     return None if tokenizer is None or token_id is None else tokenizer.id_to_token(token_id)
 
 
-def _serve(core: EngineCore, inbox: Connection, outbox: Connection, turned: ctypes.c_double,
-           hang_at: float | None) -> None:
+def _serve(core: EngineCore, inbox: Connection, outbox: Connection, turned: ctypes.c_double) -> None:
     """The engine's loop, until the worker says stop: take what waits in the pipe
     (block only while the core is idle), step, send the step's output. Iteration
     stats cross in batches; an idle engine still reports its load now and then."""
@@ -348,9 +345,6 @@ def _serve(core: EngineCore, inbox: Connection, outbox: Connection, turned: ctyp
             timeout = 0.0
         asked.apply()
         now = time.monotonic()
-        if hang_at is not None and now >= hang_at:
-            log.warning("--test-hang-loop-after: the engine loop hangs now")
-            threading.Event().wait()
         turned.value = now
         out = core.step() if core.has_work else StepOutput()
         stats += out.iteration_stats

@@ -1,10 +1,11 @@
 """A real worker process under a NOTIFY_SOCKET of the test's own: the notify messages
 and their order (no READY before the model is loaded and the socket bound, then
 WATCHDOG pings from the executor loop, STOPPING on SIGTERM), and a worker whose
-executor loop hangs stops pinging."""
+engine process stops (SIGSTOP: its loop no longer turns) stops pinging."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ import zmq
 
 import protocol
 from tests.notify import NotifySocket, notify_socket
-from tests.procs import Worker
+from tests.procs import Worker, spawned
 from worker.service.engine import LOOP_STUCK_AFTER_S
 
 
@@ -64,11 +65,12 @@ def test_ready_then_watchdog_then_stopping(notify, service_model, redis_url, tmp
 
 
 def test_a_hung_executor_loop_stops_the_watchdog(notify, service_model, redis_url, tmp_path):
-    worker = Worker("hangs", service_model, redis_url, tmp_path, "--test-hang-loop-after", "2")
+    worker = Worker("hangs", service_model, redis_url, tmp_path)
     try:
         notify.wait_for("READY", timeout=60)
         notify.wait_for("WATCHDOG", timeout=5)
-        worker.wait_log("the engine loop hangs now", timeout=30)
+        [engine] = spawned(worker.process.pid)
+        os.kill(engine, signal.SIGSTOP)  # the engine's loop stops turning; the worker's threads run on
         hung_at = last_ping = time.monotonic()
         while time.monotonic() - last_ping < 0.5:  # pings sent before the hang, still queued
             fields = notify.receive(timeout=0.1)
