@@ -20,6 +20,24 @@ from worker.backends import fp8_gemm, gemv, logits_argmax, quant_linear, torch_o
 from worker.backends.paged_attention import PREFILL_BLOCK_Q, paged_attention_torch, paged_attention_triton, tile_map
 
 ATOL = 1e-5
+# float32's unit roundoff: every +, × and exp rounds to within this relative error.
+UNIT = torch.finfo(torch.float32).eps / 2
+
+
+def gamma(terms: int) -> float:
+    """The classical bound (Higham, Accuracy and Stability, §3.1) on the relative error of a
+    float32 sum or dot product of `terms` terms, whatever order it is summed in: n·u/(1 − n·u),
+    relative to the sum of the terms' magnitudes. A CPU's BLAS and Triton's interpreter block
+    their sums differently, so two evaluations may differ by up to twice it."""
+    return terms * UNIT / (1 - terms * UNIT)
+
+
+def assert_close_sums(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor, terms: int) -> None:
+    """Two float32 evaluations of the same sums of `terms` terms (`magnitude`: each sum's
+    terms' absolute values, summed) agree within 2·gamma(terms)·magnitude, elementwise."""
+    bound = 2 * gamma(terms) * magnitude
+    excess = ((got - want).abs() - bound).max().item()
+    assert excess <= 0, f"differs by {excess:.3g} beyond the float32 rounding bound of {terms}-term sums"
 
 
 def check_add_rmsnorm() -> None:
@@ -27,8 +45,11 @@ def check_add_rmsnorm() -> None:
     for residual in (None, torch.randn(7, 256)):
         r1 = None if residual is None else residual.clone()
         r2 = None if residual is None else residual.clone()
+        # The mean of 256 squares is within gamma(257) of itself, its rsqrt within half that; the
+        # scalings round a few times more.
         torch.testing.assert_close(torch_ops.add_rmsnorm_triton(x, r1, w, 1e-5),
-                                   torch_ops.add_rmsnorm_torch(x, r2, w, 1e-5), atol=ATOL, rtol=1e-5)  # fmt: skip
+                                   torch_ops.add_rmsnorm_torch(x, r2, w, 1e-5), atol=ATOL,
+                                   rtol=gamma(257) + 8 * UNIT)  # fmt: skip
         if r1 is not None and r2 is not None:
             torch.testing.assert_close(r1, r2)
 
@@ -61,9 +82,12 @@ def check_fp8_gemm() -> None:
         w_scale = w.abs().amax(dim=1)[None, :] / 448.0
         wq = (w / w_scale.t()).to(torch.float8_e4m3fn)
         want = (xq.float() * x_scale) @ (wq.float() * w_scale.t()).t()
+        # The reference rounds each dequantized value and product (3 roundings a term), the kernel
+        # its two scalings (2 more a sum): bound both as sums of k + 3 terms.
+        magnitude = (xq.float() * x_scale).abs() @ (wq.float() * w_scale.t()).abs().t()
         for tile in fp8_gemm.TILES:
             got = fp8_gemm.fp8_matmul(xq, x_scale, wq, w_scale, torch.float32, tile)
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+            assert_close_sums(got, want, magnitude, 1024 + 3)
 
 
 def check_gemv() -> None:
@@ -71,8 +95,9 @@ def check_gemv() -> None:
     read apart from the loop); with a bias, and float32 out."""
     for n, k in ((12, 1024), (9, 1300), (5, 300)):
         x, w, b = torch.randn(1, k), torch.randn(n, k), torch.randn(n)
-        torch.testing.assert_close(gemv.gemv(x, w), x @ w.T, atol=1e-4, rtol=1e-5)
-        torch.testing.assert_close(gemv.gemv(x, w, b, out_dtype=torch.float32), x @ w.T + b, atol=1e-4, rtol=1e-5)
+        magnitude = x.abs() @ w.abs().T
+        assert_close_sums(gemv.gemv(x, w), x @ w.T, magnitude, k)
+        assert_close_sums(gemv.gemv(x, w, b, out_dtype=torch.float32), x @ w.T + b, magnitude + b.abs(), k + 1)
 
 
 def check_gemv_swiglu() -> None:
@@ -80,7 +105,21 @@ def check_gemv_swiglu() -> None:
     a ragged last tile, rows shorter than a tile, a row count no multiple of the block."""
     for n, k in ((8, 1024), (6, 1300), (3, 300)):
         x, w = torch.randn(1, k), torch.randn(2 * n, k)
-        torch.testing.assert_close(gemv.gemv_swiglu(x, w), torch_ops.silu_mul_torch(x @ w.T), atol=1e-4, rtol=1e-5)
+        # silu(g)·u moves by at most |silu'| ≤ 1.1 times g's error times |u|, plus |silu(g)| ≤ |g|
+        # times u's error; silu and the product round a few times more.
+        gate_up, magnitude = x @ w.T, x.abs() @ w.abs().T
+        err = 2 * gamma(k) * magnitude
+        (g, u), (g_err, u_err) = gate_up.chunk(2, dim=-1), err.chunk(2, dim=-1)
+        want = torch_ops.silu_mul_torch(gate_up)
+        bound = 1.1 * g_err * (u.abs() + u_err) + (g.abs() + g_err) * u_err + 8 * UNIT * want.abs()
+        excess = ((gemv.gemv_swiglu(x, w) - want).abs() - bound).max().item()
+        assert excess <= 0, f"gemv_swiglu differs by {excess:.3g} beyond the float32 rounding bound"
+
+
+def assert_close_lse(lse: torch.Tensor, x: torch.Tensor) -> None:
+    """log Σ exp(x − max) sums `vocab` positive terms, each exp within a few roundings: the sum is
+    within gamma(vocab + 4) of itself, relatively, so its log within that, absolutely."""
+    torch.testing.assert_close(lse, torch.logsumexp(x, dim=-1), atol=2 * gamma(x.shape[-1] + 4), rtol=4 * UNIT)
 
 
 def check_argmax_logsumexp() -> None:
@@ -92,7 +131,7 @@ def check_argmax_logsumexp() -> None:
         x[-1] = float("-inf")
         ids, lse = logits_argmax.argmax_logsumexp(x)
         assert torch.equal(ids, x.argmax(dim=-1)), (rows, vocab)
-        torch.testing.assert_close(lse, torch.logsumexp(x, dim=-1), atol=1e-5, rtol=1e-5)
+        assert_close_lse(lse, x)
     assert not logits_argmax._COUNTS[0].any()
 
 
@@ -104,7 +143,7 @@ def check_argmax_at_every_chunk_count() -> None:
     for chunks in (1, 2, 4, 8, 16, 32, 64):
         ids, lse = logits_argmax._argmax_lse(x, chunks)
         assert torch.equal(ids, x.argmax(dim=-1)), chunks
-        torch.testing.assert_close(lse, torch.logsumexp(x, dim=-1), atol=1e-5, rtol=1e-5)
+        assert_close_lse(lse, x)
     logits_argmax.load_kernels(torch.device("cpu"), 5000, 300)
     assert not logits_argmax._COUNTS[0].any()
 
@@ -157,8 +196,16 @@ def check_paged_attention() -> None:
             torch.tensor(tile_seq, **i32), torch.tensor(tile_q0, **i32), block_q, dim**-0.5, None, out=out,
             splits=splits,
         )  # fmt: skip
-        ref = paged_attention_torch(q, k, v, torch.tensor(tables, dtype=torch.int64), query_start, ctx, dim**-0.5)
-        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        tables64 = torch.tensor(tables, dtype=torch.int64)
+        ref = paged_attention_torch(q, k, v, tables64, query_start, ctx, dim**-0.5)
+        # A score is a dim-term dot product, within gamma(dim)·scale·Σ|q||k| (bounded by its largest
+        # terms); a weight's relative error is at most twice the scores' (its own and the normaliser's)
+        # plus the normalising sum's over the keys; the output moves by that times Σ p·|v|.
+        score_err = gamma(dim) * dim**-0.5 * dim * q.abs().max().item() * k.abs().max().item()
+        weight_err = 4 * score_err + 2 * gamma(int(ctx.max()) + 4)
+        spread = paged_attention_torch(q, k, v.abs(), tables64, query_start, ctx, dim**-0.5)
+        excess = ((out - ref).abs() - weight_err * spread - 2 * gamma(int(ctx.max())) * spread).max().item()
+        assert excess <= 0, f"paged attention differs by {excess:.3g} beyond the float32 rounding bound"
 
 
 CHECKS: list[Callable[[], None]] = [
