@@ -114,6 +114,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=4, help="tokens proposed per speculative step")
     p.add_argument("--draft-model", default=None, metavar="DIR",
                    help="draft model (checkpoint directory or .gguf) sharing the model's tokenizer")
+    p.add_argument("--cpu-threads", type=POSITIVE_INT, default=None,
+                   help="threads the model's math libraries run (BLAS, torch on the CPU); default: the usable cores"
+                        " but one, so the worker stays fast beside a gateway or a load generator on its cores")
     p.add_argument("--heartbeat-interval", type=POSITIVE_FLOAT, default=1.0, help="seconds")
     p.add_argument(
         "--missed-heartbeats",
@@ -220,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         log_format=args.log_format,
         speculative_config=speculative_config(args),
         draft_model=args.draft_model,
+        cpu_threads=args.cpu_threads,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         quantization=args.quantization,

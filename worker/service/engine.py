@@ -74,6 +74,8 @@ class EngineConfig:
     # Speculative decoding for requests that do not choose (None: off), and the draft model's checkpoint.
     speculative_config: ex.SpeculativeConfig | None = None
     draft_model: str | None = None
+    # Threads the model's math libraries may run (None: all usable cores but one; ops/compute_threads.py).
+    cpu_threads: int | None = None
     # More than one rank: this process starts the others (worker/parallel/ranks.py) and
     # ends when any of them does, so the worker sees one engine fail as a whole.
     tensor_parallel_size: int = 1
@@ -104,6 +106,7 @@ class EngineInfo:
     bos_token: str | None = None
     eos_token: str | None = None
     lora_adapters: tuple[str, ...] = ()  # registered at start
+    compute_threads: int = 1  # what the math libraries report after --cpu-threads
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,8 +279,8 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
         raise ValueError(f"kv_tokens {config.kv_tokens} is smaller than one KV block ({block} tokens): no request fits")
     if config.backend != "echo":
         return EngineCore.from_model(path, executor_config), path
-    from worker.models.loader import load_model
     from worker.backends.echo_backend import EchoBackend
+    from worker.models.loader import load_model
 
     log.warning("echo backend: TRANSPORT TEST ONLY, no model runs")
     meta = load_model(path, load_weights=False)  # config and tokenizer: gateways detokenize as usual
@@ -288,6 +291,7 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
 
 def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, turned: ctypes.c_double,
                  worker: int) -> None:  # fmt: skip
+    from ops.compute_threads import limit_compute_threads
     from ops.logs import setup_logging
     from ops.process import exit_on_thread_crash, follow_parent, settle_gc
 
@@ -303,6 +307,7 @@ def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, tu
             log.exception("the engine could not load %s", config.model)
         _send(outbox, ("failed", f"could not load {config.model}: {type(e).__name__}: {e}"))
         return
+    compute_threads = limit_compute_threads(config.cpu_threads)
     tokenizer = core.tokenizer
     _send(outbox, ("ready", EngineInfo(
         model_path=path,
@@ -319,6 +324,7 @@ def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, tu
         bos_token=_token_text(tokenizer, core.model_config.bos_token_id),
         eos_token=_token_text(tokenizer, (core.model_config.eos_token_ids or (None,))[0]),
         lora_adapters=tuple(core.lora_names()),
+        compute_threads=compute_threads,
     )))  # fmt: skip
     settle_gc()
     _serve(core, inbox, outbox, turned)

@@ -213,8 +213,9 @@ class WorkerService:
         """Run until `self.stop` is set (by a signal handler or a test)."""
         self.redis.start()
         self._pump.start()
-        log.info("worker %s serving %s at %s", self.worker_id, self.config.model_name, self.address)
         info = self.engine.info
+        log.info("worker %s serving %s at %s (%d compute threads)", self.worker_id, self.config.model_name,
+                 self.address, info.compute_threads)  # fmt: skip
         self.notifier.ready(
             f"serving {self.config.model_name} at {self.address}: {info.backend} backend, "
             f"{info.num_blocks} KV blocks, max batch {info.max_batch_size}"

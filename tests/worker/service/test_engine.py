@@ -176,3 +176,8 @@ def test_the_engine_exits_when_the_worker_process_dies(long_model: Path, stopped
         worker.wait()
         if engine_pid is not None and running(engine_pid):
             os.kill(engine_pid, signal.SIGKILL)
+
+
+def test_the_engine_leaves_a_core_to_the_processes_beside_it(engine: EngineProcess) -> None:
+    """Its math libraries run on all the cores it may use but one (threadpoolctl reads their limit back)."""
+    assert engine.info.compute_threads == max(1, len(os.sched_getaffinity(0)) - 1)
