@@ -25,9 +25,9 @@ BATCHES = (64, 256, 1024)
 
 def step_cpu_ms(batch: int) -> float:
     from bench.gpu_bench import LLAMA_8B
+    from worker.backends.echo_backend import EchoBackend
     from worker.executor import EngineCore, ExecutorConfig, KvCacheConfig, Request, SamplingConfig
     from worker.models.config import ModelConfig
-    from worker.backends.echo_backend import EchoBackend
 
     config = ExecutorConfig(max_batch_size=batch, max_num_tokens=8192,
                             kv_cache_config=KvCacheConfig(max_tokens=batch * 320))  # fmt: skip
