@@ -1,6 +1,7 @@
-"""Seed 002 (the C++ GPT runtime): GptSession, GenerationInput / GenerationOutput,
-WorldConfig, the runtime SamplingConfig's per-sequence vectors, the [2, len]
-word lists, in the seed's order and names (snake_case)."""
+"""TensorRT-LLM's C++ GPT runtime under tokenwire's names: GptSession,
+GenerationInput / GenerationOutput, WorldConfig, the runtime SamplingConfig's
+per-sequence vectors, the [2, len] word lists, in its documents' order and names
+(snake_case)."""
 
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def test_preallocated_output_tensors_are_filled_in_place(session: GptSession) ->
     assert output.ids is ids and ids[0, 0, :5].tolist() == PROMPTS[0]
 
 
-def test_the_seeds_word_list_layout(session: GptSession) -> None:
+def test_trtllm_word_list_layout(session: GptSession) -> None:
     # words [5, 7, 3], [9, 2], [6, 2, 4, 1]: row 0 the 9 tokens, row 1 the exclusive prefix sum
     packed = torch.tensor([[5, 7, 3, 9, 2, 6, 2, 4, 1], [0, 3, 5, 9, -1, -1, -1, -1, -1]])
     assert PackedWordList(*packed.tolist()).words() == [[5, 7, 3], [9, 2], [6, 2, 4, 1]]

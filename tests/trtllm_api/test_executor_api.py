@@ -1,6 +1,6 @@
-"""Seeds 000 / 001 (the Executor API): the classes and calls the seeds name, in
-their order, plus the gaps and bugs issue 18 found (each test fails on the code
-before the fix)."""
+"""TensorRT-LLM's Executor API under tokenwire's names: the classes and calls its
+documents use, in their order, plus the edge cases where tokenwire once differed
+from them."""
 
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def test_guided_decoding_config_from_a_hugging_face_tokenizer(model_dir: Path) -
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    # the seed's extraction, as written
+    # TensorRT-LLM's vocabulary extraction, as its documents write it
     encoded_vocab = tokenizer.get_vocab()
     encoded_vocab = [token for token, _ in sorted(encoded_vocab.items(), key=lambda x: x[1])]
     tokenizer_str = tokenizer.backend_tokenizer.to_str()

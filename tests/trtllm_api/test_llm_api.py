@@ -1,4 +1,4 @@
-"""Seed 004 (the high-level API): its snippets with tokenwire's imports
+"""TensorRT-LLM's high-level API: its documents' snippets with tokenwire's imports
 (`tensorrt_llm` / `tensorrt_llm.hlapi` -> `clients.llm`), on a tiny checkpoint."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_quantization_tokenwire_does_not_do_is_refused_by_name(model_dir: Path) 
 
 
 def test_pipeline_stages_decode_as_one_process_and_more_than_the_layers_are_refused(model_dir: Path) -> None:
-    # The seed's pp_size: the layers split into stages, one rank process each (gloo here).
+    # TensorRT-LLM's pp_size: the layers split into stages, one rank process each (gloo here).
     config = ModelConfig(model_dir=model_dir)
     with LLM(config) as llm:
         want = texts(llm.generate(["To tell a story", "Paris is"], GREEDY))
