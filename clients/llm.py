@@ -12,7 +12,7 @@ and chosen per request:
     llm.load_lora("chat", "adapters/chat"); llm.unload_lora("sql")
     llm.generate(prompt, lora_request=LoRARequest("chat", 1, "adapters/chat"))  # vLLM's form
 
-TensorRT-LLM's high-level API (seed 004) runs under its own names too:
+TensorRT-LLM's high-level API runs under its own names too:
 `LLM(ModelConfig(model_dir=..., max_beam_width=4), kv_cache_config=KvCacheConfig(...),
 capacity_scheduling_policy=..., tokenizer=...)`, `llm.get_default_sampling_config()`,
 `llm.generate(prompts, sampling_config=...)`, `llm.save(dir)` (clients/llm_config.py).

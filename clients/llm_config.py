@@ -1,6 +1,6 @@
-"""The high-level API's configuration types under TensorRT-LLM's names (seed 004):
+"""The high-level API's configuration types under TensorRT-LLM's names:
 ModelConfig (with its quant_config and parallel_config), KvCacheConfig,
-QuantAlgo, SamplingConfig, which is SamplingParams itself under the seed's
+QuantAlgo, SamplingConfig, which is SamplingParams itself under TensorRT-LLM's
 name, and LoRARequest (the name TensorRT-LLM's and vLLM's LLM APIs give it).
 Standard library only: the executor's types are applied where the LLM builds its
 executor (clients/llm.py)."""
