@@ -64,7 +64,7 @@ class ModelConfig:
 class KvCacheConfig:
     """The LLM's KV cache options; None leaves the executor's. `max_tokens`: the
     cache's size in tokens (else `free_gpu_memory_fraction` of free device memory
-    after the weights). `max_new_tokens`: the default SamplingConfig's (the seed's
+    after the weights). `max_new_tokens`: the default SamplingConfig's (TensorRT-LLM's
     example sets it here)."""
 
     max_tokens: int | None = None
@@ -93,7 +93,7 @@ class LoRARequest:
 
 
 class SamplingConfig(SamplingParams):
-    """SamplingParams under the seed's name, settable field by field as its
+    """SamplingParams under TensorRT-LLM's name, settable field by field as its
     example does (`sampling_config.beam_width = 4`); `max_new_tokens` is
     `max_tokens`. Every API that takes SamplingParams takes it."""
 
