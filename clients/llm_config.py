@@ -16,8 +16,8 @@ from clients.params import SamplingParams
 
 
 class QuantAlgo(enum.Enum):
-    """TensorRT-LLM's quantization algorithms, by name. tokenwire runs float weights
-    only (float32, or bfloat16 on CUDA): the LLM refuses any other algorithm."""
+    """TensorRT-LLM's quantization algorithms, by name. The LLM quantizes a float
+    checkpoint on load with FP8 or W4A16 (int4 round-to-nearest) and refuses the others."""
 
     NO_QUANT = "no_quant"
     W8A16 = "w8a16"
