@@ -12,7 +12,7 @@ and chosen per request:
     llm.load_lora("chat", "adapters/chat"); llm.unload_lora("sql")
     llm.generate(prompt, lora_request=LoRARequest("chat", 1, "adapters/chat"))  # vLLM's form
 
-TensorRT-LLM's high-level API (seed 004) runs under its own names too:
+TensorRT-LLM's high-level API runs under its own names too:
 `LLM(ModelConfig(model_dir=..., max_beam_width=4), kv_cache_config=KvCacheConfig(...),
 capacity_scheduling_policy=..., tokenizer=...)`, `llm.get_default_sampling_config()`,
 `llm.generate(prompts, sampling_config=...)`, `llm.save(dir)` (clients/llm_config.py).
@@ -190,7 +190,7 @@ def executor_request(prompt_ids: list[int], p: SamplingParams, streaming: bool) 
     )
 
 
-# The seed's algorithms that tokenwire applies to a float checkpoint as it loads it.
+# TensorRT-LLM's algorithms that tokenwire applies to a float checkpoint as it loads it.
 _ON_LOAD = {QuantAlgo.FP8: "fp8", QuantAlgo.W4A16: "int4"}
 
 
@@ -218,12 +218,12 @@ class LLM:
                  async_mode: bool = False) -> None:  # fmt: skip
         """`model`: a checkpoint directory (one `save` wrote included), a .gguf file, a
         Hugging Face hub id, the default model's name (None), or a ModelConfig naming
-        one. `config`: the executor's settings, which the seed's keyword options
+        one. `config`: the executor's settings, which TensorRT-LLM's keyword options
         (kv_cache_config, capacity_scheduling_policy, the ModelConfig's max_beam_width)
         override. `tokenizer`: a `tokenizers.Tokenizer`, or any object with `encode`
         and `decode` (default: the model's); `skip_tokenizer_init`: none at all
         (prompts are token ids, outputs have no text). Every LLM serves
-        `generate_async`: `async_mode` is accepted for the seed's code.
+        `generate_async`: `async_mode` is accepted for TensorRT-LLM's code.
         `tensor_parallel_size` / `pipeline_parallel_size`: the model split over that many
         GPUs per stage / stages, one process per GPU (worker/parallel).
 
@@ -235,9 +235,9 @@ class LLM:
         from worker.executor import Executor, ExecutorConfig, ParallelConfig, SchedulerConfig
 
         model_config = model if isinstance(model, ModelConfig) else ModelConfig(model_dir=model)
-        seed = model_config.parallel_config  # auto_parallel spreads over world_size GPUs by tensor parallelism
-        tp = tensor_parallel_size or (seed.world_size if seed.auto_parallel else seed.tp_size)
-        pp = pipeline_parallel_size or (1 if tensor_parallel_size or seed.auto_parallel else seed.pp_size)
+        parallel = model_config.parallel_config  # auto_parallel spreads over world_size GPUs by tensor parallelism
+        tp = tensor_parallel_size or (parallel.world_size if parallel.auto_parallel else parallel.tp_size)
+        pp = pipeline_parallel_size or (1 if tensor_parallel_size or parallel.auto_parallel else parallel.pp_size)
         cfg = config or ExecutorConfig()
         weights_algo = quantization or model_config.quant_config.quant_algo
         if weights_algo not in (None, QuantAlgo.NO_QUANT):
@@ -321,7 +321,7 @@ class LLM:
                        sampling_config: SamplingParams | None = None, lora_request: LoRARequest | None = None,
                        **options: Any) -> RequestHandle:  # fmt: skip
         """Start one request; `options`: SamplingParams fields, over `params` (or
-        `sampling_config`, the seed's name for it). `lora_request`: the adapter to run
+        `sampling_config`, TensorRT-LLM's name for it). `lora_request`: the adapter to run
         under, registered first if this LLM does not hold it yet."""
         p = sampling_params(_one_of(params, sampling_config), options)
         if lora_request is not None:

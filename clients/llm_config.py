@@ -1,6 +1,6 @@
-"""The high-level API's configuration types under TensorRT-LLM's names (seed 004):
+"""The high-level API's configuration types under TensorRT-LLM's names:
 ModelConfig (with its quant_config and parallel_config), KvCacheConfig,
-QuantAlgo, SamplingConfig, which is SamplingParams itself under the seed's
+QuantAlgo, SamplingConfig, which is SamplingParams itself under TensorRT-LLM's
 name, and LoRARequest (the name TensorRT-LLM's and vLLM's LLM APIs give it).
 Standard library only: the executor's types are applied where the LLM builds its
 executor (clients/llm.py)."""
@@ -16,8 +16,8 @@ from clients.params import SamplingParams
 
 
 class QuantAlgo(enum.Enum):
-    """TensorRT-LLM's quantization algorithms, by name. tokenwire runs float weights
-    only (float32, or bfloat16 on CUDA): the LLM refuses any other algorithm."""
+    """TensorRT-LLM's quantization algorithms, by name. The LLM quantizes a float
+    checkpoint on load with FP8 or W4A16 (int4 round-to-nearest) and refuses the others."""
 
     NO_QUANT = "no_quant"
     W8A16 = "w8a16"
@@ -64,7 +64,7 @@ class ModelConfig:
 class KvCacheConfig:
     """The LLM's KV cache options; None leaves the executor's. `max_tokens`: the
     cache's size in tokens (else `free_gpu_memory_fraction` of free device memory
-    after the weights). `max_new_tokens`: the default SamplingConfig's (the seed's
+    after the weights). `max_new_tokens`: the default SamplingConfig's (TensorRT-LLM's
     example sets it here)."""
 
     max_tokens: int | None = None
@@ -93,7 +93,7 @@ class LoRARequest:
 
 
 class SamplingConfig(SamplingParams):
-    """SamplingParams under the seed's name, settable field by field as its
+    """SamplingParams under TensorRT-LLM's name, settable field by field as its
     example does (`sampling_config.beam_width = 4`); `max_new_tokens` is
     `max_tokens`. Every API that takes SamplingParams takes it."""
 

@@ -178,8 +178,8 @@ def test_busy_beyond_the_per_client_limit(service):
     ids=["5MB prompt", "5000 stop strings"],
 )
 def test_over_limit_messages_are_refused_by_request_id(service, wire, change):
-    """Issue 22, finding 4: a message refused before parsing (over a msgpack limit)
-    was answered without its request id, so its client's call hung."""
+    """A message refused before parsing (over a msgpack limit) is answered under its
+    request id: answered without it, its client's call would hang."""
     wire.send_raw(_packed([1, "submit", {"request_id": "huge", "max_tokens": 4, **change}]))
     wire.wait(["huge"], timeout=10)
     (reply,) = wire.errors["huge"]
@@ -196,8 +196,9 @@ def test_the_client_checks_the_limits_before_sending(service):
 
 
 def test_huge_text_prompts_do_not_stall_other_clients(service, wire):
-    """Issue 22, finding 3: the gateway tokenized a 4 MB prompt on its socket loop for
-    seconds, so workers declared it silent and every other client's stream failed."""
+    """A 4 MB prompt is tokenized off the gateway's socket loop: on it, it would take
+    seconds, workers would declare the gateway silent and every other client's stream
+    would fail."""
     with Client([service.gateways[0].endpoint], **CLIENT_OPTIONS) as client:
         stream = client.stream([5, 6, 7], max_tokens=200, min_tokens=200, temperature=0.0)
         next(iter(stream))

@@ -36,8 +36,8 @@ def test_the_same_tokenizer_again_is_not_parsed_again(tokenizer_json):
 
 
 def test_a_different_tokenizer_is_refused(tokenizer_json, caplog):
-    """Issue 22, finding 6: a worker sending another tokenizer replaced the one every
-    request for that model was tokenized with."""
+    """A worker sending another tokenizer does not replace the one every request for
+    that model is tokenized with."""
     other = build_tokenizer()
     other.add_tokens(["<extra>"])
     store = Tokenizers()

@@ -1,7 +1,7 @@
-"""Issue 22, finding 3, with real processes: one client's burst of long text prompts
-must not stall the gateway's socket loop. Before the fix the gateway tokenized them on
-that loop, holding the GIL for seconds: its heartbeats stopped, the worker declared it
-silent and aborted every request it had, and another client's stream failed."""
+"""With real processes: one client's burst of long text prompts must not stall the
+gateway's socket loop. Tokenized on that loop, they would hold the GIL for seconds: its
+heartbeats would stop, the worker would declare it silent and abort every request it
+had, and another client's stream would fail."""
 
 from __future__ import annotations
 

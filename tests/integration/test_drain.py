@@ -89,9 +89,9 @@ def test_second_sigterm_ends_the_drain_at_once(long_model, redis_url, tmp_path):
 
 @pytest.mark.slow
 def test_drains_finish_started_streams_and_keep_their_stats(long_model, redis_url, tmp_path):
-    """Issue 22, finding 5: a draining worker wrote 0-2 of 6 finished requests' stats to
-    Redis (its Redis thread stopped without flushing), and a gateway exited at SIGTERM
-    at once, failing its started streams."""
+    """A draining worker writes every finished request's stats to Redis (its Redis
+    thread flushes before it stops), and a gateway at SIGTERM finishes its started
+    streams before it exits."""
     medium = {"max_tokens": 150, "min_tokens": 150, "temperature": 0.0}
     s = Stack(long_model, redis_url, tmp_path)
     try:

@@ -1,12 +1,11 @@
-"""Issue 22, finding 2, with real processes: results larger than a message.
+"""With real processes: results larger than a message.
 
 A model with a wide vocabulary makes context logits big (prompt tokens x vocab x
-4 bytes), as the probe's 400-token prompt made 79 MB on the default model. One
+4 bytes), as a 400-token prompt makes 79 MB on the default model. One
 request whose logits can never fit in a message gets an error of its own; two
 whose logits fit alone but not together in the step that ends them each get
-theirs; and streams decoding in the same steps get every token. Before the fix
-the first request got no final response at all and each stream lost the tokens
-of the step that carried the oversize batch."""
+theirs; and streams decoding in the same steps get every token, including those of
+the step that carried the oversize batch."""
 
 from __future__ import annotations
 

@@ -116,7 +116,7 @@ def test_up_with_a_model_that_does_not_exist(redis_url, tmp_path):
 
 
 def test_a_redis_that_refuses_the_password_is_reported(service_model, tmp_path):
-    """Issue 22, finding 7: a refused password was not reported; the gateway sat without workers."""
+    """A refused Redis password is reported at start-up, not left as a gateway without workers."""
     port = free_port()
     server = subprocess.Popen(["redis-server", "--port", str(port), "--requirepass", "right-one", "--save", "",
                                "--appendonly", "no"], stdout=subprocess.DEVNULL)  # fmt: skip

@@ -169,7 +169,7 @@ def test_hardening_keeps_the_exposure_score_low(units: Path, name: str, threshol
 
 
 def test_the_units_config_turns_curve_on_for_every_service() -> None:
-    """Issue 22: CURVE on by default in production: each unit reads tokenwire.toml, which
+    """CURVE on by default in production: each unit reads tokenwire.toml, which
     gives every service its key pair, and the servers their allow lists."""
     config = tomllib.loads((UNITS.parent / "tokenwire.toml").read_text())
     for name in SERVICES:

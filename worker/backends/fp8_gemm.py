@@ -19,7 +19,7 @@ are written as float32 planes and summed in a fixed order (torch), so a product 
 reproducible. On an H100 the 8B's down at 2-64 rows takes 27-32 us split four ways,
 against 38-46 with cuBLAS and about 36 unsplit, and with the Triton tiles below 16 rows
 too a decode step of 2-8 sequences went from 5.1 to 4.3 ms
-(bench/results/fp8_gemm_split_h100_2026-11-27_s15.txt).
+(bench/results/fp8_gemm_split_h100_2026-11-27.txt).
 
 `tune` times cuBLAS and each of `TILES` over the model's own weights, every layer's in
 turn so that the weights come cold from HBM as in a step, replayed in a CUDA graph as the

@@ -111,7 +111,7 @@ def load_kernels(device: torch.device, vocab: int, max_rows: int) -> None:
     the launcher, the module): an 8B's first serving burst, with every variant compiled
     ahead, still spent 260, 93 and 98 ms of host time launching the sampler in the three
     steps that met a new one, 0.5 ms after (17,340 tok/s against 20,589 for the next burst;
-    bench/results/start_up_compiles_h100_2026-11-28_s17.txt)."""
+    bench/results/start_up_compiles_h100_2026-11-28.txt)."""
     sms = num_sms(device)
     zeros = torch.zeros((1, vocab), dtype=torch.float32, device=device)
     for chunks in sorted({_chunks(rows, vocab, sms) for rows in range(1, max_rows + 1)}):

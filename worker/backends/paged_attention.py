@@ -79,7 +79,7 @@ if triton is not None:
         block table read an iteration ahead, a decode layer over an e4m3 cache on an H200 took
         0.92-0.93x the time from 512 sequences up (1.01x at 128 and 256), FP8 1000/1000 13,496
         -> 13,931 tok/s; each change alone, or K widened first too, was no faster, and prefill
-        tiles were slower (bench/results/attention_fp8_v_widen_h200_2026-11-28_s20.txt)."""
+        tiles were slower (bench/results/attention_fp8_v_widen_h200_2026-11-28.txt)."""
         return tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
             "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4,

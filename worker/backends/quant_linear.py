@@ -417,8 +417,8 @@ def _gemv_split(n: int, k: int, group_size: int, num_sms: int) -> tuple[int, int
     give the shortest longest run, so no program waits on a second wave and the last
     program sums as few partial rows as it can. The grids before (four programs an SM asked
     for where 136 registers let three in: 1.3-2.3 waves) took 8 % longer over the 8B's four
-    projections (cold weights: 84.2 against 77.3 us a layer; bench/results/int4_gemv_waves_
-    h100_2026-11-28_s16.txt): a later wave starts cold and its last programs run alone, and
+    projections (cold weights: 84.2 against 77.3 us a layer;
+    bench/results/int4_gemv_waves_h100_2026-11-28.txt): a later wave starts cold and its last programs run alone, and
     12-16 warps an SM leave little else to hide the loads' latency behind."""
     block_kw = next(kw for kw in (8, 4, 2, 1)
                     if k % (kw * 8) == 0 and (group_size % (kw * 8) == 0 or (kw * 8) % group_size == 0))  # fmt: skip

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# NVLink multicast (NVLS) stays off: the lent multi-GPU hosts cannot use it, and a
-# communicator that tries hangs or fails at start-up. Every rank gets these before
-# its first NCCL call; symmetric-memory multimem ops are never used.
+# NVLink multicast (NVLS) stays off: on hosts without multicast support (common on
+# virtualised multi-GPU hosts) a communicator that tries hangs or fails at start-up.
+# Every rank gets these before its first NCCL call; symmetric-memory multimem ops are
+# never used.
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 

@@ -64,7 +64,7 @@ class ModelConfig:
     max_beam_width: int = 1
     dtype: str | None = None  # compute dtype; None: the backend's default (float32 on CPU, bfloat16 on CUDA)
     backend: str = "auto"  # ExecutorConfig.backend
-    # Kept for the seeds' users; these hold for every tokenwire model: paged
+    # Kept for TensorRT-LLM's users; these hold for every tokenwire model: paged
     # attention ("the GPT attention plugin") with in-flight batching, packed input.
     use_gpt_attention_plugin: bool = True
     use_inflight_batching_gpt_attention_plugin: bool = True

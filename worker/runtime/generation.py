@@ -229,7 +229,7 @@ class GenerationSession:
     def kv_cache_manager(self) -> KVCacheManager:
         return self.core.blocks
 
-    # -- the seeds' API --------------------------------------------------------------------
+    # -- TensorRT-LLM's GenerationSession API --------------------------------------------
 
     def setup(self, batch_size: int, max_context_length: int, max_new_tokens: int, beam_width: int = 1) -> None:
         """Size the session for the batches `decode` will get."""

@@ -1,4 +1,4 @@
-"""GptSession: the C++ runtime's session (seed 002), on a GenerationSession.
+"""GptSession: TensorRT-LLM's C++ runtime session, on a GenerationSession.
 
     session = GptSession(model_config, world_config, "checkpoint/")
     session.setup(batch_size, max_input_length, max_new_tokens, sampling_config)

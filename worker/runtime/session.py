@@ -31,7 +31,7 @@ class Session:
         """inputs: "input_ids" (a batch as GenerationSession.decode takes it) and
         "context_lengths" (for padded or packed tensors). Sets outputs["logits"]
         [batch, vocab] (each prompt's last position) and outputs["context_logits"]
-        (one [length, vocab] array per prompt). `stream` is accepted for the seed's
+        (one [length, vocab] array per prompt). `stream` is accepted for TensorRT-LLM's
         signature: the run is synchronous. True when every prompt ran."""
         prompts = split_batch(inputs["input_ids"], inputs.get("context_lengths"))
         ids = list(range(len(prompts)))

@@ -11,8 +11,8 @@ def _submit(**fields: object) -> protocol.Submit:
 
 
 def test_logits_beyond_a_message_are_refused() -> None:
-    """Issue 22, finding 2: 400 prompt tokens' context logits of a 49,152-token vocabulary
-    (~79 MB) hung their request; now it is refused before it runs."""
+    """400 prompt tokens' context logits of a 49,152-token vocabulary (~79 MB) can never
+    fit in a message: the request is refused before it runs, not left hanging."""
     msg = _submit(output_config={"return_context_logits": True})
     assert logits_bytes(msg, 49_152) == 400 * 49_152 * 4
     problem = too_large(msg, 49_152, protocol.DEFAULT_LIMITS)

@@ -85,8 +85,9 @@ def _with_logits(request_id: int, rows: int) -> ex.Response:
 
 
 def test_results_over_the_message_limit_split_or_become_errors() -> None:
-    """Issue 22, finding 2: a batch over the message limit was dropped whole, costing
-    every stream in it its tokens and hanging the request that made it large."""
+    """A batch over the message limit is split, or its oversize entries become errors:
+    dropped whole, it would cost every stream in it its tokens and hang the request
+    that made it large."""
     limits = protocol.Limits(max_message_bytes=100 << 10)
     batch = WireBatch()
     batch.add_streamed("innocent", [1, 2])
