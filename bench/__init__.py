@@ -1,6 +1,7 @@
 """Benchmarks: `make bench` (bench/run.py) prints one table per section."""
 
 import socket
+import time
 
 
 class SkipSection(Exception):
@@ -13,3 +14,7 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
