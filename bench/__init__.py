@@ -1,4 +1,9 @@
-"""Benchmarks: `make bench` (bench/run.py) prints one table per section."""
+"""Benchmarks: `make bench` (bench/run.py) prints one table per section.
+
+The commands are the `*_bench.py` modules, tp_probe.py and plots.py (`python -m bench.<name>`);
+the modules they share hold one thing each (roofline.py, device_rates.py, runner.py, ...).
+A command imports the library and other commands' public names only; a library module
+imports no command (tests/bench/test_imports.py)."""
 
 import socket
 import time
