@@ -104,7 +104,7 @@ def mean_decode_batch(stats: list[Any]) -> float:
 
 
 def executor_config(args: argparse.Namespace, kv_cache_dtype: str | None) -> Any:
-    """The executor configuration every offline workload runs under (this bench and quant_bench)."""
+    """The executor configuration every offline workload runs under (gpu_bench, tp_bench and quant_bench)."""
     from worker.executor import CapacitySchedulerPolicy, ExecutorConfig, KvCacheConfig, SchedulerConfig
 
     return ExecutorConfig(
