@@ -14,13 +14,14 @@ INSTALLED := $(VENV)/.tokenwire-installed
 PYTEST_ARGS ?=
 LINT_PATHS := protocol worker gateway clients ops bench tests
 
-.PHONY: help bootstrap system-deps run test lint bench test-gpu
+.PHONY: help bootstrap system-deps run test lint bench plots test-gpu
 
 help:
 	@echo "make run       bootstrap, then run the main job (see README.md)"
 	@echo "make test      bootstrap, then run the whole test suite"
 	@echo "make lint      ruff + mypy"
 	@echo "make bench     benchmarks, one table per section"
+	@echo "make plots     docs/img/ images from the saved bench results (bench/plots.py)"
 	@echo "make test-gpu  GPU tests with the system python on a CUDA host (no venv, no install)"
 
 $(PY):
@@ -74,6 +75,10 @@ lint: bootstrap
 # kernels made for this CPU, benchmarks let OpenBLAS detect it too.
 bench: bootstrap
 	env -u OPENBLAS_CORETYPE $(PY) -m bench.run
+
+# matplotlib comes with the test extra the bootstrap installs (and alone in the `bench` extra).
+plots: bootstrap
+	$(PY) -m bench.plots
 
 # The GPU host has no network and no pip: use its python as it is.
 test-gpu:

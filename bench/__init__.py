@@ -1,6 +1,12 @@
-"""Benchmarks: `make bench` (bench/run.py) prints one table per section."""
+"""Benchmarks: `make bench` (bench/run.py) prints one table per section.
+
+The commands are the `*_bench.py` modules, tp_probe.py and plots.py (`python -m bench.<name>`);
+the modules they share hold one thing each (roofline.py, device_rates.py, runner.py, ...).
+A command imports the library and other commands' public names only; a library module
+imports no command (tests/bench/test_imports.py)."""
 
 import socket
+import time
 
 
 class SkipSection(Exception):
@@ -13,3 +19,7 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)

@@ -24,7 +24,7 @@ BATCHES = (64, 256, 1024)
 
 
 def step_cpu_ms(batch: int) -> float:
-    from bench.gpu_bench import LLAMA_8B
+    from bench.model_shapes import LLAMA_8B
     from worker.backends.echo_backend import EchoBackend
     from worker.executor import EngineCore, ExecutorConfig, KvCacheConfig, Request, SamplingConfig
     from worker.models.config import ModelConfig

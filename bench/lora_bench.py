@@ -1,6 +1,6 @@
 """Many LoRA adapters in one batch, on the GPU (issue 19).
 
-1. End to end: the executor on the Llama-3.1-8B-shaped random bf16 model (bench.gpu_bench's),
+1. End to end: the executor on the Llama-3.1-8B-shaped random bf16 model (bench/random_weights.py),
    128/128 offline, EOS ignored: output tok/s with the requests spread over N random rank-r
    adapters on every linear layer (q, k, v, o, gate, up, down; request i runs adapter i mod N)
    against no adapters, in the same run: the plain executor (LoRA off), then one with the
@@ -39,19 +39,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench import SkipSection
-from bench.gpu_bench import (
-    LLAMA_8B,
-    TINY,
-    environment,
-    iteration_summary,
-    log,
-    mean_decode_batch,
-    prompts_for,
-    random_weights,
-    run_requests_offline,
-    sync,
-)
+from bench import SkipSection, log
+from bench.device_rates import sync
+from bench.environment import environment
+from bench.model_shapes import LLAMA_8B, TINY
+from bench.random_weights import random_weights
+from bench.runner import iteration_summary, mean_decode_batch, run_requests_offline
+from bench.workloads import prompts_for
 
 TITLE = "LoRA: 16 random rank-16 adapters on every linear layer vs none, 8B shape, 128/128, one GPU"
 GOAL = 0.80  # adapters' tok/s over the plain executor's

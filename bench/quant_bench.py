@@ -31,101 +31,38 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.gpu_bench import (
-    LLAMA_8B,
+from bench import log
+from bench.device_rates import (
     SUSTAINED_S,
-    TINY,
-    Roofline,
-    environment,
-    executor_config,
-    iteration_summary,
-    log,
-    log_decode_graphs,
-    log_fp8_gemm_choices,
-    mean_decode_batch,
+    graph_call_seconds,
     measure_bandwidth,
+    measure_fp8_gemm,
     measure_gemm,
-    preemptions,
-    product_rate,
-    profile_steps,
-    prompts_for,
-    random_weights,
-    roofline_for,
-    run_executor_offline,
-    run_executor_single,
     sustained_note,
     sync,
 )
+from bench.environment import environment
+from bench.model_shapes import LLAMA_8B, TINY
+from bench.random_weights import random_weights
+from bench.roofline import Roofline, quantized_roofline
+from bench.runner import (
+    executor_config,
+    iteration_summary,
+    log_decode_graphs,
+    log_fp8_gemm_choices,
+    mean_decode_batch,
+    preemptions,
+    run_executor_offline,
+    run_executor_single,
+)
+from bench.step_profile import profile_steps
+from bench.workloads import prompts_for
 from worker.models.quantization import INT4_GROUP_SIZE
 
 GOALS_TOK_S = {"128/128": 28_312, "1000/1000": 15_220}
 INT4_TPOT_GOAL = 1.3  # x the floor
 FP8_WORKLOADS = [(128, 128, 1024), (1000, 1000, 256)]
 TINY_WORKLOADS = [(16, 16, 8)]
-
-
-def measure_fp8_gemm(device: torch.device, sustained_s: float = 0.0) -> float:
-    """FP8 FLOP/s of an 8192^3 torch._scaled_mm with row-wise scales, bf16 out (the GEMM
-    Fp8Linear runs; gpu_bench.product_rate)."""
-    n = 8192
-    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
-    sa, sb = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
-
-    def mm() -> torch.Tensor:
-        return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
-
-    return product_rate(mm, 2 * n**3, device, sustained_s)
-
-
-def quantized_roofline(cfg: Any, quantization: str, kv_bytes: int, bandwidth: float, flops: float,
-                       stages: int = 1) -> Roofline:  # fmt: skip
-    """The roofline with the projections' quantized bytes: fp8 one byte a weight plus a
-    float32 scale per output channel; int4 half a byte plus a float32 scale and zero per
-    group (of 32 on load). The lm head stays bf16; its FLOPs are counted at `flops` too (7%
-    of them)."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    outs = (cfg.num_heads + 2 * cfg.num_kv_heads) * d + h + 2 * cfg.intermediate_size + h
-    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
-    matmul, lm_head = cfg.num_layers * per_layer, cfg.vocab_size * h
-    fp8_bytes, int4_bytes = matmul + cfg.num_layers * outs * 4, matmul // 2 + matmul // INT4_GROUP_SIZE * 8
-    matmul_bytes = fp8_bytes if quantization == "fp8" else int4_bytes
-    return Roofline(
-        bandwidth=bandwidth,
-        flops=flops,
-        weight_bytes=matmul_bytes + lm_head * 2,
-        matmul_params=matmul,
-        lm_head_params=lm_head,
-        kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * d * kv_bytes,
-        attn_flops_per_ctx=4 * cfg.num_layers * cfg.num_heads * d,
-        stages=stages,
-    )
-
-
-def roofline_of(cfg: Any, quantization: str | None, dtype_bytes: int, bandwidth: float, flops: float,
-                stages: int = 1, kv_cache_dtype: str | None = None) -> Roofline:  # fmt: skip
-    """The roofline of a float model (`dtype_bytes` a weight and a KV value) or of one
-    quantized on load (a bf16 KV cache); an FP8 KV cache reads one byte a KV value."""
-    kv_bytes = 1 if kv_cache_dtype == "fp8" else None
-    if quantization is None:
-        return roofline_for(cfg, bandwidth, flops, dtype_bytes, stages, kv_bytes)
-    return quantized_roofline(cfg, quantization, kv_bytes or 2, bandwidth, flops, stages)
-
-
-def graph_call_seconds(fn: Any, device: torch.device) -> float:
-    """Seconds per call of `fn`, 20 calls captured in one CUDA graph (no launch gaps)."""
-    fn()  # compile
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(20):
-            fn()
-    graph.replay()
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        graph.replay()
-    sync(device)
-    return (time.perf_counter() - t0) / 200
 
 
 def int4_gemv_rows(cfg: Any, bandwidth: float, device: torch.device) -> list[dict[str, Any]]:

@@ -56,21 +56,18 @@ import itertools
 import json
 import os
 import random
-import shutil
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench import SkipSection, free_port
-from ops.process import settle_gc, stop_children
+from bench import SkipSection
+from bench.service_stack import Stack
+from bench.stream_timing import Timeline, pct
+from ops.process import settle_gc
 
 if TYPE_CHECKING:
     from ops.curve import ClientCurve
@@ -88,7 +85,6 @@ ECHO_WORKLOADS = tuple(
     (int(n), int(t)) for n, t in
     (w.split("x") for w in os.environ.get("TOKENWIRE_BENCH_SERVICE_ECHO", "64x1024,256x512").split(","))
 )  # fmt: skip
-REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(slots=True)
@@ -104,45 +100,16 @@ class Run:
         tps = self.tokens / self.seconds
         ratio = f"{tps / (peer.tokens / peer.seconds):.3f}" if peer else "1"
         return [self.name, f"{self.tokens}", f"{self.seconds:.2f}", f"{tps:.1f}", ratio,
-                f"{_pct(self.ttft_ms, 50):.1f}", f"{_pct(self.ttft_ms, 99):.1f}",
-                f"{_pct(self.itl_ms, 50):.2f}", f"{_pct(self.itl_ms, 99):.2f}",
-                f"{_pct(self.decode_itl_ms, 50):.2f}", f"{_pct(self.decode_itl_ms, 99):.2f}"]  # fmt: skip
+                f"{pct(self.ttft_ms, 50):.1f}", f"{pct(self.ttft_ms, 99):.1f}",
+                f"{pct(self.itl_ms, 50):.2f}", f"{pct(self.itl_ms, 99):.2f}",
+                f"{pct(self.decode_itl_ms, 50):.2f}", f"{pct(self.decode_itl_ms, 99):.2f}"]  # fmt: skip
 
 
 def _tps(run: Run) -> float:
     return run.tokens / run.seconds
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
-
-
-class _Timeline:
-    """Arrival times of one request's tokens: TTFT and inter-token gaps (a message
-    carrying k tokens counts as k gaps of a k-th of its wait each)."""
-
-    def __init__(self, start: float) -> None:
-        self.start = start
-        self.last: float | None = None
-        self.ttft: float | None = None
-        self.gaps: list[tuple[float, float]] = []  # (when the gap began, its length)
-        self.tokens = 0
-
-    def add(self, now: float, n: int) -> None:
-        if n == 0:
-            return
-        if self.last is None:
-            self.ttft = now - self.start
-        else:
-            self.gaps.extend([(self.last, (now - self.last) / n)] * n)
-        self.last = now
-        self.tokens += n
-
-
-def _collect(name: str, start: float, end: float, lines: list[_Timeline]) -> Run:
+def _collect(name: str, start: float, end: float, lines: list[Timeline]) -> Run:
     # Until the last stream has its first token, gaps include steps that carry prompt
     # chunks; after it, every step is decoding only, and a gap is one step plus transport.
     all_started = max((t.start + t.ttft for t in lines if t.ttft is not None), default=start)
@@ -168,7 +135,7 @@ def _in_process_run(ex: Executor, prompts: list[list[int]]) -> Run:
     start = time.perf_counter()
     ids = ex.enqueue_requests([Request(input_token_ids=p, max_tokens=OUTPUT, streaming=True,
                                        sampling_config=sampling) for p in prompts])  # fmt: skip
-    lines = {i: _Timeline(start) for i in ids}
+    lines = {i: Timeline(start) for i in ids}
     pending = set(ids)
     while pending:
         for r in ex.await_responses(timeout=600):
@@ -182,13 +149,13 @@ def _in_process_run(ex: Executor, prompts: list[list[int]]) -> Run:
 
 async def _stream_all(
     endpoint: str, prompts: list[list[int]], output: int, greedy: bool, curve: ClientCurve | None = None
-) -> tuple[float, float, list[_Timeline]]:
+) -> tuple[float, float, list[Timeline]]:
     from clients.async_client import AsyncClient
 
     async with AsyncClient([endpoint], curve=curve) as client:
         await client.generate([100, 101, 102], max_tokens=2, timeout=300)  # warm-up, and the worker is ready
         start = time.perf_counter()
-        lines = [_Timeline(start) for _ in prompts]
+        lines = [Timeline(start) for _ in prompts]
         extra = {"temperature": 0.0} if greedy else {}
 
         async def one(i: int) -> None:
@@ -199,87 +166,14 @@ async def _stream_all(
         return start, time.perf_counter(), lines
 
 
-class _Stack:
-    """A private redis-server, one worker and one gateway, as child processes; with
-    `curve`, CURVE on between all three (keys made in the stack's directory)."""
-
-    def __init__(self, model: Path, *worker_args: str, curve: bool = False) -> None:
-        redis_server = shutil.which("redis-server")
-        if redis_server is None:
-            raise SkipSection("redis-server is not on PATH")
-        self.dir = tempfile.TemporaryDirectory(prefix="tokenwire-bench-")
-        ports = [free_port() for _ in range(3)]
-        self.redis = f"redis://127.0.0.1:{ports[0]}/0"
-        self.gateway = f"tcp://127.0.0.1:{ports[2]}"
-        self.http_port = free_port()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        log = open(Path(self.dir.name) / "log", "wb")  # noqa: SIM115 - closed with the directory
-        redis_args = [redis_server, "--port", str(ports[0]), "--save", "", "--appendonly", "no"]
-        self.procs = [subprocess.Popen(redis_args, stdout=subprocess.DEVNULL)]
-        time.sleep(0.3)
-        self.client_curve: ClientCurve | None = None
-        worker_curve, gateway_curve = self._curve_args(Path(self.dir.name)) if curve else ([], [])
-        py = sys.executable
-        self.procs.append(subprocess.Popen(
-            [py, "-m", "worker.service", "--model", str(model), "--bind", f"tcp://127.0.0.1:{ports[1]}",
-             "--redis", self.redis, "--kv-tokens", str(_kv_tokens()), *worker_args, *worker_curve],
-            env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
-        self.procs.append(subprocess.Popen(
-            [py, "-m", "gateway", "--bind", self.gateway, "--redis", self.redis,
-             "--no-worker-timeout", "300", "--http-port", str(self.http_port), *gateway_curve],
-            env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
-        self._wait_healthy(300.0)
-
-    def _wait_healthy(self, timeout_s: float) -> None:
-        """Until the gateway's /health says 200 (Redis answers and a worker is ready): the
-        clients fail fast, so they must not race the model's load."""
-        deadline = time.monotonic() + timeout_s
-        url = f"http://127.0.0.1:{self.http_port}/health"
-        while time.monotonic() < deadline:
-            if any(p.poll() is not None for p in self.procs):
-                tail = (Path(self.dir.name) / "log").read_text(errors="replace")[-2000:]
-                self.close()
-                raise RuntimeError(f"the service stack ended while starting:\n{tail}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as answer:
-                    if answer.status == 200:
-                        return
-            except OSError:  # not listening yet, or 503 until a worker is ready
-                pass
-            time.sleep(0.5)
-        self.close()
-        raise RuntimeError(f"the service stack was not healthy within {timeout_s:.0f} s")
-
-    def _curve_args(self, root: Path) -> tuple[list[str], list[str]]:
-        from ops import curve
-
-        for name, allowed_by in (("worker", "workers"), ("gateway", "gateways"), ("client", "clients")):
-            public, _ = curve.generate(root / "keys", name)
-            (root / allowed_by).mkdir()
-            shutil.copy(public, root / allowed_by)
-        self.client_curve = curve.ClientCurve.from_files(
-            root / "keys" / "client.key_secret", root / "keys" / "gateway.key"
-        )
-        return (
-            ["--curve-secret-key-file", str(root / "keys" / "worker.key_secret"),
-             "--curve-allowed-keys-dir", str(root / "gateways")],
-            ["--curve-secret-key-file", str(root / "keys" / "gateway.key_secret"),
-             "--curve-allowed-keys-dir", str(root / "clients"), "--curve-worker-keys-dir", str(root / "workers")],
-        )  # fmt: skip
-
-    def close(self) -> None:
-        stop_children(self.procs, timeout_s=10)
-        self.dir.cleanup()
-
-
 async def _http_stream_all(
     port: int, model: str, prompts: list[list[int]], output: int, greedy: bool
-) -> tuple[float, float, list[_Timeline]]:
+) -> tuple[float, float, list[Timeline]]:
     """Every prompt as one streamed /v1/completions request, concurrently; each SSE
     chunk carries one step's text (one token while decoding), and each stream's
     token count is its usage's."""
 
-    async def one(prompt: list[int], line: _Timeline | None) -> None:
+    async def one(prompt: list[int], line: Timeline | None) -> None:
         body = {"model": model, "prompt": prompt, "max_tokens": output, "min_tokens": output, "stream": True,
                 "stream_options": {"include_usage": True}, **({"temperature": 0.0} if greedy else {})}  # fmt: skip
         payload = json.dumps(body).encode()
@@ -305,7 +199,7 @@ async def _http_stream_all(
 
     await one([100, 101, 102], None)  # warm-up
     start = time.perf_counter()
-    lines = [_Timeline(start) for _ in prompts]
+    lines = [Timeline(start) for _ in prompts]
     await asyncio.gather(*(one(p, t) for p, t in zip(prompts, lines, strict=True)))
     return start, time.perf_counter(), lines
 
@@ -319,12 +213,12 @@ def _other_start(prompts: list[list[int]]) -> list[list[int]]:
 _OFF, _ON, _CONTROL = "CURVE off", "CURVE on", "control (CURVE off)"
 
 
-def _start_stacks(model: Path, *worker_args: str) -> dict[str, _Stack]:
+def _start_stacks(model: Path, *worker_args: str) -> dict[str, Stack]:
     """The three stacks, started at once: none loads its model (and takes its share
     of the accelerator) after another."""
     kinds = {_OFF: False, _ON: True, _CONTROL: False}
     with ThreadPoolExecutor(len(kinds)) as pool:
-        starts = {name: pool.submit(_Stack, model, *worker_args, curve=curve) for name, curve in kinds.items()}
+        starts = {name: pool.submit(Stack, model, *worker_args, curve=curve) for name, curve in kinds.items()}
     try:
         return {name: start.result() for name, start in starts.items()}
     except BaseException:
@@ -345,7 +239,7 @@ class Sample:
     client_cpu_s: float
 
 
-def _sample(stack: _Stack, prompts: list[list[int]]) -> Sample:
+def _sample(stack: Stack, prompts: list[list[int]]) -> Sample:
     gateway, worker = stack.procs[2].pid, stack.procs[1].pid
     before = (_cpu_seconds(gateway), _cpu_seconds(worker), time.process_time())
     start, end, lines = asyncio.run(_stream_all(stack.gateway, prompts, OUTPUT, greedy=True, curve=stack.client_curve))
@@ -362,7 +256,7 @@ def orders(names: Sequence[str], n: int) -> list[tuple[str, ...]]:
 
 
 def curve_sets(
-    stacks: dict[str, _Stack], prompt_sets: list[list[list[int]]], budget_s: float
+    stacks: dict[str, Stack], prompt_sets: list[list[list[int]]], budget_s: float
 ) -> list[dict[str, Sample]]:
     """Each set once on each stack, back to back, in the orders above; no new set
     once `budget_s` has passed (a CPU takes half a minute a run), but at least two."""
@@ -425,7 +319,7 @@ def compare(
     from worker.executor import Executor, ExecutorConfig, KvCacheConfig, Request
 
     config = ExecutorConfig(max_batch_size=max(64, REQUESTS), kv_cache_config=KvCacheConfig(max_tokens=_kv_tokens()))
-    stacks = _start_stacks(model, "--max-batch-size", str(max(64, REQUESTS)))
+    stacks = _start_stacks(model, "--kv-tokens", str(_kv_tokens()), "--max-batch-size", str(max(64, REQUESTS)))
     stack, curve_stack = stacks[_OFF], stacks[_ON]
     local, remote, http, curve = [], [], [], []
     try:
@@ -457,7 +351,7 @@ def compare(
     return local, remote, http, curve, sets
 
 
-def _echo_stack(model: Path, curve: bool = False) -> _Stack:
+def _echo_stack(model: Path, curve: bool = False) -> Stack:
     from worker.executor.types import KvCacheConfig
 
     most = max(n for n, _ in ECHO_WORKLOADS)
@@ -465,7 +359,7 @@ def _echo_stack(model: Path, curve: bool = False) -> _Stack:
     # of them waiting for the others to end (a TTFT p99 of the whole run, 0.8-5 s).
     block = KvCacheConfig().tokens_per_block
     kv_tokens = most * -(-(3 + max(t for _, t in ECHO_WORKLOADS)) // block) * block + 1024
-    return _Stack(model, "--backend", "echo", "--max-batch-size", str(most), "--max-num-tokens", "65536",
+    return Stack(model, "--backend", "echo", "--max-batch-size", str(most), "--max-num-tokens", "65536",
                   "--kv-tokens", str(kv_tokens), curve=curve)  # fmt: skip
 
 
@@ -552,7 +446,7 @@ def table() -> tuple[list[str], list[list[str]]]:
                  *[""] * 10])  # fmt: skip
     rows.append([f"(A/A control, CURVE off on two stacks, the same sets: {_versus_text(sets, _CONTROL, _OFF)})",
                  *[""] * 10])  # fmt: skip
-    added = _pct(http.decode_itl_ms, 99) - _pct(remote.decode_itl_ms, 99)
+    added = pct(http.decode_itl_ms, 99) - pct(remote.decode_itl_ms, 99)
     rows.append([f"(HTTP vs ZeroMQ client: {http.tokens / http.seconds / (remote.tokens / remote.seconds):.3f} of "
                  f"its tokens/s, {added:+.2f} ms decode ITL p99)", *[""] * 10])  # fmt: skip
     rows.append([f"(workload: {REQUESTS} streams x {PROMPT} prompt / {OUTPUT} output tokens, default model)",

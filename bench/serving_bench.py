@@ -46,7 +46,8 @@ from typing import Any
 import numpy as np
 
 from bench import SkipSection
-from bench.service_bench import _pct, _Stack, _Timeline
+from bench.service_stack import Stack
+from bench.stream_timing import Timeline, pct
 
 TITLE = "serving: Poisson arrivals at rates up to saturation, in process and through the service"
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # of the burst's requests/s
@@ -72,8 +73,8 @@ class RateRun:
     def row(self) -> list[str]:
         rate = "burst" if math.isinf(self.rate) else f"{self.rate:.2f}"
         return [self.model, self.path, rate, f"{self.requests / self.seconds:.2f}", f"{self.tok_s:,.0f}",
-                *(f"{_pct(v, q):.1f}" for v in (self.ttft_ms, self.e2e_ms) for q in (50, 99)),
-                f"{_pct(self.itl_ms, 50):.2f}", f"{_pct(self.itl_ms, 99):.2f}"]  # fmt: skip
+                *(f"{pct(v, q):.1f}" for v in (self.ttft_ms, self.e2e_ms) for q in (50, 99)),
+                f"{pct(self.itl_ms, 50):.2f}", f"{pct(self.itl_ms, 99):.2f}"]  # fmt: skip
 
 
 HEADER = ["model", "path", "rate req/s", "achieved req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
@@ -95,7 +96,7 @@ def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return np.random.default_rng(seed).integers(100, vocab - 10, (n, length)).tolist()
 
 
-def _collect(model: str, path: str, rate: float, sent: Sequence[float], lines: list[_Timeline]) -> RateRun:
+def _collect(model: str, path: str, rate: float, sent: Sequence[float], lines: list[Timeline]) -> RateRun:
     end = max(t.last for t in lines if t.last is not None)
     return RateRun(model, path, rate, end - min(sent), sum(t.tokens for t in lines), len(lines),
                    [t.ttft * 1e3 for t in lines if t.ttft is not None], [g * 1e3 for t in lines for _, g in t.gaps],
@@ -113,7 +114,7 @@ def run_in_process(executor: Any, model: str, prompts: list[list[int]], output: 
 
     sampling = SamplingConfig(temperature=0.0, min_tokens=output)
     offsets = arrivals(len(prompts), rate, seed)
-    lines: dict[int, _Timeline] = {}
+    lines: dict[int, Timeline] = {}
     sent: list[float] = []
     start = time.perf_counter()
     nxt, pending = 0, 0
@@ -122,7 +123,7 @@ def run_in_process(executor: Any, model: str, prompts: list[list[int]], output: 
         while nxt < len(prompts) and start + offsets[nxt] <= now:
             rid = executor.enqueue_request(Request(input_token_ids=prompts[nxt], max_tokens=output, streaming=True,
                                                    sampling_config=sampling))  # fmt: skip
-            lines[rid] = _Timeline(now)
+            lines[rid] = Timeline(now)
             sent.append(now)
             nxt, pending = nxt + 1, pending + 1
         wait = max(0.0, start + offsets[nxt] - time.perf_counter()) if nxt < len(prompts) else 60.0
@@ -151,14 +152,14 @@ async def _service_run(endpoint: str, model: str, prompts: list[list[int]], outp
     async with AsyncClient([endpoint]) as client:
         await client.generate([100, 101, 102], max_tokens=2, timeout=300)  # connected, and the worker is ready
         offsets = arrivals(len(prompts), rate, seed)
-        lines: list[_Timeline] = []
+        lines: list[Timeline] = []
         sent: list[float] = []
         start = time.perf_counter()
 
         async def one(i: int) -> None:
             await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
             now = time.perf_counter()
-            line = _Timeline(now)
+            line = Timeline(now)
             lines.append(line)
             sent.append(now)
             async for chunk in client.stream(prompts[i], max_tokens=output, min_tokens=output, temperature=0.0):
@@ -223,11 +224,12 @@ def variant(args: argparse.Namespace) -> str:
 
 
 def executor_8b(args: argparse.Namespace) -> tuple[Any, int]:
-    """An Executor over the 8B shape with random bf16 weights on the GPU (bench/gpu_bench.py),
+    """An Executor over the 8B shape with random bf16 weights on the GPU (bench/random_weights.py),
     quantized there when asked."""
     import torch
 
-    from bench.gpu_bench import LLAMA_8B, random_weights
+    from bench.model_shapes import LLAMA_8B
+    from bench.random_weights import random_weights
     from worker.backends.torch_backend import TorchBackend
     from worker.executor import EngineCore, Executor
     from worker.models.config import ModelConfig
@@ -279,8 +281,8 @@ def sweep(run: Callable[[float, int], RateRun], rates: Sequence[float] | None, l
     for i, rate in enumerate(chosen, start=1):
         runs.append(run(rate, i))
         r = runs[-1]
-        log(f"  {rate:.2f} req/s: {r.tok_s:,.0f} tok/s, TTFT p50 {_pct(r.ttft_ms, 50):.1f} ms, "
-            f"ITL p50 {_pct(r.itl_ms, 50):.2f} ms")  # fmt: skip
+        log(f"  {rate:.2f} req/s: {r.tok_s:,.0f} tok/s, TTFT p50 {pct(r.ttft_ms, 50):.1f} ms, "
+            f"ITL p50 {pct(r.itl_ms, 50):.2f} ms")  # fmt: skip
     return runs, chosen
 
 
@@ -327,7 +329,7 @@ def bench_model(args: argparse.Namespace, name: str, log: Callable[[str], None])
             worker_args += ["--device", args.device] if args.device else []
             worker_args += ["--quantization", args.quantization] if args.quantization else []
             worker_args += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []
-            stack = _Stack(path, *worker_args)
+            stack = Stack(path, *worker_args)
             try:
                 remote, _ = sweep(lambda rate, i: asyncio.run(_service_run(
                     stack.gateway, label, prompts_for(n, p, vocab, 20 + i), o, rate, seed=i)),

@@ -19,51 +19,18 @@ from __future__ import annotations
 
 import argparse
 import time
-import zlib
-from collections.abc import Iterator, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
-from bench import gpu_bench
-from bench.gpu_bench import LLAMA_8B, TINY, Roofline, Row, log
-from bench.quant_bench import measure_fp8_gemm, roofline_of
+from bench import SkipSection, free_port, log
+from bench.device_rates import measure_bandwidth, measure_fp8_gemm, measure_gemm, sync
+from bench.model_shapes import SHAPES, TINY
+from bench.offline_runs import Row, bench_executor
+from bench.random_weights import RandomTensors
+from bench.roofline import Roofline, roofline_of
 from worker.models.config import ModelConfig
-
-LLAMA_70B: dict[str, Any] = {
-    **LLAMA_8B,
-    "hidden_size": 8192,
-    "intermediate_size": 28672,
-    "num_hidden_layers": 80,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-}
-SHAPES = {"8b": LLAMA_8B, "70b": LLAMA_70B}
-
-
-class RandomTensors(Mapping[str, torch.Tensor]):
-    """Every tensor of the model under its Hugging Face name, made on access (N(0, 0.02),
-    seeded by its name, so every rank makes the same one and keeps its own slice)."""
-
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
-        from worker.models.loaded_model import expected_shapes
-
-        self.shapes = expected_shapes(cfg)
-        self.device, self.dtype = device, dtype
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        shape = self.shapes[name]
-        gen = torch.Generator(device=self.device).manual_seed(zlib.crc32(name.encode()))
-        if name.endswith("norm.weight"):
-            return torch.ones(shape, device=self.device, dtype=self.dtype)
-        return torch.randn(shape, device=self.device, dtype=self.dtype, generator=gen) * 0.02
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.shapes)
-
-    def __len__(self) -> int:
-        return len(self.shapes)
 
 
 def _shape(args: argparse.Namespace) -> dict[str, Any]:
@@ -77,9 +44,9 @@ def _rank_setup(rank: int, args: argparse.Namespace) -> tuple[Any, Any, float, f
 
     device_type = torch.device(args.device).type
     world = join(rank, args.tensor_parallel_size, args.port, device_type, args.pipeline_parallel_size)
-    bandwidth = gpu_bench.measure_bandwidth(world.device)
+    bandwidth = measure_bandwidth(world.device)
     fp8 = args.quantization == "fp8" and device_type == "cuda"  # torch._scaled_mm is CUDA's
-    flops = measure_fp8_gemm(world.device) if fp8 else gpu_bench.measure_gemm(world.device)
+    flops = measure_fp8_gemm(world.device) if fp8 else measure_gemm(world.device)
     sums = torch.tensor([bandwidth, flops], dtype=torch.float64, device=world.device)
     torch.distributed.all_reduce(sums)
     cfg = ModelConfig.from_hf(_shape(args))
@@ -90,7 +57,7 @@ def _rank_setup(rank: int, args: argparse.Namespace) -> tuple[Any, Any, float, f
                            max_graph_batch=args.max_batch, world=world,
                            micro_batch_count=args.micro_batches, quantization=args.quantization,
                            kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
-    gpu_bench.sync(world.device)
+    sync(world.device)
     if rank == 0:
         held = torch.cuda.memory_allocated(world.device) if device_type == "cuda" else 0
         log(f"rank shards made in {time.perf_counter() - t0:.1f} s; {held / 1e9:.1f} GB on rank 0's GPU")
@@ -120,8 +87,8 @@ def run(args: argparse.Namespace, workloads: list[tuple[int, int, int, int]],
     cfg = ModelConfig.from_hf(_shape(args))
     layout.validate(parallel, cfg)
     if torch.device(args.device).type == "cuda" and torch.cuda.device_count() < size:
-        raise gpu_bench.SkipSection(f"{size} ranks: {torch.cuda.device_count()} GPUs visible")
-    args.port = _free_port()
+        raise SkipSection(f"{size} ranks: {torch.cuda.device_count()} GPUs visible")
+    args.port = free_port()
     t0 = time.perf_counter()
     links, processes = spawn_ranks(size, _follower, (args,))
     world, backend, bandwidth, flops = _rank_setup(0, args)
@@ -136,15 +103,7 @@ def run(args: argparse.Namespace, workloads: list[tuple[int, int, int, int]],
         "batch-1 TPOT floor "
         f"{roof.decode_floor(0) * 1e3:.2f} ms")  # fmt: skip
     try:
-        rows = gpu_bench.bench_executor(args, cfg, distributed, workloads, roof)
+        rows = bench_executor(args, cfg, distributed, workloads, roof)
     finally:
         distributed.close()
     return rows, roof, bandwidth, flops
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

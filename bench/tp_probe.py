@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.quant_bench import graph_call_seconds
-from bench.tp_bench import LLAMA_70B, _free_port
+from bench import free_port
+from bench.device_rates import graph_call_seconds
+from bench.model_shapes import LLAMA_70B
 from worker.parallel.group import NO_MULTICAST_ENV
 
 H = LLAMA_70B["hidden_size"]
@@ -87,7 +88,7 @@ def _rank(rank: int, port: int) -> None:
 def main() -> None:
     if torch.cuda.device_count() < 2:
         raise SystemExit("bench.tp_probe needs two CUDA devices")
-    mp.spawn(_rank, args=(_free_port(),), nprocs=2)
+    mp.spawn(_rank, args=(free_port(),), nprocs=2)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.gpu_bench import executor_config, parser
+from bench.gpu_bench import parser
+from bench.runner import executor_config
 from worker.executor import CapacitySchedulerPolicy
 
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bench.gpu_bench import iteration_summary
+from bench.runner import iteration_summary
 from worker.executor import IterationStats
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.gpu_bench import LLAMA_8B, Roofline, roofline_for
+from bench.model_shapes import LLAMA_8B
+from bench.roofline import Roofline, roofline_for
 from worker.models.config import ModelConfig
 
 
@@ -65,7 +66,7 @@ def test_a_sustained_rate_times_only_the_second_half_of_its_run() -> None:
 
     import torch
 
-    from bench.gpu_bench import product_rate
+    from bench.device_rates import product_rate
 
     started = time.perf_counter()
 

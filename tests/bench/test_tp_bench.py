@@ -10,8 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.gpu_bench import TINY, roofline_for, table_from_json
-from bench.quant_bench import quantized_roofline
+from bench.gpu_bench import table_from_json
+from bench.model_shapes import TINY
+from bench.roofline import quantized_roofline, roofline_for
 from worker.models.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[2]

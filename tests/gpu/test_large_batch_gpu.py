@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from bench.gpu_bench import LLAMA_8B, random_weights
+from bench.model_shapes import LLAMA_8B
+from bench.random_weights import random_weights
 from worker.backends.torch_backend import TorchBackend
 from worker.executor import EngineCore, Executor, ExecutorConfig, KvCacheConfig, Request
 from worker.models.config import ModelConfig

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from bench.gpu_bench import LLAMA_8B  # noqa: E402
+from bench.model_shapes import LLAMA_8B  # noqa: E402
 from worker.backends.memory_plan import FIXED_RESERVE_BYTES, WorkingMemory, plan_working_memory  # noqa: E402
 from worker.backends.torch_backend import TorchBackend  # noqa: E402
 from worker.executor import EngineCore, ExecutorConfig, KvCacheConfig  # noqa: E402

@@ -1,0 +1,151 @@
+"""The roofline: the best a step, a sequence and an offline workload can do, given the device's
+measured HBM bandwidth and GEMM rate (bench/device_rates.py) and the bytes and FLOPs a model
+moves and computes (float, or quantized on load)."""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from worker.models.quantization import INT4_GROUP_SIZE
+
+
+@dataclass(slots=True)
+class Roofline:
+    bandwidth: float  # bytes/s
+    flops: float  # FLOP/s
+    weight_bytes: int  # read once per step
+    matmul_params: int  # per token, lm_head excluded
+    lm_head_params: int
+    kv_bytes_per_token: int
+    attn_flops_per_ctx: int  # per query token per key
+    # Pipeline stages: one sequence's step runs them one after the other, each reading its
+    # share of the bytes at one stage's bandwidth (a batch's micro-batches overlap them).
+    stages: int = 1
+    # FLOP/s the GPU holds under minutes of load (product_rate's sustained rate); nan: not
+    # measured. The roofline's figures use `flops`; `at_sustained` the same at this rate.
+    sustained_flops: float = math.nan
+
+    def at_sustained(self) -> Roofline | None:
+        return None if math.isnan(self.sustained_flops) else replace(self, flops=self.sustained_flops)
+
+    def step_floor(self, tokens: int, sampled: int, ctx_sum: float, kv_read_tokens: float) -> float:
+        """Seconds: the larger of compute and memory time for one step."""
+        flops: float = 2 * self.matmul_params * tokens + 2 * self.lm_head_params * sampled
+        flops += self.attn_flops_per_ctx * ctx_sum
+        memory = self.weight_bytes + self.kv_bytes_per_token * kv_read_tokens
+        return max(flops / self.flops, memory / self.bandwidth)
+
+    def decode_floor(self, context: int) -> float:
+        """Seconds per token for one sequence alone: weights plus its KV, read once."""
+        return (self.weight_bytes + self.kv_bytes_per_token * context) / self.bandwidth * self.stages
+
+    def offline_tok_s(self, prompt: int, output: int, requests: int, batch: int) -> float:
+        """Best output tokens/s: prefill at full compute, then waves of at most `batch`
+        concurrent sequences decoding, each step reading all weights and the wave's KV."""
+        prefill = self.step_floor(prompt * requests, requests, requests * prompt * prompt / 2, 0)
+        full, rest = divmod(requests, min(batch, requests))
+
+        def wave(n: int) -> float:
+            return sum(self.step_floor(n, n, n * (prompt + i), n * (prompt + i)) for i in range(output - 1))
+
+        decode = full * wave(min(batch, requests)) + (wave(rest) if rest else 0.0)
+        return requests * output / (prefill + decode)
+
+    def max_utilization_tok_s(self, prompt: int, output: int, requests: int, batch: int, kv_tokens: int) -> float:
+        """Best output tokens/s under MAX_UTILIZATION: step by step, the oldest waiting sequences
+        admitted while the cache holds their tokens now (at most `batch` running), the newest
+        running one dropped when the next step's tokens do not fit, and recomputed (prompt and
+        generated tokens) when admitted again; each step at its floor, block rounding ignored."""
+        waiting = [(i, 0) for i in range(requests)]  # (arrival, tokens generated), oldest first
+        running: list[list[int]] = []  # [arrival, tokens in the cache, tokens generated]
+        seconds, done = 0.0, 0
+        while done < requests:
+            read = sum(s[1] + 1 for s in running)  # each decodes one token this step, over its cache
+            held = read
+            admitted: list[list[int]] = []
+            while waiting and len(running) + len(admitted) < batch:
+                arrival, generated = waiting[0]
+                if held + prompt + generated > kv_tokens:
+                    break
+                waiting.pop(0)
+                admitted.append([arrival, prompt + generated, generated + 1])  # its prefill samples a token
+                held += prompt + generated
+            if not running and not admitted:
+                raise ValueError(f"a request's {prompt + waiting[0][1]} tokens do not fit a {kv_tokens}-token cache")
+            computed = sum(s[1] for s in admitted)
+            seconds += self.step_floor(len(running) + computed, len(running) + len(admitted),
+                                       read + sum(s[1] ** 2 / 2 for s in admitted), read)  # fmt: skip
+            for s in running:
+                s[1] += 1
+                s[2] += 1
+            running = sorted(running + admitted)
+            done += sum(1 for s in running if s[2] == output)
+            running = [s for s in running if s[2] < output]
+            while running and sum(s[1] + 1 for s in running) > kv_tokens:
+                arrival, _, generated = running.pop()  # the newest
+                bisect.insort(waiting, (arrival, generated))
+        return requests * output / seconds
+
+    def for_schedule(self, prompt: int, output: int, requests: int, max_batch: int, kv_tokens: int,
+                     policy: str) -> float:  # fmt: skip
+        """Best output tokens/s of an offline workload under the capacity scheduler `policy`."""
+        if policy == "max_utilization":
+            return self.max_utilization_tok_s(prompt, output, requests, max_batch, kv_tokens)
+        # GUARANTEED_NO_EVICT: as many at once as the cache holds at full length
+        return self.offline_tok_s(prompt, output, requests, min(max_batch, requests, kv_tokens // (prompt + output)))
+
+
+def roofline_for(cfg: Any, bandwidth: float, flops: float, dtype_bytes: int, stages: int = 1,
+                 kv_bytes: int | None = None) -> Roofline:  # fmt: skip
+    """`dtype_bytes` a weight, and a KV value unless `kv_bytes` says otherwise (an FP8 cache)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
+    matmul = cfg.num_layers * per_layer
+    lm_head = cfg.vocab_size * h
+    return Roofline(
+        bandwidth=bandwidth,
+        flops=flops,
+        weight_bytes=(matmul + lm_head) * dtype_bytes,
+        matmul_params=matmul,
+        lm_head_params=lm_head,
+        kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * d * (kv_bytes or dtype_bytes),
+        attn_flops_per_ctx=4 * cfg.num_layers * cfg.num_heads * d,
+        stages=stages,
+    )
+
+
+def quantized_roofline(cfg: Any, quantization: str, kv_bytes: int, bandwidth: float, flops: float,
+                       stages: int = 1) -> Roofline:  # fmt: skip
+    """The roofline with the projections' quantized bytes: fp8 one byte a weight plus a
+    float32 scale per output channel; int4 half a byte plus a float32 scale and zero per
+    group (of 32 on load). The lm head stays bf16; its FLOPs are counted at `flops` too (7%
+    of them)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    outs = (cfg.num_heads + 2 * cfg.num_kv_heads) * d + h + 2 * cfg.intermediate_size + h
+    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
+    matmul, lm_head = cfg.num_layers * per_layer, cfg.vocab_size * h
+    fp8_bytes, int4_bytes = matmul + cfg.num_layers * outs * 4, matmul // 2 + matmul // INT4_GROUP_SIZE * 8
+    matmul_bytes = fp8_bytes if quantization == "fp8" else int4_bytes
+    return Roofline(
+        bandwidth=bandwidth,
+        flops=flops,
+        weight_bytes=matmul_bytes + lm_head * 2,
+        matmul_params=matmul,
+        lm_head_params=lm_head,
+        kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * d * kv_bytes,
+        attn_flops_per_ctx=4 * cfg.num_layers * cfg.num_heads * d,
+        stages=stages,
+    )
+
+
+def roofline_of(cfg: Any, quantization: str | None, dtype_bytes: int, bandwidth: float, flops: float,
+                stages: int = 1, kv_cache_dtype: str | None = None) -> Roofline:  # fmt: skip
+    """The roofline of a float model (`dtype_bytes` a weight and a KV value) or of one
+    quantized on load (a bf16 KV cache); an FP8 KV cache reads one byte a KV value."""
+    kv_bytes = 1 if kv_cache_dtype == "fp8" else None
+    if quantization is None:
+        return roofline_for(cfg, bandwidth, flops, dtype_bytes, stages, kv_bytes)
+    return quantized_roofline(cfg, quantization, kv_bytes or 2, bandwidth, flops, stages)

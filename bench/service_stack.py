@@ -1,0 +1,96 @@
+"""The service on this machine for a bench: a private redis-server, one worker and one gateway
+as child processes, CURVE on between them when asked."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bench import SkipSection, free_port
+from ops.process import stop_children
+
+if TYPE_CHECKING:
+    from ops.curve import ClientCurve
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Stack:
+    """A private redis-server, one worker and one gateway, as child processes; `worker_args`
+    go to the worker's command line (its KV cache size among them); with `curve`, CURVE on
+    between all three (keys made in the stack's directory)."""
+
+    def __init__(self, model: Path, *worker_args: str, curve: bool = False) -> None:
+        redis_server = shutil.which("redis-server")
+        if redis_server is None:
+            raise SkipSection("redis-server is not on PATH")
+        self.dir = tempfile.TemporaryDirectory(prefix="tokenwire-bench-")
+        ports = [free_port() for _ in range(3)]
+        self.redis = f"redis://127.0.0.1:{ports[0]}/0"
+        self.gateway = f"tcp://127.0.0.1:{ports[2]}"
+        self.http_port = free_port()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        log = open(Path(self.dir.name) / "log", "wb")  # noqa: SIM115 - closed with the directory
+        redis_args = [redis_server, "--port", str(ports[0]), "--save", "", "--appendonly", "no"]
+        self.procs = [subprocess.Popen(redis_args, stdout=subprocess.DEVNULL)]
+        time.sleep(0.3)
+        self.client_curve: ClientCurve | None = None
+        worker_curve, gateway_curve = self._curve_args(Path(self.dir.name)) if curve else ([], [])
+        py = sys.executable
+        self.procs.append(subprocess.Popen(
+            [py, "-m", "worker.service", "--model", str(model), "--bind", f"tcp://127.0.0.1:{ports[1]}",
+             "--redis", self.redis, *worker_args, *worker_curve],
+            env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+        self.procs.append(subprocess.Popen(
+            [py, "-m", "gateway", "--bind", self.gateway, "--redis", self.redis,
+             "--no-worker-timeout", "300", "--http-port", str(self.http_port), *gateway_curve],
+            env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+        self._wait_healthy(300.0)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        """Until the gateway's /health says 200 (Redis answers and a worker is ready): the
+        clients fail fast, so they must not race the model's load."""
+        deadline = time.monotonic() + timeout_s
+        url = f"http://127.0.0.1:{self.http_port}/health"
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in self.procs):
+                tail = (Path(self.dir.name) / "log").read_text(errors="replace")[-2000:]
+                self.close()
+                raise RuntimeError(f"the service stack ended while starting:\n{tail}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:  # not listening yet, or 503 until a worker is ready
+                pass
+            time.sleep(0.5)
+        self.close()
+        raise RuntimeError(f"the service stack was not healthy within {timeout_s:.0f} s")
+
+    def _curve_args(self, root: Path) -> tuple[list[str], list[str]]:
+        from ops import curve
+
+        for name, allowed_by in (("worker", "workers"), ("gateway", "gateways"), ("client", "clients")):
+            public, _ = curve.generate(root / "keys", name)
+            (root / allowed_by).mkdir()
+            shutil.copy(public, root / allowed_by)
+        self.client_curve = curve.ClientCurve.from_files(
+            root / "keys" / "client.key_secret", root / "keys" / "gateway.key"
+        )
+        return (
+            ["--curve-secret-key-file", str(root / "keys" / "worker.key_secret"),
+             "--curve-allowed-keys-dir", str(root / "gateways")],
+            ["--curve-secret-key-file", str(root / "keys" / "gateway.key_secret"),
+             "--curve-allowed-keys-dir", str(root / "clients"), "--curve-worker-keys-dir", str(root / "workers")],
+        )  # fmt: skip
+
+    def close(self) -> None:
+        stop_children(self.procs, timeout_s=10)
+        self.dir.cleanup()
