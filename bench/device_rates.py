@@ -37,7 +37,7 @@ def product_rate(product: Callable[[], object], flop: float, device: torch.devic
     `sustained_s`, over the second half of that many seconds of calls back to back. An H100
     SXM runs the first tens of ms of dense GEMMs at its boost clock; then its 700 W cap
     holds the SM clock at 1.35-1.5 GHz: 8192^3 bf16 at 791-800 TFLOP/s in 20 calls, ~675
-    sustained; FP8 1434 against ~1178 (bench/results/power_cap_h100_2026-11-28_s19.txt)."""
+    sustained; FP8 1434 against ~1178 (bench/results/power_cap_h100_2026-11-28.txt)."""
     for _ in range(3):
         product()
     sync(device)

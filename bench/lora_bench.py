@@ -1,4 +1,4 @@
-"""Many LoRA adapters in one batch, on the GPU (issue 19).
+"""Many LoRA adapters in one batch, on the GPU.
 
 1. End to end: the executor on the Llama-3.1-8B-shaped random bf16 model (bench/random_weights.py),
    128/128 offline, EOS ignored: output tok/s with the requests spread over N random rank-r

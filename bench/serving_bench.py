@@ -268,9 +268,9 @@ def sweep(run: Callable[[float, int], RateRun], rates: Sequence[float] | None, l
     variant, and eager steps (prefill chunks; the attention's split count follows the batch
     and its context) meet new ones for a while: on a fresh H100 the 8B's FP8 burst ran at
     14,103 tok/s and its first rate's TTFT p99 was 790 ms; on the same machine again, 18,279
-    and 145 (bench/results/serving_bench_fp8_h100_2026-11-28_s16.txt). A backend's start-up
+    and 145 (bench/results/serving_bench_fp8_h100_2026-11-28.txt). A backend's start-up
     now runs those kernels once (TorchBackend.warm_up), yet a first burst still ran 15-20 %
-    below the next (bench/results/start_up_compiles_h100_2026-11-28_s17.txt): the warm-up
+    below the next (bench/results/start_up_compiles_h100_2026-11-28.txt): the warm-up
     stays until it does not."""
     warm = run(math.inf, WARM_UP)
     run(rates[0] if rates else FRACTIONS[0] * warm.requests / warm.seconds, WARM_UP + 1)
