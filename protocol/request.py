@@ -1,45 +1,42 @@
 """The submit message: one generation request, field for field the executor's
-`Request` (worker/executor/types.py), plus what only the service needs."""
+`Request` (worker/executor/types.py), plus what only the service needs. Its
+sampling and output options are built from their one declaration,
+protocol/options.py."""
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal, Self
+import dataclasses
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self, get_type_hints
 
-from pydantic import Field, model_validator
+from pydantic import Field, create_model, model_validator
 
+from protocol import options
 from protocol.base import Message, Name, Uint64, WireModel
 from protocol.packed import Floats, TokenIds
 from protocol.results import Logits
 
 
-class SamplingConfig(WireModel):
-    """How to pick the next token. `None` means the executor default."""
-
-    beam_width: int = Field(1, ge=1)
-    top_k: int | None = Field(None, ge=0)
-    top_p: float | None = Field(None, ge=0.0, le=1.0)  # 0: off (greedy when top_k is 0 too)
-    top_p_min: float | None = Field(None, gt=0.0, le=1.0)
-    top_p_reset_ids: int | None = Field(None, ge=-1)
-    top_p_decay: float | None = Field(None, gt=0.0, le=1.0)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: Uint64 | None = None
-    temperature: float | None = Field(None, ge=0.0)
-    min_tokens: int | None = Field(None, ge=0)
-    beam_search_diversity_rate: float | None = Field(None, ge=0.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    length_penalty: float | None = None
-    early_stopping: int | None = None
-    no_repeat_ngram_size: int | None = Field(None, ge=1)
+def _wire_model(options: type[Any]) -> type[WireModel]:
+    """The wire model of an options class of protocol/options.py: the same fields,
+    types and defaults, its bounds as pydantic constraints, its docs as descriptions."""
+    hints = get_type_hints(options)
+    specs: dict[str, Any] = {}
+    for spec in dataclasses.fields(options):
+        bounds = spec.metadata["bounds"]
+        specs[spec.name] = (hints[spec.name], Field(spec.default, ge=bounds.ge, gt=bounds.gt, le=bounds.le,
+                                                    description=spec.metadata["doc"]))
+    return create_model(options.__name__, __base__=WireModel, __doc__=options.__doc__, __module__=__name__,
+                        **specs)
 
 
-class OutputConfig(WireModel):
-    return_log_probs: bool = False
-    return_context_logits: bool = False
-    return_generation_logits: bool = False
-    exclude_input_from_output: bool = True
-    top_n_log_probs: int = Field(0, ge=0)
+if TYPE_CHECKING:
+    # What type checkers see: the declaration's fields on a wire model.
+    class SamplingConfig(WireModel, options.SamplingConfig): ...
+
+    class OutputConfig(WireModel, options.OutputConfig): ...
+else:
+    SamplingConfig = _wire_model(options.SamplingConfig)
+    OutputConfig = _wire_model(options.OutputConfig)
 
 
 class GuidedDecodingParams(WireModel):

@@ -4,6 +4,10 @@ Plain dataclasses on purpose: the executor must run where pydantic is not
 installed (the GPU host). The wire models in `protocol` mirror these fields and
 validate untrusted input; the executor still checks everything that depends on
 the model (vocabulary, context length) itself.
+
+The sampling and output options, the finish reasons and the request states are
+declared once in `protocol`'s pure-data modules (standard library only) and
+used here as they are.
 """
 
 from __future__ import annotations
@@ -14,14 +18,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-
-class FinishReason(enum.IntEnum):
-    NOT_FINISHED = 0
-    END_ID = 1
-    STOP_WORDS = 2
-    LENGTH = 3
-    TIMED_OUT = 4
-    CANCELLED = 5
+from protocol.options import OutputConfig as OutputConfig
+from protocol.options import SamplingConfig as SamplingConfig
+from protocol.status import FinishReason as FinishReason
+from protocol.status import RequestState as RequestState
 
 
 class CapacitySchedulerPolicy(enum.Enum):
@@ -29,56 +29,6 @@ class CapacitySchedulerPolicy(enum.Enum):
     GUARANTEED_NO_EVICT = "guaranteed_no_evict"
     # Admit greedily; when blocks run out, preempt the newest requests by recompute.
     MAX_UTILIZATION = "max_utilization"
-
-
-class RequestState(enum.Enum):
-    QUEUED = "queued"
-    CONTEXT = "context"
-    GENERATION = "generation"
-    PREEMPTED = "preempted"
-    FINISHED = "finished"
-
-
-@dataclass(slots=True)
-class SamplingConfig:
-    """How to pick the next token. `None` means the executor default."""
-
-    beam_width: int = 1
-    top_k: int | None = None  # 0 or None: no top-k
-    top_p: float | None = None  # None or 1.0: no top-p
-    top_p_min: float | None = None
-    top_p_reset_ids: int | None = None
-    top_p_decay: float | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    temperature: float | None = None  # None: 1.0; 0.0: greedy
-    min_tokens: int | None = None
-    beam_search_diversity_rate: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    length_penalty: float | None = None
-    early_stopping: int | None = None
-    no_repeat_ngram_size: int | None = None
-
-    @property
-    def is_greedy(self) -> bool:
-        # As in TensorRT-LLM, a config that asks for no randomness decodes greedily,
-        # and so does top_k = 0 with top_p = 0 (TensorRT-LLM's defaults for both).
-        unset = all(v is None for v in (self.temperature, self.top_k, self.top_p, self.min_p))
-        both_zero = not self.top_k and self.top_p == 0.0
-        return unset or both_zero or self.temperature == 0.0 or self.top_k == 1
-
-
-@dataclass(slots=True)
-class OutputConfig:
-    return_log_probs: bool = False
-    return_context_logits: bool = False
-    return_generation_logits: bool = False
-    # TensorRT-LLM defaults this to False (outputs repeat the prompt); a service
-    # almost never wants the prompt echoed, so we default to True.
-    exclude_input_from_output: bool = True
-    top_n_log_probs: int = 0
 
 
 @dataclass(slots=True)
