@@ -17,7 +17,8 @@ of specs, so that type checkers see every field where it is used.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 # The most alternatives returned per generated token: each costs a sort over the
@@ -55,10 +56,18 @@ def _number(value: float | None) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def option(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None,
-           le: float | None = None) -> Any:
-    """A field of an options class: its default, what it means, and its bounds."""
-    return field(default=default, metadata={"doc": doc, "bounds": Bounds(ge, gt, le)})
+# The default of a field that has none: the caller must give it.
+REQUIRED: Any = MISSING
+
+
+def option(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+           factory: Callable[[], Any] | None = None) -> Any:
+    """A field of a declaring dataclass: its default (REQUIRED: none; `factory`:
+    made per instance), what it means, and its bounds."""
+    metadata = {"doc": doc, "bounds": Bounds(ge, gt, le)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def option_bounds(options: type | object) -> dict[str, Bounds]:

@@ -5,38 +5,26 @@ protocol/options.py."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self, get_type_hints
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self
 
-from pydantic import Field, create_model, model_validator
+from pydantic import Field, model_validator
 
 from protocol import options
 from protocol.base import Message, Name, Uint64, WireModel
+from protocol.derive import wire_model
 from protocol.packed import Floats, TokenIds
 from protocol.results import Logits
 
-
-def _wire_model(options: type[Any]) -> type[WireModel]:
-    """The wire model of an options class of protocol/options.py: the same fields,
-    types and defaults, its bounds as pydantic constraints, its docs as descriptions."""
-    hints = get_type_hints(options)
-    specs: dict[str, Any] = {}
-    for spec in dataclasses.fields(options):
-        bounds = spec.metadata["bounds"]
-        specs[spec.name] = (hints[spec.name], Field(spec.default, ge=bounds.ge, gt=bounds.gt, le=bounds.le,
-                                                    description=spec.metadata["doc"]))
-    return create_model(options.__name__, __base__=WireModel, __doc__=options.__doc__, __module__=__name__,
-                        **specs)
-
-
 if TYPE_CHECKING:
-    # What type checkers see: the declaration's fields on a wire model.
-    class SamplingConfig(WireModel, options.SamplingConfig): ...
+    # What type checkers see: the declaration's fields on a wire model, built from keywords.
+    class SamplingConfig(WireModel, options.SamplingConfig):
+        def __init__(self, **fields: Any) -> None: ...
 
-    class OutputConfig(WireModel, options.OutputConfig): ...
+    class OutputConfig(WireModel, options.OutputConfig):
+        def __init__(self, **fields: Any) -> None: ...
 else:
-    SamplingConfig = _wire_model(options.SamplingConfig)
-    OutputConfig = _wire_model(options.OutputConfig)
+    SamplingConfig = wire_model(options.SamplingConfig, module=__name__)
+    OutputConfig = wire_model(options.OutputConfig, module=__name__)
 
 
 class GuidedDecodingParams(WireModel):

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 import protocol
 from clients.params import SamplingParams
 from protocol import options
-from protocol.request import _wire_model
+from protocol.derive import wire_model
 from worker.executor import types as ex
 from worker.runtime.sampling import _PER_SEQUENCE
 
@@ -107,7 +107,7 @@ def test_a_declared_option_becomes_a_wire_field_with_its_bounds():
         warmth: float | None = options.option(None, "how warm", gt=0.0, le=2.0)
         count: int = options.option(3, "how many", ge=1)
 
-    wire = _wire_model(Knobs)
+    wire = wire_model(Knobs, module=__name__)
     assert wire.__doc__ == "Made-up options." and wire().model_dump() == {"warmth": None, "count": 3}
     assert wire.model_validate({"warmth": 2.0}).warmth == 2.0  # type: ignore[attr-defined]
     with pytest.raises(ValidationError, match="warmth"):

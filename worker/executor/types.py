@@ -5,21 +5,22 @@ installed (the GPU host). The wire models in `protocol` mirror these fields and
 validate untrusted input; the executor still checks everything that depends on
 the model (vocabulary, context length) itself.
 
-The sampling and output options, the finish reasons and the request states are
-declared once in `protocol`'s pure-data modules (standard library only) and
-used here as they are.
+The sampling and output options, the finish reasons, the request states and
+the iteration and request stats are declared once in `protocol`'s pure-data
+modules (standard library only) and used here as they are.
 """
 
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from protocol.options import OutputConfig as OutputConfig
 from protocol.options import SamplingConfig as SamplingConfig
+from protocol.stats import IterationStats as IterationStats
+from protocol.stats import RequestStats as RequestStats
 from protocol.status import FinishReason as FinishReason
 from protocol.status import RequestState as RequestState
 
@@ -268,44 +269,3 @@ class ExecutorConfig:
     @property
     def lora_enabled(self) -> bool:
         return self.peft_cache_config is not None or bool(self.lora_adapters)
-
-
-@dataclass(slots=True)
-class IterationStats:
-    timestamp: float
-    iter: int
-    iter_latency_ms: float
-    num_active_requests: int
-    num_queued_requests: int
-    num_context_requests: int
-    num_generation_requests: int
-    num_scheduled_tokens: int
-    max_num_blocks: int
-    free_num_blocks: int
-    used_num_blocks: int
-    reused_blocks: int  # cumulative prefix-cache hits, in blocks
-    # Speculative decoding in this step: tokens proposed, and how many were accepted.
-    num_draft_tokens: int = 0
-    num_accepted_draft_tokens: int = 0
-    # Sequences whose KV this step's schedule dropped to make room (MAX_UTILIZATION): they
-    # recompute their tokens when admitted again.
-    num_preempted: int = 0
-
-
-@dataclass(slots=True)
-class RequestStats:
-    request_id: int
-    state: RequestState
-    prompt_tokens: int
-    context_prefill_position: int  # prompt tokens processed so far
-    num_generated_tokens: int
-    queue_time_ms: float | None
-    time_to_first_token_ms: float | None
-    allocated_blocks: int
-    reused_blocks: int
-    # Speculative decoding: draft tokens verified, and how many were accepted.
-    num_draft_tokens: int = 0
-    num_accepted_draft_tokens: int = 0
-    # Why a request that asked for speculation did not speculate (None: it did, or never asked).
-    speculation_off_reason: str | None = None
-    timestamp: float = field(default_factory=time.time)
