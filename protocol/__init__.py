@@ -3,9 +3,10 @@ limits, and the names of Redis keys. Imports nothing else of tokenwire.
 
 The names below load on first use (PEP 562), so that the pure-data modules —
 `protocol.options` (the request options), `protocol.status` (finish reasons,
-request states) and `protocol.model_fit` (vocabulary and context rules) — can
-be imported where pydantic and msgpack are not installed: the executor on a
-GPU host, and `clients.params`.
+request states), `protocol.stats` (iteration and request stats) and
+`protocol.model_fit` (vocabulary and context rules) — can be imported where
+pydantic and msgpack are not installed: the executor on a GPU host, and
+`clients.params`.
 """
 
 from __future__ import annotations

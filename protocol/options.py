@@ -6,7 +6,10 @@ the executor's `SamplingConfig` / `OutputConfig` are these classes; the wire
 models of the same names (protocol/request.py) are built from their fields,
 bounds included; `clients.params` maps `SamplingParams` onto them by their
 names; worker/runtime maps its per-sequence vectors onto them. Adding an
-option here adds it to the wire, the executor and the client's mapping.
+option here adds it to the wire, the executor and the client's mapping
+(`SamplingParams` itself lists its options flat, with the same names and
+defaults; tests/protocol/test_options.py holds it to them). protocol/stats.py
+declares its records with the same `option`.
 
 Plain dataclasses rather than a pydantic model, and no import of anything:
 the executor runs where pydantic is not installed (the GPU host), and the

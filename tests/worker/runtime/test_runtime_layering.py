@@ -8,8 +8,8 @@ import sys
 from tests.procs import REPO
 
 # protocol's pure-data modules (standard library only): the options' one declaration,
-# finish reasons and request states, the vocabulary and context rules.
-PURE_PROTOCOL = {"protocol", "protocol.options", "protocol.status", "protocol.model_fit"}
+# finish reasons and request states, the stats, the vocabulary and context rules.
+PURE_PROTOCOL = {"protocol", "protocol.options", "protocol.status", "protocol.stats", "protocol.model_fit"}
 
 
 def test_the_runtime_imports_no_service_or_wire_package() -> None:
