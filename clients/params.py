@@ -6,15 +6,18 @@ the executor is reachable from each of them. `request_fields` is the one
 mapping from these options to the executor's `Request` and the wire's
 `Submit` (protocol/request.py), which share their field names.
 
-Plain dataclasses, importing nothing at run time beyond the standard library:
-the client library, the jobs client and the LLM all import this.
+Plain dataclasses, importing nothing at run time beyond the standard library
+and protocol/options.py (the options' one declaration, itself standard library
+only): the client library, the jobs client and the LLM all import this.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
+
+from protocol import options
 
 if TYPE_CHECKING:
     import numpy as np
@@ -23,13 +26,10 @@ if TYPE_CHECKING:
     from protocol import FinishReason
 
 # SamplingParams fields that are the executor's SamplingConfig fields, name for name.
-SAMPLING_CONFIG_FIELDS = (
-    "beam_width", "top_k", "top_p", "top_p_min", "top_p_reset_ids", "top_p_decay", "min_p", "seed", "temperature",
-    "min_tokens", "beam_search_diversity_rate", "repetition_penalty", "presence_penalty", "frequency_penalty",
-    "length_penalty", "early_stopping", "no_repeat_ngram_size",
-)  # fmt: skip
-# And those of its OutputConfig.
-OUTPUT_CONFIG_FIELDS = ("return_log_probs", "top_n_log_probs", "return_context_logits", "return_generation_logits")
+SAMPLING_CONFIG_FIELDS = tuple(f.name for f in fields(options.SamplingConfig))
+# And those of its OutputConfig; the prompt is never echoed in outputs, which
+# carry it apart (RequestOutput.prompt_token_ids).
+OUTPUT_CONFIG_FIELDS = tuple(f.name for f in fields(options.OutputConfig) if f.name != "exclude_input_from_output")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -36,6 +36,7 @@ from ops.sd_notify import Notifier
 from protocol import ErrorCode
 from protocol.chat_template import ChatTemplateError
 from protocol.limits import socket_turn
+from protocol.model_fit import context_overflow, token_outside_vocabulary
 from protocol.text import OutputStream
 
 log = logging.getLogger(__name__)
@@ -467,19 +468,12 @@ class Gateway:
     def _check_fits(msg: protocol.Submit, link: WorkerLink) -> str | None:
         ids = msg.input_token_ids or []
         if link.vocab_size is not None:
-            # Prompt tuning: ids past the vocabulary name rows of the request's table.
             table = msg.prompt_tuning_config
-            limit = link.vocab_size + (0 if table is None else table.rows)
-            bad = [t for t in ids if t >= limit]
-            if bad:
-                table_rows = "" if table is None else f" and the prompt table's {table.rows} rows"
-                return (f"input_token_ids: token id {bad[0]} is out of the vocabulary (size {link.vocab_size})"
-                        f"{table_rows}")
-        if link.max_seq_len is not None and len(ids) + msg.max_tokens > link.max_seq_len:
-            return (
-                f"prompt ({len(ids)} tokens) + max_tokens ({msg.max_tokens}) exceeds the model's "
-                f"context of {link.max_seq_len} tokens"
-            )
+            problem = token_outside_vocabulary(ids, link.vocab_size, 0 if table is None else table.rows)
+            if problem is not None:
+                return problem
+        if link.max_seq_len is not None:
+            return context_overflow(len(ids), msg.max_tokens, link.max_seq_len)
         return None
 
     def _dispatch_waiting(self, now: float) -> None:

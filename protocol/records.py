@@ -1,17 +1,19 @@
 """Records a worker publishes about itself: load (in heartbeats and result
-batches), registry entry, and the executor's iteration and request stats."""
+batches), registry entry, and the executor's iteration and request stats (built
+from their one declaration, protocol/stats.py)."""
 
 from __future__ import annotations
 
-import time
-from typing import Annotated, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
+from protocol import stats
 from protocol.base import Message, Name, WireModel
+from protocol.derive import wire_model
+from protocol.status import RequestState
 
 Count = Annotated[int, Field(ge=0)]
-Millis = Annotated[float, Field(ge=0.0)]
 
 
 class WorkerLoad(WireModel):
@@ -40,43 +42,23 @@ class WorkerInfo(Message):
     lora_loadable: list[Name] = Field(default_factory=list)  # those it loads when a request names one
 
 
-class IterationStats(Message):
-    """worker.executor.types.IterationStats, field for field."""
-
+class _IterationStatsMessage(Message):
     kind: ClassVar[str] = "iteration_stats"
 
-    timestamp: float
-    iter: Count
-    iter_latency_ms: Millis
-    num_active_requests: Count
-    num_queued_requests: Count
-    num_context_requests: Count
-    num_generation_requests: Count
-    num_scheduled_tokens: Count
-    max_num_blocks: Count
-    free_num_blocks: Count
-    used_num_blocks: Count
-    reused_blocks: Count
-    num_draft_tokens: Count = 0
-    num_accepted_draft_tokens: Count = 0
-    num_preempted: Count = 0
 
-
-class RequestStats(Message):
-    """worker.executor.types.RequestStats, keyed by the client's request id."""
-
+class _RequestStatsMessage(Message):
     kind: ClassVar[str] = "request_stats"
 
-    request_id: Name
-    state: Literal["queued", "context", "generation", "preempted", "finished"]
-    prompt_tokens: Count
-    context_prefill_position: Count
-    num_generated_tokens: Count
-    queue_time_ms: Millis | None
-    time_to_first_token_ms: Millis | None
-    allocated_blocks: Count
-    reused_blocks: Count
-    num_draft_tokens: Count = 0
-    num_accepted_draft_tokens: Count = 0
-    speculation_off_reason: str | None = None
-    timestamp: float = Field(default_factory=time.time)
+
+if TYPE_CHECKING:
+    # What type checkers see: the declaration's fields on a message, built from keywords.
+    class IterationStats(_IterationStatsMessage, stats.IterationStats):
+        def __init__(self, **fields: Any) -> None: ...
+
+    class RequestStats(_RequestStatsMessage, stats.RequestStats):
+        def __init__(self, **fields: Any) -> None: ...
+else:
+    IterationStats = wire_model(stats.IterationStats, base=_IterationStatsMessage, module=__name__)
+    # Keyed by the client's request id; the state by its name.
+    RequestStats = wire_model(stats.RequestStats, base=_RequestStatsMessage, module=__name__, types={
+        "request_id": Name, "state": Literal[tuple(state.value for state in RequestState)]})

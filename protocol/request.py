@@ -1,45 +1,30 @@
 """The submit message: one generation request, field for field the executor's
-`Request` (worker/executor/types.py), plus what only the service needs."""
+`Request` (worker/executor/types.py), plus what only the service needs. Its
+sampling and output options are built from their one declaration,
+protocol/options.py."""
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal, Self
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import Field, model_validator
 
+from protocol import options
 from protocol.base import Message, Name, Uint64, WireModel
+from protocol.derive import wire_model
 from protocol.packed import Floats, TokenIds
 from protocol.results import Logits
 
+if TYPE_CHECKING:
+    # What type checkers see: the declaration's fields on a wire model, built from keywords.
+    class SamplingConfig(WireModel, options.SamplingConfig):
+        def __init__(self, **fields: Any) -> None: ...
 
-class SamplingConfig(WireModel):
-    """How to pick the next token. `None` means the executor default."""
-
-    beam_width: int = Field(1, ge=1)
-    top_k: int | None = Field(None, ge=0)
-    top_p: float | None = Field(None, ge=0.0, le=1.0)  # 0: off (greedy when top_k is 0 too)
-    top_p_min: float | None = Field(None, gt=0.0, le=1.0)
-    top_p_reset_ids: int | None = Field(None, ge=-1)
-    top_p_decay: float | None = Field(None, gt=0.0, le=1.0)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: Uint64 | None = None
-    temperature: float | None = Field(None, ge=0.0)
-    min_tokens: int | None = Field(None, ge=0)
-    beam_search_diversity_rate: float | None = Field(None, ge=0.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    length_penalty: float | None = None
-    early_stopping: int | None = None
-    no_repeat_ngram_size: int | None = Field(None, ge=1)
-
-
-class OutputConfig(WireModel):
-    return_log_probs: bool = False
-    return_context_logits: bool = False
-    return_generation_logits: bool = False
-    exclude_input_from_output: bool = True
-    top_n_log_probs: int = Field(0, ge=0)
+    class OutputConfig(WireModel, options.OutputConfig):
+        def __init__(self, **fields: Any) -> None: ...
+else:
+    SamplingConfig = wire_model(options.SamplingConfig, module=__name__)
+    OutputConfig = wire_model(options.OutputConfig, module=__name__)
 
 
 class GuidedDecodingParams(WireModel):

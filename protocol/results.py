@@ -3,7 +3,6 @@ result batch that carries one iteration's responses for one peer."""
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Self
@@ -14,17 +13,7 @@ from protocol.base import Message, Name, Uint64, WireModel
 from protocol.limits import DEFAULT_LIMITS
 from protocol.packed import FloatRows, Floats, TokenIdRows, TokenIds
 from protocol.records import WorkerLoad
-
-
-class FinishReason(enum.IntEnum):
-    """Same values as worker.executor.types.FinishReason (a test keeps them equal)."""
-
-    NOT_FINISHED = 0
-    END_ID = 1
-    STOP_WORDS = 2
-    LENGTH = 3
-    TIMED_OUT = 4
-    CANCELLED = 5
+from protocol.status import FinishReason as FinishReason  # its home before protocol.status
 
 
 class Logits(WireModel):

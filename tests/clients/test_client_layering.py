@@ -29,6 +29,11 @@ def test_gateway_never_imports_the_executor():
 
 
 def test_the_user_facing_types_need_nothing():
-    loaded = _loaded_after("import clients.params")
-    for heavy in ("zmq", "redis", "pydantic", "msgpack", "numpy", "tokenizers", "protocol", "worker", "gateway"):
+    code = "import sys, clients.params; print('\\n'.join(sys.modules))"
+    modules = set(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                                 check=True).stdout.split())
+    loaded = {m.split(".")[0] for m in modules}
+    for heavy in ("zmq", "redis", "pydantic", "msgpack", "numpy", "tokenizers", "worker", "gateway"):
         assert heavy not in loaded, f"importing clients.params loads {heavy}"
+    # protocol's options are declared once, in a module that needs nothing either
+    assert {m for m in modules if m.split(".")[0] == "protocol"} == {"protocol", "protocol.options"}

@@ -58,7 +58,7 @@ def test_ids_past_the_table_are_refused_for_that_request(service: Stack, wire: W
     wire.send(submit("past", [5, vocab + 2], np.zeros((2, hidden), np.float32)))
     error = wire.wait_error()
     assert error.request_id == "past"
-    assert f"token id {vocab + 2} is out of the vocabulary (size {vocab}) and the prompt table's 2 rows" in (
+    assert f"token id {vocab + 2} is outside the vocabulary and the prompt-tuning table [0, {vocab} + 2)" in (
         error.message
     )
     wire.send(submit("narrow", [5, vocab], np.zeros((1, hidden - 1), np.float32)))

@@ -4,24 +4,25 @@ Plain dataclasses on purpose: the executor must run where pydantic is not
 installed (the GPU host). The wire models in `protocol` mirror these fields and
 validate untrusted input; the executor still checks everything that depends on
 the model (vocabulary, context length) itself.
+
+The sampling and output options, the finish reasons, the request states and
+the iteration and request stats are declared once in `protocol`'s pure-data
+modules (standard library only) and used here as they are.
 """
 
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-
-class FinishReason(enum.IntEnum):
-    NOT_FINISHED = 0
-    END_ID = 1
-    STOP_WORDS = 2
-    LENGTH = 3
-    TIMED_OUT = 4
-    CANCELLED = 5
+from protocol.options import OutputConfig as OutputConfig
+from protocol.options import SamplingConfig as SamplingConfig
+from protocol.stats import IterationStats as IterationStats
+from protocol.stats import RequestStats as RequestStats
+from protocol.status import FinishReason as FinishReason
+from protocol.status import RequestState as RequestState
 
 
 class CapacitySchedulerPolicy(enum.Enum):
@@ -29,56 +30,6 @@ class CapacitySchedulerPolicy(enum.Enum):
     GUARANTEED_NO_EVICT = "guaranteed_no_evict"
     # Admit greedily; when blocks run out, preempt the newest requests by recompute.
     MAX_UTILIZATION = "max_utilization"
-
-
-class RequestState(enum.Enum):
-    QUEUED = "queued"
-    CONTEXT = "context"
-    GENERATION = "generation"
-    PREEMPTED = "preempted"
-    FINISHED = "finished"
-
-
-@dataclass(slots=True)
-class SamplingConfig:
-    """How to pick the next token. `None` means the executor default."""
-
-    beam_width: int = 1
-    top_k: int | None = None  # 0 or None: no top-k
-    top_p: float | None = None  # None or 1.0: no top-p
-    top_p_min: float | None = None
-    top_p_reset_ids: int | None = None
-    top_p_decay: float | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    temperature: float | None = None  # None: 1.0; 0.0: greedy
-    min_tokens: int | None = None
-    beam_search_diversity_rate: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    length_penalty: float | None = None
-    early_stopping: int | None = None
-    no_repeat_ngram_size: int | None = None
-
-    @property
-    def is_greedy(self) -> bool:
-        # As in TensorRT-LLM, a config that asks for no randomness decodes greedily,
-        # and so does top_k = 0 with top_p = 0 (TensorRT-LLM's defaults for both).
-        unset = all(v is None for v in (self.temperature, self.top_k, self.top_p, self.min_p))
-        both_zero = not self.top_k and self.top_p == 0.0
-        return unset or both_zero or self.temperature == 0.0 or self.top_k == 1
-
-
-@dataclass(slots=True)
-class OutputConfig:
-    return_log_probs: bool = False
-    return_context_logits: bool = False
-    return_generation_logits: bool = False
-    # TensorRT-LLM defaults this to False (outputs repeat the prompt); a service
-    # almost never wants the prompt echoed, so we default to True.
-    exclude_input_from_output: bool = True
-    top_n_log_probs: int = 0
 
 
 @dataclass(slots=True)
@@ -318,44 +269,3 @@ class ExecutorConfig:
     @property
     def lora_enabled(self) -> bool:
         return self.peft_cache_config is not None or bool(self.lora_adapters)
-
-
-@dataclass(slots=True)
-class IterationStats:
-    timestamp: float
-    iter: int
-    iter_latency_ms: float
-    num_active_requests: int
-    num_queued_requests: int
-    num_context_requests: int
-    num_generation_requests: int
-    num_scheduled_tokens: int
-    max_num_blocks: int
-    free_num_blocks: int
-    used_num_blocks: int
-    reused_blocks: int  # cumulative prefix-cache hits, in blocks
-    # Speculative decoding in this step: tokens proposed, and how many were accepted.
-    num_draft_tokens: int = 0
-    num_accepted_draft_tokens: int = 0
-    # Sequences whose KV this step's schedule dropped to make room (MAX_UTILIZATION): they
-    # recompute their tokens when admitted again.
-    num_preempted: int = 0
-
-
-@dataclass(slots=True)
-class RequestStats:
-    request_id: int
-    state: RequestState
-    prompt_tokens: int
-    context_prefill_position: int  # prompt tokens processed so far
-    num_generated_tokens: int
-    queue_time_ms: float | None
-    time_to_first_token_ms: float | None
-    allocated_blocks: int
-    reused_blocks: int
-    # Speculative decoding: draft tokens verified, and how many were accepted.
-    num_draft_tokens: int = 0
-    num_accepted_draft_tokens: int = 0
-    # Why a request that asked for speculation did not speculate (None: it did, or never asked).
-    speculation_off_reason: str | None = None
-    timestamp: float = field(default_factory=time.time)

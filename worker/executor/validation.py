@@ -1,7 +1,9 @@
 """Checks a request against the model and the executor's limits.
 
 The wire models validate types and ranges for untrusted input; these checks
-need the model (vocabulary, context) and also guard in-process callers.
+need the model (vocabulary, context) and also guard in-process callers. The
+options' ranges (protocol/options.py) and the vocabulary and context rules
+(protocol/model_fit.py) are the ones the wire and the gateway apply.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from protocol.model_fit import context_overflow, token_outside_vocabulary
+from protocol.options import out_of_bounds
 from worker.executor.types import ExecutorConfig, PackedWordList, Request, WordList
 from worker.models.config import ModelConfig
 
@@ -34,28 +38,20 @@ def normalize_word_list(words: WordList | None, name: str) -> list[list[int]]:
     return [list(w) for w in words]
 
 
-MAX_TOP_N_LOG_PROBS = 64
-
-
 def validate_request(request: Request, model: ModelConfig, config: ExecutorConfig, max_seq_len: int,
                      processors: Mapping[str, object] | None = None) -> None:
     prompt = request.input_token_ids
     if not prompt:
         raise RequestError("input_token_ids is empty: a prompt needs at least one token")
     table = _prompt_table_rows(request, model)
-    bad = [t for t in prompt if not 0 <= t < model.vocab_size + table]
-    if bad:
-        if table:
-            raise RequestError(f"input_token_ids: token id {bad[0]} is outside the vocabulary and the prompt-tuning "
-                               f"table [0, {model.vocab_size} + {table})")
-        raise RequestError(f"input_token_ids: token id {bad[0]} is outside the vocabulary [0, {model.vocab_size})")
+    problem = token_outside_vocabulary(prompt, model.vocab_size, table)
+    if problem is not None:
+        raise RequestError(problem)
     if request.max_tokens < 1:
         raise RequestError(f"max_tokens must be >= 1, got {request.max_tokens}")
-    if len(prompt) + request.max_tokens > max_seq_len:
-        raise RequestError(
-            f"prompt ({len(prompt)} tokens) + max_tokens ({request.max_tokens}) exceeds the model's context "
-            f"of {max_seq_len} tokens"
-        )
+    problem = context_overflow(len(prompt), request.max_tokens, max_seq_len)
+    if problem is not None:
+        raise RequestError(problem)
     if not config.enable_chunked_context and len(prompt) > config.max_num_tokens:
         raise RequestError(
             f"prompt ({len(prompt)} tokens) exceeds max_num_tokens ({config.max_num_tokens}) "
@@ -66,16 +62,10 @@ def validate_request(request: Request, model: ModelConfig, config: ExecutorConfi
         raise RequestError(
             f"sampling_config.beam_width {cfg.beam_width} is outside [1, max_beam_width={config.max_beam_width}]"
         )
-    if cfg.top_p is not None and not 0.0 <= cfg.top_p <= 1.0:  # 0: off (greedy when top_k is 0 too)
-        raise RequestError(f"sampling_config.top_p must be in [0, 1], got {cfg.top_p}")
-    if cfg.top_k is not None and cfg.top_k < 0:
-        raise RequestError(f"sampling_config.top_k must be >= 0, got {cfg.top_k}")
-    if cfg.temperature is not None and cfg.temperature < 0:
-        raise RequestError(f"sampling_config.temperature must be >= 0, got {cfg.temperature}")
-    if cfg.min_p is not None and not 0.0 <= cfg.min_p <= 1.0:
-        raise RequestError(f"sampling_config.min_p must be in [0, 1], got {cfg.min_p}")
-    if cfg.min_tokens is not None and cfg.min_tokens < 0:
-        raise RequestError(f"sampling_config.min_tokens must be >= 0, got {cfg.min_tokens}")
+    # Every option's own range, as the wire model checks it for untrusted input.
+    problem = out_of_bounds(cfg, "sampling_config") or out_of_bounds(request.output_config, "output_config")
+    if problem is not None:
+        raise RequestError(problem)
     if request.num_return_sequences < 1:
         raise RequestError(f"num_return_sequences must be >= 1, got {request.num_return_sequences}")
     if request.end_id is not None and not -1 <= request.end_id < model.vocab_size:
@@ -122,22 +112,8 @@ def _prompt_table_rows(request: Request, model: ModelConfig) -> int:
 def _check_decoding(request: Request, model: ModelConfig) -> None:
     cfg = request.sampling_config
     out = request.output_config
-    if cfg.repetition_penalty is not None and cfg.repetition_penalty <= 0:
-        raise RequestError(f"sampling_config.repetition_penalty must be > 0, got {cfg.repetition_penalty}")
-    if cfg.no_repeat_ngram_size is not None and cfg.no_repeat_ngram_size < 0:
-        raise RequestError(f"sampling_config.no_repeat_ngram_size must be >= 0, got {cfg.no_repeat_ngram_size}")
-    if cfg.top_p_decay is not None and not 0.0 < cfg.top_p_decay <= 1.0:
-        raise RequestError(f"sampling_config.top_p_decay must be in (0, 1], got {cfg.top_p_decay}")
-    if cfg.top_p_min is not None and not 0.0 < cfg.top_p_min <= 1.0:
-        raise RequestError(f"sampling_config.top_p_min must be in (0, 1], got {cfg.top_p_min}")
     if cfg.top_p_reset_ids is not None and not -1 <= cfg.top_p_reset_ids < model.vocab_size:
         raise RequestError(f"sampling_config.top_p_reset_ids {cfg.top_p_reset_ids} is outside the vocabulary")
-    if cfg.beam_search_diversity_rate is not None and cfg.beam_search_diversity_rate < 0:
-        raise RequestError(
-            f"sampling_config.beam_search_diversity_rate must be >= 0, got {cfg.beam_search_diversity_rate}")
-    if not 0 <= out.top_n_log_probs <= MAX_TOP_N_LOG_PROBS:
-        raise RequestError(f"output_config.top_n_log_probs must be in [0, {MAX_TOP_N_LOG_PROBS}], "
-                           f"got {out.top_n_log_probs}")
     if cfg.beam_width > 1:
         if request.num_return_sequences > cfg.beam_width:
             raise RequestError(f"num_return_sequences ({request.num_return_sequences}) must not exceed "

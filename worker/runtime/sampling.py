@@ -10,8 +10,8 @@ name, onto the executor's SamplingConfig, which does the sampling.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import InitVar, dataclass
-from typing import Any
+from dataclasses import InitVar, dataclass, fields
+from typing import Any, get_type_hints
 
 import numpy as np
 
@@ -19,25 +19,14 @@ from worker.executor import PackedWordList
 from worker.executor import SamplingConfig as RequestSampling
 from worker.executor.types import WordList
 
-# runtime name -> the executor SamplingConfig field it sets
-_PER_SEQUENCE = {
-    "temperature": "temperature",
-    "top_k": "top_k",
-    "top_p": "top_p",
-    "top_p_decay": "top_p_decay",
-    "top_p_min": "top_p_min",
-    "top_p_reset_ids": "top_p_reset_ids",
-    "min_p": "min_p",
-    "random_seed": "seed",
-    "min_length": "min_tokens",
-    "repetition_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "no_repeat_ngram_size": "no_repeat_ngram_size",
-    "length_penalty": "length_penalty",
-    "early_stopping": "early_stopping",
-    "beam_search_diversity_rate": "beam_search_diversity_rate",
-}
+# The runtime's names for executor SamplingConfig options (TensorRT-LLM's runtime
+# spells these two differently); every other option keeps its name.
+_RENAMED = {"seed": "random_seed", "min_tokens": "min_length"}
+# runtime name -> the executor SamplingConfig option it sets, per sequence (beam_width
+# is one for the whole batch)
+_PER_SEQUENCE = {_RENAMED.get(f.name, f.name): f.name for f in fields(RequestSampling) if f.name != "beam_width"}
+# The integer options: a vector's entries arrive as floats or numpy scalars.
+_INTEGER = {name for name, hint in get_type_hints(RequestSampling).items() if hint == int | None}
 
 Vector = float | int | Sequence[float] | Sequence[int] | Any  # a number, or a 1-D list / array / tensor
 
@@ -96,8 +85,8 @@ class SamplingConfig:
                   for name, executor in _PER_SEQUENCE.items()}
         if values["repetition_penalty"] == 0:
             values["repetition_penalty"] = None
-        for name in ("top_k", "top_p_reset_ids", "seed", "min_tokens", "no_repeat_ngram_size", "early_stopping"):
-            if values[name] is not None:
+        for name in _INTEGER:
+            if values.get(name) is not None:
                 values[name] = int(values[name])
         return RequestSampling(beam_width=self.beam_width, **values)
 

@@ -7,10 +7,17 @@ import sys
 
 from tests.procs import REPO
 
+# protocol's pure-data modules (standard library only): the options' one declaration,
+# finish reasons and request states, the stats, the vocabulary and context rules.
+PURE_PROTOCOL = {"protocol", "protocol.options", "protocol.status", "protocol.stats", "protocol.model_fit"}
+
 
 def test_the_runtime_imports_no_service_or_wire_package() -> None:
     code = "import sys, worker.runtime; print('\\n'.join(sys.modules))"
-    loaded = {m.split(".")[0] for m in subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                                                      text=True, check=True).stdout.split()}
-    for forbidden in ("zmq", "redis", "pydantic", "msgpack", "protocol", "clients", "gateway"):
+    modules = set(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                                 check=True).stdout.split())
+    loaded = {m.split(".")[0] for m in modules}
+    for forbidden in ("zmq", "redis", "pydantic", "msgpack", "clients", "gateway"):
         assert forbidden not in loaded, f"importing worker.runtime loads {forbidden}"
+    wire = {m for m in modules if m.split(".")[0] == "protocol"} - PURE_PROTOCOL
+    assert not wire, f"importing worker.runtime loads {sorted(wire)}"
