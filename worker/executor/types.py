@@ -43,7 +43,7 @@ class PackedWordList:
     """TensorRT-LLM's `[2, len]` word-list tensor, named so that it is never
     mistaken for two words: `tokens` holds every word's tokens back to back and
     `offsets` where the words meet, -1 padded to len(tokens). Both layouts are
-    read: the seed documents' exclusive prefix sum, which starts at 0 and ends
+    read: the Executor API documents' exclusive prefix sum, which starts at 0 and ends
     at the last word's end (`[0, 3, 5, 9, -1, ...]`, so single-token words need
     one extra column), and TensorRT-LLM's end offsets (`[3, 5, 9, -1, ...]`).
     Tokens after the last word's end are padding."""
@@ -57,7 +57,7 @@ class PackedWordList:
         if any(o != -1 for o in self.offsets[len(ends):]):
             raise ValueError("offsets must be word boundaries followed only by -1 padding")
         if ends and ends[0] == 0:
-            ends = ends[1:]  # the seed's layout: the leading 0 is the first word's start
+            ends = ends[1:]  # the prefix-sum layout: the leading 0 is the first word's start
         if not ends or ends != sorted(set(ends)) or ends[-1] > len(self.tokens):
             raise ValueError(f"offsets {self.offsets} are not increasing boundaries within {len(self.tokens)} tokens")
         return [list(self.tokens[a:b]) for a, b in zip([0, *ends[:-1]], ends, strict=True)]
