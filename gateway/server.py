@@ -278,6 +278,7 @@ class Gateway:
         try:
             msg = protocol.decode(payload, self.limits)
         except protocol.ProtocolError as e:
+            self.metrics.protocol_errors.inc()
             if e.request_id is not None:
                 self.metrics.ended(None, f"error_{ErrorCode.PROTOCOL}")
             self._reply(client, protocol.ErrorReply(code=ErrorCode.PROTOCOL, message=str(e), request_id=e.request_id))
@@ -570,6 +571,7 @@ class Gateway:
             try:
                 msg = protocol.decode(payload, self.limits)
             except protocol.ProtocolError as e:
+                self.metrics.protocol_errors.inc()
                 log.error("worker %s sent a bad message: %s", link.worker_id, e)
                 continue
             link.last_seen = time.monotonic()

@@ -146,6 +146,9 @@ class _Metrics:
                                   E2E_BUCKETS, r)
         self.streams = _Streams(self.ttft, self.itl, self.e2e, self.generated_tokens, self.model_of)
         self.redis_connected = Gauge(f"{p}_redis_connected", "1 while Redis answers", registry=r)
+        self.protocol_errors = Counter(f"{p}_protocol_errors",
+                                       "Messages refused at the protocol boundary (malformed, over a limit, invalid)",
+                                       registry=r)  # fmt: skip
         self._server: object = None
 
     def model_of(self, key: object) -> str:

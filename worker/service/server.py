@@ -353,6 +353,7 @@ class WorkerService:
         try:
             msg = protocol.decode(payload, self.limits)
         except protocol.ProtocolError as e:
+            self.metrics.protocol_errors.inc()
             self._send(gateway, protocol.ErrorReply(code=ErrorCode.PROTOCOL, message=str(e), request_id=e.request_id))
             return
         peer = self.gateways.get(gateway)
