@@ -535,10 +535,9 @@ class Gateway:
 
     def _connect(self, info: protocol.WorkerInfo) -> None:
         sock = self.ctx.socket(zmq.DEALER)
-        # Under CURVE the worker knows this socket by a secret routing id: a peer that takes the
-        # gateway's name is refused and logged there, and cannot silently collide with this socket.
-        identity = routing_id(self.gateway_id) if self.config.curve is not None else self.gateway_id.encode()
-        sock.setsockopt(zmq.IDENTITY, identity)
+        # The worker knows this socket by a secret routing id (CURVE or not): a peer that takes
+        # the gateway's name is refused and logged there, and cannot silently collide with this socket.
+        sock.setsockopt(zmq.IDENTITY, routing_id(self.gateway_id))
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
