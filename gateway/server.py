@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
 import socket
 import threading
 import time
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 import zmq
 
 import protocol
+from gateway.api_keys import ApiKeys
 from gateway.client_batch import ClientBatch
 from gateway.discovery import Discovery
 from gateway.tokenizer_store import PromptError, Tokenizers
@@ -34,6 +36,7 @@ from ops.drain import Drain
 from ops.metrics import GatewayMetrics, outcome
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
+from protocol.api_keys import API_KEY_ENV
 from protocol.chat_template import ChatTemplateError
 from protocol.limits import socket_turn
 from protocol.text import OutputStream
@@ -81,6 +84,8 @@ class GatewayConfig:
     # CURVE on: clients must authenticate (with an allowed key, or any key), and only workers
     # whose registry entry carries a pinned key are connected to; None: off (loopback only).
     curve: CurveConfig | None = None
+    # The binds served open beyond this host under --insecure, one line each (/health shows them).
+    insecure: list[str] = field(default_factory=list)
 
 
 @dataclass(eq=False, slots=True)
@@ -102,11 +107,15 @@ class _Client:
     heartbeat_interval_s: float
     last_seen: float = field(default_factory=time.monotonic)
     requests: dict[str, _Request] = field(default_factory=dict)  # by the client's request id
+    authorized: bool = False  # it gave an accepted API key (where one is needed)
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, api_keys: ApiKeys | None = None) -> None:
         self.config = config
+        # API keys on: HTTP requests need one, and (CURVE off) so do ZeroMQ clients, in their Hello.
+        self.api_keys = api_keys
+        self.bridge_key = secrets.token_urlsafe(24)  # the HTTP front's: it checks keys itself
         self.limits = protocol.DEFAULT_LIMITS
         self.keys = protocol.Keys(config.redis_prefix)
         self.ctx = zmq.Context()
@@ -172,6 +181,8 @@ class Gateway:
     def serve(self) -> None:
         """Run until `self.stop` is set."""
         self.discovery.start()
+        if self.api_keys is not None:
+            self.api_keys.start()
         log.info("gateway %s listening at %s", self.gateway_id, self.address)
         interval = self.config.heartbeat_interval_s
         next_tick = 0.0
@@ -214,6 +225,8 @@ class Gateway:
             self.frontend.close(0)
             if self._curve is not None:
                 self._curve.stop()
+            if self.api_keys is not None:
+                self.api_keys.stop()
             self.ctx.term()
 
     # -- drain -------------------------------------------------------------------------------
@@ -287,6 +300,9 @@ class Gateway:
         if state is None:
             state = self.clients[client] = _Client(self.config.heartbeat_interval_s)
         state.last_seen = time.monotonic()
+        needs_key = not state.authorized and self.api_keys is not None and self.config.curve is None
+        if needs_key and not self._authorize(client, state, msg):
+            return
         if isinstance(msg, protocol.Submit):
             self._submit(client, state, msg)
         elif isinstance(msg, protocol.Cancel):
@@ -317,6 +333,23 @@ class Gateway:
                     message=f"a gateway does not accept {msg.kind} messages from clients",
                 ),
             )
+
+    def _authorize(self, client: bytes, state: _Client, msg: protocol.Message) -> bool:
+        """Whether to go on with `msg` from a client that has not given an accepted API
+        key yet: its Hello must carry one. Refusals are answered and logged."""
+        assert self.api_keys is not None
+        if isinstance(msg, protocol.Heartbeat):
+            return True
+        key = msg.api_key if isinstance(msg, protocol.Hello) else None
+        if key is not None and (key == self.bridge_key or self.api_keys.check(key) is not None):
+            state.authorized = True
+            return True
+        why = "an API key that is not accepted" if key else "no API key"
+        log.warning("client %s refused: %s", client.hex(), why)
+        request_id = getattr(msg, "request_id", None)
+        text = f"this gateway needs an API key in the client's Hello (api_key=, ${API_KEY_ENV}); got {why}"
+        self._reply(client, protocol.ErrorReply(code=ErrorCode.UNAUTHORIZED, message=text, request_id=request_id))
+        return False
 
     def _submit(self, client: bytes, state: _Client, msg: protocol.Submit) -> None:
         def refuse(code: ErrorCode, text: str) -> None:

@@ -237,6 +237,15 @@ class GatewayMetrics(_Metrics):
         self.client_cancels = Counter("tokenwire_gateway_client_cancels",
                                       "Requests their clients stopped, by model and how", ["model", "how"],
                                       registry=self.registry)  # fmt: skip
+        # By API key name (never the key): what `tokenwire keys usage` reads from Redis, per gateway.
+        self.api_key_requests = Counter("tokenwire_gateway_api_key_requests", "HTTP requests served, by API key",
+                                        ["key"], registry=self.registry)  # fmt: skip
+        self.api_key_tokens = Counter("tokenwire_gateway_api_key_tokens",
+                                      "Tokens served by API key: in (prompt) and out (generated)", ["key", "direction"],
+                                      registry=self.registry)  # fmt: skip
+        self.api_key_refused = Counter("tokenwire_gateway_api_key_rate_limited",
+                                       "Requests refused (429) for their API key's limits, by key and limit",
+                                       ["key", "limit"], registry=self.registry)  # fmt: skip
 
     def watch(
         self,
