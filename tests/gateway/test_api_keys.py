@@ -45,7 +45,7 @@ def service(service_model, redis_server, tmp_path_factory):
         del os.environ["TOKENWIRE_API_KEYS"]
 
 
-def _openai(service, key: str):  # type: ignore[no-untyped-def]
+def _openai(service, key: str):
     """An SDK client sending `key`; "" sends no key at all (the SDK itself insists on one)."""
     headers = {} if key else {"Authorization": ""}
     return openai.OpenAI(base_url=f"{service.http_url}/v1", api_key=key or "unused", max_retries=0, timeout=30,
@@ -67,7 +67,7 @@ def test_no_key_or_a_wrong_key_gets_openais_401(service) -> None:
                 with pytest.raises(openai.AuthenticationError) as excinfo:
                     call()
                 assert excinfo.value.status_code == 401
-                assert excinfo.value.body["code"] == "invalid_api_key"  # type: ignore[index]
+                assert excinfo.value.body["code"] == "invalid_api_key"
     req = urllib.request.Request(f"{service.http_url}/v1/models")
     with pytest.raises(urllib.error.HTTPError) as http_error:
         urllib.request.urlopen(req, timeout=10)

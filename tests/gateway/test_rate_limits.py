@@ -49,11 +49,11 @@ def _key(service, name: str, *limits: str) -> str:
     return key
 
 
-def _sdk(url: str, key: str):  # type: ignore[no-untyped-def]
+def _sdk(url: str, key: str):
     return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def _complete(url: str, key: str, max_tokens: int = 8):  # type: ignore[no-untyped-def]
+def _complete(url: str, key: str, max_tokens: int = 8):
     with _sdk(url, key) as c:
         return c.completions.create(model=MODEL, prompt="hello there", max_tokens=max_tokens, **FIXED)
 
@@ -75,7 +75,7 @@ def test_requests_per_minute_hold_across_gateways(service) -> None:
         _complete(b, tight)
     response = excinfo.value.response
     assert response.status_code == 429
-    assert excinfo.value.body["code"] == "rate_limit_exceeded"  # type: ignore[index]
+    assert excinfo.value.body["code"] == "rate_limit_exceeded"
     assert response.headers["x-ratelimit-limit-requests"] == "6"
     assert response.headers["x-ratelimit-remaining-requests"] == "0"
     assert 1 <= int(response.headers["retry-after"]) <= 60
