@@ -467,8 +467,6 @@ class HttpFront:
                     pending.append(_event({**head, "choices": out}))
                 if event.is_final:
                     done = True
-                    usage.prompt_tokens = prompt_tokens or 0
-                    usage.completion_tokens = sum(c.tokens for c in choices) + call.step_tokens
                     if include_usage:
                         used = api.usage(prompt_tokens, sum(c.tokens for c in choices) + call.step_tokens)
                         pending.append(_event({**head, "choices": [], "usage": used}))
@@ -476,6 +474,9 @@ class HttpFront:
             pending.append("data: [DONE]\n\n")
             yield "".join(pending).encode()
         finally:
+            # What was generated, streamed whole or not, is counted for the API key.
+            usage.prompt_tokens = prompt_tokens or 0
+            usage.completion_tokens = sum(c.tokens for c in choices) + call.step_tokens
             if not done:  # the client went away (or the stream failed): stop the request
                 with contextlib.suppress(Exception):
                     await self.bridge.cancel(request_id)

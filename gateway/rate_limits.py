@@ -61,6 +61,7 @@ class Refusal:
     """Why a request is over its key's limits, as OpenAI's 429 says it."""
 
     message: str
+    limit: str  # which: concurrent requests, requests per minute, tokens per minute
     retry_after_s: int
     headers: dict[str, str]
 
@@ -90,6 +91,7 @@ class RateLimits:
         now = time.time()
         blocked = self._blocked.get(record.name)
         if blocked is not None and now < blocked[0]:
+            self._metrics.api_key_refused.labels(record.name, blocked[1].limit).inc()
             return blocked[1]
         minute = int(now // 60)
         weight = 1.0 - (now % 60) / 60
@@ -127,7 +129,7 @@ class RateLimits:
         limit = {1: limits.max_concurrent, 2: limits.requests_per_minute, 3: limits.tokens_per_minute}[status]
         refusal = Refusal(f"Rate limit reached for API key {name!r} on {what}: limit {limit}, used "
                           f"{[inflight, requests, tokens][status - 1]}. Please try again in {retry}s.",
-                          retry, headers)  # fmt: skip
+                          what, retry, headers)  # fmt: skip
         if status != 1:  # a slot in flight may free at any moment; a minute's count only with time
             self._blocked[name] = (now + retry, refusal)
         self._metrics.api_key_refused.labels(name, what).inc()

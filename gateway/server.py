@@ -341,7 +341,7 @@ class Gateway:
         if isinstance(msg, protocol.Heartbeat):
             return True
         key = msg.api_key if isinstance(msg, protocol.Hello) else None
-        if key is not None and (key == self.bridge_key or self.api_keys.check(key) is not None):
+        if key is not None and (secrets.compare_digest(key, self.bridge_key) or self.api_keys.check(key) is not None):
             state.authorized = True
             return True
         why = "an API key that is not accepted" if key else "no API key"

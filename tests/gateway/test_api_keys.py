@@ -89,7 +89,7 @@ def test_a_key_added_in_redis_works_on_the_gateway_and_stops_when_revoked(servic
     stored = service.redis.hgetall(service.keys.api_keys())
     assert key.encode() not in b"".join([*stored, *stored.values()])  # only its hash is stored
     listed = [json.loads(line) for line in tokenwire(service.redis_url, "list").stdout.splitlines()]
-    assert [x["name"] for x in listed] == ["alice"]
+    assert "alice" in [x["name"] for x in listed]
 
     deadline = time.monotonic() + 10
     while True:  # accepted once the gateway's refresh has read it
