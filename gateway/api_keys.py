@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import threading
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import redis
 from pydantic import ValidationError
 
 import protocol
-from protocol.api_keys import ApiKeyRecord, key_hash
+from protocol.api_keys import API_KEY_ENV, ApiKeyRecord, key_hash
 
 log = logging.getLogger(__name__)
 
@@ -125,3 +126,23 @@ class ApiKeys:
             except (ValidationError, UnicodeDecodeError):
                 log.warning("API key record %s in Redis is not valid; ignored", digest[:12])
         self._stored = stored
+
+
+class HelloKeys:
+    """The keys ZeroMQ clients give in their Hello (API keys on, CURVE off). The
+    gateway's HTTP front is one such client, with a key of its own (it checks its
+    clients' keys itself)."""
+
+    def __init__(self, keys: ApiKeys) -> None:
+        self.keys = keys
+        self.own_key = secrets.token_urlsafe(24)
+
+    def refusal(self, msg: protocol.Message) -> protocol.ErrorReply | None:
+        """None where `msg` is a Hello with an accepted key; else the answer to refuse it with."""
+        key = msg.api_key if isinstance(msg, protocol.Hello) else None
+        if key is not None and (secrets.compare_digest(key, self.own_key) or self.keys.check(key) is not None):
+            return None
+        why = "an API key that is not accepted" if key else "no API key"
+        text = f"this gateway needs an API key in the client's Hello (api_key=, ${API_KEY_ENV}); got {why}"
+        return protocol.ErrorReply(code=protocol.ErrorCode.UNAUTHORIZED, message=text,
+                                   request_id=getattr(msg, "request_id", None))  # fmt: skip

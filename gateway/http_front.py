@@ -94,7 +94,7 @@ class _Call:
 class Bridge:
     """The HTTP front's ZeroMQ client of the gateway, on the front's event loop."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, api_key: str) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, api_key: str | None) -> None:
         self.api_key = api_key  # the gateway's own key for its HTTP front, which checks clients' keys
         self.sock = zmq.asyncio.Context.shadow(ctx).socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)

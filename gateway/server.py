@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import secrets
 import socket
 import threading
 import time
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 import zmq
 
 import protocol
-from gateway.api_keys import ApiKeys
+from gateway.api_keys import ApiKeys, HelloKeys
 from gateway.client_batch import ClientBatch
 from gateway.discovery import Discovery
 from gateway.tokenizer_store import PromptError, Tokenizers
@@ -36,7 +35,6 @@ from ops.drain import Drain
 from ops.metrics import GatewayMetrics, outcome
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
-from protocol.api_keys import API_KEY_ENV
 from protocol.chat_template import ChatTemplateError
 from protocol.limits import socket_turn
 from protocol.text import OutputStream
@@ -113,9 +111,11 @@ class _Client:
 class Gateway:
     def __init__(self, config: GatewayConfig, api_keys: ApiKeys | None = None) -> None:
         self.config = config
-        # API keys on: HTTP requests need one, and (CURVE off) so do ZeroMQ clients, in their Hello.
+        # API keys on: HTTP requests need one (the HTTP front checks), and with CURVE off so do
+        # ZeroMQ clients, in their Hello.
         self.api_keys = api_keys
-        self.bridge_key = secrets.token_urlsafe(24)  # the HTTP front's: it checks keys itself
+        self.client_keys = HelloKeys(api_keys) if api_keys is not None and config.curve is None else None
+        self.bridge_key = self.client_keys.own_key if self.client_keys is not None else None
         self.limits = protocol.DEFAULT_LIMITS
         self.keys = protocol.Keys(config.redis_prefix)
         self.ctx = zmq.Context()
@@ -300,9 +300,13 @@ class Gateway:
         if state is None:
             state = self.clients[client] = _Client(self.config.heartbeat_interval_s)
         state.last_seen = time.monotonic()
-        needs_key = not state.authorized and self.api_keys is not None and self.config.curve is None
-        if needs_key and not self._authorize(client, state, msg):
-            return
+        if not state.authorized and self.client_keys is not None and not isinstance(msg, protocol.Heartbeat):
+            refusal = self.client_keys.refusal(msg)
+            if refusal is not None:
+                log.warning("client %s refused: %s", client.hex(), refusal.message)
+                self._reply(client, refusal)
+                return
+            state.authorized = True
         if isinstance(msg, protocol.Submit):
             self._submit(client, state, msg)
         elif isinstance(msg, protocol.Cancel):
@@ -333,23 +337,6 @@ class Gateway:
                     message=f"a gateway does not accept {msg.kind} messages from clients",
                 ),
             )
-
-    def _authorize(self, client: bytes, state: _Client, msg: protocol.Message) -> bool:
-        """Whether to go on with `msg` from a client that has not given an accepted API
-        key yet: its Hello must carry one. Refusals are answered and logged."""
-        assert self.api_keys is not None
-        if isinstance(msg, protocol.Heartbeat):
-            return True
-        key = msg.api_key if isinstance(msg, protocol.Hello) else None
-        if key is not None and (secrets.compare_digest(key, self.bridge_key) or self.api_keys.check(key) is not None):
-            state.authorized = True
-            return True
-        why = "an API key that is not accepted" if key else "no API key"
-        log.warning("client %s refused: %s", client.hex(), why)
-        request_id = getattr(msg, "request_id", None)
-        text = f"this gateway needs an API key in the client's Hello (api_key=, ${API_KEY_ENV}); got {why}"
-        self._reply(client, protocol.ErrorReply(code=ErrorCode.UNAUTHORIZED, message=text, request_id=request_id))
-        return False
 
     def _submit(self, client: bytes, state: _Client, msg: protocol.Submit) -> None:
         def refuse(code: ErrorCode, text: str) -> None:

@@ -121,7 +121,7 @@ def test_the_zeromq_client_gives_its_key_in_hello(service) -> None:
             with pytest.raises(RequestError, match="needs an API key") as excinfo:
                 client.generate([5, 6, 7], max_tokens=4, timeout=10)
             assert excinfo.value.code == "unauthorized"
-    service.gateways[0].wait_log("refused: an API key that is not accepted")
+    service.gateways[0].wait_log("got an API key that is not accepted")
 
 
 def test_gateway_keeps_serving(service) -> None:
