@@ -102,9 +102,11 @@ class AsyncClient:
         heartbeat_interval_s: float = 1.0,
         missed_heartbeats: int = 3,
         curve: ClientCurve | None = None,
+        api_key: str | None = None,
     ) -> None:
         self._connection = Connection(
-            gateways, heartbeat_interval_s=heartbeat_interval_s, missed_heartbeats=missed_heartbeats, curve=curve
+            gateways, heartbeat_interval_s=heartbeat_interval_s, missed_heartbeats=missed_heartbeats, curve=curve,
+            api_key=api_key,
         )
         self._hop: _Hop | None = None  # for the loop of the latest submit; requests keep their own
 

@@ -31,6 +31,9 @@ from urllib.parse import urlparse
 
 from clients.cli import Subparsers
 from ops.process import LAUNCHER_ENV, stop_children
+from ops.secrets import REDIS_URL_ENV, add_redis_password_option, redact, redis_url
+
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
 DEMO_PROMPT = "In one sentence, what is a message queue?"
 
@@ -40,7 +43,10 @@ def register(subparsers: Subparsers) -> None:
         "up", help="Redis (if needed) + a worker + a gateway (ZeroMQ and HTTP) + a job consumer here, a demo, serve"
     )
     up.add_argument("--model", default="SmolLM2-135M-Instruct", help="checkpoint or the default model's name")
-    up.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    up.add_argument("--redis", default=DEFAULT_REDIS,
+                    help=f"Redis URL (default {DEFAULT_REDIS}, or ${REDIS_URL_ENV}); keep a password out of it "
+                    "and in --redis-password-file: the children get the URL in their environment, never in argv")
+    add_redis_password_option(up)
     up.add_argument("--gateway-bind", default="tcp://127.0.0.1:5550")
     up.add_argument("--worker-bind", default="tcp://127.0.0.1:5600")
     up.add_argument("--http-port", type=int, default=8000, help="the gateway's OpenAI-compatible API (0: off)")
@@ -64,8 +70,9 @@ class _Children:
     a few messages (net.unix.max_dgram_qlen, 10 by default), after which what they
     send is dropped."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
         self.log_dir = log_dir
+        self.env = env  # beside this process's own: what the children are given (the Redis URL)
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self._logs: list[IO[bytes]] = []
         self._notify_dir = Path(tempfile.mkdtemp(prefix="tw-up-"))  # AF_UNIX paths are short: not under log_dir
@@ -92,7 +99,8 @@ class _Children:
         self._logs.append(log)
         # The launcher's pid: each child gets SIGTERM when this process ends, kill -9 included
         # (ops.process.stop_with_launcher). A redis-server started here does not: it stays.
-        env = {**os.environ, "NOTIFY_SOCKET": str(self._notify_dir / "notify"), LAUNCHER_ENV: str(os.getpid())}
+        env = {**os.environ, **self.env, "NOTIFY_SOCKET": str(self._notify_dir / "notify"),
+               LAUNCHER_ENV: str(os.getpid())}
         self.procs.append((name, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)))
 
     def all_ready(self) -> bool:
@@ -134,12 +142,18 @@ def run(args: argparse.Namespace) -> int:
     redis_proc = None
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tokenwire-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    children = _Children(log_dir)
+    try:
+        args.redis = redis_url(args.redis, DEFAULT_REDIS, args.redis_password_file)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    # In the environment, not argv: `ps` shows every user a process's argv, and the URL may hold a password.
+    children = _Children(log_dir, {REDIS_URL_ENV: args.redis})
     try:
         if not _redis_answers(args.redis):
             redis_proc = _start_redis(args.redis)
         else:
-            print(f"using the Redis at {args.redis}")
+            print(f"using the Redis at {redact(args.redis)}")
         from worker.models.config import CheckpointError
         from worker.models.default_model import resolve_model
 
@@ -150,12 +164,11 @@ def run(args: argparse.Namespace) -> int:
             return 1
         py = sys.executable
         children.start("worker", [py, "-m", "worker.service", "--model", str(path), "--bind", args.worker_bind,
-                                  "--redis", args.redis, "--backend", args.backend])  # fmt: skip
+                                  "--backend", args.backend])  # fmt: skip
         http = ["--http-port", str(args.http_port), "--http-host", args.http_host] if args.http_port else []
-        children.start("gateway", [py, "-m", "gateway", "--bind", args.gateway_bind, "--redis", args.redis, *http])
+        children.start("gateway", [py, "-m", "gateway", "--bind", args.gateway_bind, *http])
         if not args.no_consumer:
-            children.start("consumer", [py, "-m", "clients.cli", "jobs", "consume", "--gateway", args.gateway_bind,
-                                        "--redis", args.redis])  # fmt: skip
+            children.start("consumer", [py, "-m", "clients.cli", "jobs", "consume", "--gateway", args.gateway_bind])
         print(f"starting (logs in {log_dir})", flush=True)
         problem = _wait_until_up(args, children)
         if problem:
@@ -163,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         http_url = f"http://{args.http_host}:{args.http_port}" if args.http_port else None
         print(f"\ntokenwire is up: gateway {args.gateway_bind}" + (f" and {http_url}/v1" if http_url else "")
-              + f", worker {args.worker_bind}, Redis {args.redis}"
+              + f", worker {args.worker_bind}, Redis {redact(args.redis)}"
               + ("" if args.no_consumer else ", one job consumer"))  # fmt: skip
         if not args.no_demo:
             _demo(args.gateway_bind, args.prompt, args.max_tokens)

@@ -122,6 +122,7 @@ class Client:
         connect_timeout_s: float = 2.0,
         connect_attempts: int = 2,
         curve: ClientCurve | None = None,
+        api_key: str | None = None,
     ) -> None:
         """A request fails with GatewayUnavailableError (naming the addresses) when no
         gateway answered within `connect_timeout_s`, `connect_attempts` times each."""
@@ -132,6 +133,7 @@ class Client:
             connect_timeout_s=connect_timeout_s,
             connect_attempts=connect_attempts,
             curve=curve,
+            api_key=api_key,
         )
 
     @property

@@ -32,6 +32,7 @@ import zmq
 
 import protocol
 from ops.curve import ClientCurve, connect_as_client
+from protocol.api_keys import API_KEY_ENV
 from protocol.limits import socket_turn
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class Connection(threading.Thread):
         connect_timeout_s: float = 2.0,
         connect_attempts: int | None = 2,  # None: keep trying (a daemon that waits for its gateways)
         curve: ClientCurve | None = None,  # CURVE on: the gateways are CURVE servers with this key
+        api_key: str | None = None,  # for gateways with API keys on and CURVE off; default $TOKENWIRE_API_KEY
     ) -> None:
         super().__init__(name="tokenwire-client-io", daemon=True)
         if isinstance(gateways, str) or not gateways:
@@ -90,6 +92,7 @@ class Connection(threading.Thread):
         self.connect_timeout_s = connect_timeout_s
         self.connect_attempts = connect_attempts
         self.curve = curve
+        self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
         self._failed_opens = 0  # gateways opened in a row that never answered
         self.client_id = f"client-{uuid.uuid4().hex[:12]}"
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
@@ -286,7 +289,8 @@ class Connection(threading.Thread):
         self._opened = time.monotonic()
         self._send(
             protocol.encode(
-                protocol.Hello(sender_id=self.client_id, role="client", heartbeat_interval_s=self.heartbeat_interval_s)
+                protocol.Hello(sender_id=self.client_id, role="client", heartbeat_interval_s=self.heartbeat_interval_s,
+                               api_key=self.api_key)
             )
         )
 

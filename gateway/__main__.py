@@ -7,6 +7,8 @@ import logging
 import signal
 import sys
 
+from gateway.api_keys import add_api_key_options
+from ops.binds import add_insecure_option
 from ops.config import PORT, POSITIVE_FLOAT, POSITIVE_INT, add_config_options
 from ops.curve_options import add_curve_options, curve_config
 from ops.secrets import add_redis_password_option
@@ -41,13 +43,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--http-port", type=PORT, default=0, help="serve the OpenAI-compatible HTTP API on this port (0: off)"
     )
     p.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API listens on")
+    add_api_key_options(p)
+    add_insecure_option(p)
     add_config_options(p, "gateway")
 
 
 def run(args: argparse.Namespace) -> int:
     import zmq
 
+    import protocol
+    from gateway.api_keys import ApiKeyError, ApiKeys
     from gateway.server import Gateway, GatewayConfig
+    from ops.binds import Bind, check_binds, is_local_endpoint, is_local_host
     from ops.config import apply_config
     from ops.logs import setup_logging
     from ops.process import exit_on_thread_crash, settle_gc, stop_with_launcher
@@ -57,7 +64,19 @@ def run(args: argparse.Namespace) -> int:
     apply_config(args)
     args.redis = redis_url(args.redis, DEFAULT_REDIS, args.redis_password_file)
     curve = curve_config(args)
+    try:
+        api_keys = ApiKeys.from_args(args, args.redis, protocol.Keys(args.redis_prefix))
+    except ApiKeyError as e:
+        raise SystemExit(f"tokenwire gateway: {e}") from None
+    binds = [Bind("--bind", args.bind, is_local_endpoint(args.bind), curve is not None or api_keys is not None,
+                  "--curve-secret-key-file or API keys (--api-keys-file, --api-keys-redis)")]
+    if args.http_port:
+        binds.append(Bind("--http-host", args.http_host, is_local_host(args.http_host), api_keys is not None,
+                          "API keys (--api-keys-file, --api-keys-redis)"))
+    insecure = check_binds("gateway", binds, args.insecure)
     setup_logging("gateway", args.log_level, args.log_format)
+    for warning in insecure:
+        logging.getLogger("gateway").warning("insecure: %s", warning)
     exit_on_thread_crash()
     stop_with_launcher()
     try:  # every socket bound before serving: a port in use is one line and exit status 1
@@ -75,13 +94,16 @@ def run(args: argparse.Namespace) -> int:
                 drain_timeout_s=args.drain_timeout,
                 tokenizer_sha256=dict(pin.split("=", 1) for pin in args.tokenizer_sha256),
                 curve=curve,
-            )
+                insecure=insecure,
+            ),
+            api_keys,
         )
         http = None
         if args.http_port:
             from gateway.http_front import HttpFront  # Starlette and uvicorn load only for it
 
-            http = HttpFront(gw, args.http_host, args.http_port)
+            open_paths = frozenset(p.strip() for p in args.auth_open_paths.split(",") if p.strip())
+            http = HttpFront(gw, args.http_host, args.http_port, open_paths)
         if args.metrics_port:
             gw.metrics.serve(args.metrics_host, args.metrics_port)
     except (zmq.ZMQError, OSError) as e:

@@ -47,6 +47,8 @@ from starlette.routing import Route
 
 import protocol
 from gateway import openai_api as api
+from gateway.http_auth import ApiKeyAuth, Usage, usage_of
+from gateway.rate_limits import RateLimits
 from gateway.workers import adapter_models
 from protocol.chat_template import ChatTemplateError
 
@@ -92,7 +94,8 @@ class _Call:
 class Bridge:
     """The HTTP front's ZeroMQ client of the gateway, on the front's event loop."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, api_key: str | None) -> None:
+        self.api_key = api_key  # the gateway's own key for its HTTP front, which checks clients' keys
         self.sock = zmq.asyncio.Context.shadow(ctx).socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
@@ -103,7 +106,8 @@ class Bridge:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        await self._send(protocol.Hello(sender_id=self.sender_id, role="client", heartbeat_interval_s=_HEARTBEAT_S))
+        await self._send(protocol.Hello(sender_id=self.sender_id, role="client", heartbeat_interval_s=_HEARTBEAT_S,
+                                        api_key=self.api_key))
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._beat())]
 
     async def stop(self) -> None:
@@ -173,7 +177,7 @@ class Bridge:
 class HttpFront:
     """The HTTP server of one gateway: `start()` serves on a thread, `stop()` ends it."""
 
-    def __init__(self, gateway: Gateway, host: str, port: int) -> None:
+    def __init__(self, gateway: Gateway, host: str, port: int, open_paths: frozenset[str] = frozenset()) -> None:
         self.gateway = gateway
         # Bound now, so a port in use is an error at start-up rather than on a thread later.
         self.socket = socket.create_server((host, port), reuse_port=False)
@@ -188,7 +192,10 @@ class HttpFront:
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
         self.app = Starlette(routes=routes, lifespan=self._lifespan)
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, http="auto", loop="asyncio",
+        self.limits = RateLimits(gateway.config.redis_url, gateway.keys, gateway.metrics)
+        asgi = self.app if gateway.api_keys is None else ApiKeyAuth(self.app, gateway.api_keys, open_paths,
+                                                                    self.limits)  # fmt: skip
+        config = uvicorn.Config(asgi, log_level="warning", access_log=False, http="auto", loop="asyncio",
                                 lifespan="on", timeout_graceful_shutdown=2)  # fmt: skip
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
@@ -207,7 +214,7 @@ class HttpFront:
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         from gateway.server import INPROC_ENDPOINT
 
-        self.bridge = Bridge(self.gateway.ctx, INPROC_ENDPOINT)
+        self.bridge = Bridge(self.gateway.ctx, INPROC_ENDPOINT, self.gateway.bridge_key)
         await self.bridge.start()
         watch = asyncio.create_task(self._watch_gateway())
         try:
@@ -215,6 +222,7 @@ class HttpFront:
         finally:
             watch.cancel()
             await self.bridge.stop()
+            await self.limits.close()
 
     async def _watch_gateway(self) -> None:
         """Close the bridge as soon as the gateway stops: it terminates the ZeroMQ
@@ -246,11 +254,13 @@ class HttpFront:
     # -- endpoints -------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
+        # Served open under --insecure: said where operators look.
+        insecure = {"insecure": self.gateway.config.insecure} if self.gateway.config.insecure else {}
         if not self.gateway.discovery.connected:
-            return JSONResponse({"status": "unavailable", "reason": "Redis does not answer"}, 503)
+            return JSONResponse({"status": "unavailable", "reason": "Redis does not answer", **insecure}, 503)
         if not self._ready_models():
-            return JSONResponse({"status": "unavailable", "reason": "no worker is ready"}, 503)
-        return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "unavailable", "reason": "no worker is ready", **insecure}, 503)
+        return JSONResponse({"status": "ok", **insecure})
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -290,7 +300,7 @@ class HttpFront:
         if isinstance(first, api.ApiError):
             return JSONResponse(first.body(), first.status)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = self._sse(call, submit, model, chat, prompt_tokens, include_usage, text)
+        stream = self._sse(call, submit, model, chat, prompt_tokens, include_usage, text, usage_of(request.scope))
         return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _answer_whole(self, request: Request, chat: bool,
@@ -336,6 +346,8 @@ class HttpFront:
                 choices.append(choice)
         counts = [tokens for _, _, tokens in prepared]
         prompt_tokens = None if None in counts else sum(c for c in counts if c is not None)
+        usage = usage_of(request.scope)  # counted for the API key
+        usage.prompt_tokens, usage.completion_tokens = prompt_tokens or 0, sum(c.tokens for c in choices)
         return JSONResponse(api.whole_response(chat, ids[0], prepared[0][0], choices, prompt_tokens, text))
 
     async def _cancel_all(self, request_ids: list[str]) -> None:
@@ -409,7 +421,7 @@ class HttpFront:
                     return choices
 
     async def _sse(self, call: _Call, submit: protocol.Submit, model: str, chat: bool, prompt_tokens: int | None,
-                   include_usage: bool, text: api.TokenText) -> AsyncIterator[bytes]:  # fmt: skip
+                   include_usage: bool, text: api.TokenText, usage: Usage) -> AsyncIterator[bytes]:  # fmt: skip
         assert self.bridge is not None
         request_id = submit.request_id
         head = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -462,6 +474,9 @@ class HttpFront:
             pending.append("data: [DONE]\n\n")
             yield "".join(pending).encode()
         finally:
+            # What was generated, streamed whole or not, is counted for the API key.
+            usage.prompt_tokens = prompt_tokens or 0
+            usage.completion_tokens = sum(c.tokens for c in choices) + call.step_tokens
             if not done:  # the client went away (or the stream failed): stop the request
                 with contextlib.suppress(Exception):
                     await self.bridge.cancel(request_id)

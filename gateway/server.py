@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import zmq
 
 import protocol
+from gateway.api_keys import ApiKeys, HelloKeys
 from gateway.client_batch import ClientBatch
 from gateway.discovery import Discovery
 from gateway.tokenizer_store import PromptError, Tokenizers
@@ -82,6 +83,8 @@ class GatewayConfig:
     # CURVE on: clients must authenticate (with an allowed key, or any key), and only workers
     # whose registry entry carries a pinned key are connected to; None: off (loopback only).
     curve: CurveConfig | None = None
+    # The binds served open beyond this host under --insecure, one line each (/health shows them).
+    insecure: list[str] = field(default_factory=list)
 
 
 @dataclass(eq=False, slots=True)
@@ -103,11 +106,17 @@ class _Client:
     heartbeat_interval_s: float
     last_seen: float = field(default_factory=time.monotonic)
     requests: dict[str, _Request] = field(default_factory=dict)  # by the client's request id
+    authorized: bool = False  # it gave an accepted API key (where one is needed)
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, api_keys: ApiKeys | None = None) -> None:
         self.config = config
+        # API keys on: HTTP requests need one (the HTTP front checks), and with CURVE off so do
+        # ZeroMQ clients, in their Hello.
+        self.api_keys = api_keys
+        self.client_keys = HelloKeys(api_keys) if api_keys is not None and config.curve is None else None
+        self.bridge_key = self.client_keys.own_key if self.client_keys is not None else None
         self.limits = protocol.DEFAULT_LIMITS
         self.keys = protocol.Keys(config.redis_prefix)
         self.ctx = zmq.Context()
@@ -173,6 +182,8 @@ class Gateway:
     def serve(self) -> None:
         """Run until `self.stop` is set."""
         self.discovery.start()
+        if self.api_keys is not None:
+            self.api_keys.start()
         log.info("gateway %s listening at %s", self.gateway_id, self.address)
         interval = self.config.heartbeat_interval_s
         next_tick = 0.0
@@ -215,6 +226,8 @@ class Gateway:
             self.frontend.close(0)
             if self._curve is not None:
                 self._curve.stop()
+            if self.api_keys is not None:
+                self.api_keys.stop()
             self.ctx.term()
 
     # -- drain -------------------------------------------------------------------------------
@@ -279,6 +292,7 @@ class Gateway:
         try:
             msg = protocol.decode(payload, self.limits)
         except protocol.ProtocolError as e:
+            self.metrics.protocol_errors.inc()
             if e.request_id is not None:
                 self.metrics.ended(None, f"error_{ErrorCode.PROTOCOL}")
             self._reply(client, protocol.ErrorReply(code=ErrorCode.PROTOCOL, message=str(e), request_id=e.request_id))
@@ -287,6 +301,13 @@ class Gateway:
         if state is None:
             state = self.clients[client] = _Client(self.config.heartbeat_interval_s)
         state.last_seen = time.monotonic()
+        if not state.authorized and self.client_keys is not None and not isinstance(msg, protocol.Heartbeat):
+            refusal = self.client_keys.refusal(msg)
+            if refusal is not None:
+                log.warning("client %s refused: %s", client.hex(), refusal.message)
+                self._reply(client, refusal)
+                return
+            state.authorized = True
         if isinstance(msg, protocol.Submit):
             self._submit(client, state, msg)
         elif isinstance(msg, protocol.Cancel):
@@ -528,10 +549,9 @@ class Gateway:
 
     def _connect(self, info: protocol.WorkerInfo) -> None:
         sock = self.ctx.socket(zmq.DEALER)
-        # Under CURVE the worker knows this socket by a secret routing id: a peer that takes the
-        # gateway's name is refused and logged there, and cannot silently collide with this socket.
-        identity = routing_id(self.gateway_id) if self.config.curve is not None else self.gateway_id.encode()
-        sock.setsockopt(zmq.IDENTITY, identity)
+        # The worker knows this socket by a secret routing id (CURVE or not): a peer that takes
+        # the gateway's name is refused and logged there, and cannot silently collide with this socket.
+        sock.setsockopt(zmq.IDENTITY, routing_id(self.gateway_id))
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
@@ -564,6 +584,7 @@ class Gateway:
             try:
                 msg = protocol.decode(payload, self.limits)
             except protocol.ProtocolError as e:
+                self.metrics.protocol_errors.inc()
                 log.error("worker %s sent a bad message: %s", link.worker_id, e)
                 continue
             link.last_seen = time.monotonic()

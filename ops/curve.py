@@ -11,6 +11,7 @@ worker accepts, workers a gateway connects to).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 import threading
@@ -180,42 +181,52 @@ def connect_as_client(sock: zmq.Socket, keypair: KeyPair, server_public: bytes) 
     sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
 
 
-# Under CURVE a gateway's routing identity is its name, this separator and a secret made
-# per socket. libzmq silently ignores a second connection under an identity in use, so a
-# taker who knew the whole identity would be refused unseen; knowing only the name (it is in
-# Redis), a taker connects under another identity, and its messages reach IdentityKeys.
+# A gateway's routing identity toward a worker is its name, this separator and a secret made
+# per socket, with or without CURVE. The name is public (Redis shows it); the secret is not, so
+# a taker connects under another identity and its messages reach IdentityKeys. (libzmq silently
+# ignores a second connection under an identity in use.)
 _SECRET_SEPARATOR = b"\0"
 
 
 def routing_id(name: str) -> bytes:
-    """A routing identity for a CURVE client socket: `name` and a secret suffix."""
+    """A routing identity for a gateway's socket: `name` and a secret suffix."""
     return name.encode() + _SECRET_SEPARATOR + secrets.token_hex(8).encode()
 
 
 def identity_name(identity: bytes) -> bytes:
     """The name part of a routing identity (all of it, if it has no secret suffix):
-    what logs and stats show, never the secret."""
-    return identity.partition(_SECRET_SEPARATOR)[0]
+    what logs and stats show, never the secret. The ids libzmq makes up for peers
+    that set none start with the separator: each is a name of its own."""
+    return identity.partition(_SECRET_SEPARATOR)[0] or identity
 
 
 class IdentityKeys:
-    """The CURVE key that first spoke under each routing identity's name. A message
-    under a known name from another key is an identity takeover: refused, and
-    logged. Frames must be received with copy=False so that their User-Id (the
-    peer's z85 key, set by the ZAP handler) can be read."""
+    """The credential that first spoke under each routing identity's name: under
+    CURVE the peer's key, without it the whole routing identity (its secret suffix
+    is known to its owner only). A message under a known name with another
+    credential is an identity takeover: refused, and logged. Frames must be
+    received with copy=False so that their User-Id (the peer's z85 key, set by the
+    ZAP handler) can be read."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, curve: bool) -> None:
         self.role = role
+        self.curve = curve
         self._keys: dict[bytes, str] = {}
 
+    def _credential(self, identity: bytes, frame: zmq.Frame) -> str:
+        if self.curve:
+            return f"key {frame.get('User-Id')}"
+        # Logged, so a digest: the identity itself would give its secret away.
+        return f"connection {hashlib.sha256(identity).hexdigest()[:12]}"
+
     def admit(self, identity: bytes, frame: zmq.Frame) -> bool:
-        key = str(frame.get("User-Id"))
+        key = self._credential(identity, frame)
         name = identity_name(identity)
         first = self._keys.setdefault(name, key)
         if first == key:
             return True
         log.warning(
-            "%s: refused an identity takeover: %r is bound to key %s, a peer with key %s at %s used it",
+            "%s: refused an identity takeover: %r is bound to %s, a peer with %s at %s used it",
             self.role, name.decode(errors="replace"), first, key, frame.get("Peer-Address"),
         )  # fmt: skip
         return False

@@ -146,6 +146,9 @@ class _Metrics:
                                   E2E_BUCKETS, r)
         self.streams = _Streams(self.ttft, self.itl, self.e2e, self.generated_tokens, self.model_of)
         self.redis_connected = Gauge(f"{p}_redis_connected", "1 while Redis answers", registry=r)
+        self.protocol_errors = Counter(f"{p}_protocol_errors",
+                                       "Messages refused at the protocol boundary (malformed, over a limit, invalid)",
+                                       registry=r)  # fmt: skip
         self._server: object = None
 
     def model_of(self, key: object) -> str:
@@ -234,6 +237,15 @@ class GatewayMetrics(_Metrics):
         self.client_cancels = Counter("tokenwire_gateway_client_cancels",
                                       "Requests their clients stopped, by model and how", ["model", "how"],
                                       registry=self.registry)  # fmt: skip
+        # By API key name (never the key): what `tokenwire keys usage` reads from Redis, per gateway.
+        self.api_key_requests = Counter("tokenwire_gateway_api_key_requests", "HTTP requests served, by API key",
+                                        ["key"], registry=self.registry)  # fmt: skip
+        self.api_key_tokens = Counter("tokenwire_gateway_api_key_tokens",
+                                      "Tokens served by API key: in (prompt) and out (generated)", ["key", "direction"],
+                                      registry=self.registry)  # fmt: skip
+        self.api_key_refused = Counter("tokenwire_gateway_api_key_rate_limited",
+                                       "Requests refused (429) for their API key's limits, by key and limit",
+                                       ["key", "limit"], registry=self.registry)  # fmt: skip
 
     def watch(
         self,

@@ -27,6 +27,8 @@ class ErrorCode(enum.StrEnum):
     UNAVAILABLE = "unavailable"  # no worker, or the worker serving it was lost
     DRAINING = "draining"
     INTERNAL = "internal"
+    UNAUTHORIZED = "unauthorized"  # no API key, or one the gateway does not accept (CURVE off)
+    RATE_LIMITED = "rate_limited"  # the API key is over one of its limits; retry later
 
 
 class ErrorReply(Message):
@@ -57,6 +59,8 @@ class Hello(Message):
     sender_id: Name
     role: Literal["client", "gateway"]
     heartbeat_interval_s: float = Field(gt=0.0)
+    # A client's API key, where its gateway asks for one (API keys on, CURVE off).
+    api_key: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 class Ready(Message):

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 DEFAULT_PREFIX = "tokenwire"
 # A cancel flag only has to outlive the request it stops.
 CANCEL_TTL_S = 3600
+# A rate window's counter is read during its minute and the next (the sliding estimate).
+RATE_WINDOW_TTL_S = 120
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.\-]+(:[A-Za-z0-9_.\-]+)*")
 
@@ -76,3 +78,26 @@ class Keys:
     def jobs_done_at(self, unix_second: int) -> str:
         """Count of jobs that ended done in that second, with a short TTL (throughput)."""
         return f"{self.prefix}:jobs:done:{unix_second}"
+
+    def api_keys(self) -> str:
+        """Hash: SHA-256 (hex) of an API key -> its encoded ApiKeyRecord. No TTL; a key
+        revoked is a field deleted, and every gateway drops it at its next refresh."""
+        return f"{self.prefix}:api_keys"
+
+    def api_key_usage(self, name: str) -> str:
+        """Hash of an API key's totals (by its name): requests, prompt_tokens,
+        completion_tokens. No TTL."""
+        return f"{self.prefix}:api_key:{name}:usage"
+
+    def api_key_in_flight(self, name: str) -> str:
+        """Sorted set of an API key's requests in flight on any gateway, each scored by
+        the unix time its lease ends (a gateway that died leaves nothing for longer)."""
+        return f"{self.prefix}:api_key:{name}:in_flight"
+
+    def api_key_requests(self, name: str, unix_minute: int) -> str:
+        """Count of an API key's requests started in that minute, with RATE_WINDOW_TTL_S."""
+        return f"{self.prefix}:api_key:{name}:requests:{unix_minute}"
+
+    def api_key_tokens(self, name: str, unix_minute: int) -> str:
+        """Count of an API key's tokens (prompt and output) in that minute, with RATE_WINDOW_TTL_S."""
+        return f"{self.prefix}:api_key:{name}:tokens:{unix_minute}"

@@ -16,6 +16,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import redis
+
 from clients.client import Client
 from clients.jobs import JobQueue, JobStatus
 from tests import procs
@@ -157,3 +159,26 @@ def test_kill_9_of_up_stops_its_children(service_model: Path, redis_url: str, tm
         for pid in children:  # reparented once up is gone: only this list still names them
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_ps_shows_no_redis_password_for_anything_up_started(service_model: Path, redis_server_factory,
+                                                            tmp_path: Path) -> None:  # fmt: skip
+    server = redis_server_factory()
+    password = "sesame-" + os.urandom(6).hex()
+    with redis.Redis(port=server.port) as r:
+        r.config_set("requirepass", password)
+    password_file = tmp_path / "redis-password"
+    password_file.write_text(password + "\n")
+    ports = [free_port(), free_port(), free_port()]
+    proc = _up(service_model, f"redis://127.0.0.1:{server.port}/0", ports, tmp_path / "logs", "--no-demo",
+               "--redis-password-file", str(password_file))  # fmt: skip
+    try:
+        out = _read_until(_lines(proc), "serving;", timeout=90)  # up: every child reached Redis with the password
+        assert password not in out
+        table = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True, check=True).stdout
+        children = [line for line in table.splitlines()[1:] if line.split(None, 2)[1] == str(proc.pid)]
+        assert len(children) == 3, table  # worker, gateway, consumer
+        for line in children:
+            assert password not in line and "--redis" not in line, line
+    finally:
+        _stop(proc)

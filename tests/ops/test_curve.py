@@ -122,7 +122,7 @@ def test_an_identity_takeover_by_another_key_is_refused(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="tokenwire.curve")
     router, endpoint = server
-    bound = curve.IdentityKeys("test-server")
+    bound = curve.IdentityKeys("test-server", curve=True)
     ctx = zmq.Context()
     first = _client(ctx, endpoint, keys, "client", identity=b"gw-1")
     first.send(b"mine")
@@ -148,7 +148,7 @@ def test_a_peer_taking_a_secret_identitys_name_is_refused_while_the_owner_is_con
 ) -> None:
     caplog.set_level(logging.WARNING, logger="tokenwire.curve")
     router, endpoint = server
-    bound = curve.IdentityKeys("test-server")
+    bound = curve.IdentityKeys("test-server", curve=True)
     ctx = zmq.Context()
     owner_id = curve.routing_id("gw-1")
     assert curve.identity_name(owner_id) == b"gw-1" and owner_id != curve.routing_id("gw-1")

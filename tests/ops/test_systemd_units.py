@@ -178,3 +178,16 @@ def test_the_units_config_turns_curve_on_for_every_service() -> None:
         assert config[section]["curve_secret_key_file"].startswith("/etc/tokenwire/curve/"), section
     assert config["worker"]["curve_allowed_keys_dir"] and config["gateway"]["curve_allowed_keys_dir"]
     assert config["gateway"]["curve_worker_keys_dir"] and not config["gateway"].get("curve_allow_any", False)
+
+
+def test_no_unit_puts_redis_credentials_in_argv() -> None:
+    """`ps` shows every user a process's argv: the units give Redis through the config
+    file, and lead a password to --redis-password-file (redis_password_file there)."""
+    for name in SERVICES:
+        start = _unit(name)["Service"]["ExecStart"]
+        assert "redis://" not in start and "--redis " not in start, name
+    config_text = (UNITS.parent / "tokenwire.toml").read_text()
+    config = tomllib.loads(config_text)
+    for section in ("worker", "gateway", "jobs_consumer"):
+        assert "@" not in config[section]["redis"], section  # no user:password@ in the URL
+    assert config_text.count('# redis_password_file = "/etc/tokenwire/redis-password"') == 3

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ops.binds import Bind, add_insecure_option, check_binds, is_local_endpoint
 from ops.config import NON_NEGATIVE_FLOAT, PORT, POSITIVE_FLOAT, POSITIVE_INT, add_config_options
 from ops.curve_options import add_curve_options, curve_config
 from ops.secrets import add_redis_password_option, redis_url
@@ -137,6 +138,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--metrics-port", type=PORT, default=0, help="serve Prometheus /metrics on this port (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics listens on")
+    add_insecure_option(p)
     add_config_options(p, "worker")
 
 
@@ -197,7 +199,11 @@ def run(args: argparse.Namespace) -> int:
     apply_config(args)
     args.redis = redis_url(args.redis, DEFAULT_REDIS, args.redis_password_file)
     curve = curve_config(args)
+    bind = Bind("--bind", args.bind, is_local_endpoint(args.bind), curve is not None, "--curve-secret-key-file")
+    open_binds = check_binds("worker", [bind], args.insecure)
     setup_logging("worker", args.log_level, args.log_format)
+    for warning in open_binds:
+        logging.getLogger(__name__).warning("insecure: %s", warning)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     exit_on_thread_crash()
     stop_with_launcher()

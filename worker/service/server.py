@@ -96,12 +96,10 @@ class Listener:
         router.setsockopt(zmq.SNDHWM, 0)  # bounded by the executor's admitted work
         router.setsockopt(zmq.RCVHWM, 0)
         router.setsockopt(zmq.LINGER, 0)
+        # No handover: a second connection under a live gateway's id would get that gateway's
+        # results. libzmq keeps the first connection and drops what the second sends.
         server = None
-        if curve is None:
-            router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a gateway reconnecting under its id takes over
-        else:
-            # No handover: a second connection under a live gateway's id would get that gateway's
-            # results. libzmq keeps the first connection and drops what the second sends.
+        if curve is not None:
             server = CurveServer("worker", curve.keypair, curve.allowed)
             server.start(ctx)
             server.serve(router)
@@ -141,9 +139,10 @@ class WorkerService:
         listener = listener or Listener.open(config.bind, config.curve)
         self.ctx, self.router, self._curve = listener.ctx, listener.router, listener.curve
         self.metrics = listener.metrics
-        # Under CURVE, a gateway's name belongs to the key that first used it: a peer that uses the
-        # name with another key is refused (and logged) until the gateway is declared gone.
-        self._identity_keys = IdentityKeys("worker") if config.curve is not None else None
+        # A gateway's name belongs to the credential that first used it (its CURVE key, or without
+        # CURVE its secret routing id): a peer that uses the name with another is refused (and
+        # logged) until the gateway is declared gone.
+        self._identity_keys = IdentityKeys("worker", curve=config.curve is not None)
         address = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.address = config.advertise or address.replace("0.0.0.0", socket.gethostname())
         port = address.rsplit(":", 1)[-1]
@@ -322,31 +321,32 @@ class WorkerService:
         try:
             for _ in socket_turn():
                 try:
-                    if self._identity_keys is None:
-                        frames = self.router.recv_multipart(zmq.NOBLOCK)
-                    else:
-                        frames = self._receive_authenticated(self._identity_keys)
+                    frames = self._receive_authenticated(self._identity_keys)
                 except zmq.Again:
                     return
-                if len(frames) != 2:
-                    continue  # not a DEALER speaking our protocol (or a refused takeover); nothing to answer
+                if not frames:
+                    continue  # refused or answered already
                 gateway, payload = frames
                 self._handle(gateway, payload)
         finally:
             self._enqueue_taken()
 
     def _receive_authenticated(self, identity_keys: IdentityKeys) -> list[bytes]:
-        """One message, or [] where its sender used the name of another key's gateway
-        (refused and logged). Where it took that gateway's whole routing id, the
-        gateway's connection had ended (libzmq keeps a live one): the gateway is then
-        gone, and nothing more is sent under its id, which would reach the taker."""
+        """One message, or [] where its sender used the name of another gateway
+        (refused and logged) or sent other than one frame (answered). Where it took
+        that gateway's whole routing id, the gateway's connection had ended (libzmq
+        keeps a live one): the gateway is then gone, and nothing more is sent under
+        its id, which would reach the taker."""
         parts = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
-        if len(parts) != 2:
-            return []
         gateway = parts[0].bytes
-        if not identity_keys.admit(gateway, parts[1]):
-            if gateway in self.gateways:
+        if len(parts) < 2 or not identity_keys.admit(gateway, parts[1]):
+            if len(parts) >= 2 and gateway in self.gateways:
                 self._gateway_gone(gateway, "lost its id to a peer with another key")
+            return []
+        if len(parts) != 2:
+            self.metrics.protocol_errors.inc()
+            text = f"a message is one frame (msgpack); got {len(parts) - 1} frames"
+            self._send(gateway, protocol.ErrorReply(code=ErrorCode.PROTOCOL, message=text))
             return []
         return [gateway, parts[1].bytes]
 
@@ -354,6 +354,7 @@ class WorkerService:
         try:
             msg = protocol.decode(payload, self.limits)
         except protocol.ProtocolError as e:
+            self.metrics.protocol_errors.inc()
             self._send(gateway, protocol.ErrorReply(code=ErrorCode.PROTOCOL, message=str(e), request_id=e.request_id))
             return
         peer = self.gateways.get(gateway)
@@ -548,7 +549,7 @@ class WorkerService:
             if now - peer.last_seen > self.config.missed_heartbeats * peer.heartbeat_interval_s:
                 self._gateway_gone(gateway, f"silent for {now - peer.last_seen:.1f} s")
                 name = identity_name(gateway)
-                if self._identity_keys is not None and all(identity_name(g) != name for g in self.gateways):
+                if all(identity_name(g) != name for g in self.gateways):
                     self._identity_keys.forget(name)
         load = self.load()
         # The line `systemctl status` shows, kept current.
