@@ -41,6 +41,7 @@ import zmq.asyncio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -187,7 +188,8 @@ class HttpFront:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
-        self.app = Starlette(routes=routes, lifespan=self._lifespan)
+        handlers = {HTTPException: _http_error, Exception: _server_error}
+        self.app = Starlette(routes=routes, lifespan=self._lifespan, exception_handlers=handlers)
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, http="auto", loop="asyncio",
                                 lifespan="on", timeout_graceful_shutdown=2)  # fmt: skip
         self.server = uvicorn.Server(config)
@@ -466,6 +468,21 @@ class HttpFront:
                 with contextlib.suppress(Exception):
                     await self.bridge.cancel(request_id)
             self.bridge.forget(request_id)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route, a method the route does not take) in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    what = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    error = api.ApiError(exc.status_code, what.get(exc.status_code, str(exc.detail)), type_, str(exc.status_code))
+    return JSONResponse(error.body(), exc.status_code, headers=exc.headers)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("the HTTP front failed on %s %s", request.method, request.url.path, exc_info=exc)
+    error = api.ApiError(500, f"internal error: {type(exc).__name__}", "server_error", "internal_error")
+    return JSONResponse(error.body(), 500)
 
 
 async def _disconnected(request: Request) -> None:

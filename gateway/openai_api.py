@@ -101,7 +101,11 @@ class _Common(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     # Token id (as a string, as JSON keys are) -> a bias added to its logit, -100 (banned) to 100 (forced).
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=MAX_BIASED)
+    # Accepted and ignored: nothing here depends on who asks, for what, or on which tier.
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    store: bool | None = None  # stored chat completions are OpenAI's dashboard's; the Responses API stores its own
     # tokenwire's own, as vLLM names the common ones.
     ignore_eos: bool = False
     min_tokens: int | None = Field(None, ge=0)
@@ -115,7 +119,8 @@ class _Common(BaseModel):
         extra = dict(self.model_extra or {})
         unknown = sorted(k for k in extra if k not in known)
         if unknown:
-            raise ValueError(f"unknown parameter(s): {', '.join(unknown)}")
+            raise ApiError(400, f"unknown parameter(s): {', '.join(unknown)}", "invalid_request_error",
+                           "unknown_parameter", unknown[0])
         return extra
 
 
@@ -176,6 +181,8 @@ class ChatRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
+    # Only models that reason read it; the others ignore it (as OpenAI's non-reasoning models do).
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
 
 def submit_for(
