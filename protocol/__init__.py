@@ -29,7 +29,7 @@ from protocol.request import (
     SpeculativeConfig,
     Submit,
 )
-from protocol.results import FinishReason, Logits, Response, Result, ResultBatch, StreamedTokens
+from protocol.results import FinishReason, Logits, PromptLogProbs, Response, Result, ResultBatch, StreamedTokens
 
 __all__ = [
     "CANCEL_TTL_S",
@@ -56,6 +56,7 @@ __all__ = [
     "LoraUnload",
     "Message",
     "OutputConfig",
+    "PromptLogProbs",
     "PromptTuningConfig",
     "ProtocolError",
     "Ready",

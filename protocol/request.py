@@ -40,6 +40,8 @@ class OutputConfig(WireModel):
     return_generation_logits: bool = False
     exclude_input_from_output: bool = True
     top_n_log_probs: int = Field(0, ge=0)
+    # Each prompt token's log prob and this many likeliest tokens at its position (Result.prompt_log_probs).
+    prompt_log_probs: int | None = Field(None, ge=0)
 
 
 class GuidedDecodingParams(WireModel):

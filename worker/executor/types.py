@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from worker.executor.prompt_log_probs import PromptLogProbs
+
 
 class FinishReason(enum.IntEnum):
     NOT_FINISHED = 0
@@ -79,6 +81,8 @@ class OutputConfig:
     # almost never wants the prompt echoed, so we default to True.
     exclude_input_from_output: bool = True
     top_n_log_probs: int = 0
+    # None: off; k: each prompt token's log prob and the k likeliest at its position (prompt_log_probs.py).
+    prompt_log_probs: int | None = None
 
 
 @dataclass(slots=True)
@@ -198,6 +202,7 @@ class Result:
     top_log_probs: list[list[list[float]]] | None = None
     context_logits: object | None = None  # array [prompt_len, vocab] when asked for
     generation_logits: object | None = None  # array [beams, new_tokens, vocab]
+    prompt_log_probs: PromptLogProbs | None = None  # in a final result, when asked for
 
 
 @dataclass(slots=True)

@@ -138,6 +138,9 @@ def _check_decoding(request: Request, model: ModelConfig) -> None:
     if not 0 <= out.top_n_log_probs <= MAX_TOP_N_LOG_PROBS:
         raise RequestError(f"output_config.top_n_log_probs must be in [0, {MAX_TOP_N_LOG_PROBS}], "
                            f"got {out.top_n_log_probs}")
+    if out.prompt_log_probs is not None and not 0 <= out.prompt_log_probs <= MAX_TOP_N_LOG_PROBS:
+        raise RequestError(f"output_config.prompt_log_probs must be in [0, {MAX_TOP_N_LOG_PROBS}], "
+                           f"got {out.prompt_log_probs}")
     if cfg.beam_width > 1:
         if request.num_return_sequences > cfg.beam_width:
             raise RequestError(f"num_return_sequences ({request.num_return_sequences}) must not exceed "
@@ -146,6 +149,7 @@ def _check_decoding(request: Request, model: ModelConfig) -> None:
             ("guided_decoding_params", request.guided_decoding_params is not None),
             ("output_config.return_generation_logits", out.return_generation_logits),
             ("output_config.top_n_log_probs", out.top_n_log_probs > 0),
+            ("output_config.prompt_log_probs", out.prompt_log_probs is not None),
         ) if used]
         if unsupported:
             raise RequestError(f"{unsupported[0]} is not supported with beam search (beam_width > 1)")
