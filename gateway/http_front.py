@@ -58,6 +58,10 @@ log = logging.getLogger(__name__)
 
 _HEARTBEAT_S = 1.0
 
+# What a request needs once prepared: its model's name as answered, the Submit, the prompt's
+# length where known here, and what of the prompt a completion's choices repeat.
+_Prepared = tuple[str, protocol.Submit, int | None, api.Echo | None]
+
 
 class _Call:
     """One HTTP request in flight: what the bridge hands its handler, in order, and
@@ -281,11 +285,11 @@ class HttpFront:
         except api.ApiError as e:
             return JSONResponse(e.body(), e.status)
         assert self.bridge is not None
-        model, submit, prompt_tokens = prepared[0]
+        model, submit, prompt_tokens, _ = prepared[0]
         tokenizer = self.gateway.tokenizers.get(submit.model or model)  # a LoRA adapter's: its model's
         text = api.TokenText(tokenizer)
         if not body.stream:
-            return await self._answer_whole(request, chat, prepared, text)
+            return await self._answer_whole(request, body, prepared, text)
         call = await self.bridge.submit(submit)
         await call.wait()
         first = call.events[0]  # an error before any output is still an HTTP error
@@ -295,15 +299,15 @@ class HttpFront:
         stream = self._sse(call, submit, model, chat, prompt_tokens, include_usage, text)
         return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _answer_whole(self, request: Request, chat: bool,
-                            prepared: list[tuple[str, protocol.Submit, int | None]], text: api.TokenText) -> Response:
+    async def _answer_whole(self, request: Request, body: api.CompletionRequest | api.ChatRequest,
+                            prepared: list[_Prepared], text: api.TokenText) -> Response:  # fmt: skip
         """A whole (not streamed) response: one request, or one for each of a completion's
         prompts, run side by side; choice k * n + i is prompt k's i-th, as OpenAI numbers
         them, and one failure fails the whole. Awaited here, not in a body iterator that
         ASGI would end: a client that goes away meanwhile is watched for, and its requests
         cancelled."""
         assert self.bridge is not None
-        calls = [(await self.bridge.submit(submit), submit) for _, submit, _ in prepared]
+        calls = [(await self.bridge.submit(submit), submit) for _, submit, _, _ in prepared]
         ids = [submit.request_id for _, submit in calls]
         each = [asyncio.ensure_future(self._whole(call, submit)) for call, submit in calls]
         whole = asyncio.gather(*each)
@@ -332,13 +336,20 @@ class HttpFront:
                 self.bridge.forget(request_id)
         n = calls[0][1].num_return_sequences
         choices = []
-        for k, answer in enumerate(answers):
+        echoes: list[api.Echo | None] = []
+        chat = isinstance(body, api.ChatRequest)
+        nothing_generated = body.max_tokens == 0  # the one token generated is left out
+        for k, ((_, _, _, echo), answer) in enumerate(zip(prepared, answers, strict=True)):
             for choice in answer:
                 choice.index += k * n
+                choice.prompt_log_probs = answer[0].prompt_log_probs  # the prompt's, computed once
+                if nothing_generated:
+                    choice.text, choice.tokens, choice.logprobs, choice.finish_reason = "", 0, [], "length"
                 choices.append(choice)
-        counts = [tokens for _, _, tokens in prepared]
+                echoes.append(echo)
+        counts = [tokens for _, _, tokens, _ in prepared]
         prompt_tokens = None if None in counts else sum(c for c in counts if c is not None)
-        return JSONResponse(api.whole_response(chat, ids[0], prepared[0][0], choices, prompt_tokens, text))
+        return JSONResponse(api.whole_response(chat, ids[0], prepared[0][0], choices, prompt_tokens, text, echoes))
 
     async def _cancel_all(self, request_ids: list[str]) -> None:
         assert self.bridge is not None
@@ -356,10 +367,9 @@ class HttpFront:
         except ValidationError as e:
             raise api.invalid(e) from e
 
-    def _submit(
-        self, body: api.CompletionRequest | api.ChatRequest, chat: bool
-    ) -> tuple[str, protocol.Submit, int | None]:
-        """The model, the Submit, and the prompt's length where it is known here."""
+    def _submit(self, body: api.CompletionRequest | api.ChatRequest, chat: bool) -> _Prepared:
+        """The model, the Submit, the prompt's length where it is known here, and what of
+        the prompt a completion's choices repeat."""
         served = self._ready_models()
         model = body.model or (min(served) if served else None)
         # As in vLLM, `model` may name a LoRA adapter: the request runs on its model, under it.
@@ -387,11 +397,12 @@ class HttpFront:
                     prompt_ids = list(body.prompt)  # type: ignore[arg-type]
             vocab_size = self._vocab_size(model) if body.logit_bias else None
             submit = api.submit_for(body, request_id, model, prompt_ids, max_seq_len, lora, vocab_size)
+            echo = api.echo_for(body, prompt_ids, tokenizer) if isinstance(body, api.CompletionRequest) else None
         except ValidationError as e:
             raise api.invalid(e) from e
         except (ValueError, ChatTemplateError) as e:
             raise api.invalid(e) from e
-        return lora or model or "", submit, None if prompt_ids is None else len(prompt_ids)
+        return lora or model or "", submit, None if prompt_ids is None else len(prompt_ids), echo
 
     async def _whole(self, call: _Call, submit: protocol.Submit) -> list[api.Choice]:
         choices = [api.Choice(i) for i in range(submit.num_return_sequences)]
@@ -527,6 +538,8 @@ def _apply(choices: list[api.Choice], r: protocol.Result,
             changed.append((i, c.text, c.logprobs, c.finish_reason))
         return changed
     c = choices[r.sequence_index]
+    if r.prompt_log_probs is not None:
+        c.prompt_log_probs = r.prompt_log_probs
     delta = r.text[0] if r.text else ""
     entries = api.logprob_entries(r)
     c.text += delta

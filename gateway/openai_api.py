@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 import protocol
+from gateway.echo import Echo, Entry, prompt_entries, vllm_prompt_logprobs
 from protocol import ErrorCode, FinishReason
 
 # HTTP status and OpenAI error type for each of the gateway's error codes.
@@ -126,8 +128,10 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: the prompt alone, echoed (scoring a text)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: each prompt token's, and the likeliest there
 
     @model_validator(mode="after")
     def _prompts_given(self) -> CompletionRequest:
@@ -138,8 +142,14 @@ class CompletionRequest(_Common):
             raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts a request, got {len(prompts)}")
         if len(prompts) > 1 and self.stream:
             raise ValueError("stream: a streamed completion takes one prompt (send a request for each)")
-        if self.echo:
-            raise ValueError("echo: not supported")
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise ValueError("max_tokens: 0 generates nothing; it takes echo or prompt_logprobs")
+        if self.stop and (self.echo or self.prompt_logprobs is not None):
+            # A stop string ends the request at the gateway, before the worker's last result (which carries them).
+            raise ValueError(f"stop: not with {'echo' if self.echo else 'prompt_logprobs'}")
+        if self.stream and (self.echo or self.prompt_logprobs is not None):
+            raise ValueError(f"{'echo' if self.echo else 'prompt_logprobs'}: not streamed (the prompt's log probs "
+                             "come with the last token); ask without stream")
         if len(prompts) == 1:
             self.prompt = prompts[0]  # a list of one is that one
         return self
@@ -199,6 +209,8 @@ def submit_for(
     `vocab_size` (the model's) is needed for a logit_bias only."""
     chat = isinstance(body, ChatRequest)
     max_tokens = (body.max_completion_tokens if isinstance(body, ChatRequest) else None) or body.max_tokens
+    if max_tokens == 0:
+        max_tokens = 1  # the prompt alone: one token is generated and left out of the answer
     if max_tokens is None:
         # OpenAI's defaults: 16 for completions; a chat may fill the context.
         room = None if max_seq_len is None or prompt_ids is None else max_seq_len - len(prompt_ids)
@@ -225,7 +237,8 @@ def submit_for(
         "max_tokens": max_tokens,
         "streaming": body.stream,
         "sampling_config": sampling,
-        "output_config": {"return_log_probs": want_logprobs, "top_n_log_probs": top_n},
+        "output_config": {"return_log_probs": want_logprobs, "top_n_log_probs": top_n,
+                          "prompt_log_probs": None if isinstance(body, ChatRequest) else _prompt_top_n(body)},
         "end_id": -1 if body.ignore_eos else None,
         "stop": body.stops(),
         "num_return_sequences": body.n,
@@ -242,6 +255,26 @@ def submit_for(
     else:
         fields["input_token_ids"] = body.prompt
     return protocol.Submit.model_validate(fields)
+
+
+def _prompt_top_n(body: CompletionRequest) -> int | None:
+    """How many likeliest tokens each prompt position reports; None: the prompt's log probs are not needed."""
+    echoed = body.logprobs if body.echo else None
+    if echoed is None and body.prompt_logprobs is None:
+        return None
+    return max(echoed or 0, body.prompt_logprobs or 0)
+
+
+def echo_for(body: CompletionRequest, prompt_ids: list[int] | None, tokenizer: Any) -> Echo | None:
+    """What the request's choices repeat of its prompt, if anything."""
+    if not body.echo and body.prompt_logprobs is None:
+        return None
+    if prompt_ids is None or tokenizer is None:
+        raise ValueError("echo: the model's tokenizer is not loaded yet (no worker ready); retry")
+    text = None
+    if body.echo:
+        text = body.prompt if isinstance(body.prompt, str) else str(tokenizer.decode(prompt_ids))
+    return Echo(text, prompt_ids, body.echo and body.logprobs is not None, body.prompt_logprobs is not None)
 
 
 def _dense_bias(logit_bias: dict[str, float], vocab_size: int | None) -> list[float]:
@@ -287,6 +320,7 @@ class Choice:
     finish_reason: str | None = None
     # (token id, log prob, [(top token id, log prob), ...]) per generated token.
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    prompt_log_probs: protocol.PromptLogProbs | None = None  # the worker's, when asked for
 
 
 def logprob_entries(result: protocol.Result, beam: int = 0) -> list[tuple[int, float, list[tuple[int, float]]]]:
@@ -320,8 +354,7 @@ def chat_logprobs(entries: list[tuple[int, float, list[tuple[int, float]]]], tex
     return {"content": [{**one(t, lp), "top_logprobs": [one(tt, tlp) for tt, tlp in top]} for t, lp, top in entries]}
 
 
-def completion_logprobs(entries: list[tuple[int, float, list[tuple[int, float]]]], text: TokenText,
-                        offset: int) -> dict[str, Any]:  # fmt: skip
+def completion_logprobs(entries: Sequence[Entry], text: TokenText, offset: int) -> dict[str, Any]:
     tokens = [text(t) for t, _, _ in entries]
     offsets = []
     for s in tokens:
@@ -330,9 +363,29 @@ def completion_logprobs(entries: list[tuple[int, float, list[tuple[int, float]]]
     return {
         "tokens": tokens,
         "token_logprobs": [lp for _, lp, _ in entries],
-        "top_logprobs": [{text(tt): tlp for tt, tlp in top} for _, _, top in entries],
+        "top_logprobs": [None if top is None else _by_text(top, text) for _, _, top in entries],
         "text_offset": offsets,
     }
+
+
+def _echoed(c: Choice, echo: Echo, text: TokenText) -> dict[str, Any]:
+    """A completion choice with its prompt repeated as asked."""
+    prompt = prompt_entries(echo.token_ids, c.prompt_log_probs) if echo.with_log_probs or echo.prompt_logprobs else []
+    entries: list[Entry] = [*(prompt if echo.with_log_probs else []), *c.logprobs]
+    choice = {"index": c.index, "text": (echo.text or "") + c.text,
+              "logprobs": completion_logprobs(entries, text, 0) if entries else None, "finish_reason": c.finish_reason}
+    if echo.prompt_logprobs:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt, text)
+    return choice
+
+
+def _by_text(top: list[tuple[int, float]], text: TokenText) -> dict[str, float]:
+    """OpenAI's top log probs, keyed by text: where two tokens decode alike, the likelier
+    one's (a harness takes the largest value for the likeliest token's)."""
+    out: dict[str, float] = {}
+    for token, lp in top:
+        out.setdefault(text(token), lp)
+    return out
 
 
 def usage(prompt_tokens: int | None, completion_tokens: int) -> dict[str, int]:
@@ -341,9 +394,13 @@ def usage(prompt_tokens: int | None, completion_tokens: int) -> dict[str, int]:
 
 
 def whole_response(chat: bool, request_id: str, model: str, choices: list[Choice], prompt_tokens: int | None,
-                   text: TokenText) -> dict[str, Any]:  # fmt: skip
+                   text: TokenText, echoes: list[Echo | None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """`echoes`: a completion's, one for each choice (its prompt's)."""
     out = []
-    for c in choices:
+    for c, echo in zip(choices, echoes or [None] * len(choices), strict=True):
+        if echo is not None:
+            out.append(_echoed(c, echo, text))
+            continue
         if chat:
             lp = chat_logprobs(c.logprobs, text) if c.logprobs else None
             out.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,

@@ -5,6 +5,8 @@ route, echo and prompt log probs."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.procs import free_port, stack
@@ -61,3 +63,72 @@ def test_unknown_routes_and_methods_answer_in_openais_shape(client):
     assert e405.value.status_code == 405
     assert e405.value.body["type"] == "invalid_request_error"
     assert "GET" in e405.value.body["message"]
+
+
+def hf_prompt_log_probs(checkpoint, tokens: list[int]):
+    """transformers' log prob of each token after the first, and each position's log-softmax row."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        rows = torch.log_softmax(model(torch.tensor([tokens])).logits[0].double(), dim=-1).numpy()
+    return [float(rows[i, t]) for i, t in enumerate(tokens[1:])], rows
+
+
+# float32 forward passes of two implementations differ by ~1e-5 in the logits.
+TOL = 1e-4
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, long_model):
+    prompt = [5, 17, 93, 42, 7, 130, 61, 8]
+    want, rows = hf_prompt_log_probs(long_model, prompt)
+    # max_tokens 0: the prompt alone.
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0.0)
+    (choice,) = r.choices
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(prompt) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=TOL)
+    for position, top in enumerate(lp.top_logprobs[1:]):
+        assert len(top) <= 2  # two tokens, unless they decode alike
+        assert max(top.values()) == pytest.approx(rows[position].max(), abs=TOL)
+    assert choice.text == "".join(lp.tokens)
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(prompt)
+    # lm-evaluation-harness: max_tokens 1, an entry for every prompt token and the one generated.
+    r1 = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0.0)
+    lp1 = r1.choices[0].logprobs
+    assert len(lp1.token_logprobs) == len(prompt) + 1
+    assert lp1.token_logprobs[1:-1] == pytest.approx(want, abs=TOL)
+    assert lp1.token_logprobs[-1] == pytest.approx(rows[-1].max(), abs=TOL)  # greedy: the likeliest
+    assert r1.choices[0].text.startswith(choice.text)
+
+
+def test_echo_keeps_an_end_of_sequence_token(client, long_model):
+    eos = json.loads((long_model / "config.json").read_text())["eos_token_id"]  # the model's, which ends a request
+    prompt = [5, 17, 93]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0.0,
+                                  logit_bias={str(eos): 100})  # fmt: skip
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(prompt) + 1
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_prompt_logprobs_as_vllm_names_them(client, long_model):
+    prompt = [5, 17, 93, 42]
+    want, _ = hf_prompt_log_probs(long_model, prompt)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0.0,
+                                  extra_body={"prompt_logprobs": 1})  # fmt: skip
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(prompt)
+    for token, entry, lp in zip(prompt[1:], got[1:], want, strict=True):
+        assert entry[str(token)]["logprob"] == pytest.approx(lp, abs=TOL)
+        assert 1 <= len(entry) <= 2  # the token itself and the likeliest there
+    assert not r.choices[0].text.startswith("<s>")  # not echoed
+
+
+def test_echo_and_prompt_logprobs_refusals_name_the_field(client):
+    for kw, field in [({"max_tokens": 0}, "max_tokens"), ({"echo": True, "stream": True}, "echo"),
+                      ({"echo": True, "logprobs": 1, "stop": ["x"]}, "stop")]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="hi", **{"max_tokens": 2, **kw})
+        assert field in e.value.body["message"]
