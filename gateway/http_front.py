@@ -48,6 +48,8 @@ from starlette.routing import Route
 
 import protocol
 from gateway import openai_api as api
+from gateway import tool_calls
+from gateway.tool_calls import ToolStream, ToolUse
 from gateway.workers import adapter_models
 from protocol.chat_template import ChatTemplateError
 
@@ -59,8 +61,9 @@ log = logging.getLogger(__name__)
 _HEARTBEAT_S = 1.0
 
 # What a request needs once prepared: its model's name as answered, the Submit, the prompt's
-# length where known here, and what of the prompt a completion's choices repeat.
-_Prepared = tuple[str, protocol.Submit, int | None, api.Echo | None]
+# length where known here, and what of the prompt a completion's choices repeat, or how a
+# chat's output is read for tool calls.
+_Prepared = tuple[str, protocol.Submit, int | None, api.Echo | ToolUse | None]
 
 
 class _Call:
@@ -178,8 +181,9 @@ class Bridge:
 class HttpFront:
     """The HTTP server of one gateway: `start()` serves on a thread, `stop()` ends it."""
 
-    def __init__(self, gateway: Gateway, host: str, port: int) -> None:
+    def __init__(self, gateway: Gateway, host: str, port: int, tool_parser: str | None = None) -> None:
         self.gateway = gateway
+        self.tool_parser = tool_parser  # None: the format each model's chat template teaches
         # Bound now, so a port in use is an error at start-up rather than on a thread later.
         self.socket = socket.create_server((host, port), reuse_port=False)
         self.port: int = self.socket.getsockname()[1]
@@ -285,7 +289,7 @@ class HttpFront:
         except api.ApiError as e:
             return JSONResponse(e.body(), e.status)
         assert self.bridge is not None
-        model, submit, prompt_tokens, _ = prepared[0]
+        model, submit, prompt_tokens, extra = prepared[0]
         tokenizer = self.gateway.tokenizers.get(submit.model or model)  # a LoRA adapter's: its model's
         text = api.TokenText(tokenizer)
         if not body.stream:
@@ -296,7 +300,8 @@ class HttpFront:
         if isinstance(first, api.ApiError):
             return JSONResponse(first.body(), first.status)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = self._sse(call, submit, model, chat, prompt_tokens, include_usage, text)
+        tools = extra if isinstance(extra, ToolUse) else None
+        stream = self._sse(call, submit, model, chat, prompt_tokens, include_usage, text, tools)
         return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _answer_whole(self, request: Request, body: api.CompletionRequest | api.ChatRequest,
@@ -337,6 +342,7 @@ class HttpFront:
         n = calls[0][1].num_return_sequences
         choices = []
         echoes: list[api.Echo | None] = []
+        tools = prepared[0][3] if isinstance(prepared[0][3], ToolUse) else None
         chat = isinstance(body, api.ChatRequest)
         nothing_generated = body.max_tokens == 0  # the one token generated is left out
         for k, ((_, _, _, echo), answer) in enumerate(zip(prepared, answers, strict=True)):
@@ -346,10 +352,11 @@ class HttpFront:
                 if nothing_generated:
                     choice.text, choice.tokens, choice.logprobs, choice.finish_reason = "", 0, [], "length"
                 choices.append(choice)
-                echoes.append(echo)
+                echoes.append(echo if isinstance(echo, api.Echo) else None)
         counts = [tokens for _, _, tokens, _ in prepared]
         prompt_tokens = None if None in counts else sum(c for c in counts if c is not None)
-        return JSONResponse(api.whole_response(chat, ids[0], prepared[0][0], choices, prompt_tokens, text, echoes))
+        return JSONResponse(api.whole_response(chat, ids[0], prepared[0][0], choices, prompt_tokens, text,
+                                               None if chat else echoes, tools))  # fmt: skip
 
     async def _cancel_all(self, request_ids: list[str]) -> None:
         assert self.bridge is not None
@@ -389,20 +396,27 @@ class HttpFront:
             # gateway's I/O thread is spared the work); else the gateway does it once a worker is ready.
             if tokenizer is not None:
                 if isinstance(body, api.ChatRequest):
-                    messages = [{**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in body.messages]
-                    prompt_ids = self.gateway.tokenizers.prompt_ids(model, None, messages, max_seq_len)
+                    prompt_ids = self.gateway.tokenizers.prompt_ids(model, None, body.template_messages(), max_seq_len,
+                                                                    body.template_extra())  # fmt: skip
                 elif isinstance(body.prompt, str):
                     prompt_ids = self.gateway.tokenizers.prompt_ids(model, body.prompt, None, max_seq_len)
                 else:
                     prompt_ids = list(body.prompt)  # type: ignore[arg-type]
             vocab_size = self._vocab_size(model) if body.logit_bias else None
             submit = api.submit_for(body, request_id, model, prompt_ids, max_seq_len, lora, vocab_size)
-            echo = api.echo_for(body, prompt_ids, tokenizer) if isinstance(body, api.CompletionRequest) else None
+            extra: api.Echo | ToolUse | None
+            if isinstance(body, api.CompletionRequest):
+                extra = api.echo_for(body, prompt_ids, tokenizer)
+            elif body.call_choice() != "none":
+                parser = self.tool_parser or tool_calls.parser_for(self.gateway.tokenizers.chat_template(model), None)
+                extra = ToolUse(parser, body.call_choice())
+            else:
+                extra = None
         except ValidationError as e:
             raise api.invalid(e) from e
         except (ValueError, ChatTemplateError) as e:
             raise api.invalid(e) from e
-        return lora or model or "", submit, None if prompt_ids is None else len(prompt_ids), echo
+        return lora or model or "", submit, None if prompt_ids is None else len(prompt_ids), extra
 
     async def _whole(self, call: _Call, submit: protocol.Submit) -> list[api.Choice]:
         choices = [api.Choice(i) for i in range(submit.num_return_sequences)]
@@ -422,7 +436,8 @@ class HttpFront:
                     return choices
 
     async def _sse(self, call: _Call, submit: protocol.Submit, model: str, chat: bool, prompt_tokens: int | None,
-                   include_usage: bool, text: api.TokenText) -> AsyncIterator[bytes]:  # fmt: skip
+                   include_usage: bool, text: api.TokenText,
+                   tools: ToolUse | None = None) -> AsyncIterator[bytes]:  # fmt: skip
         assert self.bridge is not None
         request_id = submit.request_id
         head = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -430,6 +445,8 @@ class HttpFront:
         before, after = _step_chunk(head, chat)
         choices = [api.Choice(i) for i in range(submit.num_return_sequences)]
         offsets = [0] * len(choices)
+        # With tools, a chat's text goes through a splitter: content, or tool_calls deltas.
+        splitters = None if tools is None else [ToolStream(tools.parser, tools.choice) for _ in choices]
         events = call.events
         done = False
         try:
@@ -446,6 +463,10 @@ class HttpFront:
                     await call.wait()
                 event = events.popleft()
                 if isinstance(event, str):  # a plain step: its chunk from the template
+                    if splitters is not None:
+                        pending += [_event({**head, "choices": [item]})
+                                    for item in _tool_items(splitters[0], 0, event, None, None)]  # fmt: skip
+                        continue
                     if event:
                         pending.append(before + encode_basestring_ascii(event) + after)
                         offsets[0] += len(event)
@@ -455,6 +476,11 @@ class HttpFront:
                     break
                 out = []
                 for index, delta, entries, reason in _apply(choices, event, submit):
+                    if splitters is not None:
+                        lp = api.chat_logprobs(entries, text) if entries else None
+                        pending += [_event({**head, "choices": [item]})
+                                    for item in _tool_items(splitters[index], index, delta, lp, reason)]  # fmt: skip
+                        continue
                     if chat:
                         lp = api.chat_logprobs(entries, text) if entries else None
                         item = {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
@@ -479,6 +505,26 @@ class HttpFront:
                 with contextlib.suppress(Exception):
                     await self.bridge.cancel(request_id)
             self.bridge.forget(request_id)
+
+
+def _tool_items(splitter: ToolStream, index: int, delta: str, logprobs: dict[str, Any] | None,
+                reason: str | None) -> list[dict[str, Any]]:
+    """A chat choice's streamed items when tools are in play: the splitter's deltas for
+    this text, the log probs on the first, the finish reason ("tool_calls" once there
+    are calls) on the last."""
+    deltas = splitter.feed(delta) if delta else []
+    if reason is not None:
+        deltas += splitter.finish()
+        if splitter.calls and (reason == "stop" or splitter.forced):
+            reason = "tool_calls"
+    if not deltas and (logprobs is not None or reason is not None):
+        deltas = [{}]
+    items: list[dict[str, Any]] = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None}
+                                   for d in deltas]  # fmt: skip
+    if items:
+        items[0]["logprobs"] = logprobs
+        items[-1]["finish_reason"] = reason
+    return items
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

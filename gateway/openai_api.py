@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 import protocol
+from gateway import tool_calls
 from gateway.echo import Echo, Entry, prompt_entries, vllm_prompt_logprobs
 from protocol import ErrorCode, FinishReason
 
@@ -168,6 +169,17 @@ class CompletionRequest(_Common):
         return [self] if len(prompts) == 1 else [self.model_copy(update={"prompt": p}) for p in prompts]
 
 
+def _arguments_as_object(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        raise ValueError(f"messages: tool call arguments are not JSON: {function['arguments'][:80]!r}") from None
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
 class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: templates may read them
 
@@ -184,8 +196,35 @@ class ChatMessageIn(BaseModel):
         return self.content or ""
 
 
+class FunctionDef(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: _NamedFunction
+
+
+MAX_TOOLS = 128  # OpenAI's limit
+
+
 class ChatRequest(_Common):
     messages: list[ChatMessageIn] = Field(min_length=1)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -193,6 +232,49 @@ class ChatRequest(_Common):
     add_generation_prompt: bool = True
     # Only models that reason read it; the others ignore it (as OpenAI's non-reasoning models do).
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (enable_thinking, ...)
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatRequest:
+        choice = self.tool_choice
+        if choice is None or choice == "none" or choice == "auto":
+            return self
+        names = [t.function.name for t in self.tools or []]
+        if not names:
+            raise ValueError("tool_choice: names a call but no tools are given")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool is named {choice.function.name!r}; tools: {names}")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format: not with a forced tool call (tool_choice required or named)")
+        return self
+
+    def call_choice(self) -> tool_calls.Choice:
+        """'none', 'auto', 'required' or the named function (OpenAI's default: auto with tools)."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        return choice.function.name if isinstance(choice, NamedToolChoice) else choice
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def template_extra(self) -> dict[str, Any]:
+        """What the chat template reads beside the messages: the tools (unless tool_choice is none)
+        and chat_template_kwargs."""
+        extra = dict(self.chat_template_kwargs or {})
+        if self.tools and self.call_choice() != "none":
+            extra["tools"] = self.tool_dicts()
+        return extra
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as chat templates read them: an assistant's tool call arguments as
+        objects (OpenAI sends them as JSON text), as Hugging Face's templates expect."""
+        out = []
+        for m in self.messages:
+            message = {**(m.model_extra or {}), "role": m.role, "content": m.text()}
+            calls = message.get("tool_calls")
+            if isinstance(calls, list):
+                message["tool_calls"] = [_arguments_as_object(c) for c in calls]
+            out.append(message)
+        return out
 
 
 def submit_for(
@@ -242,13 +324,15 @@ def submit_for(
         "end_id": -1 if body.ignore_eos else None,
         "stop": body.stops(),
         "num_return_sequences": body.n,
-        "guided_decoding_params": _guide(body.response_format) if isinstance(body, ChatRequest) else None,
+        "guided_decoding_params": _chat_guide(body) if isinstance(body, ChatRequest) else None,
         "lora_config": None if lora is None else {"name": lora},
         "embedding_bias": None if not body.logit_bias else _dense_bias(body.logit_bias, vocab_size),
     }
     if prompt_ids is not None:
         fields["input_token_ids"] = prompt_ids
     elif isinstance(body, ChatRequest):
+        if body.template_extra():
+            raise ValueError("tools: the model's tokenizer is not loaded yet (no worker ready); retry")
         fields["messages"] = [{"role": m.role, "content": m.text()} for m in body.messages]
     elif isinstance(body.prompt, str):
         fields["prompt"] = body.prompt
@@ -292,6 +376,14 @@ def _dense_bias(logit_bias: dict[str, float], vocab_size: int | None) -> list[fl
             raise ValueError(f"logit_bias: token id {token} is outside the vocabulary (size {vocab_size})")
         bias[token] = value
     return bias
+
+
+def _chat_guide(body: ChatRequest) -> dict[str, Any] | None:
+    """A forced tool call's schema, or the response format's."""
+    schema = tool_calls.forced_schema(body.tool_dicts(), body.call_choice(), body.parallel_tool_calls)
+    if schema is not None:
+        return {"guide_type": "json_schema", "guide": json.dumps(schema)}
+    return _guide(body.response_format)
 
 
 def _guide(fmt: ResponseFormat | None) -> dict[str, Any] | None:
@@ -394,8 +486,10 @@ def usage(prompt_tokens: int | None, completion_tokens: int) -> dict[str, int]:
 
 
 def whole_response(chat: bool, request_id: str, model: str, choices: list[Choice], prompt_tokens: int | None,
-                   text: TokenText, echoes: list[Echo | None] | None = None) -> dict[str, Any]:  # fmt: skip
-    """`echoes`: a completion's, one for each choice (its prompt's)."""
+                   text: TokenText, echoes: list[Echo | None] | None = None,
+                   tools: tool_calls.ToolUse | None = None) -> dict[str, Any]:  # fmt: skip
+    """`echoes`: a completion's, one for each choice (its prompt's); `tools`: how a chat's
+    output is read for tool calls."""
     out = []
     for c, echo in zip(choices, echoes or [None] * len(choices), strict=True):
         if echo is not None:
@@ -403,8 +497,14 @@ def whole_response(chat: bool, request_id: str, model: str, choices: list[Choice
             continue
         if chat:
             lp = chat_logprobs(c.logprobs, text) if c.logprobs else None
-            out.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                        "finish_reason": c.finish_reason})  # fmt: skip
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            reason = c.finish_reason
+            if tools is not None:
+                message["content"], calls = tools.whole(c.text)
+                if calls:
+                    message["tool_calls"] = [call.openai() for call in calls]
+                    reason = "tool_calls" if reason == "stop" or tools.choice not in ("none", "auto") else reason
+            out.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": reason})
         else:
             lp = completion_logprobs(c.logprobs, text, 0) if c.logprobs else None
             out.append({"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
