@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API listens on")
     p.add_argument("--tool-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
                    help="how the HTTP API reads tool calls in a chat's output (default: the chat template's format)")
+    p.add_argument("--reasoning-parser", choices=["think", "deepseek_r1"], default=None,
+                   help="how the HTTP API splits a chat's reasoning from its content (default: from the chat template)")
     add_config_options(p, "gateway")
 
 
@@ -83,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         if args.http_port:
             from gateway.http_front import HttpFront  # Starlette and uvicorn load only for it
 
-            http = HttpFront(gw, args.http_host, args.http_port, tool_parser=args.tool_parser)
+            http = HttpFront(gw, args.http_host, args.http_port, tool_parser=args.tool_parser,
+                            reasoning_parser=args.reasoning_parser)
         if args.metrics_port:
             gw.metrics.serve(args.metrics_host, args.metrics_port)
     except (zmq.ZMQError, OSError) as e:

@@ -48,8 +48,9 @@ from starlette.routing import Route
 
 import protocol
 from gateway import openai_api as api
-from gateway import tool_calls
-from gateway.tool_calls import ToolStream, ToolUse
+from gateway import reasoning, tool_calls
+from gateway.chat_output import ChatStream, OutputRules
+from gateway.tool_calls import ToolUse
 from gateway.workers import adapter_models
 from protocol.chat_template import ChatTemplateError
 
@@ -63,7 +64,7 @@ _HEARTBEAT_S = 1.0
 # What a request needs once prepared: its model's name as answered, the Submit, the prompt's
 # length where known here, and what of the prompt a completion's choices repeat, or how a
 # chat's output is read for tool calls.
-_Prepared = tuple[str, protocol.Submit, int | None, api.Echo | ToolUse | None]
+_Prepared = tuple[str, protocol.Submit, int | None, api.Echo | OutputRules | None]
 
 
 class _Call:
@@ -181,9 +182,12 @@ class Bridge:
 class HttpFront:
     """The HTTP server of one gateway: `start()` serves on a thread, `stop()` ends it."""
 
-    def __init__(self, gateway: Gateway, host: str, port: int, tool_parser: str | None = None) -> None:
+    def __init__(self, gateway: Gateway, host: str, port: int, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:  # fmt: skip
         self.gateway = gateway
-        self.tool_parser = tool_parser  # None: the format each model's chat template teaches
+        # None: the formats each model's chat template teaches.
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
         # Bound now, so a port in use is an error at start-up rather than on a thread later.
         self.socket = socket.create_server((host, port), reuse_port=False)
         self.port: int = self.socket.getsockname()[1]
@@ -300,8 +304,8 @@ class HttpFront:
         if isinstance(first, api.ApiError):
             return JSONResponse(first.body(), first.status)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        tools = extra if isinstance(extra, ToolUse) else None
-        stream = self._sse(call, submit, model, chat, prompt_tokens, include_usage, text, tools)
+        rules = extra if isinstance(extra, OutputRules) else None
+        stream = self._sse(call, submit, model, chat, prompt_tokens, include_usage, text, rules)
         return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _answer_whole(self, request: Request, body: api.CompletionRequest | api.ChatRequest,
@@ -342,7 +346,7 @@ class HttpFront:
         n = calls[0][1].num_return_sequences
         choices = []
         echoes: list[api.Echo | None] = []
-        tools = prepared[0][3] if isinstance(prepared[0][3], ToolUse) else None
+        rules = prepared[0][3] if isinstance(prepared[0][3], OutputRules) else None
         chat = isinstance(body, api.ChatRequest)
         nothing_generated = body.max_tokens == 0  # the one token generated is left out
         for k, ((_, _, _, echo), answer) in enumerate(zip(prepared, answers, strict=True)):
@@ -356,7 +360,7 @@ class HttpFront:
         counts = [tokens for _, _, tokens, _ in prepared]
         prompt_tokens = None if None in counts else sum(c for c in counts if c is not None)
         return JSONResponse(api.whole_response(chat, ids[0], prepared[0][0], choices, prompt_tokens, text,
-                                               None if chat else echoes, tools))  # fmt: skip
+                                               None if chat else echoes, rules))  # fmt: skip
 
     async def _cancel_all(self, request_ids: list[str]) -> None:
         assert self.bridge is not None
@@ -404,19 +408,23 @@ class HttpFront:
                     prompt_ids = list(body.prompt)  # type: ignore[arg-type]
             vocab_size = self._vocab_size(model) if body.logit_bias else None
             submit = api.submit_for(body, request_id, model, prompt_ids, max_seq_len, lora, vocab_size)
-            extra: api.Echo | ToolUse | None
+            extra: api.Echo | OutputRules | None
             if isinstance(body, api.CompletionRequest):
                 extra = api.echo_for(body, prompt_ids, tokenizer)
-            elif body.call_choice() != "none":
-                parser = self.tool_parser or tool_calls.parser_for(self.gateway.tokenizers.chat_template(model), None)
-                extra = ToolUse(parser, body.call_choice())
             else:
-                extra = None
+                extra = self._output_rules(body, model)
         except ValidationError as e:
             raise api.invalid(e) from e
         except (ValueError, ChatTemplateError) as e:
             raise api.invalid(e) from e
         return lora or model or "", submit, None if prompt_ids is None else len(prompt_ids), extra
+
+    def _output_rules(self, body: api.ChatRequest, model: str | None) -> OutputRules | None:
+        template = self.gateway.tokenizers.chat_template(model)
+        choice = body.call_choice()
+        tools = None if choice == "none" else ToolUse(tool_calls.parser_for(template, self.tool_parser), choice)
+        thinking = reasoning.parser_for(template, self.reasoning_parser)
+        return None if tools is None and thinking is None else OutputRules(tools, thinking)
 
     async def _whole(self, call: _Call, submit: protocol.Submit) -> list[api.Choice]:
         choices = [api.Choice(i) for i in range(submit.num_return_sequences)]
@@ -437,7 +445,7 @@ class HttpFront:
 
     async def _sse(self, call: _Call, submit: protocol.Submit, model: str, chat: bool, prompt_tokens: int | None,
                    include_usage: bool, text: api.TokenText,
-                   tools: ToolUse | None = None) -> AsyncIterator[bytes]:  # fmt: skip
+                   rules: OutputRules | None = None) -> AsyncIterator[bytes]:  # fmt: skip
         assert self.bridge is not None
         request_id = submit.request_id
         head = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -445,8 +453,8 @@ class HttpFront:
         before, after = _step_chunk(head, chat)
         choices = [api.Choice(i) for i in range(submit.num_return_sequences)]
         offsets = [0] * len(choices)
-        # With tools, a chat's text goes through a splitter: content, or tool_calls deltas.
-        splitters = None if tools is None else [ToolStream(tools.parser, tools.choice) for _ in choices]
+        # With tools or reasoning, a chat's text goes through a splitter: reasoning, content, tool_calls deltas.
+        splitters = None if rules is None else [ChatStream(rules) for _ in choices]
         events = call.events
         done = False
         try:
@@ -507,11 +515,11 @@ class HttpFront:
             self.bridge.forget(request_id)
 
 
-def _tool_items(splitter: ToolStream, index: int, delta: str, logprobs: dict[str, Any] | None,
+def _tool_items(splitter: ChatStream, index: int, delta: str, logprobs: dict[str, Any] | None,
                 reason: str | None) -> list[dict[str, Any]]:
-    """A chat choice's streamed items when tools are in play: the splitter's deltas for
-    this text, the log probs on the first, the finish reason ("tool_calls" once there
-    are calls) on the last."""
+    """A chat choice's streamed items when its output is split (reasoning, tools): the
+    splitter's deltas for this text, the log probs on the first, the finish reason
+    ("tool_calls" once there are calls) on the last."""
     deltas = splitter.feed(delta) if delta else []
     if reason is not None:
         deltas += splitter.finish()

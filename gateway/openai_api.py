@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 import protocol
 from gateway import tool_calls
+from gateway.chat_output import OutputRules
 from gateway.echo import Echo, Entry, prompt_entries, vllm_prompt_logprobs
 from protocol import ErrorCode, FinishReason
 
@@ -112,6 +113,7 @@ class _Common(BaseModel):
     # tokenwire's own, as vLLM names the common ones.
     ignore_eos: bool = False
     min_tokens: int | None = Field(None, ge=0)
+    guided_regex: str | None = Field(None, min_length=1)  # the output matches this regular expression
 
     def stops(self) -> list[str] | None:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -324,7 +326,7 @@ def submit_for(
         "end_id": -1 if body.ignore_eos else None,
         "stop": body.stops(),
         "num_return_sequences": body.n,
-        "guided_decoding_params": _chat_guide(body) if isinstance(body, ChatRequest) else None,
+        "guided_decoding_params": _chat_guide(body) if isinstance(body, ChatRequest) else _regex_guide(body),
         "lora_config": None if lora is None else {"name": lora},
         "embedding_bias": None if not body.logit_bias else _dense_bias(body.logit_bias, vocab_size),
     }
@@ -379,11 +381,17 @@ def _dense_bias(logit_bias: dict[str, float], vocab_size: int | None) -> list[fl
 
 
 def _chat_guide(body: ChatRequest) -> dict[str, Any] | None:
-    """A forced tool call's schema, or the response format's."""
+    """A forced tool call's schema, the response format's, or guided_regex."""
     schema = tool_calls.forced_schema(body.tool_dicts(), body.call_choice(), body.parallel_tool_calls)
-    if schema is not None:
-        return {"guide_type": "json_schema", "guide": json.dumps(schema)}
-    return _guide(body.response_format)
+    guides = [g for g in ({"guide_type": "json_schema", "guide": json.dumps(schema)} if schema is not None else None,
+                          _guide(body.response_format), _regex_guide(body)) if g is not None]  # fmt: skip
+    if len(guides) > 1:
+        raise ValueError("guided_regex: not with response_format or a forced tool call (one guide a request)")
+    return guides[0] if guides else None
+
+
+def _regex_guide(body: _Common) -> dict[str, Any] | None:
+    return None if body.guided_regex is None else {"guide_type": "regex", "guide": body.guided_regex}
 
 
 def _guide(fmt: ResponseFormat | None) -> dict[str, Any] | None:
@@ -487,9 +495,9 @@ def usage(prompt_tokens: int | None, completion_tokens: int) -> dict[str, int]:
 
 def whole_response(chat: bool, request_id: str, model: str, choices: list[Choice], prompt_tokens: int | None,
                    text: TokenText, echoes: list[Echo | None] | None = None,
-                   tools: tool_calls.ToolUse | None = None) -> dict[str, Any]:  # fmt: skip
-    """`echoes`: a completion's, one for each choice (its prompt's); `tools`: how a chat's
-    output is read for tool calls."""
+                   rules: OutputRules | None = None) -> dict[str, Any]:  # fmt: skip
+    """`echoes`: a completion's, one for each choice (its prompt's); `rules`: how a chat's
+    output is read (reasoning, tool calls)."""
     out = []
     for c, echo in zip(choices, echoes or [None] * len(choices), strict=True):
         if echo is not None:
@@ -499,11 +507,11 @@ def whole_response(chat: bool, request_id: str, model: str, choices: list[Choice
             lp = chat_logprobs(c.logprobs, text) if c.logprobs else None
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
             reason = c.finish_reason
-            if tools is not None:
-                message["content"], calls = tools.whole(c.text)
-                if calls:
-                    message["tool_calls"] = [call.openai() for call in calls]
-                    reason = "tool_calls" if reason == "stop" or tools.choice not in ("none", "auto") else reason
+            if rules is not None:
+                message, calls = rules.message(c.text)
+                forced = rules.tools is not None and rules.tools.choice not in ("none", "auto")
+                if calls and (reason == "stop" or forced):
+                    reason = "tool_calls"
             out.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": reason})
         else:
             lp = completion_logprobs(c.logprobs, text, 0) if c.logprobs else None

@@ -2,7 +2,8 @@
 real gateways and a worker (processes, Redis, the tiny checkpoint): forced calls
 guided to the tools' schemas, calls the model writes in its own format (here
 Llama 3's JSON, which a JSON-schema response format makes the random model
-write), streamed and not, and a conversation with a tool's result."""
+write), streamed and not, a conversation with a tool's result, and reasoning split
+from content (guided_regex makes the random model write the tags)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def service(long_model, redis_server, tmp_path_factory):
     with stack(long_model, redis_server.url, tmp_path_factory.mktemp("tools"), workers=0, gateways=0) as s:
         s.worker()
         s.gateway("--http-port", str(ports[0]))
-        s.gateway("--http-port", str(ports[1]), "--tool-parser", "llama3_json")
+        s.gateway("--http-port", str(ports[1]), "--tool-parser", "llama3_json", "--reasoning-parser", "think")
         for g in s.gateways:
             g.wait_workers(1)
         s.urls = [f"http://127.0.0.1:{p}/v1" for p in ports]  # type: ignore[attr-defined]
@@ -155,3 +156,30 @@ def test_tool_refusals_name_the_field(client):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, **kw)
         assert field in e.value.body["message"]
+
+
+def test_reasoning_is_split_from_content(llama_client):
+    kw = {"model": MODEL, "messages": ASK, "max_tokens": 60, "temperature": 0.0,
+          "extra_body": {"guided_regex": "<think>[a-z]{3,8}</think>\n[a-z]{3,8}"}}  # fmt: skip
+    r = llama_client.chat.completions.create(**kw)
+    message = r.choices[0].message
+    thought, content = message.model_extra["reasoning_content"], message.content
+    assert thought.isalpha() and content.isalpha(), (thought, content)
+    chunks = list(llama_client.chat.completions.create(**kw, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thought
+    assert "".join(d.content or "" for d in deltas) == content  # no tag, no thought in content
+
+
+def test_reasoning_then_a_call(llama_client):
+    call = r'<think>[a-z]{3,8}</think>\{"name": "get_weather", "parameters": \{"city": "[a-z]{1,8}", "days": [1-9]\}\}'
+    kw = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "max_tokens": 80, "temperature": 0.0,
+          "extra_body": {"guided_regex": call}}  # fmt: skip
+    r = llama_client.chat.completions.create(**kw)
+    message = r.choices[0].message
+    assert message.model_extra["reasoning_content"].isalpha() and not message.content
+    (tool_call,) = message.tool_calls
+    _valid(tool_call)
+    content, calls, reason = _streamed(llama_client.chat.completions.create(**kw, stream=True))
+    assert content == "" and reason == "tool_calls"
+    assert json.loads(calls[0]["arguments"]) == json.loads(tool_call.function.arguments)
