@@ -35,6 +35,7 @@ from contextlib import asynccontextmanager
 from json.encoder import encode_basestring_ascii
 from typing import TYPE_CHECKING, Any
 
+import redis
 import uvicorn
 import zmq
 import zmq.asyncio
@@ -48,8 +49,10 @@ from starlette.routing import Route
 
 import protocol
 from gateway import openai_api as api
-from gateway import reasoning, tool_calls
+from gateway import reasoning, responses_api, tool_calls
 from gateway.chat_output import ChatStream, OutputRules
+from gateway.response_store import ResponseStore
+from gateway.responses_api import ResponsesRequest
 from gateway.tool_calls import ToolUse
 from gateway.workers import adapter_models
 from protocol.chat_template import ChatTemplateError
@@ -193,10 +196,13 @@ class HttpFront:
         self.port: int = self.socket.getsockname()[1]
         self.host = host
         self.bridge: Bridge | None = None
+        self.store = ResponseStore(gateway.discovery.redis, gateway.keys)
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.stored_response, methods=["GET", "DELETE"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
@@ -297,7 +303,8 @@ class HttpFront:
         tokenizer = self.gateway.tokenizers.get(submit.model or model)  # a LoRA adapter's: its model's
         text = api.TokenText(tokenizer)
         if not body.stream:
-            return await self._answer_whole(request, body, prepared, text)
+            answer = await self._answer_whole(request, body, prepared, text)
+            return answer if isinstance(answer, Response) else JSONResponse(answer)
         call = await self.bridge.submit(submit)
         await call.wait()
         first = call.events[0]  # an error before any output is still an HTTP error
@@ -309,7 +316,7 @@ class HttpFront:
         return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _answer_whole(self, request: Request, body: api.CompletionRequest | api.ChatRequest,
-                            prepared: list[_Prepared], text: api.TokenText) -> Response:  # fmt: skip
+                            prepared: list[_Prepared], text: api.TokenText) -> dict[str, Any] | Response:  # fmt: skip
         """A whole (not streamed) response: one request, or one for each of a completion's
         prompts, run side by side; choice k * n + i is prompt k's i-th, as OpenAI numbers
         them, and one failure fails the whole. Awaited here, not in a body iterator that
@@ -359,8 +366,123 @@ class HttpFront:
                 echoes.append(echo if isinstance(echo, api.Echo) else None)
         counts = [tokens for _, _, tokens, _ in prepared]
         prompt_tokens = None if None in counts else sum(c for c in counts if c is not None)
-        return JSONResponse(api.whole_response(chat, ids[0], prepared[0][0], choices, prompt_tokens, text,
-                                               None if chat else echoes, rules))  # fmt: skip
+        return api.whole_response(chat, ids[0], prepared[0][0], choices, prompt_tokens, text, None if chat else echoes,
+                                  rules)  # fmt: skip
+
+    # -- the Responses API ---------------------------------------------------------------------
+
+    async def responses(self, request: Request) -> Response:
+        try:
+            raw = await self._json(request)
+            try:
+                body = ResponsesRequest.model_validate(raw)
+            except ValidationError as e:
+                raise api.invalid(e) from e
+            earlier = await self._earlier_turns(body.previous_response_id)
+            try:
+                chat = body.chat(earlier)
+            except (ValidationError, ValueError) as e:
+                raise api.invalid(e) from e
+            prepared = await asyncio.to_thread(self._submit, chat, True)
+        except api.ApiError as e:
+            return JSONResponse(e.body(), e.status)
+        model, submit, prompt_tokens, extra = prepared
+        rules = extra if isinstance(extra, OutputRules) else None
+        conversation = earlier + body.input_messages()
+        text = api.TokenText(self.gateway.tokenizers.get(submit.model or model))
+        if body.stream:
+            assert self.bridge is not None
+            call = await self.bridge.submit(submit)
+            events = self._response_events(call, submit, body, model, rules, conversation, prompt_tokens)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        answer = await self._answer_whole(request, chat, [prepared], text)
+        if isinstance(answer, Response):
+            return answer
+        (choice,) = answer["choices"]
+        output = responses_api.output_items(choice["message"])
+        response = responses_api.response_object(responses_api.new_id("resp"), body, model, output, answer["usage"],
+                                                 choice["finish_reason"])  # fmt: skip
+        try:
+            await self._store(body, response, conversation, choice["message"])
+        except api.ApiError as e:
+            return JSONResponse(e.body(), e.status)
+        return JSONResponse(response)
+
+    async def stored_response(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        try:
+            if request.method == "DELETE":
+                if not await self._redis(self.store.delete, response_id):
+                    raise _no_response(response_id)
+                return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+            stored = await self._redis(self.store.get, response_id)
+            if stored is None:
+                raise _no_response(response_id)
+        except api.ApiError as e:
+            return JSONResponse(e.body(), e.status)
+        return JSONResponse(stored["response"])
+
+    async def _earlier_turns(self, previous_response_id: str | None) -> list[dict[str, Any]]:
+        if previous_response_id is None:
+            return []
+        stored = await self._redis(self.store.get, previous_response_id)
+        if stored is None:
+            raise _no_response(previous_response_id, "previous_response_id")
+        return list(stored["conversation"])
+
+    async def _store(self, body: ResponsesRequest, response: dict[str, Any], conversation: list[dict[str, Any]],
+                     message: dict[str, Any]) -> None:  # fmt: skip
+        if body.store:
+            await self._redis(self.store.put, response, responses_api.conversation_after(conversation, message))
+
+    async def _redis(self, fn: Any, *args: Any) -> Any:
+        """A ResponseStore call, on a thread; Redis down is a 503 that says so."""
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except redis.RedisError as e:
+            raise api.ApiError(503, f"stored responses are unavailable: Redis does not answer ({e})",
+                               "service_unavailable") from e
+
+    async def _response_events(self, call: _Call, submit: protocol.Submit, body: ResponsesRequest, model: str,
+                               rules: OutputRules | None, conversation: list[dict[str, Any]],
+                               prompt_tokens: int | None) -> AsyncIterator[bytes]:  # fmt: skip
+        """The Responses API's stream: created, the message's text deltas as they come, the
+        output items once the output ends (calls, the whole message), completed."""
+        assert self.bridge is not None
+        events = responses_api.ResponseEvents(responses_api.new_id("resp"), body, model)
+        splitter = ChatStream(rules) if rules is not None else None
+        choices = [api.Choice(0)]
+        full, done = "", False
+        try:
+            yield events.start().encode()
+            while not done:
+                await call.wait()
+                out: list[str] = []
+                while call.events and not done:
+                    event = call.events.popleft()
+                    if isinstance(event, api.ApiError):
+                        yield events.error(event.message).encode()
+                        return
+                    deltas = [event] if isinstance(event, str) else [d for _, d, _, _ in _apply(choices, event, submit)]
+                    for delta in deltas:
+                        full += delta
+                        pieces = splitter.feed(delta) if splitter is not None else [{"content": delta}]
+                        out += [events.piece(p) for p in pieces]
+                    if isinstance(event, protocol.Result) and event.is_final:
+                        done = True
+                        out += [events.piece(p) for p in (splitter.finish() if splitter is not None else [])]
+                if out:
+                    yield "".join(out).encode()
+            message = rules.message(full)[0] if rules is not None else {"role": "assistant", "content": full}
+            used = api.usage(prompt_tokens, choices[0].tokens + call.step_tokens)
+            tail, response = events.end(message, used, choices[0].finish_reason)
+            await self._store(body, response, conversation, message)
+            yield tail.encode()
+        finally:
+            if not done:
+                with contextlib.suppress(Exception):
+                    await self.bridge.cancel(submit.request_id)
+            self.bridge.forget(submit.request_id)
 
     async def _cancel_all(self, request_ids: list[str]) -> None:
         assert self.bridge is not None
@@ -368,11 +490,14 @@ class HttpFront:
             with contextlib.suppress(Exception):
                 await self.bridge.cancel(request_id)
 
-    async def _body(self, request: Request, chat: bool) -> api.CompletionRequest | api.ChatRequest:
+    async def _json(self, request: Request) -> Any:
         try:
-            raw = await request.json()
+            return await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise api.ApiError(400, f"the body is not JSON: {e}", "invalid_request_error") from e
+
+    async def _body(self, request: Request, chat: bool) -> api.CompletionRequest | api.ChatRequest:
+        raw = await self._json(request)
         try:
             return api.ChatRequest.model_validate(raw) if chat else api.CompletionRequest.model_validate(raw)
         except ValidationError as e:
@@ -533,6 +658,11 @@ def _tool_items(splitter: ChatStream, index: int, delta: str, logprobs: dict[str
         items[0]["logprobs"] = logprobs
         items[-1]["finish_reason"] = reason
     return items
+
+
+def _no_response(response_id: str, param: str | None = None) -> api.ApiError:
+    return api.ApiError(404, f"no stored response {response_id!r} (never stored, deleted, or expired)",
+                        "not_found_error", "response_not_found", param)  # fmt: skip
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

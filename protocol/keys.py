@@ -11,6 +11,8 @@ from dataclasses import dataclass
 DEFAULT_PREFIX = "tokenwire"
 # A cancel flag only has to outlive the request it stops.
 CANCEL_TTL_S = 3600
+# A stored response (the Responses API's `store`) is kept this long for a follow-up to continue.
+RESPONSE_TTL_S = 30 * 24 * 3600
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.\-]+(:[A-Za-z0-9_.\-]+)*")
 
@@ -26,6 +28,10 @@ class Keys:
     def cancel(self, request_id: str) -> str:
         """String flag; set (with CANCEL_TTL_S) by anyone to cancel the request."""
         return f"{self.prefix}:cancel:{request_id}"
+
+    def response(self, response_id: str) -> str:
+        """String: a stored Responses API response and the conversation it ends (JSON), with RESPONSE_TTL_S."""
+        return f"{self.prefix}:response:{response_id}"
 
     def workers(self) -> str:
         """Sorted set: worker id scored by the time of its last heartbeat."""
