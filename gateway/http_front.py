@@ -53,6 +53,7 @@ from gateway import reasoning, responses_api, tool_calls
 from gateway.chat_output import ChatStream, OutputRules
 from gateway.response_store import ResponseStore
 from gateway.responses_api import ResponsesRequest
+from gateway.tokenize_api import DetokenizeRequest, TokenizeRequest
 from gateway.tool_calls import ToolUse
 from gateway.workers import adapter_models
 from protocol.chat_template import ChatTemplateError
@@ -202,6 +203,8 @@ class HttpFront:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/v1/responses/{response_id}", self.stored_response, methods=["GET", "DELETE"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
@@ -368,6 +371,51 @@ class HttpFront:
         prompt_tokens = None if None in counts else sum(c for c in counts if c is not None)
         return api.whole_response(chat, ids[0], prepared[0][0], choices, prompt_tokens, text, None if chat else echoes,
                                   rules)  # fmt: skip
+
+    # -- tokenizing ---------------------------------------------------------------------------
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            body = _validated(TokenizeRequest, await self._json(request))
+            model, tokenizer, max_len = self._tokenizer_of(body.model)
+            ids = await asyncio.to_thread(self._tokens, body, model, tokenizer)
+        except api.ApiError as e:
+            return JSONResponse(e.body(), e.status)
+        return JSONResponse({"count": len(ids), "max_model_len": max_len, "tokens": ids})
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            body = _validated(DetokenizeRequest, await self._json(request))
+            _, tokenizer, _ = self._tokenizer_of(body.model)
+            size = tokenizer.get_vocab_size(with_added_tokens=True)
+            bad = [t for t in body.tokens if not 0 <= t < size]
+            if bad:
+                raise api.ApiError(400, f"tokens: {bad[0]} is outside the vocabulary (size {size})",
+                                   "invalid_request_error", "invalid_value", "tokens")  # fmt: skip
+        except api.ApiError as e:
+            return JSONResponse(e.body(), e.status)
+        return JSONResponse({"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+    def _tokenizer_of(self, model: str | None) -> tuple[str, Any, int | None]:
+        served = self._ready_models()
+        name = model or (min(served) if served else None)
+        tokenizer = self.gateway.tokenizers.get(name) if name is not None else None
+        if name is None or tokenizer is None:
+            raise api.ApiError(404, f"no tokenizer for model {name!r} (served: {sorted(served)})", "not_found_error",
+                               "model_not_found", "model")  # fmt: skip
+        return name, tokenizer, served.get(name)
+
+    def _tokens(self, body: TokenizeRequest, model: str, tokenizer: Any) -> list[int]:
+        try:
+            if body.messages is not None:
+                chat = body.chat()
+                return self.gateway.tokenizers.prompt_ids(model, None, chat.template_messages(), None,
+                                                          chat.template_extra())  # fmt: skip
+            return list(tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens).ids)
+        except ValidationError as e:
+            raise api.invalid(e) from e
+        except ValueError as e:  # a template's failure, arguments that are not JSON
+            raise api.invalid(e) from e
 
     # -- the Responses API ---------------------------------------------------------------------
 
@@ -658,6 +706,13 @@ def _tool_items(splitter: ChatStream, index: int, delta: str, logprobs: dict[str
         items[0]["logprobs"] = logprobs
         items[-1]["finish_reason"] = reason
     return items
+
+
+def _validated(model: Any, raw: Any) -> Any:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        raise api.invalid(e) from e
 
 
 def _no_response(response_id: str, param: str | None = None) -> api.ApiError:

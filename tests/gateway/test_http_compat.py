@@ -132,3 +132,25 @@ def test_echo_and_prompt_logprobs_refusals_name_the_field(client):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt="hi", **{"max_tokens": 2, **kw})
         assert field in e.value.body["message"]
+
+
+def test_tokenize_and_detokenize(client, service, long_model):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(long_model / "tokenizer.json"))
+    base = service.http_url
+    got = client.post(f"{base}/tokenize", body={"model": MODEL, "prompt": "Hello there"}, cast_to=object)
+    want = tokenizer.encode("Hello there").ids
+    assert got["tokens"] == want and got["count"] == len(want) and got["max_model_len"] > 0
+    bare = client.post(f"{base}/tokenize", body={"prompt": "Hello there", "add_special_tokens": False}, cast_to=object)
+    assert bare["tokens"] == tokenizer.encode("Hello there", add_special_tokens=False).ids
+    chat = client.post(f"{base}/tokenize", body={"messages": [{"role": "user", "content": "hi"}]}, cast_to=object)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert chat["count"] == r.usage.prompt_tokens  # as the chat endpoint renders it
+    text = client.post(f"{base}/detokenize", body={"tokens": want}, cast_to=object)
+    assert text["prompt"] == tokenizer.decode(want, skip_special_tokens=False)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.post(f"{base}/detokenize", body={"tokens": [10**7]}, cast_to=object)
+    assert e.value.body["param"] == "tokens"
+    with pytest.raises(openai.BadRequestError, match="exactly one"):
+        client.post(f"{base}/tokenize", body={"model": MODEL}, cast_to=object)
