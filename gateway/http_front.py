@@ -441,6 +441,10 @@ class HttpFront:
         if body.stream:
             assert self.bridge is not None
             call = await self.bridge.submit(submit)
+            await call.wait()
+            first = call.events[0]  # an error before any output is still an HTTP error
+            if isinstance(first, api.ApiError):
+                return JSONResponse(first.body(), first.status)
             events = self._response_events(call, submit, body, model, rules, conversation, prompt_tokens)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         answer = await self._answer_whole(request, chat, [prepared], text)
