@@ -6,6 +6,7 @@ route, echo and prompt log probs."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -127,8 +128,10 @@ def test_prompt_logprobs_as_vllm_names_them(client, long_model):
 
 
 def test_echo_and_prompt_logprobs_refusals_name_the_field(client):
-    for kw, field in [({"max_tokens": 0}, "max_tokens"), ({"echo": True, "stream": True}, "echo"),
-                      ({"echo": True, "logprobs": 1, "stop": ["x"]}, "stop")]:  # fmt: skip
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"max_tokens": 0}, "max_tokens"), ({"echo": True, "stream": True}, "echo"),
+        ({"echo": True, "logprobs": 1, "stop": ["x"]}, "stop")]  # fmt: skip
+    for kw, field in cases:
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt="hi", **{"max_tokens": 2, **kw})
         assert field in e.value.body["message"]

@@ -8,6 +8,7 @@ from content (guided_regex makes the random model write the tags)."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import jsonschema
 import pytest
@@ -67,7 +68,8 @@ def _valid(call) -> dict:
 
 def _streamed(stream) -> tuple[str, dict[int, dict[str, str]], str | None]:
     """(content, calls by index as {id, name, arguments}, finish reason) of a streamed chat."""
-    content, calls, reason = "", {}, None
+    content, reason = "", None
+    calls: dict[int, dict[str, str]] = {}
     for chunk in stream:
         if not chunk.choices:
             continue
@@ -140,19 +142,20 @@ def test_a_tool_result_turn_is_answered(client):
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
                                        max_tokens=8, temperature=0.0)  # fmt: skip
     assert r.choices[0].message.tool_calls is None
-    longer = [*messages[:-1], {**messages[-1], "content": "sunny, 21 C, light wind from the west"}]
+    longer = [*messages[:-1], {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C, light wind"}]
     r2 = client.chat.completions.create(model=MODEL, messages=longer, max_tokens=1, temperature=0.0)
     assert r2.usage.prompt_tokens > r.usage.prompt_tokens  # the tool's result is in the prompt
 
 
 def test_tool_refusals_name_the_field(client):
-    for kw, field in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
         ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
          "response_format"),
-    ]:  # fmt: skip
+    ]  # fmt: skip
+    for kw, field in cases:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, **kw)
         assert field in e.value.body["message"]

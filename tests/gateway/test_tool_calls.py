@@ -87,9 +87,9 @@ def test_forced_schemas_validate_what_parse_forced_reads() -> None:
         jsonschema.validate([{"name": "get_time", "parameters": {"city": "X"}}], schema)
     one = tc.forced_schema(tools, "required", parallel=False)
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(out, one)  # type: ignore[arg-type]
+        jsonschema.validate(out, one)
     assert [c.name for c in tc.parse_forced("required", json.dumps(out))] == ["get_time", "get_weather"]
-    assert tc.forced_schema(tools, "get_weather", parallel=True) == WEATHER["function"]["parameters"]
+    assert tc.forced_schema(tools, "get_weather", parallel=True) == WEATHER["function"]["parameters"]  # type: ignore[index]
     assert tc.forced_schema(tools, "auto", parallel=True) is None
 
 
