@@ -37,6 +37,28 @@ class NamedFunction(BaseModel):
     name: str
 
 
+class TextFormat(BaseModel):
+    """The Responses API's structured output: text, any JSON object, or JSON of a schema."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    def response_format(self) -> dict[str, Any]:
+        """As the chat API's response_format."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        if self.schema_ is None:
+            raise ValueError("text.format: json_schema needs a schema")
+        return {"type": "json_schema", "json_schema": {"name": self.name or "output", "schema": self.schema_,
+                                                       "strict": self.strict}}  # fmt: skip
+
+
+class TextConfig(BaseModel):
+    format: TextFormat = Field(default_factory=TextFormat)
+
+
 class ResponsesRequest(BaseModel):
     """Unknown fields are tokenwire's sampling options, checked as the chat API checks them."""
 
@@ -55,6 +77,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     store: bool = True
     metadata: dict[str, str] | None = None
+    text: TextConfig | None = None
 
     def chat(self, earlier: list[dict[str, Any]]) -> api.ChatRequest:
         """The chat request this one runs as, after the `earlier` turns' messages."""
@@ -66,6 +89,8 @@ class ResponsesRequest(BaseModel):
             fields["temperature"] = self.temperature
         if self.top_p is not None:
             fields["top_p"] = self.top_p
+        if self.text is not None:
+            fields["response_format"] = self.text.format.response_format()
         if self.tools:
             fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                                for t in self.tools]  # fmt: skip
@@ -155,7 +180,7 @@ def response_object(response_id: str, body: ResponsesRequest, model: str, output
                         else body.tool_choice or "auto"),
         "parallel_tool_calls": body.parallel_tool_calls, "temperature": body.temperature, "top_p": body.top_p,
         "max_output_tokens": body.max_output_tokens, "store": body.store, "metadata": body.metadata or {},
-        "text": {"format": {"type": "text"}},
+        "text": {"format": (body.text or TextConfig()).format.model_dump(by_alias=True, exclude_none=True)},
         "usage": {"input_tokens": used["prompt_tokens"], "output_tokens": used["completion_tokens"],
                   "total_tokens": used["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
                   "output_tokens_details": {"reasoning_tokens": 0}},

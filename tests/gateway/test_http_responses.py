@@ -98,3 +98,14 @@ def test_refusals_name_the_field(clients):
     with pytest.raises(openai.BadRequestError) as e:
         one.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}], max_output_tokens=2)
     assert "tools" in e.value.body["message"]
+
+
+def test_structured_output(clients):
+    pytest.importorskip("xgrammar")
+    one, _ = clients
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}  # fmt: skip
+    r = one.responses.create(model=MODEL, input="yes or no?", max_output_tokens=40, temperature=0.0,
+                             text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})  # fmt: skip
+    jsonschema.validate(json.loads(r.output_text), schema)
+    assert r.text.format.type == "json_schema"
