@@ -205,6 +205,7 @@ class HttpFront:
             Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
             Route("/v1/responses/{response_id}", self.stored_response, methods=["GET", "DELETE"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
@@ -395,6 +396,18 @@ class HttpFront:
         except api.ApiError as e:
             return JSONResponse(e.body(), e.status)
         return JSONResponse({"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """What a client needs to tokenize as the server does (?model=, else the default model)."""
+        try:
+            model, tokenizer, max_len = self._tokenizer_of(request.query_params.get("model"))
+        except api.ApiError as e:
+            return JSONResponse(e.body(), e.status)
+        bos, eos = self.gateway.tokenizers.special_tokens(model)
+        return JSONResponse({"model": model, "tokenizer_class": "PreTrainedTokenizerFast",
+                             "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True), "max_model_len": max_len,
+                             "bos_token": bos, "eos_token": eos,
+                             "chat_template": self.gateway.tokenizers.chat_template(model)})  # fmt: skip
 
     def _tokenizer_of(self, model: str | None) -> tuple[str, Any, int | None]:
         served = self._ready_models()

@@ -96,6 +96,11 @@ class Tokenizers:
         ready = self._chat.get(model) if model is not None else None
         return None if ready is None else ready.chat_template
 
+    def special_tokens(self, model: str) -> tuple[str | None, str | None]:
+        """The (bos, eos) tokens the model's chat template is rendered with."""
+        ready = self._chat.get(model)
+        return (None, None) if ready is None else (ready.bos_token, ready.eos_token)
+
     def render_chat(self, model: str | None, messages: Iterable[Mapping[str, Any]],
                     extra: Mapping[str, Any] | None = None) -> str:  # fmt: skip
         """`messages` as `model`'s prompt text (`extra`: more template variables);

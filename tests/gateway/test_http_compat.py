@@ -157,3 +157,8 @@ def test_tokenize_and_detokenize(client, service, long_model):
     assert e.value.body["param"] == "tokens"
     with pytest.raises(openai.BadRequestError, match="exactly one"):
         client.post(f"{base}/tokenize", body={"model": MODEL}, cast_to=object)
+    info = client.get(f"{base}/tokenizer_info", cast_to=object)
+    assert info["model"] == MODEL and info["vocab_size"] == tokenizer.get_vocab_size(with_added_tokens=True)
+    assert info["eos_token"] in tokenizer.get_vocab() and "<|im_start|>" in info["chat_template"]
+    with pytest.raises(openai.NotFoundError):
+        client.get(f"{base}/tokenizer_info?model=nope", cast_to=object)
