@@ -270,7 +270,7 @@ class ToolStream:
         if self.forced:
             if self.choice == "required":
                 self.calls = parse_forced(self.choice, self.text)
-                return [{"tool_calls": [c.openai(i)]} for i, c in enumerate(self.calls)]
+                return _call_deltas(self.calls)
             out = self.feed("") if self.named is None else []
             assert self.named is not None
             self.calls = [ToolCall(self.named.name, JsonEscaper()(self.text.strip()), self.named.id)]
@@ -280,4 +280,14 @@ class ToolStream:
         if not calls:  # what was held back was not a call after all
             rest = self.text[self.sent :]
             return [{"content": rest}] if rest else []
-        return [{"tool_calls": [c.openai(i)]} for i, c in enumerate(calls)]
+        return _call_deltas(calls)
+
+
+def _call_deltas(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    """Each call as OpenAI streams one: its id and name, then its arguments."""
+    out = []
+    for i, call in enumerate(calls):
+        out.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                    "function": {"name": call.name, "arguments": ""}}]})  # fmt: skip
+        out.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
+    return out

@@ -47,5 +47,6 @@ def test_reasoning_then_a_tool_call_streamed() -> None:
         deltas = [d for i in range(0, len(text), size) for d in s.feed(text[i : i + size])] + s.finish()
         assert "".join(d.get("reasoning_content", "") for d in deltas) == "I should call it."
         assert "".join(d.get("content", "") for d in deltas) == ""
-        (call,) = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
-        assert call["function"]["name"] == "f" and json.loads(call["function"]["arguments"]) == {"x": 1}
+        parts = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+        assert parts[0]["function"]["name"] == "f" and parts[0]["id"].startswith("call_")
+        assert json.loads("".join(p["function"]["arguments"] for p in parts)) == {"x": 1}
