@@ -85,6 +85,7 @@ class SamplingParams:
     # -- what comes back besides tokens and text
     return_log_probs: bool = False
     top_n_log_probs: int = 0  # per token, the n likeliest tokens and their log probs
+    prompt_log_probs: int | None = None  # per prompt token, its log prob and the k likeliest at its position
     return_context_logits: bool = False  # RequestOutput.context_logits
     return_generation_logits: bool = False  # CompletionOutput.generation_logits
     # -- steering the logits

@@ -45,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API listens on")
     add_api_key_options(p)
     add_insecure_option(p)
+    p.add_argument("--tool-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
+                   help="how the HTTP API reads tool calls in a chat's output (default: the chat template's format)")
+    p.add_argument("--reasoning-parser", choices=["think", "deepseek_r1"], default=None,
+                   help="how the HTTP API splits a chat's reasoning from its content (default: from the chat template)")
     add_config_options(p, "gateway")
 
 
@@ -103,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
             from gateway.http_front import HttpFront  # Starlette and uvicorn load only for it
 
             open_paths = frozenset(p.strip() for p in args.auth_open_paths.split(",") if p.strip())
-            http = HttpFront(gw, args.http_host, args.http_port, open_paths)
+            http = HttpFront(gw, args.http_host, args.http_port, open_paths, tool_parser=args.tool_parser,
+                             reasoning_parser=args.reasoning_parser)
         if args.metrics_port:
             gw.metrics.serve(args.metrics_host, args.metrics_port)
     except (zmq.ZMQError, OSError) as e:

@@ -35,20 +35,28 @@ from contextlib import asynccontextmanager
 from json.encoder import encode_basestring_ascii
 from typing import TYPE_CHECKING, Any
 
+import redis
 import uvicorn
 import zmq
 import zmq.asyncio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import protocol
 from gateway import openai_api as api
+from gateway import reasoning, responses_api, tool_calls
+from gateway.chat_output import ChatStream, OutputRules
 from gateway.http_auth import ApiKeyAuth, Usage, usage_of
 from gateway.rate_limits import RateLimits
+from gateway.response_store import ResponseStore
+from gateway.responses_api import ResponsesRequest
+from gateway.tokenize_api import DetokenizeRequest, TokenizeRequest
+from gateway.tool_calls import ToolUse
 from gateway.workers import adapter_models
 from protocol.chat_template import ChatTemplateError
 
@@ -58,6 +66,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _HEARTBEAT_S = 1.0
+
+# What a request needs once prepared: its model's name as answered, the Submit, the prompt's
+# length where known here, and what of the prompt a completion's choices repeat, or how a
+# chat's output is read for tool calls.
+_Prepared = tuple[str, protocol.Submit, int | None, api.Echo | OutputRules | None]
 
 
 class _Call:
@@ -177,21 +190,32 @@ class Bridge:
 class HttpFront:
     """The HTTP server of one gateway: `start()` serves on a thread, `stop()` ends it."""
 
-    def __init__(self, gateway: Gateway, host: str, port: int, open_paths: frozenset[str] = frozenset()) -> None:
+    def __init__(self, gateway: Gateway, host: str, port: int, open_paths: frozenset[str] = frozenset(),
+                 tool_parser: str | None = None, reasoning_parser: str | None = None) -> None:  # fmt: skip
         self.gateway = gateway
+        # None: the formats each model's chat template teaches.
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
         # Bound now, so a port in use is an error at start-up rather than on a thread later.
         self.socket = socket.create_server((host, port), reuse_port=False)
         self.port: int = self.socket.getsockname()[1]
         self.host = host
         self.bridge: Bridge | None = None
+        self.store = ResponseStore(gateway.discovery.redis, gateway.keys)
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
+            Route("/v1/responses/{response_id}", self.stored_response, methods=["GET", "DELETE"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
-        self.app = Starlette(routes=routes, lifespan=self._lifespan)
+        handlers = {HTTPException: _http_error, Exception: _server_error}
+        self.app = Starlette(routes=routes, lifespan=self._lifespan, exception_handlers=handlers)
         self.limits = RateLimits(gateway.config.redis_url, gateway.keys, gateway.metrics)
         asgi = self.app if gateway.api_keys is None else ApiKeyAuth(self.app, gateway.api_keys, open_paths,
                                                                     self.limits)  # fmt: skip
@@ -289,29 +313,32 @@ class HttpFront:
         except api.ApiError as e:
             return JSONResponse(e.body(), e.status)
         assert self.bridge is not None
-        model, submit, prompt_tokens = prepared[0]
+        model, submit, prompt_tokens, extra = prepared[0]
         tokenizer = self.gateway.tokenizers.get(submit.model or model)  # a LoRA adapter's: its model's
         text = api.TokenText(tokenizer)
         if not body.stream:
-            return await self._answer_whole(request, chat, prepared, text)
+            answer = await self._answer_whole(request, body, prepared, text)
+            return answer if isinstance(answer, Response) else JSONResponse(answer)
         call = await self.bridge.submit(submit)
         await call.wait()
         first = call.events[0]  # an error before any output is still an HTTP error
         if isinstance(first, api.ApiError):
             return JSONResponse(first.body(), first.status)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = self._sse(call, submit, model, chat, prompt_tokens, include_usage, text, usage_of(request.scope))
+        rules = extra if isinstance(extra, OutputRules) else None
+        stream = self._sse(call, submit, model, chat, prompt_tokens, include_usage, text, usage_of(request.scope),
+                           rules)  # fmt: skip
         return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _answer_whole(self, request: Request, chat: bool,
-                            prepared: list[tuple[str, protocol.Submit, int | None]], text: api.TokenText) -> Response:
+    async def _answer_whole(self, request: Request, body: api.CompletionRequest | api.ChatRequest,
+                            prepared: list[_Prepared], text: api.TokenText) -> dict[str, Any] | Response:  # fmt: skip
         """A whole (not streamed) response: one request, or one for each of a completion's
         prompts, run side by side; choice k * n + i is prompt k's i-th, as OpenAI numbers
         them, and one failure fails the whole. Awaited here, not in a body iterator that
         ASGI would end: a client that goes away meanwhile is watched for, and its requests
         cancelled."""
         assert self.bridge is not None
-        calls = [(await self.bridge.submit(submit), submit) for _, submit, _ in prepared]
+        calls = [(await self.bridge.submit(submit), submit) for _, submit, _, _ in prepared]
         ids = [submit.request_id for _, submit in calls]
         each = [asyncio.ensure_future(self._whole(call, submit)) for call, submit in calls]
         whole = asyncio.gather(*each)
@@ -340,15 +367,203 @@ class HttpFront:
                 self.bridge.forget(request_id)
         n = calls[0][1].num_return_sequences
         choices = []
-        for k, answer in enumerate(answers):
+        echoes: list[api.Echo | None] = []
+        rules = prepared[0][3] if isinstance(prepared[0][3], OutputRules) else None
+        chat = isinstance(body, api.ChatRequest)
+        nothing_generated = body.max_tokens == 0  # the one token generated is left out
+        for k, ((_, _, _, echo), answer) in enumerate(zip(prepared, answers, strict=True)):
             for choice in answer:
                 choice.index += k * n
+                choice.prompt_log_probs = answer[0].prompt_log_probs  # the prompt's, computed once
+                if nothing_generated:
+                    choice.text, choice.tokens, choice.logprobs, choice.finish_reason = "", 0, [], "length"
                 choices.append(choice)
-        counts = [tokens for _, _, tokens in prepared]
+                echoes.append(echo if isinstance(echo, api.Echo) else None)
+        counts = [tokens for _, _, tokens, _ in prepared]
         prompt_tokens = None if None in counts else sum(c for c in counts if c is not None)
         usage = usage_of(request.scope)  # counted for the API key
         usage.prompt_tokens, usage.completion_tokens = prompt_tokens or 0, sum(c.tokens for c in choices)
-        return JSONResponse(api.whole_response(chat, ids[0], prepared[0][0], choices, prompt_tokens, text))
+        return api.whole_response(chat, ids[0], prepared[0][0], choices, prompt_tokens, text, None if chat else echoes,
+                                  rules)  # fmt: skip
+
+    # -- tokenizing ---------------------------------------------------------------------------
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            body = _validated(TokenizeRequest, await self._json(request))
+            model, tokenizer, max_len = self._tokenizer_of(body.model)
+            ids = await asyncio.to_thread(self._tokens, body, model, tokenizer)
+        except api.ApiError as e:
+            return JSONResponse(e.body(), e.status)
+        return JSONResponse({"count": len(ids), "max_model_len": max_len, "tokens": ids})
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            body = _validated(DetokenizeRequest, await self._json(request))
+            _, tokenizer, _ = self._tokenizer_of(body.model)
+            size = tokenizer.get_vocab_size(with_added_tokens=True)
+            bad = [t for t in body.tokens if not 0 <= t < size]
+            if bad:
+                raise api.ApiError(400, f"tokens: {bad[0]} is outside the vocabulary (size {size})",
+                                   "invalid_request_error", "invalid_value", "tokens")  # fmt: skip
+        except api.ApiError as e:
+            return JSONResponse(e.body(), e.status)
+        return JSONResponse({"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """What a client needs to tokenize as the server does (?model=, else the default model)."""
+        try:
+            model, tokenizer, max_len = self._tokenizer_of(request.query_params.get("model"))
+        except api.ApiError as e:
+            return JSONResponse(e.body(), e.status)
+        bos, eos = self.gateway.tokenizers.special_tokens(model)
+        return JSONResponse({"model": model, "tokenizer_class": "PreTrainedTokenizerFast",
+                             "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True), "max_model_len": max_len,
+                             "bos_token": bos, "eos_token": eos,
+                             "chat_template": self.gateway.tokenizers.chat_template(model)})  # fmt: skip
+
+    def _tokenizer_of(self, model: str | None) -> tuple[str, Any, int | None]:
+        served = self._ready_models()
+        name = model or (min(served) if served else None)
+        tokenizer = self.gateway.tokenizers.get(name) if name is not None else None
+        if name is None or tokenizer is None:
+            raise api.ApiError(404, f"no tokenizer for model {name!r} (served: {sorted(served)})", "not_found_error",
+                               "model_not_found", "model")  # fmt: skip
+        return name, tokenizer, served.get(name)
+
+    def _tokens(self, body: TokenizeRequest, model: str, tokenizer: Any) -> list[int]:
+        try:
+            if body.messages is not None:
+                chat = body.chat()
+                return self.gateway.tokenizers.prompt_ids(model, None, chat.template_messages(), None,
+                                                          chat.template_extra())  # fmt: skip
+            return list(tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens).ids)
+        except ValidationError as e:
+            raise api.invalid(e) from e
+        except ValueError as e:  # a template's failure, arguments that are not JSON
+            raise api.invalid(e) from e
+
+    # -- the Responses API ---------------------------------------------------------------------
+
+    async def responses(self, request: Request) -> Response:
+        try:
+            raw = await self._json(request)
+            try:
+                body = ResponsesRequest.model_validate(raw)
+            except ValidationError as e:
+                raise api.invalid(e) from e
+            earlier = await self._earlier_turns(body.previous_response_id)
+            try:
+                chat = body.chat(earlier)
+            except (ValidationError, ValueError) as e:
+                raise api.invalid(e) from e
+            prepared = await asyncio.to_thread(self._submit, chat, True)
+        except api.ApiError as e:
+            return JSONResponse(e.body(), e.status)
+        model, submit, prompt_tokens, extra = prepared
+        rules = extra if isinstance(extra, OutputRules) else None
+        conversation = earlier + body.input_messages()
+        text = api.TokenText(self.gateway.tokenizers.get(submit.model or model))
+        if body.stream:
+            assert self.bridge is not None
+            call = await self.bridge.submit(submit)
+            await call.wait()
+            first = call.events[0]  # an error before any output is still an HTTP error
+            if isinstance(first, api.ApiError):
+                return JSONResponse(first.body(), first.status)
+            events = self._response_events(call, submit, body, model, rules, conversation, prompt_tokens,
+                                           usage_of(request.scope))  # fmt: skip
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        answer = await self._answer_whole(request, chat, [prepared], text)
+        if isinstance(answer, Response):
+            return answer
+        (choice,) = answer["choices"]
+        output = responses_api.output_items(choice["message"])
+        response = responses_api.response_object(responses_api.new_id("resp"), body, model, output, answer["usage"],
+                                                 choice["finish_reason"])  # fmt: skip
+        try:
+            await self._store(body, response, conversation, choice["message"])
+        except api.ApiError as e:
+            return JSONResponse(e.body(), e.status)
+        return JSONResponse(response)
+
+    async def stored_response(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        try:
+            if request.method == "DELETE":
+                if not await self._redis(self.store.delete, response_id):
+                    raise _no_response(response_id)
+                return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+            stored = await self._redis(self.store.get, response_id)
+            if stored is None:
+                raise _no_response(response_id)
+        except api.ApiError as e:
+            return JSONResponse(e.body(), e.status)
+        return JSONResponse(stored["response"])
+
+    async def _earlier_turns(self, previous_response_id: str | None) -> list[dict[str, Any]]:
+        if previous_response_id is None:
+            return []
+        stored = await self._redis(self.store.get, previous_response_id)
+        if stored is None:
+            raise _no_response(previous_response_id, "previous_response_id")
+        return list(stored["conversation"])
+
+    async def _store(self, body: ResponsesRequest, response: dict[str, Any], conversation: list[dict[str, Any]],
+                     message: dict[str, Any]) -> None:  # fmt: skip
+        if body.store:
+            await self._redis(self.store.put, response, responses_api.conversation_after(conversation, message))
+
+    async def _redis(self, fn: Any, *args: Any) -> Any:
+        """A ResponseStore call, on a thread; Redis down is a 503 that says so."""
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except redis.RedisError as e:
+            raise api.ApiError(503, f"stored responses are unavailable: Redis does not answer ({e})",
+                               "service_unavailable") from e
+
+    async def _response_events(self, call: _Call, submit: protocol.Submit, body: ResponsesRequest, model: str,
+                               rules: OutputRules | None, conversation: list[dict[str, Any]],
+                               prompt_tokens: int | None, usage: Usage) -> AsyncIterator[bytes]:  # fmt: skip
+        """The Responses API's stream: created, the message's text deltas as they come, the
+        output items once the output ends (calls, the whole message), completed."""
+        assert self.bridge is not None
+        events = responses_api.ResponseEvents(responses_api.new_id("resp"), body, model)
+        splitter = ChatStream(rules) if rules is not None else None
+        choices = [api.Choice(0)]
+        full, done = "", False
+        try:
+            yield events.start().encode()
+            while not done:
+                await call.wait()
+                out: list[str] = []
+                while call.events and not done:
+                    event = call.events.popleft()
+                    if isinstance(event, api.ApiError):
+                        yield events.error(event.message).encode()
+                        return
+                    deltas = [event] if isinstance(event, str) else [d for _, d, _, _ in _apply(choices, event, submit)]
+                    for delta in deltas:
+                        full += delta
+                        pieces = splitter.feed(delta) if splitter is not None else [{"content": delta}]
+                        out += [events.piece(p) for p in pieces]
+                    if isinstance(event, protocol.Result) and event.is_final:
+                        done = True
+                        out += [events.piece(p) for p in (splitter.finish() if splitter is not None else [])]
+                if out:
+                    yield "".join(out).encode()
+            message = rules.message(full)[0] if rules is not None else {"role": "assistant", "content": full}
+            used = api.usage(prompt_tokens, choices[0].tokens + call.step_tokens)
+            tail, response = events.end(message, used, choices[0].finish_reason)
+            await self._store(body, response, conversation, message)
+            yield tail.encode()
+        finally:
+            usage.prompt_tokens = prompt_tokens or 0  # counted for the API key, as a chat stream's
+            usage.completion_tokens = choices[0].tokens + call.step_tokens
+            if not done:
+                with contextlib.suppress(Exception):
+                    await self.bridge.cancel(submit.request_id)
+            self.bridge.forget(submit.request_id)
 
     async def _cancel_all(self, request_ids: list[str]) -> None:
         assert self.bridge is not None
@@ -356,20 +571,22 @@ class HttpFront:
             with contextlib.suppress(Exception):
                 await self.bridge.cancel(request_id)
 
-    async def _body(self, request: Request, chat: bool) -> api.CompletionRequest | api.ChatRequest:
+    async def _json(self, request: Request) -> Any:
         try:
-            raw = await request.json()
+            return await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise api.ApiError(400, f"the body is not JSON: {e}", "invalid_request_error") from e
+
+    async def _body(self, request: Request, chat: bool) -> api.CompletionRequest | api.ChatRequest:
+        raw = await self._json(request)
         try:
             return api.ChatRequest.model_validate(raw) if chat else api.CompletionRequest.model_validate(raw)
         except ValidationError as e:
             raise api.invalid(e) from e
 
-    def _submit(
-        self, body: api.CompletionRequest | api.ChatRequest, chat: bool
-    ) -> tuple[str, protocol.Submit, int | None]:
-        """The model, the Submit, and the prompt's length where it is known here."""
+    def _submit(self, body: api.CompletionRequest | api.ChatRequest, chat: bool) -> _Prepared:
+        """The model, the Submit, the prompt's length where it is known here, and what of
+        the prompt a completion's choices repeat."""
         served = self._ready_models()
         model = body.model or (min(served) if served else None)
         # As in vLLM, `model` may name a LoRA adapter: the request runs on its model, under it.
@@ -389,19 +606,31 @@ class HttpFront:
             # gateway's I/O thread is spared the work); else the gateway does it once a worker is ready.
             if tokenizer is not None:
                 if isinstance(body, api.ChatRequest):
-                    messages = [{**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in body.messages]
-                    prompt_ids = self.gateway.tokenizers.prompt_ids(model, None, messages, max_seq_len)
+                    prompt_ids = self.gateway.tokenizers.prompt_ids(model, None, body.template_messages(), max_seq_len,
+                                                                    body.template_extra())  # fmt: skip
                 elif isinstance(body.prompt, str):
                     prompt_ids = self.gateway.tokenizers.prompt_ids(model, body.prompt, None, max_seq_len)
                 else:
                     prompt_ids = list(body.prompt)  # type: ignore[arg-type]
             vocab_size = self._vocab_size(model) if body.logit_bias else None
             submit = api.submit_for(body, request_id, model, prompt_ids, max_seq_len, lora, vocab_size)
+            extra: api.Echo | OutputRules | None
+            if isinstance(body, api.CompletionRequest):
+                extra = api.echo_for(body, prompt_ids, tokenizer)
+            else:
+                extra = self._output_rules(body, model)
         except ValidationError as e:
             raise api.invalid(e) from e
         except (ValueError, ChatTemplateError) as e:
             raise api.invalid(e) from e
-        return lora or model or "", submit, None if prompt_ids is None else len(prompt_ids)
+        return lora or model or "", submit, None if prompt_ids is None else len(prompt_ids), extra
+
+    def _output_rules(self, body: api.ChatRequest, model: str | None) -> OutputRules | None:
+        template = self.gateway.tokenizers.chat_template(model)
+        choice = body.call_choice()
+        tools = None if choice == "none" else ToolUse(tool_calls.parser_for(template, self.tool_parser), choice)
+        thinking = reasoning.parser_for(template, self.reasoning_parser)
+        return None if tools is None and thinking is None else OutputRules(tools, thinking)
 
     async def _whole(self, call: _Call, submit: protocol.Submit) -> list[api.Choice]:
         choices = [api.Choice(i) for i in range(submit.num_return_sequences)]
@@ -421,7 +650,8 @@ class HttpFront:
                     return choices
 
     async def _sse(self, call: _Call, submit: protocol.Submit, model: str, chat: bool, prompt_tokens: int | None,
-                   include_usage: bool, text: api.TokenText, usage: Usage) -> AsyncIterator[bytes]:  # fmt: skip
+                   include_usage: bool, text: api.TokenText, usage: Usage,
+                   rules: OutputRules | None = None) -> AsyncIterator[bytes]:  # fmt: skip
         assert self.bridge is not None
         request_id = submit.request_id
         head = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -429,6 +659,8 @@ class HttpFront:
         before, after = _step_chunk(head, chat)
         choices = [api.Choice(i) for i in range(submit.num_return_sequences)]
         offsets = [0] * len(choices)
+        # With tools or reasoning, a chat's text goes through a splitter: reasoning, content, tool_calls deltas.
+        splitters = None if rules is None else [ChatStream(rules) for _ in choices]
         events = call.events
         done = False
         try:
@@ -445,6 +677,10 @@ class HttpFront:
                     await call.wait()
                 event = events.popleft()
                 if isinstance(event, str):  # a plain step: its chunk from the template
+                    if splitters is not None:
+                        pending += [_event({**head, "choices": [item]})
+                                    for item in _tool_items(splitters[0], 0, event, None, None)]  # fmt: skip
+                        continue
                     if event:
                         pending.append(before + encode_basestring_ascii(event) + after)
                         offsets[0] += len(event)
@@ -454,6 +690,11 @@ class HttpFront:
                     break
                 out = []
                 for index, delta, entries, reason in _apply(choices, event, submit):
+                    if splitters is not None:
+                        lp = api.chat_logprobs(entries, text) if entries else None
+                        pending += [_event({**head, "choices": [item]})
+                                    for item in _tool_items(splitters[index], index, delta, lp, reason)]  # fmt: skip
+                        continue
                     if chat:
                         lp = api.chat_logprobs(entries, text) if entries else None
                         item = {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
@@ -481,6 +722,53 @@ class HttpFront:
                 with contextlib.suppress(Exception):
                     await self.bridge.cancel(request_id)
             self.bridge.forget(request_id)
+
+
+def _tool_items(splitter: ChatStream, index: int, delta: str, logprobs: dict[str, Any] | None,
+                reason: str | None) -> list[dict[str, Any]]:
+    """A chat choice's streamed items when its output is split (reasoning, tools): the
+    splitter's deltas for this text, the log probs on the first, the finish reason
+    ("tool_calls" once there are calls) on the last."""
+    deltas = splitter.feed(delta) if delta else []
+    if reason is not None:
+        deltas += splitter.finish()
+        if splitter.calls and (reason == "stop" or splitter.forced):
+            reason = "tool_calls"
+    if not deltas and (logprobs is not None or reason is not None):
+        deltas = [{}]
+    items: list[dict[str, Any]] = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None}
+                                   for d in deltas]  # fmt: skip
+    if items:
+        items[0]["logprobs"] = logprobs
+        items[-1]["finish_reason"] = reason
+    return items
+
+
+def _validated(model: Any, raw: Any) -> Any:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        raise api.invalid(e) from e
+
+
+def _no_response(response_id: str, param: str | None = None) -> api.ApiError:
+    return api.ApiError(404, f"no stored response {response_id!r} (never stored, deleted, or expired)",
+                        "not_found_error", "response_not_found", param)  # fmt: skip
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route, a method the route does not take) in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    what = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    error = api.ApiError(exc.status_code, what.get(exc.status_code, str(exc.detail)), type_, str(exc.status_code))
+    return JSONResponse(error.body(), exc.status_code, headers=exc.headers)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("the HTTP front failed on %s %s", request.method, request.url.path, exc_info=exc)
+    error = api.ApiError(500, f"internal error: {type(exc).__name__}", "server_error", "internal_error")
+    return JSONResponse(error.body(), 500)
 
 
 async def _disconnected(request: Request) -> None:
@@ -525,6 +813,8 @@ def _apply(choices: list[api.Choice], r: protocol.Result,
             changed.append((i, c.text, c.logprobs, c.finish_reason))
         return changed
     c = choices[r.sequence_index]
+    if r.prompt_log_probs is not None:
+        c.prompt_log_probs = r.prompt_log_probs
     delta = r.text[0] if r.text else ""
     entries = api.logprob_entries(r)
     c.text += delta

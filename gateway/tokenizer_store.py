@@ -65,7 +65,7 @@ class Tokenizers:
         return len(text) > max_tokens * self._longest.get(model, len(text))
 
     def prompt_ids(self, model: str | None, prompt: str | None, messages: Iterable[Mapping[str, Any]] | None,
-                   max_seq_len: int | None) -> list[int]:  # fmt: skip
+                   max_seq_len: int | None, template_extra: Mapping[str, Any] | None = None) -> list[int]:  # fmt: skip
         """The token ids of a text prompt, or of a chat rendered with `model`'s template;
         PromptError (or ChatTemplateError) saying what is wrong. Any thread may call it:
         it only reads, and the encoding releases the GIL."""
@@ -73,7 +73,7 @@ class Tokenizers:
         if tokenizer is None or model is None:
             raise PromptError(f"no tokenizer for model {model!r} (its worker sent none): send input_token_ids")
         # A chat's text is the template's, special tokens and all.
-        text = self.render_chat(model, messages) if messages else prompt or ""
+        text = self.render_chat(model, messages, template_extra) if messages else prompt or ""
         # Refused before it costs seconds of encoding when it cannot fit the context.
         if max_seq_len is not None and self.too_long(model, text, max_seq_len):
             raise PromptError(
@@ -92,9 +92,21 @@ class Tokenizers:
         if ready.chat_template is not None:
             self._chat[model] = ready
 
-    def render_chat(self, model: str | None, messages: Iterable[Mapping[str, Any]]) -> str:
-        """`messages` as `model`'s prompt text; ChatTemplateError if it cannot be made."""
+    def chat_template(self, model: str | None) -> str | None:
+        ready = self._chat.get(model) if model is not None else None
+        return None if ready is None else ready.chat_template
+
+    def special_tokens(self, model: str) -> tuple[str | None, str | None]:
+        """The (bos, eos) tokens the model's chat template is rendered with."""
+        ready = self._chat.get(model)
+        return (None, None) if ready is None else (ready.bos_token, ready.eos_token)
+
+    def render_chat(self, model: str | None, messages: Iterable[Mapping[str, Any]],
+                    extra: Mapping[str, Any] | None = None) -> str:  # fmt: skip
+        """`messages` as `model`'s prompt text (`extra`: more template variables);
+        ChatTemplateError if it cannot be made."""
         ready = self._chat.get(model) if model is not None else None
         if ready is None:
             raise ChatTemplateError(f"model {model!r} has no chat template (its worker sent none): send a prompt")
-        return render_chat(ready.chat_template, messages, bos_token=ready.bos_token, eos_token=ready.eos_token)
+        return render_chat(ready.chat_template, messages, bos_token=ready.bos_token, eos_token=ready.eos_token,
+                           extra=extra)

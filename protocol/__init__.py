@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from protocol.request import SpeculativeConfig as SpeculativeConfig
     from protocol.request import Submit as Submit
     from protocol.results import Logits as Logits
+    from protocol.results import PromptLogProbs as PromptLogProbs
     from protocol.results import Response as Response
     from protocol.results import Result as Result
     from protocol.results import ResultBatch as ResultBatch
@@ -71,7 +72,7 @@ _HOME = {
     **dict.fromkeys(["IterationStats", "RequestStats", "WorkerInfo", "WorkerLoad"], "records"),
     **dict.fromkeys(["ChatMessage", "GuidedDecodingParams", "LoraConfig", "OutputConfig", "PromptTuningConfig",
                      "SamplingConfig", "SpeculativeConfig", "Submit"], "request"),
-    **dict.fromkeys(["Logits", "Response", "Result", "ResultBatch", "StreamedTokens"], "results"),
+    **dict.fromkeys(["Logits", "PromptLogProbs", "Response", "Result", "ResultBatch", "StreamedTokens"], "results"),
     "FinishReason": "status",
 }  # fmt: skip
 

@@ -78,14 +78,17 @@ def render_chat(
     add_generation_prompt: bool = True,
     bos_token: str | None = None,
     eos_token: str | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> str:
     """The prompt text for `messages` (dicts with `role` and `content`); raises
-    ChatTemplateError naming what went wrong."""
+    ChatTemplateError naming what went wrong. `extra`: more variables the template
+    may read (`tools`, `enable_thinking`, ...)."""
     if not template:
         raise ChatTemplateError("this model has no chat template: send a prompt instead of messages")
     try:
         return str(
             _compiled(template).render(
+                **(extra or {}),
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=bos_token or "",

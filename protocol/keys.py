@@ -13,6 +13,8 @@ DEFAULT_PREFIX = "tokenwire"
 CANCEL_TTL_S = 3600
 # A rate window's counter is read during its minute and the next (the sliding estimate).
 RATE_WINDOW_TTL_S = 120
+# A stored response (the Responses API's `store`) is kept this long for a follow-up to continue.
+RESPONSE_TTL_S = 30 * 24 * 3600
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.\-]+(:[A-Za-z0-9_.\-]+)*")
 
@@ -28,6 +30,10 @@ class Keys:
     def cancel(self, request_id: str) -> str:
         """String flag; set (with CANCEL_TTL_S) by anyone to cancel the request."""
         return f"{self.prefix}:cancel:{request_id}"
+
+    def response(self, response_id: str) -> str:
+        """String: a stored Responses API response and the conversation it ends (JSON), with RESPONSE_TTL_S."""
+        return f"{self.prefix}:response:{response_id}"
 
     def workers(self) -> str:
         """Sorted set: worker id scored by the time of its last heartbeat."""

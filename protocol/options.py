@@ -138,3 +138,6 @@ class OutputConfig:
     exclude_input_from_output: bool = option(True, "outputs hold the generated tokens only, not the prompt")
     top_n_log_probs: int = option(
         0, "per generated token, the n likeliest tokens and their log probs", ge=0, le=MAX_TOP_N_LOG_PROBS)
+    prompt_log_probs: int | None = option(
+        None, "each prompt token's log prob and the k likeliest tokens at its position (None: off)",
+        ge=0, le=MAX_TOP_N_LOG_PROBS)

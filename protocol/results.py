@@ -30,6 +30,21 @@ class Logits(WireModel):
         return self
 
 
+class PromptLogProbs(WireModel):
+    """Prompt tokens 1 .. P-1: each one's log prob given the tokens before it, and the
+    output_config.prompt_log_probs likeliest tokens at its position, most likely first."""
+
+    log_probs: Floats
+    top_token_ids: TokenIdRows
+    top_log_probs: FloatRows
+
+    @model_validator(mode="after")
+    def _one_entry_per_token(self) -> Self:
+        if not len(self.log_probs) == len(self.top_token_ids) == len(self.top_log_probs):
+            raise ValueError("prompt_log_probs: log_probs, top_token_ids and top_log_probs differ in length")
+        return self
+
+
 class Result(WireModel):
     is_final: bool
     # One list per beam (a single list when beam_width == 1).
@@ -45,6 +60,7 @@ class Result(WireModel):
     top_log_probs: list[FloatRows] | None = None
     context_logits: Logits | None = None  # [prompt_len, vocab]
     generation_logits: Logits | None = None  # [beams, new_tokens, vocab]
+    prompt_log_probs: PromptLogProbs | None = None  # in a final result, when asked for
     # Filled by the gateway: the text these tokens add, one string per beam.
     text: list[str] | None = None
 

@@ -46,6 +46,7 @@ SAMPLES: dict[str, Any] = {
     "ignore_eos": True,
     "return_log_probs": True,
     "top_n_log_probs": 2,
+    "prompt_log_probs": 1,
     "return_context_logits": True,
     "return_generation_logits": True,
     "embedding_bias": [0.5, -1.0, 0.0],

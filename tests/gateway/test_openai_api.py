@@ -80,7 +80,7 @@ def test_a_list_of_prompts_is_a_request_for_each() -> None:
     ({"prompt": "x", "temperature": 3}, "temperature"),
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "", "max_tokens": 4}, None),
-    ({"prompt": "x", "no_such_option": 1}, None),
+    ({"prompt": "x", "no_such_option": 1}, "no_such_option"),
     ({"prompt": ["a", "b"], "stream": True}, None),
     ({"prompt": ["a"] * (api.MAX_PROMPTS + 1)}, None),
     ({"prompt": ["a", ""]}, None),
@@ -91,6 +91,8 @@ def test_bad_parameters_are_400s_naming_the_field(raw: dict[str, object], param:
         api.submit_for(body, "cmpl-1", "m", None, 2048)
     except (ValidationError, ValueError) as e:
         error = api.invalid(e)
+    except api.ApiError as e:
+        error = e
     else:
         raise AssertionError(f"{raw} was accepted")
     assert error.status == 400 and error.type == "invalid_request_error"
@@ -99,3 +101,38 @@ def test_bad_parameters_are_400s_naming_the_field(raw: dict[str, object], param:
     else:
         assert "prompt" in error.message or "no_such_option" in error.message
     assert not error.message.startswith("Value error"), "pydantic's wording for a validator's ValueError"
+
+
+# As Qwen 2.5's and Hermes' templates render tools, calls and results (abridged).
+TOOL_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t.function | tojson }}{% endfor %}</tools>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}"
+    "{% if m.role == 'tool' %} for {{ m.tool_call_id }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if enable_thinking is false %}<think></think>{% endif %}"
+)
+
+
+def test_tools_calls_and_results_reach_the_chat_template() -> None:
+    from protocol.chat_template import render_chat
+
+    body = api.ChatRequest.model_validate({
+        "messages": [{"role": "user", "content": "weather?"},
+                     {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                      "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+        "chat_template_kwargs": {"enable_thinking": False},
+    })  # fmt: skip
+    text = render_chat(TOOL_TEMPLATE, body.template_messages(), extra=body.template_extra())
+    assert '<tools>{"name": "get_weather", "parameters": {"type": "object"}}</tools>' in text
+    # The arguments reach the template as an object (OpenAI sends them as JSON text).
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text
+    assert "<|im_start|>tool\nsunny for call_1<|im_end|>" in text
+    assert text.endswith("<think></think>")
+    none = body.model_copy(update={"tool_choice": "none"})
+    assert "<tools>" not in render_chat(TOOL_TEMPLATE, none.template_messages(), extra=none.template_extra())
+    with pytest.raises(ValueError, match="not JSON"):
+        api.ChatRequest.model_validate({"messages": [{"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}).template_messages()

@@ -46,7 +46,7 @@ from worker.backends.base import (
 )
 from worker.backends.numpy_sampler import process_logits
 from worker.backends.numpy_sampler import sample as sample_on_host
-from worker.executor import beam_search
+from worker.executor import beam_search, prompt_log_probs
 from worker.executor.adapter_cache import AdapterCache
 from worker.executor.beam_search import BeamSearch
 from worker.executor.block_manager import BlockManager
@@ -181,9 +181,9 @@ def _normalizes(seq: Sequence) -> bool:
 def _context_rows(seq: Sequence, n: int) -> tuple[int, int] | None:
     """(first position, count) of this chunk's prompt tokens whose context logits
     are still to collect, if the request asked for them."""
-    if not seq.request.output_config.return_context_logits:
+    if not prompt_log_probs.wants_rows(seq):
         return None
-    lo = max(seq.num_computed, len(seq.context_logits))
+    lo = max(seq.num_computed, prompt_log_probs.rows_collected(seq))
     hi = min(seq.num_computed + n, seq.num_prompt_tokens)
     return (lo, hi - lo) if hi > lo else None
 
@@ -689,7 +689,7 @@ class EngineCore:
         # The context rows follow the sampling rows, each sequence's in the order of `extra`.
         at = len(samplers)
         for seq, _, count in extra:
-            seq.context_logits.extend(logits[at : at + count].copy())
+            prompt_log_probs.collect(seq, logits[at : at + count])
             at += count
         num_rows = len(samplers)
         if sampling is None:
@@ -868,6 +868,7 @@ class EngineCore:
             context_logits=np.stack(seq.context_logits) if final and seq.context_logits else None,
             generation_logits=(np.stack(seq.generation_logits[first:num_generated])[None]
                                if out_cfg.return_generation_logits and num_generated > first else None),
+            prompt_log_probs=prompt_log_probs.result(seq) if final else None,
         )
         if is_final:
             del self._entries[seq.request_id]

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from worker.executor import prompt_log_probs
 from worker.executor.block_manager import BlockManager, OutOfBlocksError
 from worker.executor.sequence import Sequence
 from worker.executor.types import CapacitySchedulerPolicy, ExecutorConfig, RequestState
@@ -177,9 +178,9 @@ class Scheduler:
     def _admit(self, seq: Sequence, reserved: int) -> bool:
         """Reserve KV blocks for a waiting sequence, if the policy allows; `reserved`:
         what the running requests may still take (_reserved())."""
-        # Context logits need every prompt token computed: no prefix-cache lookup.
-        wants_logits = seq.request.output_config.return_context_logits and (
-            len(seq.context_logits) < seq.num_prompt_tokens)
+        # Context logits (and prompt log probs) need every prompt token computed: no prefix-cache lookup.
+        wants_logits = prompt_log_probs.wants_rows(seq) and (
+            prompt_log_probs.rows_collected(seq) < seq.num_prompt_tokens)
         lookup = seq.token_ids[:1] if wants_logits else seq.token_ids
         hits = self.blocks.cached_prefix(lookup, seq.cache_salt)
         revived = sum(1 for b in hits if self.blocks.blocks[b].ref_count == 0)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from worker.executor.block_manager import BlockTable
+from worker.executor.prompt_log_probs import PromptLogProbs
 from worker.executor.types import FinishReason, Request, RequestState
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ class Sequence:
     # the prompt table): KV computed under one never serves another. None: the base model's.
     cache_salt: int | None = None
     context_logits: list[np.ndarray] = field(default_factory=list)  # one row per prompt token, when asked
+    prompt_log_probs: PromptLogProbs | None = None  # collected as the prompt runs, when asked
     generation_logits: list[np.ndarray] = field(default_factory=list)  # one row per generated token
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
     arrival_time: float = field(default_factory=time.monotonic)

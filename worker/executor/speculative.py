@@ -91,6 +91,7 @@ def off_reason(request: Request, config: SpeculativeConfig, has_draft_model: boo
         ("a logits post-processor", request.logits_post_processor_name is not None),
         ("generation logits", out.return_generation_logits),
         ("context logits", out.return_context_logits),
+        ("prompt log probs", out.prompt_log_probs is not None),
         ("top-p decay", cfg.top_p_decay is not None),
         # Prompt lookup would propose table rows' ids as tokens, a draft model cannot read them.
         ("prompt tuning", request.prompt_tuning_config is not None),

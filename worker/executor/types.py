@@ -23,6 +23,7 @@ from protocol.stats import IterationStats as IterationStats
 from protocol.stats import RequestStats as RequestStats
 from protocol.status import FinishReason as FinishReason
 from protocol.status import RequestState as RequestState
+from worker.executor.prompt_log_probs import PromptLogProbs
 
 
 class CapacitySchedulerPolicy(enum.Enum):
@@ -149,6 +150,7 @@ class Result:
     top_log_probs: list[list[list[float]]] | None = None
     context_logits: object | None = None  # array [prompt_len, vocab] when asked for
     generation_logits: object | None = None  # array [beams, new_tokens, vocab]
+    prompt_log_probs: PromptLogProbs | None = None  # in a final result, when asked for
 
 
 @dataclass(slots=True)

@@ -122,6 +122,7 @@ def _check_decoding(request: Request, model: ModelConfig) -> None:
             ("guided_decoding_params", request.guided_decoding_params is not None),
             ("output_config.return_generation_logits", out.return_generation_logits),
             ("output_config.top_n_log_probs", out.top_n_log_probs > 0),
+            ("output_config.prompt_log_probs", out.prompt_log_probs is not None),
         ) if used]
         if unsupported:
             raise RequestError(f"{unsupported[0]} is not supported with beam search (beam_width > 1)")

@@ -69,8 +69,16 @@ def to_wire_result(r: ex.Result) -> protocol.Result:
         top_log_probs=r.top_log_probs,
         context_logits=_logits(r.context_logits),
         generation_logits=_logits(r.generation_logits),
+        prompt_log_probs=_prompt_log_probs(r.prompt_log_probs),
         text=None,
     )
+
+
+def _prompt_log_probs(p: ex.PromptLogProbs | None) -> protocol.PromptLogProbs | None:
+    if p is None:
+        return None
+    return protocol.PromptLogProbs.model_construct(log_probs=p.log_probs, top_token_ids=p.top_token_ids,
+                                                   top_log_probs=p.top_log_probs)
 
 
 def to_wire_response(request_id: str, response: ex.Response) -> protocol.Response:

@@ -1,0 +1,30 @@
+"""Stored Responses API responses in Redis, each with the conversation it ends, under
+a TTL: any gateway can answer GET /v1/responses/{id} or continue the conversation
+(`previous_response_id`). Blocking calls: the HTTP front runs them on a thread."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import redis
+
+from protocol.keys import RESPONSE_TTL_S, Keys
+
+
+class ResponseStore:
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self.redis = client
+        self.keys = keys
+
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        blob = json.dumps({"response": response, "conversation": conversation}, separators=(",", ":"))
+        self.redis.set(self.keys.response(response["id"]), blob, ex=RESPONSE_TTL_S)
+
+    def get(self, response_id: str) -> dict[str, Any] | None:
+        """{"response": ..., "conversation": [...]}, or None if there is none (or it expired)."""
+        blob = self.redis.get(self.keys.response(response_id))
+        return None if blob is None else dict(json.loads(blob))
+
+    def delete(self, response_id: str) -> bool:
+        return bool(self.redis.delete(self.keys.response(response_id)))
