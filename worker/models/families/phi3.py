@@ -10,6 +10,7 @@ from worker.models.families.llama import swiglu_fields
 
 def read(r: ConfigReader) -> ModelConfig:
     r.ignore("resid_pdrop", "embd_pdrop")  # dropout: training only
+    r.only("attention_bias", False)
     fields = swiglu_fields(r)
     original = r.get("original_max_position_embeddings")
     scaling = fields["rope_scaling"]
