@@ -119,6 +119,8 @@ FAMILY_CHECKPOINTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
                              "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}},
         {},
     ),
+    # Mistral-NeMo's shape: head_dim other than hidden / heads, no window.
+    "mistral_nemo_head_dim": ("MistralConfig", {"head_dim": 24, "sliding_window": None}, {}),
     "phi3_window": ("Phi3Config", {"sliding_window": 6, "tie_word_embeddings": False}, {}),
     "phi3_longrope": (
         "Phi3Config",

@@ -73,3 +73,19 @@ def test_logits_with_shared_prefix_match_transformers(name: str, family_checkpoi
         for s, rows in (("a", slice(0, 20)), ("b", slice(8, 17))):
             diff = float(np.abs(got[s] - want[s][rows]).max())
             assert diff < LOGITS_ATOL, f"{name} on {backend.name}: {s} max |diff| {diff:.2e}"
+
+
+def test_phi3_longrope_past_its_original_context(family_checkpoints: dict[str, Path]) -> None:
+    """Past original_max_position_embeddings (64) transformers rotates with the long
+    factors; numpy does per sequence. One rotary table cannot, so torch refuses to plan for it."""
+    directory = family_checkpoints["phi3_longrope"]
+    tokens = np.random.default_rng(5).integers(0, 320, 70).tolist()
+    with torch.no_grad():
+        want = _hf(directory)(torch.tensor([tokens])).logits[0].numpy()
+    loaded = load_model(directory)
+    backend = NumpyBackend(loaded)
+    backend.allocate_kv_cache(num_blocks=32, block_size=4)
+    got = backend.forward(PagedSequences(num_blocks=32, block_size=4, seed=2).step([("a", tokens, 0, 70)]))
+    assert float(np.abs(got - want).max()) < LOGITS_ATOL
+    with pytest.raises(ValueError, match=r"rope_type 'longrope'.*max_model_len <= 64"):
+        TorchBackend(loaded, device="cpu", max_model_len=128)
