@@ -196,5 +196,6 @@ def sliding_fields(
         layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
     else:
         layers = tuple(range(num_layers))
-    return {"sliding_window": int(window), "sliding_layers": layers} if layers else {
-        "sliding_window": None, "sliding_layers": ()}  # fmt: skip
+    if not layers:
+        return {"sliding_window": None, "sliding_layers": ()}
+    return {"sliding_window": int(window), "sliding_layers": layers}
