@@ -3,10 +3,13 @@
 On CUDA: cuBLAS GEMMs (F.linear) over the fused projections, a Triton GEMV for one-row
 products (batch-1 decode, gemv.py; gate_up's with SwiGLU in the same launch), and Triton
 kernels for everything else: add + RMSNorm, SiLU * up, rotary embedding fused with the
-KV-cache write (torch_ops.py), and attention over the paged cache (paged_attention.py);
+KV-cache write (torch_ops.py), and attention over the paged cache (paged_attention.py,
+with the score soft-cap and window of the layer);
 in one-row steps these launch with programmatic dependent launch on Hopper (pdl.py). On
-the CPU, or without Triton: their plain-torch twins. Rotary angles come from one table of
-cos | sin rows indexed by position on the device.
+the CPU, or without Triton: their plain-torch twins. The variants with no kernel of their
+own (q/k head norms, GeGLU, embedding scale, logit soft-cap) run as plain torch ops on
+every device. Rotary angles come from a table of cos | sin rows indexed by position on
+the device, one per rotary embedding the layers use.
 """
 
 from __future__ import annotations
@@ -58,7 +61,6 @@ class TorchDecoderOps:
             torch.from_numpy(np.concatenate(rope.position_table(max_model_len), axis=1)).to(device)
             for rope in layer_ropes(config)
         ]
-        self.cos_sin = self.cos_sin_tables[0]
         self.use_triton = device.type == "cuda" and paged_attention.triton is not None
 
         if self.use_triton:
