@@ -81,6 +81,55 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 }
 
 
+# The families beyond Llama, Qwen2 and Mistral (worker/models/families), each in shapes
+# that exercise its variant: windows shorter than the test prompts, head_dim other than
+# hidden / heads, tied and untied heads, scales and caps that change the result.
+_LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+    "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+    "original_max_position_embeddings": 64,
+}
+FAMILY_CHECKPOINTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "qwen3_head_dim": ("Qwen3Config", {"head_dim": 24, "tie_word_embeddings": False}, {}),
+    "qwen3_tied_window": (
+        "Qwen3Config",
+        {"head_dim": 16, "tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 6,
+         "max_window_layers": 1},
+        {},
+    ),
+    "gemma2_capped": (
+        "Gemma2Config",
+        {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 6, "attn_logit_softcapping": 3.0,
+         "final_logit_softcapping": 4.0, "tie_word_embeddings": True},
+        {},
+    ),
+    "gemma2_untied_mha": (
+        "Gemma2Config",
+        {"head_dim": 24, "num_key_value_heads": 4, "query_pre_attn_scalar": 24, "sliding_window": 6,
+         "tie_word_embeddings": False, "num_hidden_layers": 3},
+        {},
+    ),
+    "gemma3_local_global": (
+        "Gemma3TextConfig",
+        {"head_dim": 24, "query_pre_attn_scalar": 16, "sliding_window": 6, "num_hidden_layers": 3,
+         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}},
+        {},
+    ),
+    # Mistral-NeMo's shape: head_dim other than hidden / heads, no window.
+    "mistral_nemo_head_dim": ("MistralConfig", {"head_dim": 24, "sliding_window": None}, {}),
+    "phi3_window": ("Phi3Config", {"sliding_window": 6, "tie_word_embeddings": False}, {}),
+    "phi3_longrope": (
+        "Phi3Config",
+        {"rope_parameters": _LONGROPE, "original_max_position_embeddings": 64, "tie_word_embeddings": True},
+        {},
+    ),
+}
+
+
 def build_tokenizer() -> Any:
     """A byte-level BPE trained on a few sentences: complete, tiny, and round-trips any text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -122,9 +171,9 @@ def make_checkpoint(name: str, directory: Path, seed: int = 0, **overrides: Any)
     import torch
     import transformers
 
-    class_name, _, save_kwargs = CHECKPOINTS[name]
+    class_name, settings, save_kwargs = {**CHECKPOINTS, **FAMILY_CHECKPOINTS}[name]
     save_kwargs = dict(save_kwargs)
-    config = getattr(transformers, class_name)(**{**_BASE, **CHECKPOINTS[name][1], **overrides})
+    config = getattr(transformers, class_name)(**{**_BASE, **settings, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # norms start at 1 and biases at 0: make them matter

@@ -122,22 +122,32 @@ def _softmax_inplace(scores: np.ndarray) -> np.ndarray:
 
 
 def paged_attention_numpy(
-    q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, plan: AttentionPlan, window: int | None, scale: float
+    q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, plan: AttentionPlan, window: int | None, scale: float,
+    softcap: float | None = None,
 ) -> np.ndarray:
-    """q [T, H, D]; caches [num_blocks, block_size, KVH, D] -> [T, H, D]."""
+    """q [T, H, D]; caches [num_blocks, block_size, KVH, D] -> [T, H, D]. `softcap`: the
+    scores become softcap * tanh(scores / softcap) before the mask."""
     group_masks, chunk_masks = plan.masks_for(window)
     out = np.empty(q.shape, dtype=np.float32)
     for group, mask in zip(plan.groups, group_masks, strict=True):
-        out[group.rows] = _attend_decode(q[group.rows], k_cache, v_cache, group.block_tables, mask, scale)
+        out[group.rows] = _attend_decode(q[group.rows], k_cache, v_cache, group.block_tables, mask, scale, softcap)
     for chunk, mask in zip(plan.chunks, chunk_masks, strict=True):
         out[chunk.start : chunk.end] = _attend_chunk(
-            q[chunk.start : chunk.end], k_cache, v_cache, chunk.block_table, mask, scale
+            q[chunk.start : chunk.end], k_cache, v_cache, chunk.block_table, mask, scale, softcap
         )
     return out
 
 
+def _cap(scores: np.ndarray, softcap: float | None) -> None:
+    if softcap is not None:
+        scores /= np.float32(softcap)
+        np.tanh(scores, out=scores)
+        scores *= np.float32(softcap)
+
+
 def _attend_decode(
-    q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray, mask: np.ndarray, scale: float
+    q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray, mask: np.ndarray, scale: float,
+    softcap: float | None,
 ) -> np.ndarray:
     b, num_heads, d = q.shape
     n_kv = k_cache.shape[2]
@@ -147,13 +157,15 @@ def _attend_decode(
     values = np.take(v_cache, block_tables, axis=0).reshape(b, num_keys, n_kv, d).transpose(0, 2, 1, 3)
     qg = q.reshape(b, n_kv, num_heads // n_kv, d) * np.float32(scale)
     scores = np.matmul(qg, keys.transpose(0, 1, 3, 2))  # [B, kv, g, L]
+    _cap(scores, softcap)
     scores += mask
     probs = _softmax_inplace(scores)
     return np.matmul(probs, values).reshape(b, num_heads, d)
 
 
 def _attend_chunk(
-    q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray, mask: np.ndarray, scale: float
+    q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray, mask: np.ndarray, scale: float,
+    softcap: float | None,
 ) -> np.ndarray:
     n, num_heads, d = q.shape
     n_kv = k_cache.shape[2]
@@ -162,6 +174,7 @@ def _attend_chunk(
     values = np.take(v_cache, block_table, axis=0).reshape(num_keys, n_kv, d).transpose(1, 0, 2)
     qg = (q * np.float32(scale)).reshape(n, n_kv, num_heads // n_kv, d).transpose(1, 2, 0, 3)  # [kv, g, n, d]
     scores = np.matmul(qg, keys[:, None].transpose(0, 1, 3, 2))  # [kv, g, n, L]
+    _cap(scores, softcap)
     scores += mask
     probs = _softmax_inplace(scores)
     out = np.matmul(probs, values[:, None])  # [kv, g, n, d]

@@ -1,4 +1,4 @@
-"""The CPU reference backend: the Llama-family decoder (worker.models.llama) in float32
+"""The CPU reference backend: the decoder (worker.models.llama) in float32
 numpy over a paged KV cache.
 
 One forward runs a packed batch (context chunks and generation tokens together). Each
@@ -18,7 +18,7 @@ from worker.models import llama
 from worker.models.config import ModelConfig
 from worker.models.loaded_model import LoadedModel
 from worker.models.lora import LoraAdapter
-from worker.models.rope import Rope
+from worker.models.rope import layer_ropes
 
 # Host RAM is shared with everything else on the machine, so the KV cache is offered
 # only this share of what the kernel reports as available.
@@ -30,7 +30,7 @@ class NumpyBackend:
 
     def __init__(self, model: LoadedModel) -> None:
         self.config: ModelConfig = model.config
-        self.rope = Rope(model.config)
+        self.ropes = layer_ropes(model.config)
         self.quantization = model.quantization  # what the model runs as, for Ready and logs
         self.ops = NumpyDecoderOps(model.config, model.quantize)
         self.model: llama.DecoderWeights[np.ndarray, NumpyLinear] = llama.build_weights(
@@ -72,10 +72,11 @@ class NumpyBackend:
         """The batch as the ops consume it: rotary angles and the attention plan, made once
         for every layer."""
         cfg = self.config
-        cos, sin = self.rope.step_cos_sin(batch.positions, batch.query_start, batch.context_lens)
+        cos, sin = self.ropes[0].step_cos_sin(batch.positions, batch.query_start, batch.context_lens)
+        local = [r.step_cos_sin(batch.positions, batch.query_start, batch.context_lens) for r in self.ropes[1:]]
         attention = plan(batch, self.ops.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         return NumpyStep(batch.token_ids, batch.slot_mapping, batch.logits_indices, cos, sin, attention,
-                         batch.lora_slots, batch.prompt_rows, batch.prompt_embeds)
+                         batch.lora_slots, batch.prompt_rows, batch.prompt_embeds, local[0] if local else None)
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         if not self.ops.k_cache:

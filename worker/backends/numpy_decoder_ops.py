@@ -7,6 +7,7 @@ often the largest matrix, and none at all when it is the embedding).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +40,8 @@ class NumpyStep:
     lora_slots: np.ndarray | None = None  # [T] adapter slot per token, -1: none; None: no adapter
     prompt_rows: np.ndarray | None = None  # [P] rows whose embedding is given
     prompt_embeds: np.ndarray | None = None  # [P, hidden]
+    # cos and sin of the local layers' rotary table (ModelConfig.local_rope_theta), when set.
+    local_cos_sin: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -59,7 +62,7 @@ class NumpyDecoderOps:
         """`quantize` ("fp8" | "int4"): float linear weights carry that quantization's error."""
         self.config = config
         self.quantize = quantize
-        self.scale = config.head_dim**-0.5
+        self.softmax_scale = config.softmax_scale
         self.k_cache: list[np.ndarray] = []
         self.v_cache: list[np.ndarray] = []
         self.block_size = 0
@@ -140,32 +143,56 @@ class NumpyDecoderOps:
             y += weight.bias
         return y
 
-    def rope_and_cache(self, qkv: np.ndarray, layer: int, step: NumpyStep) -> np.ndarray:
+    def head_norm(self, qkv: np.ndarray, q_weight: np.ndarray, k_weight: np.ndarray, eps: float) -> np.ndarray:
+        cfg = self.config
+        d = cfg.head_dim
+        q_end, k_end = cfg.num_heads * d, (cfg.num_heads + cfg.num_kv_heads) * d
+        t = qkv.shape[0]
+        qkv[:, :q_end] = _rms_norm(qkv[:, :q_end].reshape(-1, d), q_weight, eps).reshape(t, -1)
+        qkv[:, q_end:k_end] = _rms_norm(qkv[:, q_end:k_end].reshape(-1, d), k_weight, eps).reshape(t, -1)
+        return qkv
+
+    def rope_and_cache(self, qkv: np.ndarray, layer: int, rope: int, step: NumpyStep) -> np.ndarray:
         cfg = self.config
         n_heads, n_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_end, k_end = n_heads * d, (n_heads + n_kv) * d
         t = qkv.shape[0]
-        q = _apply_rope(qkv[:, :q_end].reshape(t, n_heads, d), step.cos, step.sin)
-        k = _apply_rope(qkv[:, q_end:k_end].reshape(t, n_kv, d), step.cos, step.sin)
+        cos, sin = (step.cos, step.sin) if rope == 0 or step.local_cos_sin is None else step.local_cos_sin
+        q = _apply_rope(qkv[:, :q_end].reshape(t, n_heads, d), cos, sin)
+        k = _apply_rope(qkv[:, q_end:k_end].reshape(t, n_kv, d), cos, sin)
         v = qkv[:, k_end:].reshape(t, n_kv, d)
         self.k_cache[layer].reshape(-1, n_kv, d)[step.slot_mapping] = k
         self.v_cache[layer].reshape(-1, n_kv, d)[step.slot_mapping] = v
         return q
 
     def attention(self, q: np.ndarray, layer: int, window: int | None, step: NumpyStep) -> np.ndarray:
-        out = paged_attention_numpy(q, self.k_cache[layer], self.v_cache[layer], step.attention, window, self.scale)
+        out = paged_attention_numpy(q, self.k_cache[layer], self.v_cache[layer], step.attention, window,
+                                    self.softmax_scale, self.config.attn_logit_softcap)  # fmt: skip
         return out.reshape(q.shape[0], -1)
 
-    def swiglu(self, x: np.ndarray, weight: NumpyLinear, layer: int, step: NumpyStep,
-               logits_rows: bool) -> np.ndarray:  # fmt: skip
+    def glu(self, x: np.ndarray, weight: NumpyLinear, layer: int, step: NumpyStep,
+            logits_rows: bool) -> np.ndarray:  # fmt: skip
         gate_up = self.lora(self.linear(x, weight), x, layer, "gate_up", step, logits_rows)
         n = gate_up.shape[1] // 2
         gate, up = gate_up[:, :n], gate_up[:, n:]
+        if self.config.hidden_act == "gelu_pytorch_tanh":
+            inner = np.float32(math.sqrt(2.0 / math.pi)) * (gate + np.float32(0.044715) * gate**3)
+            return np.float32(0.5) * gate * (np.float32(1.0) + np.tanh(inner)) * up
         act = np.exp(-gate)  # silu(g) = g / (1 + exp(-g)), then * up, in one buffer
         act += 1.0
         np.divide(gate, act, out=act)
         act *= up
         return act
+
+    def scale(self, x: np.ndarray, factor: float) -> np.ndarray:
+        x *= np.float32(factor)
+        return x
+
+    def soft_cap(self, logits: np.ndarray, cap: float) -> np.ndarray:
+        logits /= np.float32(cap)
+        np.tanh(logits, out=logits)
+        logits *= np.float32(cap)
+        return logits
 
     def logits_rows(self, x: np.ndarray, step: NumpyStep) -> np.ndarray:
         return x[step.logits_indices]

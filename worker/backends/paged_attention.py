@@ -88,12 +88,12 @@ if triton is not None:
     @triton.jit
     def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, block_tables_ptr, query_start_ptr,
-        seq_lens_ptr, tile_seq_ptr, tile_q0_ptr, scale, window, stride_qt, stride_qh, stride_kb, stride_ks,
+        seq_lens_ptr, tile_seq_ptr, tile_q0_ptr, scale, window, softcap, stride_qt, stride_qh, stride_kb, stride_ks,
         stride_kh, stride_ot, stride_oh, stride_bt,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
         NUM_HEADS: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, COMPUTE: tl.constexpr,
-        FP8_DECODE: tl.constexpr, PDL: tl.constexpr,
+        FP8_DECODE: tl.constexpr, PDL: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     ):  # fmt: skip
         pdl_wait(PDL)
         tile = tl.program_id(0)
@@ -162,6 +162,8 @@ if triton is not None:
             v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=kv_mask, other=0.0)
             v = _e4m3_to_f16(v) if FP8_DECODE else v.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            if USE_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1) (saturates at +-1)
+                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
             ok = (k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
             if USE_WINDOW:
                 ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
@@ -227,8 +229,10 @@ def paged_attention_triton(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     splits: int = 1,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [T, H, D]; caches [num_blocks, block_size, KVH, D]; int32 metadata on q's device.
+    `softcap`: the scores become softcap * tanh(scores / softcap) before the mask.
 
     tile_seq / tile_q0 come from `tile_map(query_start, block_q)`. A generation batch
     whose every sequence has the same q <= block_q query tokens (q = 1: decode; q > 1:
@@ -261,11 +265,11 @@ def paged_attention_triton(
         stages, launch["maxnreg"] = FP8_DECODE_STAGES, FP8_DECODE_MAX_REGISTERS
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_ml, block_tables, query_start, seq_lens, tile_seq, tile_q0,
-        scale, sliding_window or 0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        scale, sliding_window or 0, softcap or 1.0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=max(KEYS_PER_ITER, block_size), SPLITS=splits, NUM_HEADS=num_heads,
-        USE_WINDOW=bool(sliding_window),
+        USE_WINDOW=bool(sliding_window), USE_SOFTCAP=softcap is not None,
         # An e4m3 cache is read as fp16: e4m3 widens to fp16 in one packed instruction a pair (to
         # bf16 through float32, an instruction an element), and fp16 holds the queries and
         # probabilities at least as well as bf16. It is what lets the capped registers pay (above),
@@ -294,8 +298,10 @@ def paged_attention_torch(
     seq_lens: np.ndarray,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Reference: one dense masked attention per sequence, in float32 (float64 for float64 q)."""
+    """Reference: one dense masked attention per sequence, in float32 (float64 for float64 q).
+    `softcap`: the scores become softcap * tanh(scores / softcap) before the mask."""
     num_heads = q.shape[1]
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -313,6 +319,8 @@ def paged_attention_torch(
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         qi = q[a:b].transpose(0, 1)  # [H, L, D]
         scores = torch.matmul(qi.to(acc), k.to(acc).transpose(1, 2)) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(n - (b - a), n, device=q.device)[:, None]
         k_pos = torch.arange(n, device=q.device)[None, :]
         allowed = k_pos <= q_pos

@@ -1,4 +1,4 @@
-"""The torch backend: the Llama-family decoder (worker.models.llama) over a paged KV
+"""The torch backend: the decoder (worker.models.llama) over a paged KV
 cache, on CUDA or the CPU.
 
 On CUDA: bf16 weights and KV cache, cuBLAS GEMMs over fused projections (qkv,

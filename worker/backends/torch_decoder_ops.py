@@ -3,10 +3,13 @@
 On CUDA: cuBLAS GEMMs (F.linear) over the fused projections, a Triton GEMV for one-row
 products (batch-1 decode, gemv.py; gate_up's with SwiGLU in the same launch), and Triton
 kernels for everything else: add + RMSNorm, SiLU * up, rotary embedding fused with the
-KV-cache write (torch_ops.py), and attention over the paged cache (paged_attention.py);
+KV-cache write (torch_ops.py), and attention over the paged cache (paged_attention.py,
+with the score soft-cap and window of the layer);
 in one-row steps these launch with programmatic dependent launch on Hopper (pdl.py). On
-the CPU, or without Triton: their plain-torch twins. Rotary angles come from one table of
-cos | sin rows indexed by position on the device.
+the CPU, or without Triton: their plain-torch twins. The variants with no kernel of their
+own (q/k head norms, GeGLU, embedding scale, logit soft-cap) run as plain torch ops on
+every device. Rotary angles come from a table of cos | sin rows indexed by position on
+the device, one per rotary embedding the layers use.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from worker.models.config import ModelConfig
 from worker.models.llama import LinearRole
 from worker.models.lora import ROLES, LoraAdapter, role_shape
 from worker.models.quantization import Fp8Weight, Int4Weight, QuantizedWeight, fp8_inputs, reference_parts
-from worker.models.rope import Rope
+from worker.models.rope import layer_ropes
 
 
 def _lora_slots(step: StepInputs, logits_rows: bool) -> torch.Tensor | None:
@@ -51,10 +54,15 @@ class TorchDecoderOps:
         self.quantize = quantize
         self.kv_dtype = kv_dtype or dtype
         self.device, self.dtype = device, dtype
-        self.scale = config.head_dim**-0.5
-        cos, sin = Rope(config).position_table(max_model_len)
-        self.cos_sin = torch.from_numpy(np.concatenate([cos, sin], axis=1)).to(device)
+        self.softmax_scale = config.softmax_scale
+        self.softcap = config.attn_logit_softcap
+        # One cos | sin table per rotary embedding the layers use (ModelConfig.layer_rope).
+        self.cos_sin_tables = [
+            torch.from_numpy(np.concatenate(rope.position_table(max_model_len), axis=1)).to(device)
+            for rope in layer_ropes(config)
+        ]
         self.use_triton = device.type == "cuda" and paged_attention.triton is not None
+
         if self.use_triton:
             self._add_rmsnorm, self._silu_mul, self._rope_cache = (
                 torch_ops.add_rmsnorm_triton, torch_ops.silu_mul_triton, torch_ops.rope_and_cache_triton,
@@ -213,10 +221,18 @@ class TorchDecoderOps:
     def _one_row(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return self.use_triton and x.shape[0] == 1 and weight.stride(1) == 1
 
-    def rope_and_cache(self, qkv: torch.Tensor, layer: int, step: StepInputs) -> torch.Tensor:
+    def head_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        cfg = self.config
+        d, t = cfg.head_dim, qkv.shape[0]
+        q_end, k_end = cfg.num_heads * d, (cfg.num_heads + cfg.num_kv_heads) * d
+        q = torch_ops.rmsnorm_torch(qkv[:, :q_end].reshape(t, -1, d), q_weight, eps)
+        k = torch_ops.rmsnorm_torch(qkv[:, q_end:k_end].reshape(t, -1, d), k_weight, eps)
+        return torch.cat([q.reshape(t, -1), k.reshape(t, -1), qkv[:, k_end:]], dim=1)
+
+    def rope_and_cache(self, qkv: torch.Tensor, layer: int, rope: int, step: StepInputs) -> torch.Tensor:
         cfg = self.config
         return self._rope_cache(
-            qkv, step.positions, self.cos_sin, self.k_cache[layer], self.v_cache[layer], step.slots,
+            qkv, step.positions, self.cos_sin_tables[rope], self.k_cache[layer], self.v_cache[layer], step.slots,
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
         )  # fmt: skip
 
@@ -224,17 +240,21 @@ class TorchDecoderOps:
         if self.use_triton:
             out = paged_attention.paged_attention_triton(
                 q, self.k_cache[layer], self.v_cache[layer], step.block_tables, step.query_start, step.seq_lens,
-                step.tile_seq, step.tile_q0, step.block_q, self.scale, window, splits=step.splits,
+                step.tile_seq, step.tile_q0, step.block_q, self.softmax_scale, window, splits=step.splits,
+                softcap=self.softcap,
             )  # fmt: skip
         else:
             out = paged_attention.paged_attention_torch(
                 q, self.k_cache[layer], self.v_cache[layer], step.block_tables.long(), step.query_start_host,
-                step.seq_lens_host, self.scale, window,
+                step.seq_lens_host, self.softmax_scale, window, self.softcap,
             )  # fmt: skip
         return out.view(q.shape[0], -1)
 
-    def swiglu(self, x: torch.Tensor, weight: TorchLinear | quant_linear.QuantLinear, layer: int, step: StepInputs,
-               logits_rows: bool) -> torch.Tensor:  # fmt: skip
+    def glu(self, x: torch.Tensor, weight: TorchLinear | quant_linear.QuantLinear, layer: int, step: StepInputs,
+            logits_rows: bool) -> torch.Tensor:  # fmt: skip
+        if self.config.hidden_act == "gelu_pytorch_tanh":  # no fused kernel: the plain ops on every device
+            gate, up = self.lora(self.linear(x, weight), x, layer, "gate_up", step, logits_rows).chunk(2, dim=-1)
+            return F.gelu(gate, approximate="tanh") * up
         if (isinstance(weight, TorchLinear) and weight.bias is None and _lora_slots(step, logits_rows) is None
                 and self._one_row(x, weight.weight)):  # fmt: skip
             return gemv.gemv_swiglu(x, weight.weight)  # one launch, no gate_up activations
@@ -244,6 +264,12 @@ class TorchDecoderOps:
             self._fp8_rows = (out, codes, scales)
             return out
         return self._silu_mul(gate_up)
+
+    def scale(self, x: torch.Tensor, factor: float) -> torch.Tensor:
+        return x.mul_(float(torch.tensor(factor, dtype=x.dtype)))
+
+    def soft_cap(self, logits: torch.Tensor, cap: float) -> torch.Tensor:
+        return logits.div_(cap).tanh_().mul_(cap)  # in place: a CUDA graph's logits stay in its buffer
 
     def logits_rows(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         return x if step.logits_indices is None else x[step.logits_indices]

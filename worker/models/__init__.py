@@ -1,5 +1,6 @@
-"""Llama-family decoders: the model definition (llama.py), its loaders for Hugging Face
-checkpoints and GGUF files, and the default model."""
+"""Decoder-only language models: the one model definition (llama.py), the families it
+runs (families/: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3), the
+loaders for Hugging Face checkpoints and GGUF files, and the default model."""
 
 from worker.models.config import CheckpointError, ModelConfig
 from worker.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model, resolve_model

@@ -1,12 +1,10 @@
-"""The shape of a Llama-family decoder, read from a Hugging Face config.json."""
+"""The shape of a decoder and its layer variant, read from a Hugging Face config.json by
+its family (worker/models/families)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-# Hugging Face `architectures` / `model_type` values this decoder covers.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 class CheckpointError(ValueError):
@@ -31,73 +29,41 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # Mistral-style local attention: a query sees keys with q_pos - k_pos < sliding_window,
-    # in the layers listed (all of them for Mistral; from `layer_types` when given).
+    # Local attention: a query sees keys with q_pos - k_pos < sliding_window, in the
+    # layers listed (all of them for Mistral; from `layer_types` when given).
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    # -- the layer variant: data the one decoder definition (llama.py) reads ---------------
+    # The gated MLP's activation: act(gate) * up.
+    hidden_act: str = "silu"  # "silu" | "gelu_pytorch_tanh"
+    # RMSNorm scales by (norm_offset + weight): 1 for Gemma's norms, stored as offsets from 1.
+    norm_offset: float = 0.0
+    # RMSNorm over each q and k head before the rotary embedding (Qwen3, Gemma 3).
+    qk_norm: bool = False
+    # Norms on the attention and MLP outputs too, before they join the residual (Gemma 2/3).
+    sandwich_norms: bool = False
+    # The token embeddings are multiplied by this (Gemma: sqrt(hidden_size)).
+    embed_scale: float = 1.0
+    # The softmax scale of attention; None: head_dim ** -0.5.
+    attention_scale: float | None = None
+    # cap * tanh(x / cap) over attention scores and over the final logits (Gemma 2).
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    # The rotary base of the sliding layers, which then use plain RoPE while the others
+    # keep rope_theta and rope_scaling (Gemma 3); None: one rotary embedding for all.
+    local_rope_theta: float | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise CheckpointError(
-                f"config.json: model_type {model_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
+        """Read by the family that `model_type` names (worker/models/families)."""
+        from worker.models.families import read_config
 
-        def need(key: str) -> Any:
-            if key not in cfg:
-                raise CheckpointError(f"config.json: required field {key!r} is missing")
-            return cfg[key]
+        return read_config(cfg)
 
-        num_heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        rope_scaling = cfg.get("rope_scaling")
-        rope_theta = cfg.get("rope_theta")
-        # transformers 5 moves rope_theta and scaling into `rope_parameters`.
-        params = cfg.get("rope_parameters")
-        if isinstance(params, dict):
-            rope_theta = params.get("rope_theta", rope_theta)
-            if params.get("rope_type", "default") != "default":
-                rope_scaling = params
-        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
-            rope_scaling = None
-        num_layers = int(need("num_hidden_layers"))
-        window, sliding_layers = _sliding_window(cfg, model_type, num_layers)
-        return cls(
-            model_type=model_type,
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            rope_scaling=rope_scaling,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            sliding_window=window,
-            sliding_layers=sliding_layers,
-        )
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5 if self.attention_scale is None else self.attention_scale
 
-
-def _sliding_window(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
-    window = cfg.get("sliding_window")
-    # Qwen2 configs carry a sliding_window value even when the switch that enables it is off.
-    if window is None or (model_type == "qwen2" and not cfg.get("use_sliding_window", False)):
-        return None, ()
-    layer_types = cfg.get("layer_types")
-    if layer_types is not None:
-        layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
-    elif model_type == "qwen2":
-        layers = tuple(range(int(cfg.get("max_window_layers", num_layers)), num_layers))
-    else:
-        layers = tuple(range(num_layers))
-    return (int(window), layers) if layers else (None, ())
+    def layer_rope(self, layer: int) -> int:
+        """Which rotary table a layer uses: 0 the model's, 1 the local one."""
+        return 1 if self.local_rope_theta is not None and layer in self.sliding_layers else 0

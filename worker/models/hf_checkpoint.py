@@ -10,8 +10,9 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from worker.models.config import CheckpointError, ModelConfig
-from worker.models.loaded_model import LoadedModel, check_shapes, expected_shapes
+from worker.models.config import CheckpointError
+from worker.models.families import family_of
+from worker.models.loaded_model import LoadedModel, check_shapes
 from worker.models.quantized_checkpoint import recognise
 from worker.models.safetensors_io import TensorRef, read_float32, read_header
 
@@ -26,14 +27,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return data
-
-
-def _check_supported_layers(directory: Path, cfg: dict[str, Any]) -> None:
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(f"{directory}/config.json: hidden_act {act!r} is not supported (only 'silu')")
-    if cfg.get("mlp_bias"):
-        raise CheckpointError(f"{directory}/config.json: mlp_bias=true is not supported")
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
@@ -85,15 +78,24 @@ def load_hf_checkpoint(directory: Path, load_weights: bool = True) -> LoadedMode
     if not config_path.exists():
         raise CheckpointError(f"{directory}: config.json is missing")
     hf_config = _read_json(config_path)
-    _check_supported_layers(directory, hf_config)
-    config = ModelConfig.from_hf(hf_config)
+    try:
+        family = family_of(hf_config.get("model_type"))  # before any other check
+        config = family.config(hf_config)
+    except CheckpointError as e:
+        raise CheckpointError(f"{directory}/{e}") from e
 
     refs = tensor_refs(directory)
-    needed = expected_shapes(config)
+    needed = family.tensors(config)
     quant = recognise(directory, hf_config, refs, needed)
     quant_layers = {} if quant is None else quant.layers
     found = {name: ref.shape for name, ref in refs.items() if quant is None or name not in quant.tensors}
     check_shapes(directory, config, found | {name: shape for name, (shape, _) in quant_layers.items()})
+    for name in found:
+        if name not in needed and not family.ignores(name, config):
+            raise CheckpointError(
+                f"{directory}: tensor {name!r} is not part of a {config.model_type!r} checkpoint "
+                "(the loader refuses tensors it would not use)"
+            )
     refs = {name: ref for name, ref in refs.items() if name in needed and name not in quant_layers}
     weights = {name: read_float32(ref) for name, ref in refs.items()} if load_weights else {}
     quantized = {name: read() for name, (_, read) in quant_layers.items()} if load_weights else {}

@@ -1,19 +1,28 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2), defined once: its weights, built from
-a loader's Hugging Face-named tensors, and its forward over one packed step. A backend
+"""The decoder, defined once for every family (worker/models/families): its weights,
+built from a loader's Hugging Face-named tensors, and its forward over one packed step.
+A family's differences are data in its ModelConfig (norm placement, q/k norms, the MLP's
+activation, soft-capping, embedding and softmax scales, per-layer windows and rotary
+bases), which this recipe and the ops read; no family is named here. A backend
 supplies the ops and the KV pool (`DecoderOps`); numpy_decoder_ops.py and
 torch_decoder_ops.py in worker/backends are the two implementations.
 
-    x = embedding(tokens)                                        # [T, hidden]
+    x = embedding(tokens) * embed_scale                          # [T, hidden]
     for each layer:
         h, residual = add_rms_norm(x, residual, input_norm)      # residual += x; h = norm(residual)
-        q = rope_and_cache(proj(h, qkv), layer)                  # the new K and V go to the pool
+        qkv = proj(h, qkv)
+        qkv = head_norm(qkv, q_norm, k_norm)                     # q/k norm variants only
+        q = rope_and_cache(qkv, layer, rope)                     # the layer's rotary table; K, V to the pool
         attn = attention(q, layer, window)                       # [T, heads * head_dim]
-        h, residual = add_rms_norm(proj(attn, o), residual, post_norm)
-        x = proj(swiglu(h, gate_up), down)                       # swiglu = silu_mul(proj(h, gate_up))
+        o = proj(attn, o); o = norm(o, attn_out_norm)            # the second: sandwich-norm variants only
+        h, residual = add_rms_norm(o, residual, post_norm)
+        x = proj(glu(h, gate_up), down)                          # glu = act(gate) * up of proj(h, gate_up)
+        x = norm(x, mlp_out_norm)                                # sandwich-norm variants only
     where proj(x, w) = lora(linear(x, w), x): each token's LoRA adapter, if any, adds its delta
     h, _ = add_rms_norm(x, residual, final_norm)
-    logits = lm_head(h)                                          # [S, vocab] float32
+    logits = soft_cap(lm_head(h))                                # [S, vocab] float32; cap variants only
 
+RMSNorm weights are stored as offsets from norm_offset in some families (Gemma's
+1 + weight); the offset is added once, as the weights are built.
 The residual stream is carried apart from each sub-layer's output so that the add and the
 next norm are one op (one pass over the activations on CUDA). After the last layer's
 attention only the S rows whose logits are wanted go on.
@@ -60,7 +69,7 @@ class DecoderOps(Protocol[T, L, S_contra]):
     # -- weights, made once from the loader's float tensors (Hugging Face layout) --------
 
     def norm_weight(self, tensor: Any) -> T:
-        """An RMSNorm weight [hidden]."""
+        """An RMSNorm weight [hidden] (or [head_dim] for q/k norms), offset already added."""
 
     def embedding_weight(self, tensor: Any) -> T:
         """The token embedding [vocab, hidden]."""
@@ -93,19 +102,31 @@ class DecoderOps(Protocol[T, L, S_contra]):
         no adapter. `logits_rows`: the N rows are the step's logits rows (past the last
         attention) rather than all its tokens."""
 
-    def rope_and_cache(self, qkv: T, layer: int, step: S_contra) -> T:
+    def head_norm(self, qkv: T, q_weight: T, k_weight: T, eps: float) -> T:
+        """RMSNorm of each q head and each k head [head_dim] of the fused qkv [T, ...];
+        v as it is. May normalise in place; returns the result."""
+
+    def rope_and_cache(self, qkv: T, layer: int, rope: int, step: S_contra) -> T:
         """Rotary embedding of q and k [T, heads and kv_heads, head_dim] at the step's
-        positions; writes k and v into the layer's KV pool at the step's slots.
-        Returns q [T, heads, head_dim]."""
+        positions, with rotary table `rope` (ModelConfig.layer_rope); writes k and v into
+        the layer's KV pool at the step's slots. Returns q [T, heads, head_dim]."""
 
     def attention(self, q: T, layer: int, window: int | None, step: S_contra) -> T:
         """Causal attention of each token to its own sequence's cached keys (only the
-        last `window` positions when set): [T, heads * head_dim]."""
+        last `window` positions when set), with the config's softmax scale and score
+        soft-cap: [T, heads * head_dim]."""
 
-    def swiglu(self, x: T, weight: L, layer: int, step: S_contra, logits_rows: bool) -> T:
-        """x [N, hidden] -> silu(gate) * up [N, intermediate] of the gate_up projection
-        with its LoRA delta, lora(linear(x, weight), x, layer, "gate_up", ...): one op, so
-        that a backend may fuse the projection with the activation."""
+    def glu(self, x: T, weight: L, layer: int, step: S_contra, logits_rows: bool) -> T:
+        """x [N, hidden] -> act(gate) * up [N, intermediate] (act: config.hidden_act) of
+        the gate_up projection with its LoRA delta, lora(linear(x, weight), x, layer,
+        "gate_up", ...): one op, so that a backend may fuse the projection with the
+        activation."""
+
+    def scale(self, x: T, factor: float) -> T:
+        """x * factor, with factor rounded to x's dtype first (as transformers does)."""
+
+    def soft_cap(self, logits: T, cap: float) -> T:
+        """cap * tanh(logits / cap); may work in place."""
 
     def logits_rows(self, x: T, step: S_contra) -> T:
         """The rows of x whose logits the step wants, in order."""
@@ -129,10 +150,15 @@ class LayerWeights(Generic[T, L]):
     input_norm: T  # [hidden]
     qkv: L  # hidden -> (heads + 2 * kv_heads) * head_dim: q, k, v fused (+ biases, Qwen2)
     o: L  # heads * head_dim -> hidden
-    post_norm: T  # [hidden]
+    post_norm: T  # [hidden], before the MLP
     gate_up: L  # hidden -> 2 * intermediate: gate, then up
     down: L  # intermediate -> hidden
     window: int | None  # sliding window (Mistral), None for full attention
+    rope: int = 0  # the rotary table (ModelConfig.layer_rope)
+    q_norm: T | None = None  # [head_dim], with k_norm: per-head norms before the rotary embedding
+    k_norm: T | None = None
+    attn_out_norm: T | None = None  # [hidden], sandwich norms: on the attention's output
+    mlp_out_norm: T | None = None  # [hidden], and on the MLP's
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +189,14 @@ def build_weights(
     def parts(fused: str, names: list[str]) -> list[Any]:
         return [tensors[fused]] if fused in tensors else [need(name) for name in names]
 
+    def norm(name: str) -> T:
+        tensor = need(name)
+        return ops.norm_weight(tensor + config.norm_offset if config.norm_offset else tensor)
+
+    # Sandwich-norm checkpoints name the norm after attention post_attention_layernorm
+    # and the one before the MLP pre_feedforward_layernorm.
+    mlp_norm = "pre_feedforward_layernorm" if config.sandwich_norms else "post_attention_layernorm"
+
     layers = range(config.num_layers) if layers is None else layers
     first, last = layers.start == 0, layers.stop == config.num_layers
     built = []
@@ -173,15 +207,21 @@ def build_weights(
         if config.attention_bias:
             bias = parts(attn + "qkv_proj.bias", [attn + f"{n}_proj.bias" for n in "qkv"])
         gate_up = parts(mlp + "gate_up_proj.weight", [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
+        layer = f"model.layers.{i}."
         built.append(
             LayerWeights(
-                input_norm=ops.norm_weight(need(f"model.layers.{i}.input_layernorm.weight")),
+                input_norm=norm(layer + "input_layernorm.weight"),
                 qkv=ops.linear_weight(qkv, bias, "qkv"),
                 o=ops.linear_weight([need(attn + "o_proj.weight")], None, "o"),
-                post_norm=ops.norm_weight(need(f"model.layers.{i}.post_attention_layernorm.weight")),
+                post_norm=norm(layer + mlp_norm + ".weight"),
                 gate_up=ops.linear_weight(gate_up, None, "gate_up"),
                 down=ops.linear_weight([need(mlp + "down_proj.weight")], None, "down"),
                 window=config.sliding_window if i in config.sliding_layers else None,
+                rope=config.layer_rope(i),
+                q_norm=norm(attn + "q_norm.weight") if config.qk_norm else None,
+                k_norm=norm(attn + "k_norm.weight") if config.qk_norm else None,
+                attn_out_norm=norm(layer + "post_attention_layernorm.weight") if config.sandwich_norms else None,
+                mlp_out_norm=norm(layer + "post_feedforward_layernorm.weight") if config.sandwich_norms else None,
             )
         )
     embed = None
@@ -194,7 +234,7 @@ def build_weights(
         config=config,
         embed=embed if first else None,
         layers=built,
-        final_norm=ops.norm_weight(need("model.norm.weight")) if last else None,
+        final_norm=norm("model.norm.weight") if last else None,
         lm_head=head,
     )
 
@@ -203,10 +243,13 @@ def forward(model: DecoderWeights[T, L], ops: DecoderOps[T, L, S], step: S, link
     """Float32 logits [S, vocab] of the step's wanted rows; writes its K and V to the pool.
     A pipeline stage's weights run with its `link`: a stage after the first takes its
     input from the previous one, a stage before the last returns what it sent on."""
-    eps = model.config.rms_norm_eps
+    cfg = model.config
+    eps = cfg.rms_norm_eps
     residual: T | None = None
     if model.embed is not None:
         x = ops.embedding(model.embed, step)
+        if cfg.embed_scale != 1.0:
+            x = ops.scale(x, cfg.embed_scale)
     else:
         assert link is not None
         x, residual = link.receive(step)
@@ -215,18 +258,26 @@ def forward(model: DecoderWeights[T, L], ops: DecoderOps[T, L, S], step: S, link
     rows = False  # whether the activations are down to the logits rows
     for i, layer in enumerate(model.layers):
         h, residual = ops.add_rms_norm(x, residual, layer.input_norm, eps)
-        q = ops.rope_and_cache(ops.lora(ops.linear(h, layer.qkv), h, i, "qkv", step, rows), i, step)
+        qkv = ops.lora(ops.linear(h, layer.qkv), h, i, "qkv", step, rows)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            qkv = ops.head_norm(qkv, layer.q_norm, layer.k_norm, eps)
+        q = ops.rope_and_cache(qkv, i, layer.rope, step)
         attn = ops.attention(q, i, layer.window, step)
         if i == last:
             attn, residual = ops.logits_rows(attn, step), ops.logits_rows(residual, step)
             rows = True
         o = ops.lora(ops.linear(attn, layer.o), attn, i, "o", step, rows)
+        if layer.attn_out_norm is not None:
+            o, _ = ops.add_rms_norm(o, None, layer.attn_out_norm, eps)
         h, residual = ops.add_rms_norm(o, residual, layer.post_norm, eps)
-        act = ops.swiglu(h, layer.gate_up, i, step, rows)
+        act = ops.glu(h, layer.gate_up, i, step, rows)
         x = ops.lora(ops.linear(act, layer.down), act, i, "down", step, rows)
+        if layer.mlp_out_norm is not None:
+            x, _ = ops.add_rms_norm(x, None, layer.mlp_out_norm, eps)
     if model.lm_head is None:
         assert link is not None and residual is not None
         return link.send(x, residual, step)
     assert model.final_norm is not None
     h, _ = ops.add_rms_norm(x, residual, model.final_norm, eps)
-    return ops.lm_head(h, model.lm_head)
+    logits = ops.lm_head(h, model.lm_head)
+    return logits if cfg.final_logit_softcap is None else ops.soft_cap(logits, cfg.final_logit_softcap)

@@ -10,6 +10,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from worker.models.config import CheckpointError, ModelConfig
+from worker.models.families import family_of
 from worker.models.quantization import QuantizedWeight
 from worker.models.safetensors_io import TensorRef
 
@@ -42,31 +43,8 @@ class LoadedModel:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the decoder needs, with its shape; the names are Hugging Face's."""
-    h, d = config.hidden_size, config.head_dim
-    q_out, kv_out = config.num_heads * d, config.num_kv_heads * d
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (config.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
-        if config.attention_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (q_out,)
-            shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
-            shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
-        shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, config.intermediate_size)
-    return shapes
+    """Every tensor of the model's checkpoint, with its shape, as its family names them."""
+    return family_of(config.model_type).tensors(config)
 
 
 def check_shapes(source: Path, config: ModelConfig, found: dict[str, tuple[int, ...]]) -> None:

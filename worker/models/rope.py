@@ -1,21 +1,23 @@
-"""Rotary position embedding frequencies, with the scaling types of Hugging Face's Llama
-family: linear, dynamic (NTK), llama3 and yarn."""
+"""Rotary position embedding frequencies, with the scaling types of Hugging Face's
+decoders: linear, dynamic (NTK), llama3, yarn and longrope (Phi-3's; "su" before)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from worker.models.config import CheckpointError, ModelConfig
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def rope_type(config: ModelConfig) -> str:
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = "longrope" if kind == "su" else kind
     if kind not in SUPPORTED_ROPE_TYPES:
         raise CheckpointError(
             f"config.json: rope scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
@@ -78,6 +80,22 @@ def _yarn(config: ModelConfig, dim: int, scaling: dict[str, Any]) -> tuple[np.nd
     return mixed, float(attention_factor)
 
 
+def _longrope(config: ModelConfig, dim: int, scaling: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, float]:
+    """The short and long inverse frequencies and the attention factor, as transformers
+    computes them (the factor from the context's growth unless given)."""
+    original = float(_need(scaling, "original_max_position_embeddings"))
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    base = _base_inv_freq(config.rope_theta, dim)
+    short, long = (np.asarray(_need(scaling, key), dtype=np.float64) for key in ("short_factor", "long_factor"))
+    for key, f in (("short_factor", short), ("long_factor", long)):
+        if f.shape != base.shape:
+            raise CheckpointError(f"config.json: rope scaling field {key!r} has {f.size} values, expected {base.size}")
+    return base / short, base / long, float(attention_factor)
+
+
 class Rope:
     """cos/sin tables for given positions; `seq_lens` matters only for dynamic NTK."""
 
@@ -96,6 +114,12 @@ class Rope:
             inv_freq, self.attention_factor = _yarn(config, dim, self.scaling)
         elif self.kind == "dynamic":
             _need(self.scaling, "factor")
+        self.long_inv_freq: np.ndarray | None = None
+        self.original_max = 0
+        if self.kind == "longrope":
+            inv_freq, long, self.attention_factor = _longrope(config, dim, self.scaling)
+            self.long_inv_freq = long.astype(np.float32)
+            self.original_max = int(self.scaling["original_max_position_embeddings"])
         self.inv_freq = inv_freq.astype(np.float32)
 
     def _dynamic_inv_freq(self, seq_len: int) -> np.ndarray:
@@ -113,7 +137,7 @@ class Rope:
         """cos and sin of each token of a packed step (positions [T]; sequence i owns tokens
         query_start[i]:query_start[i + 1] and has context_lens[i] tokens after the step)."""
         seq_lens = None
-        if self.kind == "dynamic":
+        if self.kind in ("dynamic", "longrope"):
             seq_lens = np.repeat(context_lens, np.diff(query_start))
         return self.cos_sin(positions, seq_lens)
 
@@ -121,6 +145,12 @@ class Rope:
         """cos and sin of positions 0 .. length - 1, one table for every sequence, for a
         backend that looks them up on its device. Dynamic NTK rescales a sequence by its own
         length once it passes max_position_embeddings, which one table cannot express."""
+        if self.kind == "longrope" and length > self.original_max:
+            raise ValueError(
+                f"rope_type 'longrope' switches to its long factors per sequence past original_max_position_embeddings "
+                f"({self.original_max}), which one rotary table cannot express; use max_model_len <= "
+                f"{self.original_max}, or the numpy backend"
+            )
         limit = self.config.max_position_embeddings
         if self.kind == "dynamic" and length > limit:
             raise ValueError(
@@ -132,7 +162,11 @@ class Rope:
     def cos_sin(self, positions: np.ndarray, seq_lens: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin, float32 [T, head_dim // 2], already multiplied by the attention factor."""
         pos = positions.astype(np.float32)
-        if self.kind == "dynamic" and seq_lens is not None and (seq_lens > self.config.max_position_embeddings).any():
+        if self.long_inv_freq is not None and seq_lens is not None:
+            # transformers picks the long factors while a sequence is past the original context.
+            long = (seq_lens > self.original_max)[:, None]
+            angles = pos[:, None] * np.where(long, self.long_inv_freq[None, :], self.inv_freq[None, :])
+        elif self.kind == "dynamic" and seq_lens is not None and (seq_lens > self.config.max_position_embeddings).any():
             inv = np.stack([self._dynamic_inv_freq(int(n)) for n in seq_lens])
             angles = pos[:, None] * inv
         else:
@@ -141,3 +175,12 @@ class Rope:
         if self.attention_factor != 1.0:
             cos, sin = cos * np.float32(self.attention_factor), sin * np.float32(self.attention_factor)
         return cos.astype(np.float32), sin.astype(np.float32)
+
+
+def layer_ropes(config: ModelConfig) -> list[Rope]:
+    """The rotary embeddings a model's layers use, indexed by ModelConfig.layer_rope: the
+    model's, then plain RoPE at local_rope_theta when its local layers have their own."""
+    ropes = [Rope(config)]
+    if config.local_rope_theta is not None:
+        ropes.append(Rope(replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)))
+    return ropes

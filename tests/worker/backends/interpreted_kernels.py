@@ -208,9 +208,44 @@ def check_paged_attention() -> None:
         assert excess <= 0, f"paged attention differs by {excess:.3g} beyond the float32 rounding bound"
 
 
+def check_paged_attention_softcap_window() -> None:
+    """Scores soft-capped (Gemma 2) under a sliding window shorter than the contexts, in
+    decode, split decode and prefill tiles."""
+    rng = np.random.default_rng(1)
+    heads, kv_heads, dim, block, window, cap = 4, 2, 16, 4, 6, 1.5
+    ctx = np.array([9, 23, 14])
+    for decode, splits in ((True, 1), (True, 2), (False, 1)):
+        q_lens = np.ones(3, dtype=np.int64) if decode else np.array([9, 7, 5])
+        num_blocks = int((-(-ctx // block)).sum()) + 1
+        perm = rng.permutation(num_blocks)
+        tables = np.zeros((3, int((-(-ctx // block)).max())), dtype=np.int32)
+        start = 0
+        for i, nb in enumerate(-(-ctx // block)):
+            tables[i, :nb] = perm[start : start + nb]
+            start += nb
+        k, v = torch.randn(num_blocks, block, kv_heads, dim) * 2, torch.randn(num_blocks, block, kv_heads, dim)
+        query_start = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int64)
+        q = torch.randn(int(query_start[-1]), heads, dim) * 2
+        block_q = 1 if decode else PREFILL_BLOCK_Q
+        tile_seq, tile_q0 = tile_map(query_start, block_q)
+        i32: dict[str, Any] = {"dtype": torch.int32}
+        out = torch.full_like(q, float("nan"))
+        paged_attention_triton(
+            q, k, v, torch.tensor(tables, **i32), torch.tensor(query_start, **i32), torch.tensor(ctx, **i32),
+            torch.tensor(tile_seq, **i32), torch.tensor(tile_q0, **i32), block_q, 0.3, window, out=out,
+            splits=splits, softcap=cap,
+        )  # fmt: skip
+        tables64 = torch.tensor(tables, dtype=torch.int64)
+        ref = paged_attention_torch(q, k, v, tables64, query_start, ctx, 0.3, window, cap)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        uncapped = paged_attention_torch(q, k, v, tables64, query_start, ctx, 0.3, window)
+        assert not torch.allclose(out, uncapped, atol=1e-3), "the cap changed nothing"
+
+
 CHECKS: list[Callable[[], None]] = [
     check_add_rmsnorm, check_fp8_outputs, check_fp8_gemm, check_gemv, check_gemv_swiglu, check_argmax_logsumexp,
     check_argmax_at_every_chunk_count, check_silu_mul, check_rope_and_cache, check_paged_attention,
+    check_paged_attention_softcap_window,
 ]
 
 

@@ -77,6 +77,6 @@ def test_dynamic_ntk_grows_past_the_trained_length() -> None:
 
 def test_unsupported_rope_type_is_named() -> None:
     _, ours = _configs(None)
-    bad = ModelConfig(**{**{f: getattr(ours, f) for f in ours.__slots__}, "rope_scaling": {"rope_type": "longrope"}})
-    with pytest.raises(CheckpointError, match="rope scaling type 'longrope' is not supported"):
+    bad = ModelConfig(**{**{f: getattr(ours, f) for f in ours.__slots__}, "rope_scaling": {"rope_type": "mrope"}})
+    with pytest.raises(CheckpointError, match="rope scaling type 'mrope' is not supported"):
         Rope(bad)
