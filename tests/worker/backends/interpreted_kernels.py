@@ -198,14 +198,23 @@ def check_paged_attention() -> None:
         )  # fmt: skip
         tables64 = torch.tensor(tables, dtype=torch.int64)
         ref = paged_attention_torch(q, k, v, tables64, query_start, ctx, dim**-0.5)
-        # A score is a dim-term dot product, within gamma(dim)·scale·Σ|q||k| (bounded by its largest
-        # terms); a weight's relative error is at most twice the scores' (its own and the normaliser's)
-        # plus the normalising sum's over the keys; the output moves by that times Σ p·|v|.
-        score_err = gamma(dim) * dim**-0.5 * dim * q.abs().max().item() * k.abs().max().item()
-        weight_err = 4 * score_err + 2 * gamma(int(ctx.max()) + 4)
         spread = paged_attention_torch(q, k, v.abs(), tables64, query_start, ctx, dim**-0.5)
-        excess = ((out - ref).abs() - weight_err * spread - 2 * gamma(int(ctx.max())) * spread).max().item()
-        assert excess <= 0, f"paged attention differs by {excess:.3g} beyond the float32 rounding bound"
+        assert_close_attention(out, ref, spread, q, k, dim**-0.5, int(ctx.max()))
+
+
+def assert_close_attention(out: torch.Tensor, ref: torch.Tensor, spread: torch.Tensor, q: torch.Tensor,
+                           k: torch.Tensor, scale: float, keys: int) -> None:  # fmt: skip
+    """Two float32 evaluations of attention over up to `keys` keys (`spread`: Σ p·|v|, the
+    reference's weights over |v|). A score is a head_dim-term dot product, within
+    gamma(dim)·scale·Σ|q||k| (bounded by its largest terms; a soft-cap only shrinks errors);
+    a weight's relative error is at most twice the scores' (its own and the normaliser's) plus
+    the normalising sum's over the keys; the output moves by that times Σ p·|v|, plus the
+    weighted sum's own rounding."""
+    dim = q.shape[-1]
+    score_err = gamma(dim) * scale * dim * q.abs().max().item() * k.abs().max().item()
+    weight_err = 4 * score_err + 2 * gamma(keys + 4)
+    excess = ((out - ref).abs() - (weight_err + 2 * gamma(keys)) * spread).max().item()
+    assert excess <= 0, f"paged attention differs by {excess:.3g} beyond the float32 rounding bound"
 
 
 def check_paged_attention_softcap_window() -> None:
@@ -237,7 +246,8 @@ def check_paged_attention_softcap_window() -> None:
         )  # fmt: skip
         tables64 = torch.tensor(tables, dtype=torch.int64)
         ref = paged_attention_torch(q, k, v, tables64, query_start, ctx, 0.3, window, cap)
-        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        spread = paged_attention_torch(q, k, v.abs(), tables64, query_start, ctx, 0.3, window, cap)
+        assert_close_attention(out, ref, spread, q, k, 0.3, window)
         uncapped = paged_attention_torch(q, k, v, tables64, query_start, ctx, 0.3, window)
         assert not torch.allclose(out, uncapped, atol=1e-3), "the cap changed nothing"
 
