@@ -64,13 +64,6 @@ def on_host(batch: ScheduledBatch, normalize_log_probs: bool) -> bool:
                for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True))
 
 
-def _has_beam_step(batch: ScheduledBatch) -> bool:
-    """Beams pick their next tokens on the host from every beam's candidates,
-    before the next step can be scheduled."""
-    return any(samples(seq, n) and seq.family is not None and seq.family.is_beam
-               for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True))
-
-
 @dataclass(slots=True)
 class _Ready:
     """The handle of a step computed as it was launched."""
@@ -122,6 +115,7 @@ class Launcher:
         verify: list[tuple[Sequence, int, list[int]]] = []
         offsets: list[int] = []  # per sampler row: output positions past the sequence's next one
         offset = 0
+        beam_step = False
         for seq, n, drafts in zip(batch.seqs, batch.num_new_tokens, batch.drafts, strict=True):
             if host and (ctx := host_logits.context_rows(seq, n)) is not None:
                 extra.append((seq, offset + ctx[0] - seq.num_computed, ctx[1]))
@@ -135,6 +129,8 @@ class Launcher:
             if not samples(seq, n):
                 rows.append(0)
                 continue
+            # Beams pick their next tokens on the host from every beam's candidates.
+            beam_step = beam_step or (seq.family is not None and seq.family.is_beam)
             group = [seq, *forks[seq]] if forks and seq in forks else [seq]
             samplers += group
             offsets += [0] * len(group)
@@ -171,7 +167,7 @@ class Launcher:
         else:
             handle = self._launch_step(forward, sampling)
         # How many tokens a verification keeps is known only once it is read back.
-        blocking = host or _has_beam_step(batch) or not self.overlap or bool(verify) or drafts_follow
+        blocking = host or beam_step or not self.overlap or bool(verify) or drafts_follow
         return InFlight(batch, samplers, positions, handle, num_context, t0, blocking, errors, verify)
 
     def _host_step(self, forward: ForwardBatch, sampling: SamplingBatch | None, samplers: list[Sequence],
