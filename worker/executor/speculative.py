@@ -1,5 +1,8 @@
 """Speculative decoding: which requests speculate, the draft sources that need no
 model (the request's own draft tokens, prompt lookup), and the acceptance rule.
+`Speculation` holds both ends of it for the engine: it proposes the drafts before
+each schedule (draft_model.py for a draft model) and keeps what a verification
+step accepts when that step completes, so proposing and accepting stay together.
 
 A speculating sequence's generation step carries [last token, d1 .. dk]. The
 forward writes the KV of all k + 1 positions and returns logits for each; row j
