@@ -4,7 +4,9 @@ shutdown) as a thread and queues around one `EngineCore`.
 The loop thread owns the core: it takes new requests and cancels, runs
 `core.step()` and publishes what the step produced. Callers only touch the
 queues guarded by `self._lock`. LoRA adapters are read from disk on the caller's
-thread; the loop registers them between steps.
+thread; the loop registers them between steps. The loop does the core's waiting
+too: while nothing fits (`core.stalled`) it waits a moment for a cancel or a new
+request rather than spinning.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from typing import Any, overload
 
 from worker.executor.engine_core import EngineCore
 from worker.executor.types import ExecutorConfig, IterationStats, Request, RequestStats, Response
+
+# How long a stalled loop waits before stepping again: a LoRA adapter read on the
+# adapter cache's thread becomes ready without telling the loop.
+STALLED_WAIT_S = 0.001
 
 
 class Executor:
@@ -179,6 +185,8 @@ class Executor:
             with self._lock:
                 while not (self._shutdown or self._incoming or self._cancels or self._calls or core.has_work):
                     self._lock.wait()
+                if core.stalled and not (self._shutdown or self._incoming or self._cancels or self._calls):
+                    self._lock.wait(STALLED_WAIT_S)  # nothing fits yet: wait for cancels or new room
                 if self._shutdown:
                     for _, done in self._calls:
                         done.set_exception(RuntimeError("executor is shut down"))

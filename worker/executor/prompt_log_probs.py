@@ -14,24 +14,14 @@ bias applies to text that is given, not sampled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from worker.executor.types import PromptLogProbs
+
 if TYPE_CHECKING:
     from worker.executor.sequence import Sequence
-
-
-@dataclass(slots=True)
-class PromptLogProbs:
-    """Entries for prompt tokens 1 .. P-1, in order."""
-
-    log_probs: list[float] = field(default_factory=list)
-    # Per entry: the k most likely tokens at that position, most likely first, and their log probs.
-    top_token_ids: list[list[int]] = field(default_factory=list)
-    top_log_probs: list[list[float]] = field(default_factory=list)
-    rows: int = 0  # prompt rows seen so far (positions 0 .. rows-1)
 
 
 def wants_rows(seq: Sequence) -> bool:

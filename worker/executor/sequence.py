@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from worker.executor.block_manager import BlockTable
-from worker.executor.prompt_log_probs import PromptLogProbs
-from worker.executor.types import FinishReason, Request, RequestState
-
-if TYPE_CHECKING:
-    from worker.executor.speculative import SpecState
+from worker.executor.spec_state import SpecState
+from worker.executor.types import FinishReason, PromptLogProbs, Request, RequestState
 
 
 @dataclass(eq=False, slots=True)
@@ -24,7 +21,6 @@ class Family:
 
     width: int  # how many sequences it grows to: beam width, or num_return_sequences
     is_beam: bool = False
-    forked: bool = False
     members: list[Sequence] = field(default_factory=list)  # live sequences, leader first
 
 
@@ -118,3 +114,10 @@ class Sequence:
     @property
     def max_total_tokens(self) -> int:
         return self.num_prompt_tokens + self.request.max_tokens
+
+    def finish(self, reason: FinishReason) -> None:
+        """Mark it finished; drop the placeholders of steps still in flight."""
+        self.finish_reason = reason
+        if self.num_pending:
+            del self.token_ids[len(self.token_ids) - self.num_pending :]
+            self.num_pending = 0

@@ -1,5 +1,8 @@
 """Speculative decoding: which requests speculate, the draft sources that need no
 model (the request's own draft tokens, prompt lookup), and the acceptance rule.
+`Speculation` holds both ends of it for the engine: it proposes the drafts before
+each schedule (draft_model.py for a draft model) and keeps what a verification
+step accepts when that step completes, so proposing and accepting stay together.
 
 A speculating sequence's generation step carries [last token, d1 .. dk]. The
 forward writes the KV of all k + 1 positions and returns logits for each; row j
@@ -41,41 +44,19 @@ on earlier tokens of the same step do not speculate: see `off_reason`.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, field
 
+import numpy as np
+
+from worker.executor.block_manager import BlockManager
+from worker.executor.draft_model import DraftModel
 from worker.executor.penalties import needs_known_tokens
 from worker.executor.sequence import Sequence
-from worker.executor.types import DraftSource, Request, SpeculativeConfig
+from worker.executor.spec_state import INT32, SpecState
+from worker.executor.stop_rules import finish_reason
+from worker.executor.types import DraftSource, FinishReason, Request, RequestState, SpeculativeConfig
 
 MAX_DRAFT_TOKENS = 16
-_INT32 = "i"  # prompt lookup's packed token ids
-_INT32_BYTES = array(_INT32).itemsize
-
-
-@dataclass(slots=True)
-class SpecState:
-    """One sequence's speculation: its config and its acceptance counts."""
-
-    config: SpeculativeConfig
-    num_drafted: int = 0  # draft tokens verified
-    num_accepted: int = 0  # draft tokens accepted
-    # DRAFT_TOKENS: how many output tokens were checked against the caller's, and
-    # whether the output stopped following them.
-    checked: int = 0
-    diverged: bool = False
-    # PROMPT_LOOKUP: the tokens so far packed as int32 bytes, extended as they grow
-    # (prompt_lookup searches them with bytes.rfind; repacking on every step would
-    # cost more than the search).
-    packed: bytearray = field(default_factory=bytearray)
-    filled: int = 0
-
-    def packed_tokens(self, tokens: list[int]) -> bytearray:
-        """`tokens` (which only ever grow) as native int32 bytes."""
-        n = len(tokens)
-        if n > self.filled:
-            self.packed += array(_INT32, tokens[self.filled : n]).tobytes()
-            self.filled = n
-        return self.packed
+_INT32_BYTES = array(INT32).itemsize
 
 
 def off_reason(request: Request, config: SpeculativeConfig, has_draft_model: bool) -> str | None:
@@ -138,7 +119,7 @@ def max_drafts(seq: Sequence, max_seq_len: int) -> int:
 
 def pack(tokens: list[int]) -> bytes:
     """Token ids as native int32 bytes, prompt_lookup's `packed`."""
-    return array(_INT32, tokens).tobytes()
+    return array(INT32, tokens).tobytes()
 
 
 def prompt_lookup(tokens: list[int], packed: bytes | bytearray, k: int, max_ngram: int, min_ngram: int) -> list[int]:
@@ -186,3 +167,80 @@ def num_accepted(drafts: list[int], sampled: list[int]) -> int:
             break
         n += 1
     return n
+
+
+class Speculation:
+    """Proposes drafts before each schedule and keeps what a verification accepts;
+    counts both for the iteration stats."""
+
+    def __init__(self, draft: DraftModel | None, blocks: BlockManager, max_seq_len: int) -> None:
+        self.draft = draft
+        self.blocks = blocks
+        self.max_seq_len = max_seq_len
+        self.num_drafted = 0  # draft tokens verified since the last take_counts()
+        self.num_accepted = 0
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Draft tokens (seq.draft) for the running sequences that speculate. Drafts
+        follow the latest token: the step that sampled it has completed (the
+        launcher's wait rule)."""
+        if self.draft is not None:
+            self.draft.retain(running)
+        by_model = []
+        for seq in running:
+            if seq.spec is None:
+                continue
+            seq.draft = []
+            if seq.in_prefill or seq.is_finished:
+                continue
+            k = max_drafts(seq, self.max_seq_len)
+            if k <= 0:
+                continue
+            cfg = seq.spec.config
+            if cfg.source is DraftSource.PROMPT_LOOKUP:
+                seq.draft = prompt_lookup(seq.token_ids, seq.spec.packed_tokens(seq.token_ids), k, cfg.max_ngram,
+                                          cfg.min_ngram)
+            elif cfg.source is DraftSource.DRAFT_TOKENS:
+                seq.draft = external_drafts(seq.spec, seq.generated, k)
+            else:
+                by_model.append((seq, k))
+        if by_model:
+            assert self.draft is not None
+            for (seq, _), drafts in zip(by_model, self.draft.propose(by_model), strict=True):
+                seq.draft = drafts
+
+    def accept(self, seq: Sequence, drafts: list[int], tokens: list[int], log_probs: list[float],
+               top: tuple[np.ndarray, np.ndarray] | None) -> None:
+        """Keep the verified tokens of one speculating sequence: the drafts the target
+        sampled itself, then its own next token; roll the KV of the rejected drafts
+        back; end the sequence where a token ends it."""
+        assert seq.spec is not None
+        accepted = num_accepted(drafts, tokens)
+        seq.spec.num_drafted += len(drafts)
+        seq.spec.num_accepted += accepted
+        self.num_drafted += len(drafts)
+        self.num_accepted += accepted
+        # The KV holds the last token and every draft; only the accepted drafts' stays.
+        seq.num_computed -= len(drafts) - accepted
+        seq.state = RequestState.GENERATION
+        top_n = seq.request.output_config.top_n_log_probs
+        for j in range(accepted + 1):
+            seq.token_ids.append(tokens[j])
+            seq.log_probs.append(log_probs[j])
+            if top_n:
+                assert top is not None
+                seq.top_token_ids.append(top[0][j, :top_n].tolist())
+                seq.top_log_probs.append(top[1][j, :top_n].tolist())
+            reason = finish_reason(seq, seq.num_tokens, self.max_seq_len)
+            if reason is not FinishReason.NOT_FINISHED:
+                seq.finish(reason)  # tokens after this one are dropped
+                break
+        if not seq.is_finished:
+            # Blocks wholly past the sequence held only rejected drafts' KV.
+            self.blocks.truncate(seq.blocks, seq.num_tokens)
+
+    def take_counts(self) -> tuple[int, int]:
+        """(drafted, accepted) since the last call."""
+        counts = (self.num_drafted, self.num_accepted)
+        self.num_drafted = self.num_accepted = 0
+        return counts

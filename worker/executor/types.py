@@ -23,7 +23,6 @@ from protocol.stats import IterationStats as IterationStats
 from protocol.stats import RequestStats as RequestStats
 from protocol.status import FinishReason as FinishReason
 from protocol.status import RequestState as RequestState
-from worker.executor.prompt_log_probs import PromptLogProbs
 
 
 class CapacitySchedulerPolicy(enum.Enum):
@@ -132,6 +131,17 @@ class Request:
     speculative_config: SpeculativeConfig | None = None  # None: the executor's default
     lora_config: LoraConfig | None = None  # None: the base model
     prompt_tuning_config: PromptTuningConfig | None = None
+
+
+@dataclass(slots=True)
+class PromptLogProbs:
+    """Entries for prompt tokens 1 .. P-1, in order."""
+
+    log_probs: list[float] = field(default_factory=list)
+    # Per entry: the k most likely tokens at that position, most likely first, and their log probs.
+    top_token_ids: list[list[int]] = field(default_factory=list)
+    top_log_probs: list[list[float]] = field(default_factory=list)
+    rows: int = 0  # prompt rows seen so far (positions 0 .. rows-1)
 
 
 @dataclass(slots=True)

@@ -50,6 +50,7 @@ _IDLE_LOAD_S = 0.5
 LOOP_STUCK_AFTER_S = 2.0
 _ITERATION_STATS_S = 0.1  # iteration stats cross in batches, not every step
 _PIPE_BYTES = 1 << 20  # Linux's pipe-max-size for unprivileged processes
+_STALLED_WAIT_S = 0.001  # a stalled core steps again this often: an adapter being read gives no sign
 _READ_POLL_S = 0.01  # an idle engine reading a LoRA adapter looks this often whether it is done
 
 
@@ -342,7 +343,10 @@ def _serve(core: EngineCore, inbox: Connection, outbox: Connection, turned: ctyp
     last_sent = last_stats = time.monotonic()
     asked = _Asked(core, outbox)
     while True:
-        timeout = 0.0 if core.has_work else _READ_POLL_S if asked.reading else _IDLE_LOAD_S
+        # A stalled core (requests wait, none fits, none in flight) waits here for the
+        # worker's cancels and requests instead of stepping in a spin.
+        timeout = (_STALLED_WAIT_S if core.stalled else 0.0 if core.has_work
+                   else _READ_POLL_S if asked.reading else _IDLE_LOAD_S)
         while inbox.poll(timeout):
             kind, body = _receive(inbox)
             if kind == "stop":

@@ -19,6 +19,8 @@ from worker.executor import (
     OutputConfig,
     Request,
     Response,
+    SamplingConfig,
+    SpeculativeConfig,
     StepOutput,
 )
 
@@ -64,6 +66,43 @@ def test_step_driven_directly_gives_the_executors_greedy_tokens(tiny_llama: Path
     assert sorted(got) == ids
     assert [final_tokens(got[i]) for i in ids] == want
     core.blocks.check_invariants([])  # every block back in the pool
+
+
+def outcome(responses: list[Response]) -> list[tuple[int, list[list[int]]]]:
+    """Every sequence's (or beam's) tokens, by sequence index."""
+    got = []
+    for r in responses:
+        assert r.result is not None, r.error_msg
+        got.append((r.result.sequence_index, r.result.output_token_ids))
+    return sorted(got)
+
+
+KINDS = {
+    "seeded": dict(sampling_config=SamplingConfig(temperature=0.9, top_k=40, seed=11)),
+    "n>1": dict(num_return_sequences=3, sampling_config=SamplingConfig(temperature=1.0, seed=5)),
+    "beam": dict(sampling_config=SamplingConfig(beam_width=2)),
+    "speculative": dict(speculative_config=SpeculativeConfig(num_draft_tokens=3)),
+    "penalty": dict(sampling_config=SamplingConfig(temperature=0.8, repetition_penalty=1.3, seed=2)),
+}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_step_driven_directly_gives_the_executors_tokens(tiny_llama: Path, kind: str, overlap: bool) -> None:
+    rng = random.Random(5)
+    # Repeated phrases, so prompt lookup finds drafts.
+    prompts = [[rng.randrange(5, VOCAB_SIZE) for _ in range(4)] * rng.randrange(1, 5) for _ in range(5)]
+    requests = [Request(input_token_ids=p, max_tokens=8, end_id=-1, **KINDS[kind]) for p in prompts]  # type: ignore[arg-type]
+    cfg = config(overlap_scheduling=overlap, max_beam_width=2)
+    with Executor.from_model(tiny_llama, cfg) as ex:
+        want = [outcome(rs) for rs in run_all(ex, requests).values()]
+    core = EngineCore.from_model(tiny_llama, cfg)
+    ids = [50 + i for i in range(len(requests))]
+    core.add_requests(zip(ids, requests, strict=True))
+    got = responses_by_id(drive(core))
+    assert [outcome(got[i]) for i in ids] == want
+    assert all(len(w) == (3 if kind == "n>1" else 1) for w in want)
+    core.blocks.check_invariants([])
 
 
 def test_plain_streamed_steps_come_in_columns_and_everything_else_whole(tiny_llama: Path) -> None:

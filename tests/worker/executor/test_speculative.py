@@ -255,7 +255,7 @@ def test_a_draft_model_identical_to_the_target_has_its_greedy_drafts_accepted(ti
     assert got.tokens == want
     assert got.accepted >= 0.95 * got.drafted > 0
     # Four drafts accepted and a bonus token: five tokens per step, fewer steps.
-    assert got.core._iter < run(tiny_llama, requests(ps, lambda i: None)).core._iter
+    assert got.core.completion.iter < run(tiny_llama, requests(ps, lambda i: None)).core.completion.iter
 
 
 def test_the_worker_default_applies_to_requests_without_their_own(tiny_llama: Path) -> None:
