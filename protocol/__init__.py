@@ -17,6 +17,7 @@ from protocol.control import (
 )
 from protocol.errors import ProtocolError
 from protocol.keys import CANCEL_TTL_S, DEFAULT_PREFIX, Keys
+from protocol.kv_cache import KvEvents, KvSnapshot, KvSnapshotRequest
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.records import IterationStats, RequestStats, WorkerInfo, WorkerLoad
 from protocol.request import (
@@ -48,6 +49,9 @@ __all__ = [
     "Hello",
     "IterationStats",
     "Keys",
+    "KvEvents",
+    "KvSnapshot",
+    "KvSnapshotRequest",
     "Limits",
     "Logits",
     "LoraAdapters",
