@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="after SIGTERM, seconds the requests in flight may take (a second SIGTERM: none)")
     p.add_argument("--tokenizer-sha256", action="append", default=[], metavar="MODEL=SHA256",
                    help="refuse workers of MODEL whose tokenizer.json has another SHA-256 (repeatable)")
+    p.add_argument("--router", default="prefix", choices=["prefix", "least-loaded"],
+                   help="route by the prompt blocks a worker's KV cache holds and its load, or by load alone")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="one event a line: text or JSON")
     p.add_argument("--metrics-port", type=PORT, default=0, help="serve Prometheus /metrics on this port (0: off)")
@@ -75,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
                 drain_timeout_s=args.drain_timeout,
                 tokenizer_sha256=dict(pin.split("=", 1) for pin in args.tokenizer_sha256),
                 curve=curve,
+                router=args.router,
             )
         )
         http = None
