@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="refuse workers of MODEL whose tokenizer.json has another SHA-256 (repeatable)")
     p.add_argument("--router", default="prefix", choices=["prefix", "least-loaded"],
                    help="route by the prompt blocks a worker's KV cache holds and its load, or by load alone")
+    p.add_argument("--overlap-weight", type=POSITIVE_FLOAT, default=4.0,
+                   help="prefix routing: the cost of a prompt block to compute, in blocks held by decoding requests")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="one event a line: text or JSON")
     p.add_argument("--metrics-port", type=PORT, default=0, help="serve Prometheus /metrics on this port (0: off)")
@@ -78,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
                 tokenizer_sha256=dict(pin.split("=", 1) for pin in args.tokenizer_sha256),
                 curve=curve,
                 router=args.router,
+                overlap_weight=args.overlap_weight,
             )
         )
         http = None

@@ -11,6 +11,10 @@ The cost of a worker, in KV blocks (as Dynamo's KV router states it):
   report), its queued requests counted at its running requests' mean, and the
   prompt blocks of the requests this gateway sent it since that report.
 
+`overlap_weight` is 4 by default, not Dynamo's 1: a prompt block to compute is a
+forward pass over its tokens, while a block a decoding request holds costs a read
+per step; at 1, two or three requests decoding on the worker holding a
+conversation outweigh its whole system prompt, and follow-up turns leave home.
 The cheapest wins, ties at random. Where no worker holds any of the prompt (or
 the prompt is not token ids yet, or runs under a LoRA adapter or prompt table,
 whose blocks are salted by the worker), the least-loaded one wins. A worker whose
@@ -50,7 +54,7 @@ def busy(link: WorkerLink) -> int:
 
 class PrefixRouter:
     def __init__(self, sender_id: str, metrics: GatewayMetrics, policy: RouterName = "prefix",
-                 overlap_weight: float = 1.0, spill_requests: int = 8) -> None:  # fmt: skip
+                 overlap_weight: float = 4.0, spill_requests: int = 8) -> None:  # fmt: skip
         if policy not in ROUTERS:
             raise ValueError(f"unknown router {policy!r}; choose one of {', '.join(ROUTERS)}")
         self.sender_id = sender_id

@@ -85,6 +85,7 @@ class GatewayConfig:
     # How requests find a worker (gateway/prefix_router.py): by the prompt blocks its KV cache
     # holds and its load ("prefix"), or by load alone ("least-loaded").
     router: RouterName = "prefix"
+    overlap_weight: float = 4.0  # what a prompt block to compute costs against a block held by decoding
 
 
 @dataclass(eq=False, slots=True)
@@ -157,7 +158,7 @@ class Gateway:
         self._sockets: dict[zmq.Socket, WorkerLink] = {}
         self.notifier = Notifier(address="")  # the process's own under systemd (gateway/__main__.py)
         self.metrics = GatewayMetrics()
-        self.router = PrefixRouter(self.gateway_id, self.metrics, config.router)
+        self.router = PrefixRouter(self.gateway_id, self.metrics, config.router, config.overlap_weight)
         self.metrics.watch(
             lambda: len(self.requests),
             lambda: len(self.waiting),

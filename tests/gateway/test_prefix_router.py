@@ -41,19 +41,27 @@ def submit(**extra: object) -> protocol.Submit:
     return protocol.Submit(request_id="r", input_token_ids=PROMPT, max_tokens=4, **extra)
 
 
+def test_a_heavier_overlap_weight_keeps_a_prompt_home_under_more_decode_load(ctx: zmq.Context) -> None:
+    holder = link(ctx, "holder", CHAIN[:8], active=2, used_blocks=20)
+    idle = link(ctx, "idle", [])
+    assert PrefixRouter("gw", GatewayMetrics(), overlap_weight=1.0).pick([holder, idle], "m", submit()) is idle
+    assert PrefixRouter("gw", GatewayMetrics(), overlap_weight=4.0).pick([holder, idle], "m", submit()) is holder
+
+
 def test_cost_weighs_prefill_against_decode_blocks() -> None:
     assert cost(prefill_blocks=10, decode_blocks=5.0, overlap_weight=1.0) == 15.0
     assert cost(prefill_blocks=10, decode_blocks=5.0, overlap_weight=2.0) == 25.0
 
 
 def test_the_worker_holding_the_prefix_wins_while_it_has_room(ctx: zmq.Context) -> None:
-    router = PrefixRouter("gw", GatewayMetrics())
+    router = PrefixRouter("gw", GatewayMetrics(), overlap_weight=1.0)
     holder = link(ctx, "holder", CHAIN[:8], active=3, used_blocks=6)  # busier, but holds 8 of 10 blocks
     idle = link(ctx, "idle", [])
     for _ in range(20):
         assert router.pick([holder, idle], "m", submit()) is holder
         holder.update_load(holder.load)  # a load report: what was sent since is counted in it
     # Without a report, what this gateway sent counts: 3 + 6 + 11 blocks sent > 11 to prefill elsewhere.
+    # (At weight 4 the holder takes both: 4 x 3 + 6 + 11 < 4 x 11.)
     assert [router.pick([holder, idle], "m", submit()) for _ in range(2)] == [holder, idle]
 
 
@@ -65,7 +73,7 @@ def test_a_worker_far_busier_than_the_rest_spills_over(ctx: zmq.Context) -> None
 
 
 def test_decode_load_outweighs_a_short_match(ctx: zmq.Context) -> None:
-    router = PrefixRouter("gw", GatewayMetrics())
+    router = PrefixRouter("gw", GatewayMetrics(), overlap_weight=1.0)
     holder = link(ctx, "holder", CHAIN[:2], active=2, used_blocks=40)
     idle = link(ctx, "idle", [])
     assert router.pick([holder, idle], "m", submit()) is idle
