@@ -108,7 +108,7 @@ class EngineInfo:
     eos_token: str | None = None
     lora_adapters: tuple[str, ...] = ()  # registered at start
     compute_threads: int = 1  # what the math libraries report after --cpu-threads
-    block_size: int = 16  # tokens per KV block: what gateways hash prompts by
+    block_size: int = 32  # tokens per KV block (KvCacheConfig.tokens_per_block): what gateways hash prompts by
 
 
 @dataclass(frozen=True, slots=True)
