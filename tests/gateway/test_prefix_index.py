@@ -3,6 +3,8 @@ repaired by snapshot."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 import protocol
@@ -10,7 +12,8 @@ from gateway import prefix_index
 from gateway.prefix_index import PrefixIndex
 
 
-def events(seq: int, stored: list[int] = (), removed: list[int] = (), incarnation: str = "a") -> protocol.KvEvents:
+def events(seq: int, stored: Sequence[int] = (), removed: Sequence[int] = (), incarnation: str = "a"
+           ) -> protocol.KvEvents:  # fmt: skip
     return protocol.KvEvents(sender_id="w", incarnation=incarnation, seq=seq, stored=list(stored),
                              removed=list(removed))  # fmt: skip
 

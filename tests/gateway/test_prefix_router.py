@@ -37,8 +37,9 @@ def link(ctx: zmq.Context, worker_id: str, held: list[int], active: int = 0, use
     return w
 
 
-def submit(**extra: object) -> protocol.Submit:
-    return protocol.Submit(request_id="r", input_token_ids=PROMPT, max_tokens=4, **extra)
+def submit(lora: str | None = None) -> protocol.Submit:
+    config = None if lora is None else protocol.LoraConfig(name=lora)
+    return protocol.Submit(request_id="r", input_token_ids=PROMPT, max_tokens=4, lora_config=config)
 
 
 def test_a_heavier_overlap_weight_keeps_a_prompt_home_under_more_decode_load(ctx: zmq.Context) -> None:
@@ -91,7 +92,7 @@ def test_least_loaded_and_salted_prompts_ignore_the_caches(ctx: zmq.Context) -> 
     holder, quiet = link(ctx, "holder", CHAIN, active=1), link(ctx, "quiet", [])
     assert PrefixRouter("gw", GatewayMetrics(), "least-loaded").pick([holder, quiet], "m", submit()) is quiet
     holder.lora_adapters = quiet.lora_adapters = frozenset({"a"})  # its blocks are salted by the adapter
-    under_lora = submit(lora_config=protocol.LoraConfig(name="a"))
+    under_lora = submit(lora="a")
     assert PrefixRouter("gw", GatewayMetrics()).pick([holder, quiet], "m", under_lora) is quiet
     with pytest.raises(ValueError, match="unknown router 'random'"):
         PrefixRouter("gw", GatewayMetrics(), "random")  # type: ignore[arg-type]

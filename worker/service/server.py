@@ -376,6 +376,8 @@ class WorkerService:
             interval = msg.heartbeat_interval_s if isinstance(msg, protocol.Hello) else self.config.heartbeat_interval_s
             peer = self.gateways[gateway] = _Gateway(interval)
             log.info("gateway %r connected", identity_name(gateway))
+            if not isinstance(msg, protocol.Hello):  # it knew this worker before a restart: what it held is gone
+                self._send(gateway, self.kv.snapshot())
         peer.last_seen = time.monotonic()
         if isinstance(msg, protocol.Submit):
             try:

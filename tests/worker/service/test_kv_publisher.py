@@ -66,3 +66,15 @@ def test_events_follow_the_cache_and_a_snapshot_matches_them(worker) -> None:
         assert set(snap.hashes) == held
     finally:
         gw.close()
+
+
+def test_a_gateway_heard_from_without_hello_gets_a_snapshot(worker) -> None:
+    """As after the worker restarted under a gateway that stayed connected."""
+    _, w = worker
+    gw = FakeGateway(w.endpoint, name="known-before")
+    try:
+        gw.send(protocol.Heartbeat(sender_id="known-before"))
+        gw.recv_until(lambda: bool(_of(gw, protocol.KvSnapshot)))
+        assert not _of(gw, protocol.Ready)
+    finally:
+        gw.close()
