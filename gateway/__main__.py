@@ -35,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="after SIGTERM, seconds the requests in flight may take (a second SIGTERM: none)")
     p.add_argument("--tokenizer-sha256", action="append", default=[], metavar="MODEL=SHA256",
                    help="refuse workers of MODEL whose tokenizer.json has another SHA-256 (repeatable)")
+    p.add_argument("--router", default="prefix", choices=["prefix", "least-loaded"],
+                   help="route by the prompt blocks a worker's KV cache holds and its load, or by load alone")
+    p.add_argument("--overlap-weight", type=POSITIVE_FLOAT, default=4.0,
+                   help="prefix routing: the cost of a prompt block to compute, in blocks held by decoding requests")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="one event a line: text or JSON")
     p.add_argument("--metrics-port", type=PORT, default=0, help="serve Prometheus /metrics on this port (0: off)")
@@ -99,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
                 tokenizer_sha256=dict(pin.split("=", 1) for pin in args.tokenizer_sha256),
                 curve=curve,
                 insecure=insecure,
+                router=args.router,
+                overlap_weight=args.overlap_weight,
             ),
             api_keys,
         )

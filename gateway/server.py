@@ -28,8 +28,9 @@ import protocol
 from gateway.api_keys import ApiKeys, HelloKeys
 from gateway.client_batch import ClientBatch
 from gateway.discovery import Discovery
+from gateway.prefix_router import PrefixRouter, RouterName
 from gateway.tokenizer_store import PromptError, Tokenizers
-from gateway.workers import WorkerLink, adapter_models, can_load, least_loaded, serves
+from gateway.workers import WorkerLink, adapter_models, can_load, serves
 from ops.curve import CurveConfig, CurveServer, connect_as_client, routing_id
 from ops.drain import Drain
 from ops.metrics import GatewayMetrics, outcome
@@ -85,6 +86,10 @@ class GatewayConfig:
     curve: CurveConfig | None = None
     # The binds served open beyond this host under --insecure, one line each (/health shows them).
     insecure: list[str] = field(default_factory=list)
+    # How requests find a worker (gateway/prefix_router.py): by the prompt blocks its KV cache
+    # holds and its load ("prefix"), or by load alone ("least-loaded").
+    router: RouterName = "prefix"
+    overlap_weight: float = 4.0  # what a prompt block to compute costs against a block held by decoding
 
 
 @dataclass(eq=False, slots=True)
@@ -163,6 +168,7 @@ class Gateway:
         self._sockets: dict[zmq.Socket, WorkerLink] = {}
         self.notifier = Notifier(address="")  # the process's own under systemd (gateway/__main__.py)
         self.metrics = GatewayMetrics()
+        self.router = PrefixRouter(self.gateway_id, self.metrics, config.router, config.overlap_weight)
         self.metrics.watch(
             lambda: len(self.requests),
             lambda: len(self.waiting),
@@ -415,7 +421,7 @@ class Gateway:
     # -- routing -----------------------------------------------------------------------------
 
     def _dispatch(self, req: _Request) -> None:
-        link = least_loaded(list(self.workers.values()), req.model, req.submit.lora)
+        link = self.router.pick(list(self.workers.values()), req.model, req.submit)
         if link is None:
             self.waiting.append(req)
             return
@@ -427,6 +433,7 @@ class Gateway:
                 self._set_prompt_ids(req, self._prompt_ids(req, link.max_seq_len))
             except (PromptError, ChatTemplateError) as e:
                 return self._fail(req, ErrorCode.INVALID_REQUEST, str(e))
+            link = self.router.pick(list(self.workers.values()), req.model, req.submit) or link  # now by its tokens
         problem = self._check_fits(req.submit, link)
         if problem:
             self._fail(req, ErrorCode.INVALID_REQUEST, problem)
@@ -598,6 +605,8 @@ class Gateway:
                 link.update_load(msg.load)
             elif isinstance(msg, protocol.ErrorReply):
                 self._worker_error(link, msg)
+            elif isinstance(msg, protocol.KvEvents | protocol.KvSnapshot):
+                self.router.kv_message(link, msg)
             elif isinstance(msg, protocol.LoraAdapters):
                 link.lora_adapters, link.lora_loadable = frozenset(msg.adapters), frozenset(msg.loadable)
                 log.info("worker %s holds LoRA adapters %s, can load %s", link.worker_id, sorted(msg.adapters),
@@ -712,6 +721,7 @@ class Gateway:
     def _lose_worker(self, link: WorkerLink, why: str) -> None:
         log.warning("worker %s lost (%s): %d requests affected", link.worker_id, why, len(link.requests))
         self.workers.pop(link.worker_id, None)
+        self.router.forget(link)
         self._sockets.pop(link.socket, None)
         self.poller.unregister(link.socket)
         link.socket.close(0)

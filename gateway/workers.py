@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import zmq
 
 import protocol
+from gateway.prefix_index import PrefixIndex
 
 
 @dataclass(eq=False, slots=True)
@@ -29,7 +30,9 @@ class WorkerLink:
     # Requests this gateway sent since the worker last reported its load: the
     # report cannot count them yet.
     sent_since_load: int = 0
+    sent_blocks_since_load: int = 0  # their prompt blocks
     requests: set[str] = field(default_factory=set)
+    kv: PrefixIndex = field(default_factory=PrefixIndex)  # what its KV cache holds
 
     @property
     def worker_id(self) -> str:
@@ -38,7 +41,7 @@ class WorkerLink:
     def update_load(self, load: protocol.WorkerLoad | None) -> None:
         if load is not None:
             self.load = load
-            self.sent_since_load = 0
+            self.sent_since_load = self.sent_blocks_since_load = 0
 
     def score(self) -> tuple[int, int]:
         """Lower is less loaded: requests waiting or running, then fewer free KV blocks."""
@@ -61,14 +64,20 @@ def least_loaded(workers: list[WorkerLink], model: str | None, lora: str | None 
     """The least-loaded ready worker serving `model` (any model when None) and holding the
     LoRA adapter `lora` (when given); if none holds it, the least-loaded one that can load
     it (a load costs a read from disk, so a busier holder still wins); ties at random."""
-    available = [w for w in workers if w.ready and not w.draining]
-    candidates = [w for w in available if serves(w, model, lora)]
-    if not candidates and lora is not None:
-        candidates = [w for w in available if can_load(w, model, lora)]
+    candidates = eligible(workers, model, lora)
     if not candidates:
         return None
     best = min(w.score() for w in candidates)
     return random.choice([w for w in candidates if w.score() == best])
+
+
+def eligible(workers: list[WorkerLink], model: str | None, lora: str | None) -> list[WorkerLink]:
+    """The ready workers that serve `model` and hold `lora`; if none holds it, those that can load it."""
+    available = [w for w in workers if w.ready and not w.draining]
+    candidates = [w for w in available if serves(w, model, lora)]
+    if not candidates and lora is not None:
+        candidates = [w for w in available if can_load(w, model, lora)]
+    return candidates
 
 
 def adapter_models(workers: list[WorkerLink]) -> dict[str, str]:

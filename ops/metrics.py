@@ -10,6 +10,7 @@ series (counts, tokens, latency histograms) has a `model` label.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -246,6 +247,16 @@ class GatewayMetrics(_Metrics):
         self.api_key_refused = Counter("tokenwire_gateway_api_key_rate_limited",
                                        "Requests refused (429) for their API key's limits, by key and limit",
                                        ["key", "limit"], registry=self.registry)  # fmt: skip
+        # A worker's prefix hit rate: rate(matched) / rate(prompt) of the requests routed to it.
+        self.prefix_prompt_blocks = Counter("tokenwire_gateway_prefix_prompt_blocks",
+                                            "Full prompt blocks of the requests routed to each worker",
+                                            ["worker"], registry=self.registry)  # fmt: skip
+        self.prefix_matched_blocks = Counter("tokenwire_gateway_prefix_matched_blocks",
+                                             "Of those, the leading blocks the worker's KV cache held when routed",
+                                             ["worker"], registry=self.registry)  # fmt: skip
+        self.prefix_index_blocks = Gauge("tokenwire_gateway_prefix_index_blocks",
+                                         "Block hashes this gateway holds for each worker's KV cache", ["worker"],
+                                         registry=self.registry)  # fmt: skip
 
     def watch(
         self,
@@ -262,6 +273,18 @@ class GatewayMetrics(_Metrics):
             state.labels(name).set_function(functools.partial(workers, name))
         self.gauge("tokenwire_gateway_clients_connected", "Clients heard from within their heartbeat bound", clients)
         self.redis_connected.set_function(lambda: float(redis_connected()))
+
+    def prefix_routed(self, worker: str, prompt_blocks: int, matched_blocks: int) -> None:
+        self.prefix_prompt_blocks.labels(worker).inc(prompt_blocks)
+        self.prefix_matched_blocks.labels(worker).inc(matched_blocks)
+
+    def prefix_indexed(self, worker: str, blocks: int | None) -> None:
+        """How many block hashes the worker's index holds; None: the worker is gone."""
+        if blocks is None:
+            with contextlib.suppress(KeyError):  # never indexed
+                self.prefix_index_blocks.remove(worker)
+        else:
+            self.prefix_index_blocks.labels(worker).set(blocks)
 
     def model_of(self, key: object) -> str:
         """A gateway's request names its model once it is routed (see gateway.server._Request)."""

@@ -4,7 +4,8 @@ limits, and the names of Redis keys. Imports nothing else of tokenwire.
 The names below load on first use (PEP 562), so that the pure-data modules —
 `protocol.options` (the request options), `protocol.status` (finish reasons,
 request states), `protocol.stats` (iteration and request stats) and
-`protocol.model_fit` (vocabulary and context rules) — can be imported where
+`protocol.model_fit` (vocabulary and context rules), `protocol.block_hash` (the
+KV block hashes both sides compute) — can be imported where
 pydantic and msgpack are not installed: the executor on a GPU host, and
 `clients.params`.
 """
@@ -38,6 +39,9 @@ if TYPE_CHECKING:
     from protocol.keys import CANCEL_TTL_S as CANCEL_TTL_S
     from protocol.keys import DEFAULT_PREFIX as DEFAULT_PREFIX
     from protocol.keys import Keys as Keys
+    from protocol.kv_cache import KvEvents as KvEvents
+    from protocol.kv_cache import KvSnapshot as KvSnapshot
+    from protocol.kv_cache import KvSnapshotRequest as KvSnapshotRequest
     from protocol.limits import DEFAULT_LIMITS as DEFAULT_LIMITS
     from protocol.limits import Limits as Limits
     from protocol.records import IterationStats as IterationStats
@@ -68,6 +72,7 @@ _HOME = {
                      "LoraUnload", "Ready"], "control"),
     "ProtocolError": "errors",
     **dict.fromkeys(["CANCEL_TTL_S", "DEFAULT_PREFIX", "Keys"], "keys"),
+    **dict.fromkeys(["KvEvents", "KvSnapshot", "KvSnapshotRequest"], "kv_cache"),
     **dict.fromkeys(["DEFAULT_LIMITS", "Limits"], "limits"),
     **dict.fromkeys(["IterationStats", "RequestStats", "WorkerInfo", "WorkerLoad"], "records"),
     **dict.fromkeys(["ChatMessage", "GuidedDecodingParams", "LoraConfig", "OutputConfig", "PromptTuningConfig",

@@ -15,6 +15,7 @@ from pydantic_core import PydanticSerializationError
 from protocol.base import Message
 from protocol.control import Cancel, Drain, ErrorReply, Heartbeat, Hello, LoraAdapters, LoraLoad, LoraUnload, Ready
 from protocol.errors import ProtocolError
+from protocol.kv_cache import KvEvents, KvSnapshot, KvSnapshotRequest
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.packed import WIRE_CONTEXT, Unpacking
 from protocol.records import IterationStats, RequestStats, WorkerInfo
@@ -41,6 +42,9 @@ KINDS: dict[str, type[Message]] = {
         LoraLoad,
         LoraUnload,
         LoraAdapters,
+        KvEvents,
+        KvSnapshot,
+        KvSnapshotRequest,
     )
 }
 

@@ -159,6 +159,7 @@ def streamed_tokens(draw: st.DrawFn) -> p.StreamedTokens:
 
 
 counts = st.integers(0, 1 << 40)
+block_hashes = st.integers(-(1 << 63), (1 << 63) - 1)
 worker_loads = st.builds(
     p.WorkerLoad,
     num_queued_requests=counts,
@@ -208,6 +209,13 @@ MESSAGES: dict[str, st.SearchStrategy[p.Message]] = {
     "lora_unload": st.builds(p.LoraUnload, request_id=names, name=names),
     "lora_adapters": st.builds(p.LoraAdapters, sender_id=names, adapters=st.lists(names, max_size=4),
                                loadable=st.lists(names, max_size=4), request_id=_maybe(names)),
+    "kv_events": st.builds(p.KvEvents, sender_id=names, incarnation=st.text(min_size=1, max_size=64),
+                           seq=st.integers(1, 1 << 62), stored=st.lists(block_hashes, max_size=8),
+                           removed=st.lists(block_hashes, max_size=8)),
+    "kv_snapshot": st.builds(p.KvSnapshot, sender_id=names, incarnation=st.text(min_size=1, max_size=64),
+                             seq=st.integers(0, 1 << 62), block_size=st.integers(1, 1 << 10),
+                             hashes=st.lists(block_hashes, max_size=16)),
+    "kv_snapshot_request": st.builds(p.KvSnapshotRequest, sender_id=names),
     "drain": st.builds(p.Drain, sender_id=names, deadline_s=_maybe(st.floats(0.0, 1e6))),
     "worker_info": st.builds(
         p.WorkerInfo,

@@ -249,3 +249,15 @@ def test_ragged_rows_cannot_be_encoded():
     )
     with pytest.raises(p.ProtocolError, match="rows of unequal length"):
         p.encode(p.ResultBatch(responses=[p.Response(request_id="a", result=result)]))
+
+
+def test_kv_events_with_a_broken_packed_hash_list_are_refused_by_name():
+    wire = msgpack.packb([1, "kv_events", {"sender_id": "w", "incarnation": "i", "seq": 1, "stored": b"\0" * 12}])
+    with pytest.raises(p.ProtocolError, match=r"kv_events: stored.*not a multiple of 8"):
+        p.decode(wire)
+
+
+def test_kv_events_are_numbered_from_one():
+    wire = msgpack.packb([1, "kv_events", {"sender_id": "w", "incarnation": "i", "seq": 0}])
+    with pytest.raises(p.ProtocolError, match="seq"):
+        p.decode(wire)

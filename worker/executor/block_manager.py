@@ -4,6 +4,10 @@ A block that fills up gets a hash chained over every token before it, so two
 sequences with the same prefix map it to the same physical block. Freed blocks
 keep their hash and contents until the allocator needs them: those are the
 "cached" blocks, reused on a hash hit and evicted least-recently-freed first.
+
+With the event log on (`record_events`), every hash that enters or leaves the
+cache index is logged in order, for whoever drives the core to publish: a
+gateway mirrors each worker's index from it to route prompts to their prefix.
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-NO_HASH = -1
+from protocol.block_hash import NO_HASH, chain_hash, first_hash
+
+# An entry of the event log: (True, hash) the hash entered the cache index, (False, hash) it left.
+BlockEvent = tuple[bool, int]
 
 
 @dataclass(slots=True)
@@ -29,16 +36,6 @@ class BlockTable:
 
     block_ids: list[int] = field(default_factory=list)
     num_hashed: int = 0
-
-
-def chain_hash(prev_hash: int, token_ids: Seq[int]) -> int:
-    return hash((prev_hash, tuple(token_ids)))
-
-
-def first_hash(salt: int | None) -> int:
-    """What a sequence's first block chains from: blocks computed under another salt
-    (LoRA adapter, prompt-tuning table) never match."""
-    return NO_HASH if salt is None else hash(("salt", salt))
 
 
 class OutOfBlocksError(RuntimeError):
@@ -58,6 +55,19 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[int, int] = {}
         self.reused_blocks = 0  # cumulative prefix-cache hits
+        self._events: list[BlockEvent] | None = None  # off: nobody drains it
+
+    def record_events(self) -> None:
+        """Log index changes from now on; the caller must drain them with `take_events`.
+        The log starts from the index as it is, so turn it on before the first request."""
+        self._events = []
+
+    def take_events(self) -> list[BlockEvent]:
+        """The index changes since the last call, in order; [] with the log off."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
 
     # -- queries ---------------------------------------------------------------
 
@@ -182,6 +192,8 @@ class BlockManager:
             if block.hash == NO_HASH and h not in self._by_hash:
                 block.hash, block.token_ids = h, chunk
                 self._by_hash[h] = block.block_id
+                if self._events is not None:
+                    self._events.append((True, h))
             prev = h
         table.num_hashed = max(table.num_hashed, full)
 
@@ -198,6 +210,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash != NO_HASH:
             del self._by_hash[block.hash]
+            if self._events is not None:
+                self._events.append((False, block.hash))
             block.hash, block.token_ids = NO_HASH, ()
         block.ref_count = 1
         return block_id
@@ -216,3 +230,7 @@ class BlockManager:
             assert (block.ref_count == 0) == free, f"block {block.block_id} free-list mismatch"
         for h, b in self._by_hash.items():
             assert self.blocks[b].hash == h, f"hash index points at block {b} with another hash"
+
+    def cached_hashes(self) -> set[int]:
+        """Every hash the index holds (what replaying the event log from the start gives)."""
+        return set(self._by_hash)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from worker.executor import types as ex
+from worker.executor.block_manager import BlockEvent
 from worker.executor.engine_core import StepOutput
 
 if TYPE_CHECKING:
@@ -108,6 +109,7 @@ class EngineInfo:
     eos_token: str | None = None
     lora_adapters: tuple[str, ...] = ()  # registered at start
     compute_threads: int = 1  # what the math libraries report after --cpu-threads
+    block_size: int = 32  # tokens per KV block (KvCacheConfig.tokens_per_block): what gateways hash prompts by
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +150,8 @@ class EngineProcess:
         self.info: EngineInfo = self._wait_ready()
         self._load = (0, 0, self.info.num_blocks)  # a new executor's, until it reports
         self._iterations: collections.deque[ex.IterationStats] = collections.deque(maxlen=self.info.iteration_stats_max)
+        # The block manager's index changes, one list per engine message, for the worker to publish.
+        self.kv_events: collections.deque[list[BlockEvent]] = collections.deque()
 
     def _wait_ready(self) -> EngineInfo:
         while not self._from.poll(0.5):
@@ -191,7 +195,9 @@ class EngineProcess:
         if isinstance(message, LoraReply):
             return message
         step: StepOutput
-        step, self._load = message
+        step, self._load, kv_events = message
+        if kv_events:
+            self.kv_events.append(kv_events)
         if step.iteration_stats:
             with self._stats_lock:
                 self._iterations.extend(step.iteration_stats)
@@ -326,7 +332,9 @@ def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, tu
         eos_token=_token_text(tokenizer, (core.model_config.eos_token_ids or (None,))[0]),
         lora_adapters=tuple(core.lora_names()),
         compute_threads=compute_threads,
+        block_size=core.blocks.block_size,
     )))  # fmt: skip
+    core.blocks.record_events()
     settle_gc()
     _serve(core, inbox, outbox, turned)
 
@@ -361,8 +369,9 @@ def _serve(core: EngineCore, inbox: Connection, outbox: Connection, turned: ctyp
         out.iteration_stats = []
         if now - last_stats >= _ITERATION_STATS_S:
             out.iteration_stats, stats, last_stats = stats, [], now
-        if out or now - last_sent >= _IDLE_LOAD_S:
-            _send(outbox, (out, core.load()))
+        kv_events = core.blocks.take_events()
+        if out or kv_events or now - last_sent >= _IDLE_LOAD_S:
+            _send(outbox, (out, core.load(), kv_events))
             last_sent = now
 
 

@@ -3,7 +3,7 @@ ROUTER that gateways connect to.
 
 Threads of the worker process, none of which shares a GIL with the executor:
 - the I/O thread (`serve`) owns the ROUTER: submits, cancels, hello and
-  heartbeats in; result batches and heartbeats out;
+  heartbeats in; result batches, heartbeats and KV cache events out;
 - the result pump waits on the engine, coalesces each of its messages into one
   result batch per gateway and hands them to the I/O thread over an inproc socket;
 - the Redis thread (redis_link.WorkerRedis).
@@ -36,6 +36,7 @@ from worker.service.active import Active, ActiveTable
 from worker.service.admission import too_large
 from worker.service.convert import WireBatch, to_request, to_wire_response
 from worker.service.engine import EngineFailed, EngineProcess, LoraReply
+from worker.service.kv_publisher import KvPublisher
 from worker.service.lora_dir import LoraDir, PendingLoads, Taken
 from worker.service.redis_link import WorkerRedis
 
@@ -148,6 +149,7 @@ class WorkerService:
         port = address.rsplit(":", 1)[-1]
         self.worker_id = config.worker_id or f"{socket.gethostname()}:{port}"
         self.sender_id = self.worker_id
+        self.kv = KvPublisher(self.sender_id, engine.info.block_size)
         self.table = ActiveTable()
         self.gateways: dict[bytes, _Gateway] = {}
         # Submits of the current socket turn by (gateway, request id), with the client's id for the
@@ -232,6 +234,7 @@ class WorkerService:
                 events = dict(poller.poll(timeout_ms))
                 if self._pump_out in events:
                     self._forward_results()
+                self._publish_kv()
                 if self.router in events:
                     self._receive()
                 while self._lora_replies:
@@ -317,6 +320,18 @@ class WorkerService:
             if gateway in self.gateways:  # a gateway declared gone gets nothing more
                 self.router.send_multipart([gateway, payload])
 
+    def _publish_kv(self) -> None:
+        """What the engine's KV cache index gained and lost since the last call, to every gateway."""
+        batches = []
+        while self.engine.kv_events:
+            batches.append(self.engine.kv_events.popleft())
+        msg = self.kv.fold(batches) if batches else None
+        if msg is None:
+            return
+        data = protocol.encode(msg, self.limits)
+        for gateway in self.gateways:
+            self.router.send_multipart([gateway, data])
+
     def _receive(self) -> None:
         try:
             for _ in socket_turn():
@@ -362,6 +377,8 @@ class WorkerService:
             interval = msg.heartbeat_interval_s if isinstance(msg, protocol.Hello) else self.config.heartbeat_interval_s
             peer = self.gateways[gateway] = _Gateway(interval)
             log.info("gateway %r connected", identity_name(gateway))
+            if not isinstance(msg, protocol.Hello):  # it knew this worker before a restart: what it held is gone
+                self._send(gateway, self.kv.snapshot())
         peer.last_seen = time.monotonic()
         if isinstance(msg, protocol.Submit):
             try:
@@ -413,6 +430,9 @@ class WorkerService:
                     lora_loadable=self.lora_loadable,
                 ),
             )
+            self._send(gateway, self.kv.snapshot())
+        elif isinstance(msg, protocol.KvSnapshotRequest):
+            self._send(gateway, self.kv.snapshot())
         elif isinstance(msg, protocol.Heartbeat | protocol.Drain):
             pass  # liveness is all a gateway's heartbeat says
         else:

@@ -2,6 +2,7 @@ import random
 
 import pytest
 
+from protocol.block_hash import prompt_hashes
 from worker.executor.block_manager import BlockManager, BlockTable, OutOfBlocksError
 
 
@@ -150,3 +151,85 @@ def test_copy_on_write_with_no_free_block_is_out_of_blocks() -> None:
     with pytest.raises(OutOfBlocksError):
         bm.make_writable(child, 3)
     assert child.block_ids == leader.block_ids
+
+
+def _replay(events: list[tuple[bool, int]], held: set[int] | None = None) -> set[int]:
+    """What a subscriber holds after applying `events` in order; a removal of a hash
+    it does not hold means the log was out of order."""
+    held = set() if held is None else held
+    for stored, h in events:
+        if stored:
+            assert h not in held, f"hash {h} stored twice without a removal between"
+            held.add(h)
+        else:
+            assert h in held, f"hash {h} removed before it was stored"
+            held.remove(h)
+    return held
+
+
+def test_event_log_records_stored_then_evicted_hashes_in_order() -> None:
+    bm = BlockManager(num_blocks=4, block_size=2)
+    bm.record_events()
+    old, new = [1, 2, 3], [7, 8, 9]
+    stored = []
+    for prompt in (old, new):
+        t = BlockTable()
+        bm.allocate_prompt(t, prompt, 3)
+        bm.register_full_blocks(t, prompt, 3)
+        stored.append(prompt_hashes(prompt, 2))
+        bm.free(t)
+    assert bm.take_events() == [(True, stored[0][0]), (True, stored[1][0])]
+    assert bm.take_events() == []  # drained
+    # Three new blocks: the two unhashed ones, then old's, the least recently freed.
+    t = BlockTable()
+    bm.allocate_prompt(t, [50, 51, 52, 53, 54, 55], 6)
+    bm.register_full_blocks(t, [50, 51, 52, 53, 54, 55], 6)
+    events = bm.take_events()
+    assert events[0] == (False, stored[0][0])
+    assert events[1:] == [(True, h) for h in prompt_hashes([50, 51, 52, 53, 54, 55, 0], 2)]
+    bm.check_invariants([t])
+
+
+def test_the_event_log_is_off_until_asked_for() -> None:
+    bm = BlockManager(num_blocks=4, block_size=2)
+    t = BlockTable()
+    bm.allocate_prompt(t, [1, 2, 3], 3)
+    bm.register_full_blocks(t, [1, 2, 3], 3)
+    assert bm.take_events() == []
+
+
+def test_replaying_the_event_log_gives_the_cache_index_under_random_traffic() -> None:
+    rng = random.Random(1)
+    bm = BlockManager(num_blocks=48, block_size=4)
+    bm.record_events()
+    held: set[int] = set()
+    live: list[BlockTable] = []
+    prefixes = [[rng.randrange(50) for _ in range(16)] for _ in range(5)]
+    for _ in range(1500):
+        if live and (rng.random() < 0.45 or bm.num_free < 8):
+            bm.free(live.pop(rng.randrange(len(live))))
+        else:
+            prompt = rng.choice(prefixes)[: rng.randrange(1, 17)] + [rng.randrange(50) for _ in range(rng.randrange(8))]
+            t = BlockTable()
+            try:
+                bm.allocate_prompt(t, prompt, len(prompt))
+            except OutOfBlocksError:
+                continue
+            bm.register_full_blocks(t, prompt, len(prompt))
+            live.append(t)
+        bm.check_invariants(live)
+        if rng.random() < 0.3:  # drained now and then, as once per engine step
+            _replay(bm.take_events(), held)
+            assert held == bm.cached_hashes()
+    _replay(bm.take_events(), held)
+    assert held == bm.cached_hashes() and held
+
+
+def test_a_gateway_hashes_a_prompt_as_the_cache_does() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4)
+    prompt = list(range(30, 47))  # 4 full blocks + 1 token
+    t = BlockTable()
+    bm.allocate_prompt(t, prompt, len(prompt))
+    bm.register_full_blocks(t, prompt, len(prompt))
+    assert bm.cached_hashes() == set(prompt_hashes(prompt, 4))
+    assert prompt_hashes(prompt, 4, salt=3) != prompt_hashes(prompt, 4)

@@ -9,7 +9,8 @@ from tests.procs import REPO
 
 # protocol's pure-data modules (standard library only): the options' one declaration,
 # finish reasons and request states, the stats, the vocabulary and context rules.
-PURE_PROTOCOL = {"protocol", "protocol.options", "protocol.status", "protocol.stats", "protocol.model_fit"}
+PURE_PROTOCOL = {"protocol", "protocol.options", "protocol.status", "protocol.stats", "protocol.model_fit",
+                 "protocol.block_hash"}
 
 
 def test_the_runtime_imports_no_service_or_wire_package() -> None:
