@@ -78,6 +78,21 @@ def test_concurrency_holds_for_zeromq_clients_across_gateways(service) -> None:
         assert _served(b, 4) == 4
 
 
+def test_requests_per_minute_hold_for_zeromq_clients_across_gateways(service) -> None:
+    if time.time() % 60 > 40:  # the per-minute windows turn over on the minute: start well inside one
+        time.sleep(61 - time.time() % 60)
+    tight = _key(service, "zmq-rpm", "--requests-per-minute", "4")  # _key's checks spend 2 of them
+    for gateway in (0, 1):
+        with _client(service, gateway, tight) as c:
+            assert _served(c, 2) == 2
+    time.sleep(0.5)  # each gateway has read the other's count
+    for gateway in (0, 1):
+        with _client(service, gateway, tight) as c, pytest.raises(RequestError, match="requests per minute") as e:
+            c.generate(PROMPT, max_tokens=2, timeout=30)
+        assert e.value.code == "rate_limited"
+        assert "retry after" in str(e.value)
+
+
 def test_zeromq_usage_counts_equal_the_tokens_served(service) -> None:
     key = _key(service, "zmq-counted")  # _key's two requests: one token each
     before = [_scrape(port) for port in service.metrics_ports]
