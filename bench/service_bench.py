@@ -40,6 +40,14 @@ is their sum's ceiling, and the CPU figures say whose share is what.
 
 The first echo workload runs again with CURVE on: CURVE's cost where the transport bounds the rate.
 
+(c) API keys + limits on the HTTP front, measured as CURVE is: three more stacks
+(keys off, keys on with a key stored in Redis whose limits (concurrency, requests
+and tokens per minute) are set far above the load, so every request takes the
+limits' path, and keys off again as the A/A control), each set of prompts run once
+on each through /v1/completions (every client sends the same Authorization
+header), orders permuted; up to TOKENWIRE_BENCH_SERVICE_KEYS_PAIRS sets (default
+60) within TOKENWIRE_BENCH_SERVICE_KEYS_BUDGET_S (default 90 s, at least two sets).
+
 Sizes: TOKENWIRE_BENCH_SERVICE_REQUESTS, _PROMPT, _OUTPUT (_REPEATS,
 _CURVE_PAIRS, _CURVE_BUDGET_S above), _ECHO ("64x1024,256x512": the echo
 workloads, streams x tokens); the defaults are the issue's workload, 64 x 128 /
@@ -58,11 +66,11 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from bench import SkipSection
 from bench.service_stack import Stack
@@ -80,6 +88,8 @@ OUTPUT = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_OUTPUT", "128"))
 REPEATS = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_REPEATS", "3"))
 CURVE_PAIRS = max(2, int(os.environ.get("TOKENWIRE_BENCH_SERVICE_CURVE_PAIRS", "150")))  # quartiles need two
 CURVE_BUDGET_S = float(os.environ.get("TOKENWIRE_BENCH_SERVICE_CURVE_BUDGET_S", "180"))
+KEYS_PAIRS = max(2, int(os.environ.get("TOKENWIRE_BENCH_SERVICE_KEYS_PAIRS", "60")))
+KEYS_BUDGET_S = float(os.environ.get("TOKENWIRE_BENCH_SERVICE_KEYS_BUDGET_S", "90"))
 # (concurrent streams, tokens each), as "64x1024,256x512"
 ECHO_WORKLOADS = tuple(
     (int(n), int(t)) for n, t in
@@ -167,19 +177,20 @@ async def _stream_all(
 
 
 async def _http_stream_all(
-    port: int, model: str, prompts: list[list[int]], output: int, greedy: bool
+    port: int, model: str, prompts: list[list[int]], output: int, greedy: bool, key: str | None = None
 ) -> tuple[float, float, list[Timeline]]:
     """Every prompt as one streamed /v1/completions request, concurrently; each SSE
     chunk carries one step's text (one token while decoding), and each stream's
-    token count is its usage's."""
+    token count is its usage's. With `key`, each request sends it as its bearer token."""
+    auth = b"" if key is None else b"Authorization: Bearer %s\r\n" % key.encode()
 
     async def one(prompt: list[int], line: Timeline | None) -> None:
         body = {"model": model, "prompt": prompt, "max_tokens": output, "min_tokens": output, "stream": True,
                 "stream_options": {"include_usage": True}, **({"temperature": 0.0} if greedy else {})}  # fmt: skip
         payload = json.dumps(body).encode()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-                     b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))  # fmt: skip
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n%s"
+                     b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (auth, len(payload), payload))  # fmt: skip
         status = await reader.readline()
         assert b" 200 " in status, status + await reader.read()
         while (await reader.readline()).strip():
@@ -213,12 +224,13 @@ def _other_start(prompts: list[list[int]]) -> list[list[int]]:
 _OFF, _ON, _CONTROL = "CURVE off", "CURVE on", "control (CURVE off)"
 
 
-def _start_stacks(model: Path, *worker_args: str) -> dict[str, Stack]:
-    """The three stacks, started at once: none loads its model (and takes its share
-    of the accelerator) after another."""
-    kinds = {_OFF: False, _ON: True, _CONTROL: False}
+def _start_stacks(model: Path, *worker_args: str, kinds: dict[str, dict[str, Any]] | None = None) -> dict[str, Stack]:
+    """The three stacks (name -> Stack's keyword arguments; by default the CURVE
+    comparison's), started at once: none loads its model (and takes its share of the
+    accelerator) after another."""
+    kinds = kinds or {_OFF: {"curve": False}, _ON: {"curve": True}, _CONTROL: {"curve": False}}
     with ThreadPoolExecutor(len(kinds)) as pool:
-        starts = {name: pool.submit(Stack, model, *worker_args, curve=curve) for name, curve in kinds.items()}
+        starts = {name: pool.submit(Stack, model, *worker_args, **kw) for name, kw in kinds.items()}
     try:
         return {name: start.result() for name, start in starts.items()}
     except BaseException:
@@ -239,10 +251,16 @@ class Sample:
     client_cpu_s: float
 
 
-def _sample(stack: Stack, prompts: list[list[int]]) -> Sample:
+def _sample(stack: Stack, prompts: list[list[int]], model: str | None = None) -> Sample:
+    """One run through the ZeroMQ client; with `model`, through the HTTP front instead
+    (sending BENCH_KEY)."""
     gateway, worker = stack.procs[2].pid, stack.procs[1].pid
     before = (_cpu_seconds(gateway), _cpu_seconds(worker), time.process_time())
-    start, end, lines = asyncio.run(_stream_all(stack.gateway, prompts, OUTPUT, greedy=True, curve=stack.client_curve))
+    if model is None:
+        run = _stream_all(stack.gateway, prompts, OUTPUT, greedy=True, curve=stack.client_curve)
+    else:
+        run = _http_stream_all(stack.http_port, model, prompts, OUTPUT, greedy=True, key=BENCH_KEY)
+    start, end, lines = asyncio.run(run)
     after = (_cpu_seconds(gateway), _cpu_seconds(worker), time.process_time())
     return Sample(_collect("", start, end, lines), *(a - b for a, b in zip(after, before, strict=True)))
 
@@ -256,16 +274,19 @@ def orders(names: Sequence[str], n: int) -> list[tuple[str, ...]]:
 
 
 def curve_sets(
-    stacks: dict[str, Stack], prompt_sets: list[list[list[int]]], budget_s: float
+    stacks: dict[str, Stack],
+    prompt_sets: list[list[list[int]]],
+    budget_s: float,
+    sample: Callable[[Stack, list[list[int]]], Sample] = _sample,
 ) -> list[dict[str, Sample]]:
-    """Each set once on each stack, back to back, in the orders above; no new set
-    once `budget_s` has passed (a CPU takes half a minute a run), but at least two."""
+    """Each set once on each stack (`sample` runs it), back to back, in the orders above;
+    no new set once `budget_s` has passed (a CPU takes half a minute a run), but at least two."""
     deadline = time.monotonic() + budget_s
     sets: list[dict[str, Sample]] = []
     for order, prompts in zip(orders(list(stacks), len(prompt_sets)), prompt_sets, strict=True):
         if len(sets) >= 2 and time.monotonic() >= deadline:
             break
-        sets.append({name: _sample(stacks[name], prompts) for name in order})
+        sets.append({name: sample(stacks[name], prompts) for name in order})
     return sets
 
 
@@ -349,6 +370,42 @@ def compare(
         for s in stacks.values():
             s.close()
     return local, remote, http, curve, sets
+
+
+# The stacks of the API key comparison: keys off, keys and limits on, keys off again (the A/A control).
+_KEYS_OFF, _KEYS_ON, _KEYS_CONTROL = "keys off", "keys + limits on", "control (keys off)"
+BENCH_KEY = "tw-bench-key"
+
+
+def keys_sets(model: Path, prompt_sets: list[list[list[int]]]) -> list[dict[str, Sample]]:
+    """The HTTP front with API keys and limits on against off (and off against off), on
+    stacks of their own, as warm as each other (one run each first)."""
+    import redis
+
+    from protocol import Keys
+    from protocol.api_keys import ApiKeyRecord, KeyLimits, key_hash
+
+    kinds: dict[str, dict[str, Any]] = {_KEYS_OFF: {}, _KEYS_ON: {"gateway_args": ["--api-keys-redis"]},
+                                        _KEYS_CONTROL: {}}  # fmt: skip
+    stacks = _start_stacks(model, "--kv-tokens", str(_kv_tokens()), "--max-batch-size", str(max(64, REQUESTS)),
+                           kinds=kinds)  # fmt: skip
+    try:
+        # Limits far above the load: every request is admitted, counted and ended through them.
+        limits = KeyLimits(max_concurrent=10**6, requests_per_minute=10**9, tokens_per_minute=10**12)
+        record = ApiKeyRecord(name="bench", limits=limits)
+        with redis.Redis.from_url(stacks[_KEYS_ON].redis) as r:
+            r.hset(Keys().api_keys(), key_hash(BENCH_KEY), record.model_dump_json())
+        time.sleep(3)  # the gateway reads stored keys every 2 s
+
+        def sample(stack: Stack, prompts: list[list[int]]) -> Sample:
+            return _sample(stack, prompts, model.name)
+
+        for stack in stacks.values():
+            sample(stack, prompt_sets[0])
+        return curve_sets(stacks, prompt_sets[1:], KEYS_BUDGET_S, sample)
+    finally:
+        for s in stacks.values():
+            s.close()
 
 
 def _echo_stack(model: Path, curve: bool = False) -> Stack:
@@ -438,6 +495,7 @@ def table() -> tuple[list[str], list[list[str]]]:
     prompt_sets = [_prompts(vocab, seed) for seed in range(REPEATS)]
     curve_prompt_sets = [_prompts(vocab, REPEATS + i) for i in range(CURVE_PAIRS)]
     *runs, sets = compare(model, prompt_sets, curve_prompt_sets)
+    keys = keys_sets(model, [_prompts(vocab, REPEATS + CURVE_PAIRS + i) for i in range(KEYS_PAIRS + 1)])
     local, remote, http, curve = (min(r, key=lambda run: run.seconds) for r in runs)  # the fastest of each path
     header = ["path", "out tokens", "s", "tokens/s", "vs in-process", "TTFT p50 ms", "TTFT p99 ms",
               "ITL p50 ms", "ITL p99 ms", "decode ITL p50 ms", "decode ITL p99 ms"]  # fmt: skip
@@ -446,6 +504,10 @@ def table() -> tuple[list[str], list[list[str]]]:
                  *[""] * 10])  # fmt: skip
     rows.append([f"(A/A control, CURVE off on two stacks, the same sets: {_versus_text(sets, _CONTROL, _OFF)})",
                  *[""] * 10])  # fmt: skip
+    rows.append([f"(API keys + limits on vs off, HTTP front, {len(keys)} sets, orders permuted: "
+                 f"{_versus_text(keys, _KEYS_ON, _KEYS_OFF)}; goal >= 0.98)", *[""] * 10])  # fmt: skip
+    control = _versus_text(keys, _KEYS_CONTROL, _KEYS_OFF)
+    rows.append([f"(A/A control, keys off on two stacks, the same sets: {control})", *[""] * 10])
     added = pct(http.decode_itl_ms, 99) - pct(remote.decode_itl_ms, 99)
     rows.append([f"(HTTP vs ZeroMQ client: {http.tokens / http.seconds / (remote.tokens / remote.seconds):.3f} of "
                  f"its tokens/s, {added:+.2f} ms decode ITL p99)", *[""] * 10])  # fmt: skip

@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,10 +25,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 class Stack:
     """A private redis-server, one worker and one gateway, as child processes; `worker_args`
-    go to the worker's command line (its KV cache size among them); with `curve`, CURVE on
-    between all three (keys made in the stack's directory)."""
+    go to the worker's command line (its KV cache size among them), `gateway_args` to the
+    gateway's; with `curve`, CURVE on between all three (keys made in the stack's directory)."""
 
-    def __init__(self, model: Path, *worker_args: str, curve: bool = False) -> None:
+    def __init__(self, model: Path, *worker_args: str, curve: bool = False, gateway_args: Sequence[str] = ()) -> None:
         redis_server = shutil.which("redis-server")
         if redis_server is None:
             raise SkipSection("redis-server is not on PATH")
@@ -50,7 +51,7 @@ class Stack:
             env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
         self.procs.append(subprocess.Popen(
             [py, "-m", "gateway", "--bind", self.gateway, "--redis", self.redis,
-             "--no-worker-timeout", "300", "--http-port", str(self.http_port), *gateway_curve],
+             "--no-worker-timeout", "300", "--http-port", str(self.http_port), *gateway_curve, *gateway_args],
             env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
         self._wait_healthy(300.0)
 

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     import protocol
     from gateway.api_keys import ApiKeyError, ApiKeys
     from gateway.server import Gateway, GatewayConfig
-    from ops.binds import Bind, check_binds, is_local_endpoint, is_local_host
+    from ops.binds import Bind, check_binds, is_local_endpoint, is_local_host, metrics_bind
     from ops.config import apply_config
     from ops.logs import setup_logging
     from ops.process import exit_on_thread_crash, settle_gc, stop_with_launcher
@@ -81,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     if args.http_port:
         binds.append(Bind("--http-host", args.http_host, is_local_host(args.http_host), api_keys is not None,
                           "API keys (--api-keys-file, --api-keys-redis)"))
+    if args.metrics_port:
+        binds.append(metrics_bind(args.metrics_host))
     insecure = check_binds("gateway", binds, args.insecure)
     setup_logging("gateway", args.log_level, args.log_format)
     for warning in insecure:

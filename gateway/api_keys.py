@@ -137,6 +137,11 @@ class HelloKeys:
         self.keys = keys
         self.own_key = secrets.token_urlsafe(24)
 
+    def record(self, msg: protocol.Hello) -> ApiKeyRecord | None:
+        """The record of the accepted key in `msg` whose limits apply; None for the HTTP front's own."""
+        key = msg.api_key
+        return None if key is None or secrets.compare_digest(key, self.own_key) else self.keys.check(key)
+
     def refusal(self, msg: protocol.Message) -> protocol.ErrorReply | None:
         """None where `msg` is a Hello with an accepted key; else the answer to refuse it with."""
         key = msg.api_key if isinstance(msg, protocol.Hello) else None

@@ -18,6 +18,7 @@ import queue
 import socket
 import threading
 import time
+import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ import zmq
 import protocol
 from gateway.api_keys import ApiKeys, HelloKeys
 from gateway.client_batch import ClientBatch
+from gateway.client_limits import ClientLimits
 from gateway.discovery import Discovery
 from gateway.prefix_router import PrefixRouter, RouterName
 from gateway.tokenizer_store import PromptError, Tokenizers
@@ -36,6 +38,7 @@ from ops.drain import Drain
 from ops.metrics import GatewayMetrics, outcome
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
+from protocol.api_keys import ApiKeyRecord
 from protocol.chat_template import ChatTemplateError
 from protocol.limits import socket_turn
 from protocol.model_fit import context_overflow, token_outside_vocabulary
@@ -104,6 +107,8 @@ class _Request:
     worker: WorkerLink | None = None
     started: bool = False  # the client has received some of its output
     dispatches: int = 0
+    api_key: ApiKeyRecord | None = None  # the client's, where its limits apply
+    lease: str = ""  # its place in its key's limits
 
 
 @dataclass(slots=True)
@@ -112,6 +117,7 @@ class _Client:
     last_seen: float = field(default_factory=time.monotonic)
     requests: dict[str, _Request] = field(default_factory=dict)  # by the client's request id
     authorized: bool = False  # it gave an accepted API key (where one is needed)
+    api_key: ApiKeyRecord | None = None  # that key's record, whose limits and usage apply
 
 
 class Gateway:
@@ -169,6 +175,9 @@ class Gateway:
         self.notifier = Notifier(address="")  # the process's own under systemd (gateway/__main__.py)
         self.metrics = GatewayMetrics()
         self.router = PrefixRouter(self.gateway_id, self.metrics, config.router, config.overlap_weight)
+        self.client_limits: ClientLimits | None = None  # a ZeroMQ client's key's limits and usage
+        if self.client_keys is not None:
+            self.client_limits = ClientLimits(config.redis_url, self.keys, self.metrics, self.gateway_id)
         self.metrics.watch(
             lambda: len(self.requests),
             lambda: len(self.waiting),
@@ -190,6 +199,8 @@ class Gateway:
         self.discovery.start()
         if self.api_keys is not None:
             self.api_keys.start()
+        if self.client_limits is not None:
+            self.client_limits.start()
         log.info("gateway %s listening at %s", self.gateway_id, self.address)
         interval = self.config.heartbeat_interval_s
         next_tick = 0.0
@@ -234,6 +245,8 @@ class Gateway:
                 self._curve.stop()
             if self.api_keys is not None:
                 self.api_keys.stop()
+            if self.client_limits is not None:
+                self.client_limits.stop()
             self.ctx.term()
 
     # -- drain -------------------------------------------------------------------------------
@@ -314,6 +327,7 @@ class Gateway:
                 self._reply(client, refusal)
                 return
             state.authorized = True
+            state.api_key = self.client_keys.record(msg) if isinstance(msg, protocol.Hello) else None
         if isinstance(msg, protocol.Submit):
             self._submit(client, state, msg)
         elif isinstance(msg, protocol.Cancel):
@@ -389,9 +403,16 @@ class Gateway:
             names = [m for w in ready if serves(w, None, lora) or (lora is not None and can_load(w, None, lora))
                      for m in w.models[:1]]  # fmt: skip
             model = max(set(names), key=names.count) if names else None
+        lease = ""
+        if state.api_key is not None and self.client_limits is not None:
+            lease = uuid.uuid4().hex
+            over = self.client_limits.admit(state.api_key, lease)
+            if over is not None:
+                return refuse(ErrorCode.RATE_LIMITED, over)
         # Its tokenizer comes with the worker it is dispatched to.
         stream = OutputStream(None, msg.stop or [], msg.num_return_sequences, msg.sampling_config.beam_width > 1)
-        req = _Request(msg.request_id, self._wire_id(msg.request_id), client, msg, stream, model)
+        req = _Request(msg.request_id, self._wire_id(msg.request_id), client, msg, stream, model,
+                       api_key=state.api_key, lease=lease)  # fmt: skip
         self.requests[req.wire_id] = req
         self.metrics.accepted(req)
         state.requests[req.request_id] = req
@@ -784,6 +805,9 @@ class Gateway:
             del self.requests[req.wire_id]
             if req.worker is not None:
                 req.worker.requests.discard(req.wire_id)
+            if req.api_key is not None and self.client_limits is not None:
+                prompt = len(req.submit.input_token_ids or [])
+                self.client_limits.done(req.api_key, req.lease, prompt, req.stream.num_tokens)
         client = self.clients.get(req.client)
         if client is not None and client.requests.get(req.request_id) is req:
             del client.requests[req.request_id]

@@ -1,5 +1,6 @@
 """Secure binds: a socket reachable beyond this host needs a credential in front
-of it (CURVE for ZeroMQ, API keys for HTTP), or an explicit --insecure.
+of it (CURVE for ZeroMQ, API keys for HTTP), or an explicit --insecure. /metrics
+takes no credential: beyond this host it needs --insecure.
 
 Without one, anyone who can reach the port can run requests (and, at a worker,
 act as a gateway). So a service refuses to start on such a bind, in one line that
@@ -54,6 +55,14 @@ class Bind:
     local: bool
     guarded: bool
     remedy: str  # what to set so that it is guarded
+
+
+def metrics_bind(host: str) -> Bind:
+    """The /metrics listener's bind. It takes no credential, and its counts name API keys
+    and models, so beyond this host it is served only under --insecure (or behind a
+    proxy that checks credentials, reaching it on loopback)."""
+    return Bind("--metrics-host", host, is_local_host(host), False,
+                "a scrape proxy with credentials in front of --metrics-host 127.0.0.1")  # fmt: skip
 
 
 def check_binds(role: str, binds: list[Bind], insecure: bool) -> list[str]:

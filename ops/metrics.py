@@ -239,8 +239,9 @@ class GatewayMetrics(_Metrics):
                                       "Requests their clients stopped, by model and how", ["model", "how"],
                                       registry=self.registry)  # fmt: skip
         # By API key name (never the key): what `tokenwire keys usage` reads from Redis, per gateway.
-        self.api_key_requests = Counter("tokenwire_gateway_api_key_requests", "HTTP requests served, by API key",
-                                        ["key"], registry=self.registry)  # fmt: skip
+        self.api_key_requests = Counter("tokenwire_gateway_api_key_requests",
+                                        "Requests served (HTTP and ZeroMQ), by API key", ["key"],
+                                        registry=self.registry)  # fmt: skip
         self.api_key_tokens = Counter("tokenwire_gateway_api_key_tokens",
                                       "Tokens served by API key: in (prompt) and out (generated)", ["key", "direction"],
                                       registry=self.registry)  # fmt: skip

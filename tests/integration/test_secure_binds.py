@@ -41,13 +41,23 @@ def test_public_binds_without_credentials_refuse_to_start(service_model: Path, r
     _one_line(_run("gateway", "--bind", f"tcp://127.0.0.1:{port}", "--redis", redis_url,
                    "--http-port", str(free_port()), "--http-host", "0.0.0.0"),
               "--http-host 0.0.0.0", "--api-keys-file", "--insecure")  # fmt: skip
+    # /metrics takes no credential: API keys on or not, beyond this host it needs --insecure
+    _one_line(_run("gateway", "--bind", f"tcp://127.0.0.1:{port}", "--redis", redis_url, "--api-keys-redis",
+                   "--metrics-port", str(free_port()), "--metrics-host", "0.0.0.0"),
+              "--metrics-host 0.0.0.0", "--insecure")  # fmt: skip
+    _one_line(_run("worker.service", "--model", str(service_model), "--bind", f"tcp://127.0.0.1:{port}",
+                   "--redis", redis_url, "--backend", "numpy", "--metrics-port", str(free_port()),
+                   "--metrics-host", "0.0.0.0"),
+              "--metrics-host 0.0.0.0", "--insecure")  # fmt: skip
 
 
 def test_insecure_starts_and_says_so(redis_url: str, tmp_path: Path) -> None:
     http = free_port()
-    gw = Gateway("open", redis_url, tmp_path, "--http-port", str(http), "--http-host", "0.0.0.0", "--insecure")
+    gw = Gateway("open", redis_url, tmp_path, "--http-port", str(http), "--http-host", "0.0.0.0", "--insecure",
+                 "--metrics-port", str(free_port()), "--metrics-host", "0.0.0.0")  # fmt: skip
     try:
         gw.wait_log("insecure: --http-host 0.0.0.0 is reachable beyond this host")
+        gw.wait_log("insecure: --metrics-host 0.0.0.0 is reachable beyond this host")
         deadline = time.monotonic() + 30
         while True:
             try:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ops.binds import Bind, add_insecure_option, check_binds, is_local_endpoint
+from ops.binds import Bind, add_insecure_option, check_binds, is_local_endpoint, metrics_bind
 from ops.config import NON_NEGATIVE_FLOAT, PORT, POSITIVE_FLOAT, POSITIVE_INT, add_config_options
 from ops.curve_options import add_curve_options, curve_config
 from ops.secrets import add_redis_password_option, redis_url
@@ -199,8 +199,10 @@ def run(args: argparse.Namespace) -> int:
     apply_config(args)
     args.redis = redis_url(args.redis, DEFAULT_REDIS, args.redis_password_file)
     curve = curve_config(args)
-    bind = Bind("--bind", args.bind, is_local_endpoint(args.bind), curve is not None, "--curve-secret-key-file")
-    open_binds = check_binds("worker", [bind], args.insecure)
+    binds = [Bind("--bind", args.bind, is_local_endpoint(args.bind), curve is not None, "--curve-secret-key-file")]
+    if args.metrics_port:
+        binds.append(metrics_bind(args.metrics_host))
+    open_binds = check_binds("worker", binds, args.insecure)
     setup_logging("worker", args.log_level, args.log_format)
     for warning in open_binds:
         logging.getLogger(__name__).warning("insecure: %s", warning)

@@ -1,0 +1,189 @@
+"""Per-API-key limits and usage for the ZeroMQ clients, checked on the gateway's
+socket loop without waiting on Redis.
+
+The loop checks and counts in memory only (`admit`, `done`). A thread of its own
+syncs with Redis every SYNC_S, on the keys the HTTP front uses
+(gateway/rate_limits.py), so one key's limits hold over both fronts and every
+gateway: it writes this gateway's leases of the requests in flight and the
+requests and tokens counted since its last sync, and reads back each key's
+totals. Over several gateways a limit therefore holds to within what they admit
+in one sync interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+import protocol
+from ops.metrics import GatewayMetrics
+from protocol.api_keys import ApiKeyRecord
+from protocol.keys import RATE_WINDOW_TTL_S
+
+log = logging.getLogger(__name__)
+
+SYNC_S = 0.1
+LEASE_S = 60.0  # as the HTTP front's: a gateway that dies leaves nothing counted longer
+
+
+@dataclass(slots=True)
+class _KeyState:
+    record: ApiKeyRecord
+    in_flight: set[str] = field(default_factory=set)  # lease ids of this gateway's requests
+    leased: set[str] = field(default_factory=set)  # those written to Redis at the last sync
+    requests: int = 0  # started since the last sync
+    tokens: int = 0  # prompt and output, of requests ended since the last sync
+    usage: tuple[int, int, int] = (0, 0, 0)  # requests, prompt, completion tokens ended since the last sync
+    # Read at the last sync: other gateways' requests in flight, and this minute's window
+    # (this gateway's synced counts included).
+    others_in_flight: int = 0
+    window_requests: int = 0
+    window_tokens: int = 0
+
+
+class ClientLimits:
+    """`admit` and `done` from the socket loop; the rest on the sync thread."""
+
+    def __init__(self, redis_url: str, keys: protocol.Keys, metrics: GatewayMetrics, gateway_id: str) -> None:
+        self._redis_url = redis_url
+        self._keys = keys
+        self._metrics = metrics
+        self._gateway_id = gateway_id
+        self._states: dict[str, _KeyState] = {}
+        self._lock = threading.Lock()  # held for in-memory updates only, never over Redis
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gateway-key-limits", daemon=True)
+        self._renewed = 0.0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def admit(self, record: ApiKeyRecord, lease: str) -> str | None:
+        """None: go on (then call `done` with the same lease); else why it is refused."""
+        now = time.time()
+        limits = record.limits
+        with self._lock:
+            s = self._states.get(record.name)
+            if s is None:
+                s = self._states[record.name] = _KeyState(record)
+            s.record = record  # its limits as last refreshed
+            in_flight = len(s.in_flight) + s.others_in_flight
+            requests = s.window_requests + s.requests
+            tokens = s.window_tokens + s.tokens
+            reset_s = max(1, math.ceil(60 - now % 60))
+            over: tuple[str, int, int, int] | None = None
+            if limits.max_concurrent is not None and in_flight >= limits.max_concurrent:
+                over = ("concurrent requests", limits.max_concurrent, in_flight, 1)
+            elif limits.requests_per_minute is not None and requests >= limits.requests_per_minute:
+                over = ("requests per minute", limits.requests_per_minute, requests, reset_s)
+            elif limits.tokens_per_minute is not None and tokens >= limits.tokens_per_minute:
+                over = ("tokens per minute", limits.tokens_per_minute, tokens, reset_s)
+            if over is None:
+                s.in_flight.add(lease)
+                s.requests += 1
+                return None
+        what, limit, used, retry = over
+        self._metrics.api_key_refused.labels(record.name, what).inc()
+        return (f"rate limit reached for API key {record.name!r} on {what}: limit {limit}, used {used}; "
+                f"retry after {retry} s")  # fmt: skip
+
+    def done(self, record: ApiKeyRecord, lease: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """An admitted request ended with these tokens served: counted here, in Redis at the next sync."""
+        self._metrics.api_key_tokens.labels(record.name, "in").inc(prompt_tokens)
+        self._metrics.api_key_tokens.labels(record.name, "out").inc(completion_tokens)
+        self._metrics.api_key_requests.labels(record.name).inc()
+        with self._lock:
+            s = self._states[record.name]
+            s.in_flight.discard(lease)
+            s.tokens += prompt_tokens + completion_tokens
+            r, p, c = s.usage
+            s.usage = (r + 1, p + prompt_tokens, c + completion_tokens)
+
+    # -- the sync thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        client = redis.Redis.from_url(self._redis_url, socket_timeout=2.0)
+        try:
+            while not self._stop.wait(SYNC_S):
+                try:
+                    self._sync(client)
+                except redis.RedisError as e:
+                    # Limits need Redis; without it keys are served on the last totals read.
+                    log.warning("cannot sync API key limits with Redis: %s", e)
+            try:
+                self._sync(client)  # the last usage counted
+            except redis.RedisError as e:
+                log.warning("cannot write the last API key usage to Redis: %s", e)
+        finally:
+            client.close()
+
+    def _sync(self, client: redis.Redis) -> None:
+        now = time.time()
+        renew = now - self._renewed > LEASE_S / 3
+        with self._lock:  # take the deltas; the loop counts anew meanwhile
+            taken = []
+            for name, s in self._states.items():
+                taken.append((name, set(s.in_flight), s.leased, s.requests, s.tokens, s.usage))
+                s.requests, s.tokens, s.usage = 0, 0, (0, 0, 0)
+        if not taken:
+            return
+        minute = int(now // 60)
+        weight = 1.0 - (now % 60) / 60
+        k = self._keys
+        prefix = f"{self._gateway_id}:"
+        pipe = client.pipeline(transaction=False)
+        reads: list[int] = []  # where each key's in-flight count is among the replies (its windows next)
+        for name, in_flight, leased, requests, tokens, (n, prompt, completion) in taken:
+            zset = k.api_key_in_flight(name)
+            fresh = in_flight if renew else in_flight - leased
+            if fresh:
+                pipe.zadd(zset, {prefix + lease: now + LEASE_S for lease in fresh})
+                pipe.expire(zset, math.ceil(LEASE_S))
+            if leased - in_flight:
+                pipe.zrem(zset, *(prefix + lease for lease in leased - in_flight))
+            if requests:
+                pipe.incrby(k.api_key_requests(name, minute), requests)
+                pipe.expire(k.api_key_requests(name, minute), RATE_WINDOW_TTL_S)
+            if tokens:
+                pipe.incrby(k.api_key_tokens(name, minute), tokens)
+                pipe.expire(k.api_key_tokens(name, minute), RATE_WINDOW_TTL_S)
+            if n:
+                pipe.hincrby(k.api_key_usage(name), "requests", n)
+                pipe.hincrby(k.api_key_usage(name), "prompt_tokens", prompt)
+                pipe.hincrby(k.api_key_usage(name), "completion_tokens", completion)
+            pipe.zremrangebyscore(zset, "-inf", now)
+            reads.append(len(pipe))
+            pipe.zcard(zset)
+            pipe.mget(k.api_key_requests(name, minute), k.api_key_requests(name, minute - 1),
+                      k.api_key_tokens(name, minute), k.api_key_tokens(name, minute - 1))  # fmt: skip
+        try:
+            replies = pipe.execute()
+        except redis.RedisError:
+            with self._lock:  # counted again at the next sync
+                for name, _, _, requests, tokens, (n, prompt, completion) in taken:
+                    s = self._states[name]
+                    r, p, c = s.usage
+                    s.requests += requests
+                    s.tokens += tokens
+                    s.usage = (r + n, p + prompt, c + completion)
+            raise
+        if renew:
+            self._renewed = now
+        with self._lock:
+            for (name, in_flight, _, _, _, _), at in zip(taken, reads, strict=True):
+                count, window = replies[at], replies[at + 1]
+                s = self._states[name]
+                s.leased = in_flight
+                s.others_in_flight = max(0, count - len(in_flight))
+                req_now, req_last, tok_now, tok_last = (int(v or 0) for v in window)
+                s.window_requests = req_now + math.floor(req_last * weight)
+                s.window_tokens = tok_now + math.floor(tok_last * weight)
