@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.backends import gemv, paged_attention, quant_linear, torch_ops
+from worker.backends.head_norm import head_norm_torch, head_norm_triton
 from worker.backends.lora_kernel import add_lora
 from worker.backends.torch_step import StepInputs
 from worker.models.config import ModelConfig
@@ -223,11 +224,8 @@ class TorchDecoderOps:
 
     def head_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> torch.Tensor:
         cfg = self.config
-        d, t = cfg.head_dim, qkv.shape[0]
-        q_end, k_end = cfg.num_heads * d, (cfg.num_heads + cfg.num_kv_heads) * d
-        q = torch_ops.rmsnorm_torch(qkv[:, :q_end].reshape(t, -1, d), q_weight, eps)
-        k = torch_ops.rmsnorm_torch(qkv[:, q_end:k_end].reshape(t, -1, d), k_weight, eps)
-        return torch.cat([q.reshape(t, -1), k.reshape(t, -1), qkv[:, k_end:]], dim=1)
+        norm = head_norm_triton if self.use_triton else head_norm_torch
+        return norm(qkv, q_weight, k_weight, eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     def rope_and_cache(self, qkv: torch.Tensor, layer: int, rope: int, step: StepInputs) -> torch.Tensor:
         cfg = self.config
