@@ -3,6 +3,8 @@ norms, Gemma's sandwich norms; no head where it is tied), fused or one at a time
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -12,7 +14,7 @@ from bench.random_weights import RandomTensors, fused_shapes, random_weights
 from worker.models.config import ModelConfig
 
 
-def transformers_shapes(hf: dict[str, object]) -> dict[str, tuple[int, ...]]:
+def transformers_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf))
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}

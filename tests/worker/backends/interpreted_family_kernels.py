@@ -1,9 +1,10 @@
-"""The per-head q/k RMSNorm kernel (worker/backends/head_norm.py) run by Triton's
-interpreter on the CPU against its torch twin, in float32 and bf16 (run with
-TRITON_INTERPRET=1 set before Triton is imported: test_head_norm_interpreted.py starts
-this module in a process of its own).
+"""The kernels of the families beyond Llama, the per-head q/k RMSNorm
+(worker/backends/head_norm.py) and GeGLU (worker/backends/gelu_mul.py), run by Triton's
+interpreter on the CPU against their torch twins, in float32 and bf16 (run with
+TRITON_INTERPRET=1 set before Triton is imported: test_family_kernels_interpreted.py
+starts this module in a process of its own).
 
-    TRITON_INTERPRET=1 python -m tests.worker.backends.interpreted_head_norm
+    TRITON_INTERPRET=1 python -m tests.worker.backends.interpreted_family_kernels
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 import torch
 
 from tests.worker.backends.interpreted_kernels import UNIT, gamma
+from worker.backends.gelu_mul import gelu_tanh_mul_torch, gelu_tanh_mul_triton
 from worker.backends.head_norm import head_norm_torch, head_norm_triton
 
 
@@ -37,13 +39,30 @@ def check_head_norm() -> None:
                 torch.testing.assert_close(got.float(), want.float(), atol=1e-5, rtol=2**-6)
 
 
+def check_gelu_tanh_mul() -> None:
+    # wider than one program's block; values far into both tails, where tanh saturates
+    gate_up = torch.cat([torch.randn(5, 1500) * 3, torch.randn(5, 1500)], dim=1)
+    gate_up[0, :4] = torch.tensor([-30.0, -9.0, 9.0, 30.0])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = gate_up.to(dtype)
+        got, want = gelu_tanh_mul_triton(x).float(), gelu_tanh_mul_torch(x).float()
+        if dtype == torch.float32:
+            # tanh from exp here, torch's own tanh there: a few float32 roundings apart, and
+            # 1 + tanh loses up to 1e-7 absolute where tanh is near -1 (its GELU is near 0)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        else:
+            # the float32 GELUs may round to neighbouring bf16 values, and the product rounds again
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=2**-6)
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
-        print("set TRITON_INTERPRET=1: the kernel must run in Triton's interpreter", file=sys.stderr)
+        print("set TRITON_INTERPRET=1: the kernels must run in Triton's interpreter", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    check_head_norm()
-    print("check_head_norm: ok", flush=True)
+    for check in (check_head_norm, check_gelu_tanh_mul):
+        check()
+        print(f"{check.__name__}: ok", flush=True)
     return 0
 
 

@@ -1,11 +1,12 @@
-"""The per-head q/k RMSNorm kernel on CUDA against its torch twin (the families' greedy
-tokens on CUDA, which run it, are in test_families_gpu.py)."""
+"""The families' kernels on CUDA, the per-head q/k RMSNorm and GeGLU, against their torch
+twins (the families' greedy tokens on CUDA, which run them, are in test_families_gpu.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from worker.backends.gelu_mul import gelu_tanh_mul_torch, gelu_tanh_mul_triton
 from worker.backends.head_norm import head_norm_torch, head_norm_triton
 
 pytestmark = [
@@ -30,3 +31,15 @@ def test_head_norm_matches_torch_on_cuda(heads: int, kv_heads: int, dim: int, dt
     torch.testing.assert_close(got.float(), want.float(), atol=1e-5, rtol=rtol)
     v = slice((heads + kv_heads) * dim, None)
     assert torch.equal(got[:, v], qkv[:, v])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_gelu_tanh_mul_matches_torch_on_cuda(dtype: torch.dtype, tokens: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = (torch.randn(tokens, 2 * 15360, device="cuda", generator=gen) * 3).to(dtype)  # Gemma-3-12B's width
+    got, want = gelu_tanh_mul_triton(gate_up).float(), gelu_tanh_mul_torch(gate_up).float()
+    # float32: tanh from exp against torch's tanh, a few roundings apart; bf16: neighbouring
+    # roundings of the GELU (one ulp) and of the product
+    rtol = 2**-6 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=rtol)
