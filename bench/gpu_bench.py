@@ -30,7 +30,7 @@ import torch
 from bench import SkipSection, log
 from bench.device_rates import SUSTAINED_S, measure_bandwidth, measure_gemm, sustained_note, sync
 from bench.environment import environment
-from bench.model_shapes import LLAMA_8B, SHAPES, TINY
+from bench.model_shapes import SHAPES, hf_config, shape_name
 from bench.offline_runs import Row, bench_executor
 from bench.random_weights import random_weights
 from bench.roofline import Roofline, roofline_of
@@ -100,9 +100,7 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SkipSection("no CUDA device")
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    hf_cfg = TINY if args.tiny else LLAMA_8B
-    if args.model_shape != "8b" and not args.tiny:
-        hf_cfg = SHAPES[args.model_shape]
+    hf_cfg = hf_config(shape_name(args.model_shape, args.tiny))
     workloads = TINY_WORKLOADS if args.tiny else WORKLOADS
     if args.workloads:
         keep = set(args.workloads.split(","))
@@ -140,7 +138,7 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
             "gemm_TFLOPps": flops / 1e12,
             "gemm_sustained_TFLOPps": roof.sustained_flops / 1e12,
             "weight_GB": roof.weight_bytes / 1e9,
-            "model_shape": "tiny" if args.tiny else args.model_shape,
+            "model_shape": shape_name(args.model_shape, args.tiny),
             "tensor_parallel_size": args.tensor_parallel_size,
             "pipeline_parallel_size": args.pipeline_parallel_size,
             "quantization": args.quantization,
@@ -153,7 +151,7 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
         if out:
             split = f"tp{args.tensor_parallel_size}" + (f"_pp{pp}" if (pp := args.pipeline_parallel_size) > 1 else "")
             quant = f"_{args.quantization}" if args.quantization else ""
-            shape = "tiny" if args.tiny else args.model_shape
+            shape = shape_name(args.model_shape, args.tiny)
             name = f"gpu_bench_{shape}_{split}{quant}.json" if over_ranks(args) else "gpu_bench.json"
             with open(os.path.join(out, name), "w") as f:
                 json.dump(summary, f, indent=1, default=str)
@@ -223,8 +221,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default=None, choices=["fp8"],
                    help="an e4m3 KV cache; with --quantization fp8 on one GPU, only the FP8-cache rows of "
                         "bench/quant_bench.py (which runs both caches without it)")  # fmt: skip
-    p.add_argument("--model-shape", default="8b", choices=["8b", "70b"],
-                   help="Llama-3.1-8B or -70B shape (70b needs enough GPUs for its shards)")
+    p.add_argument("--model-shape", default="8b", choices=list(SHAPES),
+                   help="Llama-3.1-8B or -70B, Qwen3-8B or Gemma-3-12B (text) shape (bench/model_shapes.py; "
+                        "70b needs enough GPUs for its shards)")  # fmt: skip
     p.add_argument("--quantization", default=None, choices=["fp8", "int4"],
                    help="quantize the model at start: on one GPU at the 8B shape bench/quant_bench.py's "
                         "workloads; over several GPUs or at the 70B shape these (bench/tp_bench.py)")  # fmt: skip
@@ -232,8 +231,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def over_ranks(args: argparse.Namespace) -> bool:
-    """Whether the model runs over rank processes (bench/tp_bench.py): several GPUs, or the
-    70B shape; otherwise it is the 8B shape on one GPU, in this process."""
+    """Whether the model runs over rank processes (bench/tp_bench.py): several GPUs, or a
+    shape other than Llama-3.1-8B (each rank makes its tensors from the family's list);
+    otherwise it is the 8B shape on one GPU, in this process."""
     return args.tensor_parallel_size * args.pipeline_parallel_size > 1 or args.model_shape != "8b"
 
 

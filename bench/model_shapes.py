@@ -1,5 +1,6 @@
-"""The model shapes the GPU benches build with random weights: Llama-3.1-8B and -70B as
-their Hugging Face configs, and a tiny one of the same architecture for smoke runs."""
+"""The model shapes the GPU benches build with random weights, as their Hugging Face
+configs: Llama-3.1-8B and -70B, Qwen3-8B and Gemma-3-12B (text), and a tiny one of each
+architecture for smoke runs (Llama's two shapes share one)."""
 
 from __future__ import annotations
 
@@ -39,4 +40,76 @@ LLAMA_70B: dict[str, Any] = {
     "num_attention_heads": 64,
     "num_key_value_heads": 8,
 }
-SHAPES = {"8b": LLAMA_8B, "70b": LLAMA_70B}
+
+# Qwen3-8B's config.json in transformers 5's fields: an RMSNorm over each q and k head.
+QWEN3_8B: dict[str, Any] = {
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+TINY_QWEN3 = {**QWEN3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 4096,
+              "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+
+# Gemma-3-12B's text model: five sliding-window layers (1024 tokens, RoPE base 10^4) to one
+# global (base 10^6, linear scaling by 8), GeGLU (tanh), q/k norms, tied embeddings.
+GEMMA3_12B: dict[str, Any] = {
+    "model_type": "gemma3_text",
+    "vocab_size": 262208,
+    "hidden_size": 3840,
+    "intermediate_size": 15360,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+    },
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 1024,
+    "_sliding_window_pattern": 6,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "attention_bias": False,
+    "tie_word_embeddings": True,
+    "bos_token_id": 2,
+    "eos_token_id": [1, 106],
+    "pad_token_id": 0,
+}
+# Six layers (five local, one global) and a window shorter than the smoke workloads' sequences.
+TINY_GEMMA3 = {**GEMMA3_12B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 6,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "query_pre_attn_scalar": 32,
+               "sliding_window": 16, "max_position_embeddings": 4096}  # fmt: skip
+
+SHAPES = {"8b": LLAMA_8B, "70b": LLAMA_70B, "qwen3-8b": QWEN3_8B, "gemma3-12b": GEMMA3_12B}
+TINY_SHAPES = {"tiny": TINY, "qwen3-8b-tiny": TINY_QWEN3, "gemma3-12b-tiny": TINY_GEMMA3}
+
+
+def shape_name(model_shape: str, tiny: bool) -> str:
+    """The name a run goes by (and is saved under): the shape, or its tiny variant."""
+    if not tiny:
+        return model_shape
+    return "tiny" if SHAPES[model_shape]["model_type"] == "llama" else f"{model_shape}-tiny"
+
+
+def hf_config(name: str) -> dict[str, Any]:
+    """The Hugging Face config of a shape or tiny variant, by the name shape_name gives."""
+    return {**SHAPES, **TINY_SHAPES}[name]

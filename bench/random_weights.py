@@ -3,6 +3,7 @@ model at once as our backend wants it, or one tensor at a time as a rank cuts it
 
 from __future__ import annotations
 
+import re
 import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -12,28 +13,40 @@ import torch
 from worker.models.config import ModelConfig
 
 
+def fused_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The family's tensors (worker/models/families), in its order, with q/k/v and gate/up
+    fused where it names them apart, as our backend holds them."""
+    from worker.models.loaded_model import expected_shapes
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in expected_shapes(cfg).items():
+        match = re.fullmatch(r"(.*\.)(?:([qkv])_proj|(gate|up)_proj)\.(weight|bias)", name)
+        if match is None:
+            shapes[name] = shape
+            continue
+        prefix, attn, _, kind = match.groups()
+        fused = prefix + ("qkv_proj." if attn else "gate_up_proj.") + kind
+        held = shapes.get(fused)
+        shapes[fused] = shape if held is None else (held[0] + shape[0], *shape[1:])
+    return shapes
+
+
 def random_weights(cfg: Any, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Fused projections as our backend wants them; transformers gets views into them."""
+    """Fused projections as our backend wants them; transformers gets views into them.
+    Norms are the identity (weight 1, or 0 where the family scales by 1 + weight)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, device=device, dtype=dtype, generator=gen) * 0.02).contiguous()
-
-    h, d = cfg.hidden_size, cfg.head_dim
-    w = {
-        "model.embed_tokens.weight": rand(cfg.vocab_size, h),
-        "model.norm.weight": torch.ones(h, device=device, dtype=dtype),
-        "lm_head.weight": rand(cfg.vocab_size, h),
-    }
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = torch.ones(h, device=device, dtype=dtype)
-        w[p + "post_attention_layernorm.weight"] = torch.ones(h, device=device, dtype=dtype)
-        w[p + "self_attn.qkv_proj.weight"] = rand((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h)
-        w[p + "self_attn.o_proj.weight"] = rand(h, cfg.num_heads * d)
-        w[p + "mlp.gate_up_proj.weight"] = rand(2 * cfg.intermediate_size, h)
-        w[p + "mlp.down_proj.weight"] = rand(h, cfg.intermediate_size)
+    w = {}
+    for name, shape in fused_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            w[name] = _identity_norm(cfg, shape, device, dtype)
+        else:
+            w[name] = (torch.randn(*shape, device=device, dtype=dtype, generator=gen) * 0.02).contiguous()
     return w
+
+
+def _identity_norm(cfg: ModelConfig, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    fill = torch.zeros if cfg.norm_offset else torch.ones
+    return fill(shape, device=device, dtype=dtype)
 
 
 class RandomTensors(Mapping[str, torch.Tensor]):
@@ -44,13 +57,13 @@ class RandomTensors(Mapping[str, torch.Tensor]):
         from worker.models.loaded_model import expected_shapes
 
         self.shapes = expected_shapes(cfg)
-        self.device, self.dtype = device, dtype
+        self.cfg, self.device, self.dtype = cfg, device, dtype
 
     def __getitem__(self, name: str) -> torch.Tensor:
         shape = self.shapes[name]
         gen = torch.Generator(device=self.device).manual_seed(zlib.crc32(name.encode()))
         if name.endswith("norm.weight"):
-            return torch.ones(shape, device=self.device, dtype=self.dtype)
+            return _identity_norm(self.cfg, shape, self.device, self.dtype)
         return torch.randn(shape, device=self.device, dtype=self.dtype, generator=gen) * 0.02
 
     def __iter__(self) -> Iterator[str]:

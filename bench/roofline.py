@@ -19,37 +19,60 @@ class Roofline:
     weight_bytes: int  # read once per step
     matmul_params: int  # per token, lm_head excluded
     lm_head_params: int
-    kv_bytes_per_token: int
-    attn_flops_per_ctx: int  # per query token per key
+    kv_bytes_per_token: int  # the global layers', which read the whole context
+    attn_flops_per_ctx: int  # per query token per key, in the global layers
     # Pipeline stages: one sequence's step runs them one after the other, each reading its
     # share of the bytes at one stage's bandwidth (a batch's micro-batches overlap them).
     stages: int = 1
     # FLOP/s the GPU holds under minutes of load (product_rate's sustained rate); nan: not
     # measured. The roofline's figures use `flops`; `at_sustained` the same at this rate.
     sustained_flops: float = math.nan
+    # Sliding-window layers: each reads and attends over at most `window` keys.
+    window: int | None = None
+    window_kv_bytes_per_token: int = 0
+    window_attn_flops_per_ctx: int = 0
+
+    def clipped(self, context: float) -> float:
+        """Of a query's `context` keys, those a sliding-window layer reads."""
+        return context if self.window is None else min(context, self.window)
+
+    def prefill_keys(self, prompt: float) -> float:
+        """Keys summed over a prompt's queries in a sliding-window layer (prompt^2 / 2 globally)."""
+        if self.window is None or prompt <= self.window:
+            return prompt * prompt / 2
+        return self.window * self.window / 2 + (prompt - self.window) * self.window
 
     def at_sustained(self) -> Roofline | None:
         return None if math.isnan(self.sustained_flops) else replace(self, flops=self.sustained_flops)
 
-    def step_floor(self, tokens: int, sampled: int, ctx_sum: float, kv_read_tokens: float) -> float:
-        """Seconds: the larger of compute and memory time for one step."""
+    def step_floor(self, tokens: int, sampled: int, ctx_sum: float, kv_read_tokens: float,
+                   window_ctx_sum: float | None = None, window_read_tokens: float | None = None) -> float:  # fmt: skip
+        """Seconds: the larger of compute and memory time for one step. `window_*`: the
+        same sums with each sequence's keys clipped to the window (default: unclipped)."""
         flops: float = 2 * self.matmul_params * tokens + 2 * self.lm_head_params * sampled
         flops += self.attn_flops_per_ctx * ctx_sum
+        window_ctx_sum = ctx_sum if window_ctx_sum is None else window_ctx_sum
+        window_read_tokens = kv_read_tokens if window_read_tokens is None else window_read_tokens
+        flops += self.window_attn_flops_per_ctx * window_ctx_sum
         memory = self.weight_bytes + self.kv_bytes_per_token * kv_read_tokens
+        memory += self.window_kv_bytes_per_token * window_read_tokens
         return max(flops / self.flops, memory / self.bandwidth)
 
     def decode_floor(self, context: int) -> float:
         """Seconds per token for one sequence alone: weights plus its KV, read once."""
-        return (self.weight_bytes + self.kv_bytes_per_token * context) / self.bandwidth * self.stages
+        kv = self.kv_bytes_per_token * context + self.window_kv_bytes_per_token * self.clipped(context)
+        return (self.weight_bytes + kv) / self.bandwidth * self.stages
 
     def offline_tok_s(self, prompt: int, output: int, requests: int, batch: int) -> float:
         """Best output tokens/s: prefill at full compute, then waves of at most `batch`
         concurrent sequences decoding, each step reading all weights and the wave's KV."""
-        prefill = self.step_floor(prompt * requests, requests, requests * prompt * prompt / 2, 0)
+        prefill = self.step_floor(prompt * requests, requests, requests * prompt * prompt / 2, 0,
+                                  requests * self.prefill_keys(prompt), 0)  # fmt: skip
         full, rest = divmod(requests, min(batch, requests))
 
         def wave(n: int) -> float:
-            return sum(self.step_floor(n, n, n * (prompt + i), n * (prompt + i)) for i in range(output - 1))
+            return sum(self.step_floor(n, n, n * (prompt + i), n * (prompt + i), n * self.clipped(prompt + i),
+                                       n * self.clipped(prompt + i)) for i in range(output - 1))  # fmt: skip
 
         decode = full * wave(min(batch, requests)) + (wave(rest) if rest else 0.0)
         return requests * output / (prefill + decode)
@@ -64,6 +87,7 @@ class Roofline:
         seconds, done = 0.0, 0
         while done < requests:
             read = sum(s[1] + 1 for s in running)  # each decodes one token this step, over its cache
+            window_read = sum(self.clipped(s[1] + 1) for s in running)
             held = read
             admitted: list[list[int]] = []
             while waiting and len(running) + len(admitted) < batch:
@@ -77,7 +101,9 @@ class Roofline:
                 raise ValueError(f"a request's {prompt + waiting[0][1]} tokens do not fit a {kv_tokens}-token cache")
             computed = sum(s[1] for s in admitted)
             seconds += self.step_floor(len(running) + computed, len(running) + len(admitted),
-                                       read + sum(s[1] ** 2 / 2 for s in admitted), read)  # fmt: skip
+                                       read + sum(s[1] ** 2 / 2 for s in admitted), read,
+                                       window_read + sum(self.prefill_keys(s[1]) for s in admitted),
+                                       window_read)  # fmt: skip
             for s in running:
                 s[1] += 1
                 s[2] += 1
@@ -104,17 +130,30 @@ def roofline_for(cfg: Any, bandwidth: float, flops: float, dtype_bytes: int, sta
     h, d = cfg.hidden_size, cfg.head_dim
     per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
     matmul = cfg.num_layers * per_layer
-    lm_head = cfg.vocab_size * h
+    lm_head = cfg.vocab_size * h  # a tied head reads the embedding: the same bytes
     return Roofline(
         bandwidth=bandwidth,
         flops=flops,
         weight_bytes=(matmul + lm_head) * dtype_bytes,
         matmul_params=matmul,
         lm_head_params=lm_head,
-        kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * d * (kv_bytes or dtype_bytes),
-        attn_flops_per_ctx=4 * cfg.num_layers * cfg.num_heads * d,
         stages=stages,
+        **_attention(cfg, kv_bytes or dtype_bytes),
     )
+
+
+def _attention(cfg: Any, kv_bytes: int) -> dict[str, Any]:
+    """KV bytes and attention FLOPs per token of context, the global layers' apart from the
+    sliding-window layers' (which read at most the window)."""
+    windowed = len(cfg.sliding_layers) if cfg.sliding_window is not None else 0
+    kv_per_layer, flops_per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * kv_bytes, 4 * cfg.num_heads * cfg.head_dim
+    return {
+        "kv_bytes_per_token": (cfg.num_layers - windowed) * kv_per_layer,
+        "attn_flops_per_ctx": (cfg.num_layers - windowed) * flops_per_layer,
+        "window": cfg.sliding_window if windowed else None,
+        "window_kv_bytes_per_token": windowed * kv_per_layer,
+        "window_attn_flops_per_ctx": windowed * flops_per_layer,
+    }
 
 
 def quantized_roofline(cfg: Any, quantization: str, kv_bytes: int, bandwidth: float, flops: float,
@@ -135,9 +174,8 @@ def quantized_roofline(cfg: Any, quantization: str, kv_bytes: int, bandwidth: fl
         weight_bytes=matmul_bytes + lm_head * 2,
         matmul_params=matmul,
         lm_head_params=lm_head,
-        kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * d * kv_bytes,
-        attn_flops_per_ctx=4 * cfg.num_layers * cfg.num_heads * d,
         stages=stages,
+        **_attention(cfg, kv_bytes),
     )
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.model_shapes import SHAPES, TINY
+from bench.model_shapes import hf_config
 from bench.roofline import Roofline, roofline_of
 from worker.models.config import ModelConfig
 
 
 def saved_roofline(saved: dict[str, Any]) -> Roofline:
     shape = saved.get("model_shape", "8b")
-    cfg = ModelConfig.from_hf(TINY if shape == "tiny" else SHAPES[shape])
+    cfg = ModelConfig.from_hf(hf_config(shape))
     dtype_bytes = 4 if saved.get("dtype") == "float32" else 2  # runs saved before it was recorded ran bf16
     return roofline_of(cfg, saved.get("quantization"), dtype_bytes, saved["bandwidth_TBps"] * 1e12,
                        saved["gemm_TFLOPps"] * 1e12, saved.get("pipeline_parallel_size", 1),

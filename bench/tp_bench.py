@@ -7,7 +7,8 @@ with `--quantization fp8|int4` each shard is quantized as it is made, as a worke
 Pipeline stages run without CUDA graphs.
 
 Shapes: the Llama-3.1-8B shape of gpu_bench, or `--model-shape 70b` (Llama-3.1-70B:
-hidden 8192, 80 layers, 64 query / 8 KV heads, intermediate 28672, vocab 128256).
+hidden 8192, 80 layers, 64 query / 8 KV heads, intermediate 28672, vocab 128256),
+`qwen3-8b` or `gemma3-12b` (bench/model_shapes.py), on one GPU or more.
 The roofline is N GPUs': each rank measures its HBM bandwidth and bf16 GEMM rate at
 start (the FP8 GEMM rate with `--quantization fp8`), and the floors use their sums
 (all-reduce traffic is not counted in them), over the quantized bytes when quantized. Under
@@ -26,7 +27,7 @@ import torch
 
 from bench import SkipSection, free_port, log
 from bench.device_rates import measure_bandwidth, measure_fp8_gemm, measure_gemm, sync
-from bench.model_shapes import SHAPES, TINY
+from bench.model_shapes import hf_config, shape_name
 from bench.offline_runs import Row, bench_executor
 from bench.random_weights import RandomTensors
 from bench.roofline import Roofline, roofline_of
@@ -34,7 +35,7 @@ from worker.models.config import ModelConfig
 
 
 def _shape(args: argparse.Namespace) -> dict[str, Any]:
-    return TINY if args.tiny else SHAPES[args.model_shape]
+    return hf_config(shape_name(args.model_shape, args.tiny))
 
 
 def _rank_setup(rank: int, args: argparse.Namespace) -> tuple[Any, Any, float, float]:

@@ -306,16 +306,22 @@ class LLM:
         save_hf_checkpoint(load_model(self.model_path), target)
         return target
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            chat_template_kwargs: Mapping[str, Any] | None = None,
+                            **template_vars: Any) -> str:  # fmt: skip
         """Render chat messages with the model's own template, as the gateway does
-        (protocol/chat_template.py); encode the text with add_special_tokens=False."""
+        (protocol/chat_template.py); encode the text with add_special_tokens=False.
+        `chat_template_kwargs` (the OpenAI API's field) and `template_vars` (keywords, as
+        transformers' apply_chat_template takes them): more variables the template reads,
+        such as Qwen3's enable_thinking."""
         from protocol.chat_template import render_chat
 
         cfg = self.executor.model_config
         bos = None if cfg.bos_token_id is None else self.tokenizer.id_to_token(cfg.bos_token_id)
         eos = self.tokenizer.id_to_token(cfg.eos_token_ids[0]) if cfg.eos_token_ids else None
         return render_chat(self.executor.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=bos, eos_token=eos)  # fmt: skip
+                           bos_token=bos, eos_token=eos,
+                           extra={**(chat_template_kwargs or {}), **template_vars})  # fmt: skip
 
     def generate_async(self, prompt: Prompt, params: SamplingParams | None = None, /, streaming: bool = False,
                        sampling_config: SamplingParams | None = None, lora_request: LoRARequest | None = None,

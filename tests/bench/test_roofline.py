@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.model_shapes import LLAMA_8B
-from bench.roofline import Roofline, roofline_for
+from bench.model_shapes import GEMMA3_12B, LLAMA_8B, SHAPES
+from bench.roofline import Roofline, roofline_for, roofline_of
 from worker.models.config import ModelConfig
 
 
@@ -76,3 +76,53 @@ def test_a_sustained_rate_times_only_the_second_half_of_its_run() -> None:
     burst = product_rate(product, 1.0, torch.device("cpu"))
     sustained = product_rate(product, 1.0, torch.device("cpu"), sustained_s=0.8)
     assert sustained < 0.6 * burst
+
+
+def test_llama_8b_figures_stay_as_they_were() -> None:
+    # Figures of the roofline before the family shapes joined it, at fixed H100-like ceilings:
+    # a model without sliding windows must count exactly what it counted.
+    cfg = ModelConfig.from_hf(LLAMA_8B)
+    cases = [((None, 3.35e12, 989e12, None), (15009316864, 131072, 0.004519519063880597, 9264.469151685646,
+                                               9970.788859611663, 0.05834913855365824)),
+             (("fp8", 3.35e12, 1979e12, "fp8"), (8035500032, 65536, 0.002418219711044776, 18115.045458849527,
+                                                 19624.87654633376, 0.029159827200388073)),
+             (("int4", 3.35e12, 989e12, None), (6285164544, 131072, 0.0019152944907462686, 11413.687065623742,
+                                                11505.388237877754, 0.05834913855365824))]  # fmt: skip
+    for (quantization, bandwidth, flops, kv), want in cases:
+        roof = roofline_of(cfg, quantization, 2, bandwidth, flops, kv_cache_dtype=kv)
+        assert roof.window is None
+        got = (roof.weight_bytes, roof.kv_bytes_per_token, roof.decode_floor(1000),
+               roof.offline_tok_s(1000, 1000, 256, 215), roof.max_utilization_tok_s(1000, 1000, 256, 512, 430_720),
+               roof.step_floor(4096, 8, 1e6, 2e5))  # fmt: skip
+        assert got == want
+
+
+@pytest.mark.parametrize("shape", ["qwen3-8b", "gemma3-12b"])
+def test_family_shapes_count_the_parameters_transformers_builds(shape: str) -> None:
+    # transformers' model of the config, on the meta device: its projection and head parameters
+    # are what every step reads (a tied head reads the embedding).
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = dict(SHAPES[shape])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf))
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    roof = roofline_for(ModelConfig.from_hf(hf), 1.0, 1.0, 2)
+    assert roof.matmul_params + roof.lm_head_params == linear
+    assert roof.weight_bytes == 2 * linear
+
+
+def test_gemma3_sliding_layers_read_only_the_window_at_decode() -> None:
+    # Gemma-3-12B: 40 of 48 layers slide over 1024 tokens; a KV token is 2 x 8 heads x 256 x 2 bytes a layer.
+    roof = roofline_for(ModelConfig.from_hf(GEMMA3_12B), 1.0, 1e30, 2)
+    per_layer = 2 * 8 * 256 * 2
+    assert roof.decode_floor(500) == roof.weight_bytes + 48 * per_layer * 500
+    assert roof.decode_floor(8192) == roof.weight_bytes + 8 * per_layer * 8192 + 40 * per_layer * 1024
+    # one step of 4 sequences at 8192 tokens each reads the same KV as 4 alone
+    assert roof.step_floor(4, 4, 4 * 8192, 4 * 8192, 4 * 1024, 4 * 1024) == (
+        roof.weight_bytes + 4 * (8 * per_layer * 8192 + 40 * per_layer * 1024)
+    )
+    # the offline floor of long sequences beats the same model with every layer global
+    every_layer_global = roofline_for(ModelConfig.from_hf({**GEMMA3_12B, "sliding_window": None}), 1.0, 1e30, 2)
+    assert roof.offline_tok_s(2048, 64, 8, 8) > every_layer_global.offline_tok_s(2048, 64, 8, 8)

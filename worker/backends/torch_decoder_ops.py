@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from worker.backends import gemv, paged_attention, quant_linear, torch_ops
+from worker.backends.gelu_mul import gelu_tanh_mul_torch, gelu_tanh_mul_triton
+from worker.backends.head_norm import head_norm_torch, head_norm_triton
 from worker.backends.lora_kernel import add_lora
 from worker.backends.torch_step import StepInputs
 from worker.models.config import ModelConfig
@@ -223,11 +225,8 @@ class TorchDecoderOps:
 
     def head_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> torch.Tensor:
         cfg = self.config
-        d, t = cfg.head_dim, qkv.shape[0]
-        q_end, k_end = cfg.num_heads * d, (cfg.num_heads + cfg.num_kv_heads) * d
-        q = torch_ops.rmsnorm_torch(qkv[:, :q_end].reshape(t, -1, d), q_weight, eps)
-        k = torch_ops.rmsnorm_torch(qkv[:, q_end:k_end].reshape(t, -1, d), k_weight, eps)
-        return torch.cat([q.reshape(t, -1), k.reshape(t, -1), qkv[:, k_end:]], dim=1)
+        norm = head_norm_triton if self.use_triton else head_norm_torch
+        return norm(qkv, q_weight, k_weight, eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     def rope_and_cache(self, qkv: torch.Tensor, layer: int, rope: int, step: StepInputs) -> torch.Tensor:
         cfg = self.config
@@ -252,9 +251,9 @@ class TorchDecoderOps:
 
     def glu(self, x: torch.Tensor, weight: TorchLinear | quant_linear.QuantLinear, layer: int, step: StepInputs,
             logits_rows: bool) -> torch.Tensor:  # fmt: skip
-        if self.config.hidden_act == "gelu_pytorch_tanh":  # no fused kernel: the plain ops on every device
-            gate, up = self.lora(self.linear(x, weight), x, layer, "gate_up", step, logits_rows).chunk(2, dim=-1)
-            return F.gelu(gate, approximate="tanh") * up
+        if self.config.hidden_act == "gelu_pytorch_tanh":
+            gate_up = self.lora(self.linear(x, weight), x, layer, "gate_up", step, logits_rows)
+            return gelu_tanh_mul_triton(gate_up) if self.use_triton else gelu_tanh_mul_torch(gate_up)
         if (isinstance(weight, TorchLinear) and weight.bias is None and _lora_slots(step, logits_rows) is None
                 and self._one_row(x, weight.weight)):  # fmt: skip
             return gemv.gemv_swiglu(x, weight.weight)  # one launch, no gate_up activations

@@ -1,0 +1,25 @@
+"""The families' kernels (per-head q/k RMSNorm, GeGLU) against their torch twins on the
+CPU, run by Triton's interpreter, in a process of its own (TRITON_INTERPRET must be set
+before the kernels are defined: interpreted_family_kernels.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_family_kernels_match_torch_in_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "tests.worker.backends.interpreted_family_kernels"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "check_head_norm: ok" in proc.stdout and "check_gelu_tanh_mul: ok" in proc.stdout
