@@ -22,7 +22,7 @@ def _run(module: str, *args: str) -> subprocess.CompletedProcess[str]:
                           timeout=60)  # fmt: skip
 
 
-def _one_line(result: subprocess.CompletedProcess[str], *words: str) -> None:
+def _assert_one_line(result: subprocess.CompletedProcess[str], *words: str) -> None:
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -33,19 +33,19 @@ def _one_line(result: subprocess.CompletedProcess[str], *words: str) -> None:
 
 def test_public_binds_without_credentials_refuse_to_start(service_model: Path, redis_url: str) -> None:
     port = free_port()
-    _one_line(_run("worker.service", "--model", str(service_model), "--bind", f"tcp://0.0.0.0:{port}",
+    _assert_one_line(_run("worker.service", "--model", str(service_model), "--bind", f"tcp://0.0.0.0:{port}",
                    "--redis", redis_url, "--backend", "numpy"),
               "--bind tcp://0.0.0.0", "--curve-secret-key-file", "--insecure")  # fmt: skip
-    _one_line(_run("gateway", "--bind", f"tcp://*:{port}", "--redis", redis_url),
+    _assert_one_line(_run("gateway", "--bind", f"tcp://*:{port}", "--redis", redis_url),
               "--bind tcp://*", "--curve-secret-key-file", "--api-keys-file", "--insecure")
-    _one_line(_run("gateway", "--bind", f"tcp://127.0.0.1:{port}", "--redis", redis_url,
+    _assert_one_line(_run("gateway", "--bind", f"tcp://127.0.0.1:{port}", "--redis", redis_url,
                    "--http-port", str(free_port()), "--http-host", "0.0.0.0"),
               "--http-host 0.0.0.0", "--api-keys-file", "--insecure")  # fmt: skip
     # /metrics takes no credential: API keys on or not, beyond this host it needs --insecure
-    _one_line(_run("gateway", "--bind", f"tcp://127.0.0.1:{port}", "--redis", redis_url, "--api-keys-redis",
+    _assert_one_line(_run("gateway", "--bind", f"tcp://127.0.0.1:{port}", "--redis", redis_url, "--api-keys-redis",
                    "--metrics-port", str(free_port()), "--metrics-host", "0.0.0.0"),
               "--metrics-host 0.0.0.0", "--insecure")  # fmt: skip
-    _one_line(_run("worker.service", "--model", str(service_model), "--bind", f"tcp://127.0.0.1:{port}",
+    _assert_one_line(_run("worker.service", "--model", str(service_model), "--bind", f"tcp://127.0.0.1:{port}",
                    "--redis", redis_url, "--backend", "numpy", "--metrics-port", str(free_port()),
                    "--metrics-host", "0.0.0.0"),
               "--metrics-host 0.0.0.0", "--insecure")  # fmt: skip
