@@ -28,6 +28,7 @@ SECTIONS: dict[str, str] = {
     "gpu": "bench.gpu_bench",
     "serving": "bench.serving_bench",
     "lora": "bench.lora_bench",
+    "openai": "bench.openai_bench",
 }
 
 

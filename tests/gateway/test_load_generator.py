@@ -49,7 +49,7 @@ def test_streaming_chat_run_has_no_errors(service, long_model, tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     (benchmark,) = json.loads(report.read_text())["benchmarks"]
-    totals = benchmark["metrics"]["request_totals"] if "metrics" in benchmark else benchmark["request_totals"]
+    totals = benchmark["metrics"]["request_totals"]
     assert totals["errored"] == 0 and totals["incomplete"] == 0, totals
     assert totals["successful"] == REQUESTS
     ttft = benchmark["metrics"]["time_to_first_token_ms"]["successful"]
