@@ -13,6 +13,7 @@ from typing import IO, Any
 from clients.cli import Subparsers
 from clients.cli_requests import DEFAULT_GATEWAY, DEFAULT_REDIS
 from clients.cli_table import format_table
+from clients.jobs_openai_batch import body_spec
 from clients.params import SamplingParams
 from ops.config import POSITIVE_FLOAT, POSITIVE_INT, add_config_options
 from ops.curve_options import add_client_curve_options, client_curve
@@ -20,11 +21,6 @@ from ops.secrets import add_redis_password_option, redact, redis_url
 
 # Keys a line of a `jobs run` file may hold besides "prompt" or "messages": submit's keyword arguments.
 _JOB_FIELDS = frozenset(["job_id", "deadline_s", "result_ttl_s", "model", *(f.name for f in fields(SamplingParams))])
-# OpenAI's batch input body, in SamplingParams' names where they differ; None: ignored here.
-_OPENAI_NAMES: dict[str, str | None] = {
-    "max_completion_tokens": "max_tokens", "n": "num_return_sequences", "logprobs": "return_log_probs",
-    "top_logprobs": "top_n_log_probs", "stream": None, "user": None,
-}  # fmt: skip
 
 
 def job_spec(line: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
@@ -37,13 +33,7 @@ def job_spec(line: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
         body = line["body"]
         if not isinstance(body, dict):
             raise ValueError('"body" must be an object')
-        spec = {}
-        for key, value in body.items():
-            name = _OPENAI_NAMES.get(key, key)
-            if name is not None:
-                spec[name] = value
-        if isinstance(spec.get("stop"), str):
-            spec["stop"] = [spec["stop"]]
+        spec = body_spec(line.get("url"), body)
     else:
         spec = {k: v for k, v in line.items() if k != "custom_id"}
     if ("prompt" in spec) == ("messages" in spec):
