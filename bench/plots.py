@@ -4,18 +4,20 @@
   bar per saved run and workload: from the JSON gpu_bench writes (every JSON under
   --results whose rows carry `tok_s` and `roofline_tok_s`, whatever its file name).
 - serving_curves.png: output tok/s against TTFT and ITL (p50 solid, p99 dashed) at each
-  request rate, a line per model and path (in process; gateway + worker): from the JSON
-  serving_bench writes to $OUT/serving_bench.json, given with --serving. bench/results/
-  holds the printed tables of serving runs, not their JSON.
+  request rate, a line per model and path (in process; gateway + worker): from the
+  gzipped JSON serving_bench writes to $OUT/serving_bench.json.gz; by default the newest
+  bench/results/serving_bench_*.json.gz (the names start with what ran and end with the
+  date), or the file given with --serving.
 
-    python -m bench.plots
+    python -m bench.plots                    # both images from bench/results/
     OUT=/tmp/serving python -m bench.serving_bench --model tiny --requests 24
-    python -m bench.plots --serving /tmp/serving/serving_bench.json
+    python -m bench.plots --serving /tmp/serving/serving_bench.json.gz
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 from collections.abc import Sequence
@@ -127,10 +129,17 @@ def saved_gpu_runs(results: Path) -> list[dict[str, Any]]:
     return runs
 
 
+def newest_serving_run(results: Path) -> Path | None:
+    """The serving_bench run saved last: its file name ends with its date."""
+    saved = sorted(results.glob("serving_bench_*.json.gz"), key=lambda p: p.name.removesuffix(".json.gz")[-10:])
+    return saved[-1] if saved else None
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", type=Path, default=REPO / "bench" / "results", help="gpu_bench JSON files here")
-    p.add_argument("--serving", type=Path, default=None, help="a serving_bench.json ($OUT of serving_bench)")
+    p.add_argument("--serving", type=Path, default=None,
+                   help="a serving_bench.json.gz ($OUT of serving_bench; default: the newest in --results)")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "img", help="where the PNG files go")
     return p
 
@@ -140,10 +149,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     plot_roofline_shares(saved_gpu_runs(args.results), args.out / "roofline_shares.png")
     print(f"wrote {args.out / 'roofline_shares.png'}")
-    if args.serving is None:
-        print("no serving curves: give --serving a serving_bench.json (OUT=dir python -m bench.serving_bench ...)")
+    serving = args.serving or newest_serving_run(args.results)
+    if serving is None:
+        print("no serving curves: no serving_bench_*.json.gz in the results; give --serving a serving_bench.json.gz "
+              "(OUT=dir python -m bench.serving_bench ...)")  # fmt: skip
         return
-    plot_serving_curves(json.loads(args.serving.read_text()), args.out / "serving_curves.png")
+    with gzip.open(serving, "rt") as f:
+        plot_serving_curves(json.load(f), args.out / "serving_curves.png")
     print(f"wrote {args.out / 'serving_curves.png'}")
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import gzip
 import json
 import math
 import os
@@ -361,10 +362,20 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
     rows.append([f"({args.requests} x {args.prompt}/{args.output} per rate)", *[""] * (len(HEADER) - 1)])
     out = os.environ.get("OUT")
     if out:
-        with open(os.path.join(out, "serving_bench.json"), "w") as f:
-            json.dump({"args": vars(args), "runs": [{k: getattr(r, k) for k in r.__slots__} for r in runs]}, f,
-                      default=str)  # fmt: skip
+        save_runs(Path(out) / "serving_bench.json.gz", args, runs)
     return HEADER, rows
+
+
+def save_runs(path: Path, args: argparse.Namespace, runs: Sequence[RateRun]) -> None:
+    """Every request's latencies, to the microsecond and gzipped: what `bench.plots` draws
+    the serving curves from, small enough to keep in bench/results/."""
+
+    def field(value: Any) -> Any:
+        return [round(v, 3) for v in value] if isinstance(value, list) else value
+
+    saved = {"args": vars(args), "runs": [{k: field(getattr(r, k)) for k in r.__slots__} for r in runs]}
+    with gzip.open(path, "wt") as f:
+        json.dump(saved, f, default=str)
 
 
 def parser() -> argparse.ArgumentParser:

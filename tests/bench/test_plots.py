@@ -3,6 +3,7 @@ shares, serving_bench's for the serving curves; images drawn, shares read the ri
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from pathlib import Path
@@ -46,7 +47,7 @@ def test_shares_use_todays_roofline_for_gpu_bench_runs_and_the_recorded_one_othe
     assert [label.split()[0] for label in shares] == ["128/128", "128/128", "1000/1000"]
 
 
-def test_the_command_draws_both_images_from_saved_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_draws_both_images_from_the_saved_results(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     results, out = tmp_path / "results", tmp_path / "img"
     results.mkdir()
     (results / "a.json").write_text(json.dumps(GPU_RUN))
@@ -54,9 +55,12 @@ def test_the_command_draws_both_images_from_saved_json(tmp_path: Path, capsys: p
     (results / "lora.json").write_text(json.dumps({"adapters": 16, "kernel": []}))  # not a throughput run
     runs = [serving_run(path, rate, 10.0 * (i + 1)) for path in ("in process", "gateway + worker")
             for i, rate in enumerate([math.inf, 1.0, 2.0])]  # fmt: skip
-    (tmp_path / "serving_bench.json").write_text(json.dumps({"args": {"requests": 8}, "runs": runs}))
+    with gzip.open(results / "serving_bench_tiny_cpu_2026-11-27.json.gz", "wt") as f:
+        json.dump({"args": {"requests": 8}, "runs": runs}, f)
+    with gzip.open(results / "serving_bench_tiny_cpu_2026-11-20.json.gz", "wt") as f:  # older: not the one drawn
+        json.dump({"args": {"requests": 8}, "runs": []}, f)
 
-    main(["--results", str(results), "--out", str(out), "--serving", str(tmp_path / "serving_bench.json")])
+    main(["--results", str(results), "--out", str(out)])
 
     for name in ("roofline_shares.png", "serving_curves.png"):
         pixels = image.imread(out / name)
@@ -69,7 +73,7 @@ def test_without_serving_json_the_command_says_what_it_needs(tmp_path: Path, cap
     (tmp_path / "a.json").write_text(json.dumps(GPU_RUN))
     main(["--results", str(tmp_path), "--out", str(tmp_path / "img")])
     assert not (tmp_path / "img" / "serving_curves.png").exists()
-    assert "serving_bench.json" in capsys.readouterr().out
+    assert "serving_bench_*.json.gz" in capsys.readouterr().out
 
 
 def test_no_throughput_runs_is_a_clear_error(tmp_path: Path) -> None:
