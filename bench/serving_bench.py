@@ -146,7 +146,7 @@ def _in_process_at(executor: Any, model: str, n: int, prompt: int, output: int, 
 # -- through the service --------------------------------------------------------------------------------
 
 
-async def _service_run(endpoint: str, model: str, prompts: list[list[int]], output: int, rate: float,
+async def service_run(endpoint: str, model: str, prompts: list[list[int]], output: int, rate: float,
                        seed: int) -> RateRun:  # fmt: skip
     from clients.async_client import AsyncClient
 
@@ -332,7 +332,7 @@ def bench_model(args: argparse.Namespace, name: str, log: Callable[[str], None])
             worker_args += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []
             stack = Stack(path, *worker_args)
             try:
-                remote, _ = sweep(lambda rate, i: asyncio.run(_service_run(
+                remote, _ = sweep(lambda rate, i: asyncio.run(service_run(
                     stack.gateway, label, prompts_for(n, p, vocab, 20 + i), o, rate, seed=i)),
                     rates, log)  # fmt: skip
                 runs += remote
