@@ -81,7 +81,7 @@ def plot_roofline_shares(saved_runs: Sequence[dict[str, Any]], out: Path) -> Non
     ax.set_xlim(0, 1.1)
     ax.xaxis.set_major_formatter(lambda x, _: f"{x:.0%}")
     ax.set_xlabel("output tok/s as a share of the roofline (offline, all requests at once)")
-    ax.set_title("gpu_bench: throughput against the roofline, per workload and run")
+    ax.set_title("gpu_bench: share of the roofline")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
