@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bench import SkipSection, free_port
+from ops.compute_threads import usable_cores
 from ops.process import stop_children
 
 if TYPE_CHECKING:
@@ -45,9 +46,13 @@ class Stack:
         self.client_curve: ClientCurve | None = None
         worker_curve, gateway_curve = self._curve_args(Path(self.dir.name)) if curve else ([], [])
         py = sys.executable
+        # The model's math on as many threads as the in-process Executor it is compared with
+        # (a worker leaves a core to its neighbours by default): the rows then differ by the
+        # service path alone. A --cpu-threads in worker_args comes later and wins.
+        same_threads = ["--cpu-threads", str(usable_cores())]
         self.procs.append(subprocess.Popen(
             [py, "-m", "worker.service", "--model", str(model), "--bind", f"tcp://127.0.0.1:{ports[1]}",
-             "--redis", self.redis, *worker_args, *worker_curve],
+             "--redis", self.redis, *same_threads, *worker_args, *worker_curve],
             env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
         self.procs.append(subprocess.Popen(
             [py, "-m", "gateway", "--bind", self.gateway, "--redis", self.redis,
