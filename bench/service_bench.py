@@ -59,6 +59,7 @@ runs on.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import json
@@ -517,7 +518,29 @@ def table() -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-if __name__ == "__main__":
+def keys_table(model: Path) -> tuple[list[str], list[list[str]]]:
+    """Part (c) alone, on any checkpoint: what API keys and limits cost at that model's load."""
+    import json
+
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    keys = keys_sets(model, [_prompts(vocab, i) for i in range(KEYS_PAIRS + 1)])
+    return ["API keys + limits on the HTTP front", "figure"], [
+        ["keys + limits on vs off", f"{len(keys)} sets, orders permuted: {_versus_text(keys, _KEYS_ON, _KEYS_OFF)}"],
+        ["A/A control, keys off vs off", _versus_text(keys, _KEYS_CONTROL, _KEYS_OFF)],
+        ["workload", f"{REQUESTS} streams x {PROMPT} prompt / {OUTPUT} output tokens, {model.name}"],
+    ]
+
+
+def main() -> None:
+
     from bench.run import format_table
 
-    print(format_table(*table()))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--keys-only", type=Path, default=None, metavar="CHECKPOINT",
+                   help="only part (c), API keys and limits, on this checkpoint (a larger model on a GPU)")
+    args = p.parse_args()
+    print(format_table(*(keys_table(args.keys_only) if args.keys_only else table())))
+
+
+if __name__ == "__main__":
+    main()
