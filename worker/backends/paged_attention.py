@@ -44,9 +44,19 @@ def tile_map(query_start: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndar
     return tile_seq, tile_q0.astype(np.int32)
 
 
-# Keys per loop iteration: several cache blocks at once, so each program keeps
-# enough bytes in flight (one 16-token block per step starves the memory system).
+# Keys per loop iteration at head_dim 128: several cache blocks at once, so each program
+# keeps enough bytes in flight (one 16-token block per step starves the memory system).
 KEYS_PER_ITER = 64
+
+
+def keys_per_iter(block_d: int, block_size: int) -> int:
+    """Keys per loop iteration for a head of `block_d` (a power of two) dimensions.
+
+    Wider heads take fewer keys, so that a tile's bytes, and with them the registers and
+    shared memory of each pipeline stage, stay those the 128-wide tiles were tuned for:
+    at head_dim 256 (Gemma) 64 keys doubled every stage, which halved the programs an SM
+    holds. Never fewer than one cache block."""
+    return max(block_size, KEYS_PER_ITER * 128 // max(block_d, 128))
 # A decode step over an e4m3 cache: a third stage, and at most 128 registers a thread, so
 # four programs fit an SM where three did (168 registers; ncu: 19 % occupancy, half the
 # cycles with no warp ready). On an H100 a layer at 380 sequences x context 1536 took 471 us
@@ -268,7 +278,7 @@ def paged_attention_triton(
         scale, sliding_window or 0, softcap or 1.0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCK_N=max(KEYS_PER_ITER, block_size), SPLITS=splits, NUM_HEADS=num_heads,
+        BLOCK_SIZE=block_size, BLOCK_N=keys_per_iter(block_d, block_size), SPLITS=splits, NUM_HEADS=num_heads,
         USE_WINDOW=bool(sliding_window), USE_SOFTCAP=softcap is not None,
         # An e4m3 cache is read as fp16: e4m3 widens to fp16 in one packed instruction a pair (to
         # bf16 through float32, an instruction an element), and fp16 holds the queries and
