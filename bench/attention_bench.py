@@ -45,7 +45,7 @@ def layer_seconds(seqs: int, context: int, args: argparse.Namespace, cache_dtype
     out = torch.empty_like(q)
     splits = pa.decode_splits(seqs, args.kv_heads, torch.cuda.get_device_properties(dev).multi_processor_count)
     chosen = pa.keys_per_iter
-    pa.keys_per_iter = lambda block_d, block_size: keys  # the tile under test, for this call only
+    pa.keys_per_iter = lambda block_d, block_size, fp8_decode: keys  # the tile under test, for this call only
     try:
         return graph_call_seconds(
             lambda: pa.paged_attention_triton(q, k, v, tables, query_start, seq_lens, tile_seq, tile_q0, 1,
@@ -64,13 +64,13 @@ def table(argv: Sequence[str] = ()) -> tuple[list[str], list[list[str]]]:
 
     bandwidth = measure_bandwidth(torch.device("cuda"))
     block_d = 1 << (args.head_dim - 1).bit_length()
-    chosen = keys_per_iter(block_d, BLOCK_SIZE)
     header = ["cache", "seqs x context", "KV MB", "floor us", *(f"{n} keys us" for n in args.keys), "chosen"]
     rows = []
     for name, dtype in (("e4m3", torch.float8_e4m3fn), ("bf16", torch.bfloat16)):
         for seqs, context in SHAPES:
             kv_bytes = 2 * seqs * context * args.kv_heads * args.head_dim * dtype.itemsize
             times = [layer_seconds(seqs, context, args, dtype, n) * 1e6 for n in args.keys]
+            chosen = keys_per_iter(block_d, BLOCK_SIZE, fp8_decode=dtype.itemsize == 1)
             rows.append([name, f"{seqs} x {context}", f"{kv_bytes / 1e6:.0f}", f"{kv_bytes / bandwidth * 1e6:.0f}",
                          *(f"{t:.1f}" for t in times), str(chosen)])  # fmt: skip
     return header, rows
