@@ -26,6 +26,7 @@ SECTIONS: dict[str, str] = {
     "host": "bench.host_bench",
     "service": "bench.service_bench",
     "gpu": "bench.gpu_bench",
+    "attention": "bench.attention_bench",
     "serving": "bench.serving_bench",
     "lora": "bench.lora_bench",
     "fleet": "bench.fleet_bench",

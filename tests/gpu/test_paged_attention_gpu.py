@@ -69,7 +69,8 @@ def check_case(seed: int, heads: int, kv_heads: int, head_dim: int, block_size: 
     assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(32, 8, 128), (9, 3, 64), (8, 8, 64), (16, 2, 128)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
+                         [(32, 8, 128), (9, 3, 64), (8, 8, 64), (16, 2, 128), (16, 8, 256)])  # fmt: skip
 @pytest.mark.parametrize("decode", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kernel_matches_reference(heads: int, kv_heads: int, head_dim: int, decode: bool, dtype: torch.dtype) -> None:
@@ -80,7 +81,8 @@ def test_kernel_matches_reference(heads: int, kv_heads: int, head_dim: int, deco
             check_case(seed, heads, kv_heads, head_dim, 16, decode, None, dtype, splits)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window"), [(32, 8, 128, None), (8, 2, 64, 37)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window"),
+                         [(32, 8, 128, None), (8, 2, 64, 37), (16, 8, 256, 100)])  # fmt: skip
 @pytest.mark.parametrize("decode", [True, False])
 def test_kernel_over_an_fp8_cache_matches_reference(heads: int, kv_heads: int, head_dim: int, window: int | None,
                                                      decode: bool) -> None:  # fmt: skip

@@ -47,6 +47,22 @@ def tile_map(query_start: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndar
 # Keys per loop iteration: several cache blocks at once, so each program keeps
 # enough bytes in flight (one 16-token block per step starves the memory system).
 KEYS_PER_ITER = 64
+
+
+def keys_per_iter(block_d: int, block_size: int, fp8_decode: bool) -> int:
+    """Keys per loop iteration for a head of `block_d` (a power of two) dimensions.
+
+    A decode step over an e4m3 cache runs with capped registers and a third stage (below);
+    at head_dim 256 a 64-key tile is twice the bytes those were tuned for, and 32 keys
+    are faster where most of a step is short contexts: on an H200, Gemma 3 12B's heads at
+    512 sequences x 192 keys 160 against 195 us a layer, 256 x 1024 403 against 419, equal
+    at 128 x 1536, slower only at 64 x 4096 (442 against 397); FP8 Gemma 3 12B 128/128
+    13,716 -> 14,614 tok/s, 1000/1000 6,585 -> 6,915. A bf16 cache keeps 64 keys at every
+    head width: 32 were no faster there and slower at long contexts
+    (bench/results/attention_tiles_h200_2026-11-28.txt, `python3 -m bench.attention_bench`).
+    Never fewer than one cache block."""
+    keys = KEYS_PER_ITER * 128 // max(block_d, 128) if fp8_decode else KEYS_PER_ITER
+    return max(block_size, keys)
 # A decode step over an e4m3 cache: a third stage, and at most 128 registers a thread, so
 # four programs fit an SM where three did (168 registers; ncu: 19 % occupancy, half the
 # cycles with no warp ready). On an H100 a layer at 380 sequences x context 1536 took 471 us
@@ -260,6 +276,7 @@ def paged_attention_triton(
     block_d = triton.next_power_of_2(head_dim)
     grid = (tile_seq.shape[0], num_kv_heads, splits)
     fp8 = k_cache.element_size() == 1
+    fp8_decode = fp8 and block_q == 1 and q.dtype != torch.float32
     stages, launch = 2, pdl.options(q.device, num_tokens)
     if fp8 and block_q == 1:
         stages, launch["maxnreg"] = FP8_DECODE_STAGES, FP8_DECODE_MAX_REGISTERS
@@ -268,14 +285,15 @@ def paged_attention_triton(
         scale, sliding_window or 0, softcap or 1.0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCK_N=max(KEYS_PER_ITER, block_size), SPLITS=splits, NUM_HEADS=num_heads,
+        BLOCK_SIZE=block_size, BLOCK_N=keys_per_iter(block_d, block_size, fp8_decode), SPLITS=splits,
+        NUM_HEADS=num_heads,
         USE_WINDOW=bool(sliding_window), USE_SOFTCAP=softcap is not None,
         # An e4m3 cache is read as fp16: e4m3 widens to fp16 in one packed instruction a pair (to
         # bf16 through float32, an instruction an element), and fp16 holds the queries and
         # probabilities at least as well as bf16. It is what lets the capped registers pay (above),
         # and a prefill tile over an e4m3 cache took 348 against 402 us (32 x 512 tokens).
         COMPUTE=tl.float16 if fp8 and q.dtype != torch.float32 else _TL_DTYPE[q.dtype],
-        FP8_DECODE=fp8 and block_q == 1 and q.dtype != torch.float32,
+        FP8_DECODE=fp8_decode,
         # float32 caches (parity runs) get full-precision dots, not TF32.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4 if block_m <= 64 else 8, num_stages=stages, **launch,
