@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--missed-heartbeats", type=POSITIVE_INT, default=3, help="silent intervals before a peer is gone")
     p.add_argument("--max-inflight", type=POSITIVE_INT, default=4096, help="requests in flight, whole gateway")
     p.add_argument("--max-inflight-per-client", type=POSITIVE_INT, default=1024)
+    p.add_argument("--client-send-limit", type=POSITIVE_INT, default=10_000,
+                   help="messages a ZeroMQ client may leave unread before it is cut off (its requests cancelled)")
     p.add_argument(
         "--no-worker-timeout", type=POSITIVE_FLOAT, default=10.0, help="seconds a request waits for a worker"
     )
@@ -100,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
                 missed_heartbeats=args.missed_heartbeats,
                 max_inflight=args.max_inflight,
                 max_inflight_per_client=args.max_inflight_per_client,
+                client_send_limit=args.client_send_limit,
                 no_worker_timeout_s=args.no_worker_timeout,
                 drain_timeout_s=args.drain_timeout,
                 tokenizer_sha256=dict(pin.split("=", 1) for pin in args.tokenizer_sha256),

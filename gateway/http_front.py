@@ -107,10 +107,11 @@ class _Call:
 class Bridge:
     """The HTTP front's ZeroMQ client of the gateway, on the front's event loop."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, api_key: str | None) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, api_key: str | None, identity: bytes) -> None:
         self.api_key = api_key  # the gateway's own key for its HTTP front, which checks clients' keys
         self.sock = zmq.asyncio.Context.shadow(ctx).socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, identity)  # the gateway waits on it, never cuts it off
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.connect(endpoint)
@@ -238,7 +239,7 @@ class HttpFront:
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         from gateway.server import INPROC_ENDPOINT
 
-        self.bridge = Bridge(self.gateway.ctx, INPROC_ENDPOINT, self.gateway.bridge_key)
+        self.bridge = Bridge(self.gateway.ctx, INPROC_ENDPOINT, self.gateway.bridge_key, self.gateway.bridge_identity)
         await self.bridge.start()
         watch = asyncio.create_task(self._watch_gateway())
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
 import socket
 import threading
 import time
@@ -29,6 +30,7 @@ import protocol
 from gateway.api_keys import ApiKeys, HelloKeys
 from gateway.client_batch import ClientBatch
 from gateway.client_limits import ClientLimits
+from gateway.client_pipes import ClientPipes
 from gateway.discovery import Discovery
 from gateway.prefix_router import PrefixRouter, RouterName
 from gateway.tokenizer_store import PromptError, Tokenizers
@@ -93,6 +95,8 @@ class GatewayConfig:
     # holds and its load ("prefix"), or by load alone ("least-loaded").
     router: RouterName = "prefix"
     overlap_weight: float = 4.0  # what a prompt block to compute costs against a block held by decoding
+    # Messages a client may leave unread before it is cut off (gateway/client_pipes.py).
+    client_send_limit: int = 10_000
 
 
 @dataclass(eq=False, slots=True)
@@ -132,7 +136,10 @@ class Gateway:
         self.keys = protocol.Keys(config.redis_prefix)
         self.ctx = zmq.Context()
         self.frontend = self.ctx.socket(zmq.ROUTER)
-        self.frontend.setsockopt(zmq.SNDHWM, 0)  # bounded by the in-flight limits
+        # The HTTP front's routing id toward this ROUTER: a secret, so no TCP peer can pass for it.
+        self.bridge_identity = secrets.token_bytes(16)
+        self.pipes = ClientPipes(self.frontend, config.client_send_limit, self.bridge_identity)
+        self._unread: set[bytes] = set()  # clients whose queue filled, cut off after this turn
         self.frontend.setsockopt(zmq.RCVHWM, 0)
         self.frontend.setsockopt(zmq.LINGER, 0)
         self._curve: CurveServer | None = None
@@ -227,6 +234,8 @@ class Gateway:
                     next_tick = now + interval
                 if self.waiting:
                     self._dispatch_waiting(now)
+                if self._unread:
+                    self._cut_off_unread()
                 if self.drain.begin(len(self.requests), self.notifier):
                     self._start_drain()
                 if self.drain.draining and self._drained():
@@ -437,7 +446,27 @@ class Gateway:
             self._finish_with_result(req, protocol.FinishReason.CANCELLED)
 
     def _reply(self, client: bytes, msg: protocol.Message) -> None:
-        self.frontend.send_multipart([client, protocol.encode(msg, self.limits)])
+        self._send(client, protocol.encode(msg, self.limits))
+
+    def _send(self, client: bytes, payload: bytes) -> None:
+        if not self.pipes.send(client, payload):
+            self._unread.add(client)
+
+    def _cut_off_unread(self) -> None:
+        """Cut off the clients whose queues filled: their requests cancelled, an error each
+        owed to them (gateway/client_pipes.py)."""
+        for client in self._unread:
+            state = self.clients.get(client)
+            if state is None or self.pipes.owing(client):
+                continue
+            why = (f"cut off: this client left {self.pipes.limit} of the gateway's messages unread "
+                   "(the gateway's --client-send-limit); its requests were cancelled")  # fmt: skip
+            log.warning("client %s %s (%d requests)", client.hex(), why, len(state.requests))
+            owed = [protocol.ErrorReply(code=ErrorCode.OVERLOADED, message=why, request_id=request_id)
+                    for request_id in state.requests] or [protocol.ErrorReply(code=ErrorCode.OVERLOADED, message=why)]
+            self._client_gone(client, state, "unread")
+            self.pipes.owe(client, [protocol.encode(m, self.limits) for m in owed])
+        self._unread.clear()
 
     # -- routing -----------------------------------------------------------------------------
 
@@ -718,7 +747,7 @@ class Gateway:
             self.metrics.ended(req, how)
         for client, to in out.items():
             for message in to.messages(self.limits):
-                self.frontend.send_multipart([client, message])
+                self._send(client, message)
 
     def _worker_error(self, link: WorkerLink, msg: protocol.ErrorReply) -> None:
         req = self.requests.get(msg.request_id) if msg.request_id else None
@@ -821,18 +850,19 @@ class Gateway:
                 self._lose_worker(link, f"no heartbeat for {silent:.1f} s")
         for client, state in list(self.clients.items()):
             if now - state.last_seen > n * state.heartbeat_interval_s:
-                self._client_gone(client, state)
+                self._client_gone(client, state, "gone")
         beat = protocol.encode(protocol.Heartbeat(sender_id=self.gateway_id))
         for link in self.workers.values():
             link.socket.send(beat)
         for client in self.clients:
-            self.frontend.send_multipart([client, beat])
+            self._send(client, beat)
+        self.pipes.pay()
 
-    def _client_gone(self, client: bytes, state: _Client) -> None:
-        if state.requests:
+    def _client_gone(self, client: bytes, state: _Client, why: str) -> None:
+        if state.requests and why == "gone":
             log.info("client %s silent: cancelling its %d requests", client.hex(), len(state.requests))
         for req in list(state.requests.values()):
-            self.metrics.client_cancelled(req, "gone")
+            self.metrics.client_cancelled(req, why)
             if req.worker is not None:
                 self._cancel_at_worker(req, req.worker)
             self.metrics.ended(req, None)

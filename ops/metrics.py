@@ -298,7 +298,8 @@ class GatewayMetrics(_Metrics):
         self.queue_time.observe([waited_s], model or "")
 
     def client_cancelled(self, key: object, how: str) -> None:
-        """A client stopped a request: "cancel" (it said so) or "gone" (it went silent)."""
+        """A client stopped a request: "cancel" (it said so), "gone" (it went silent) or
+        "unread" (the gateway cut it off for leaving its messages unread)."""
         self.client_cancels.labels(self.model_of(key), how).inc()
 
     def ended(self, key: object, how: str | None) -> None:
