@@ -17,7 +17,8 @@ from tests.integration.wire import WireClient
 from tests.procs import CLIENT_OPTIONS, Stack, free_port
 
 SEND_LIMIT = 20  # messages the gateway may queue for one client
-STREAMS, TOKENS = 48, 6000  # an echo worker makes these in seconds; far more than the queue and the kernel's buffers hold
+# An echo worker makes these in seconds: far more than the queue and the kernel's buffers hold.
+STREAMS, TOKENS = 48, 6000
 
 
 @pytest.fixture
