@@ -28,11 +28,12 @@ _HOST_MEMORY_SHARE = 0.5
 class NumpyBackend:
     name = "numpy"
 
-    def __init__(self, model: LoadedModel) -> None:
+    def __init__(self, model: LoadedModel, deterministic: bool = False) -> None:
+        """`deterministic`: a request's logits do not depend on its batch-mates."""
         self.config: ModelConfig = model.config
         self.ropes = layer_ropes(model.config)
         self.quantization = model.quantization  # what the model runs as, for Ready and logs
-        self.ops = NumpyDecoderOps(model.config, model.quantize)
+        self.ops = NumpyDecoderOps(model.config, model.quantize, deterministic)
         self.model: llama.DecoderWeights[np.ndarray, NumpyLinear] = llama.build_weights(
             model.config, {**model.weights, **model.quantized}, self.ops
         )

@@ -95,6 +95,7 @@ class TorchBackend:
         kv_cache_dtype: str | None = None,
         max_batch_size: int | None = None,
         free_memory: int | None = None,
+        deterministic: bool = False,
     ) -> None:
         """`model` is a LoadedModel (worker.models) or a ModelConfig with `weights`
         given separately (Hugging Face names; a fused `...qkv_proj.weight` /
@@ -110,12 +111,18 @@ class TorchBackend:
         sizes the working memory kept out of the KV cache (memory_plan.py). `free_memory`:
         bytes to plan the KV cache with instead of what the device reports free now (a
         device shared with another process; tests). Speculative verification steps of
-        up to `max_verify_graph_batch` sequences run in CUDA graphs too (cuda_graphs.py)."""
+        up to `max_verify_graph_batch` sequences run in CUDA graphs too (cuda_graphs.py).
+        `deterministic`: a request's logits do not depend on its batch-mates: linear layers
+        and the lm head in fixed row tiles (invariant_matmul.py), and generation attention
+        in one program per sequence whatever the batch size (no batch-dependent split-KV)."""
         if world is not None:
             device = world.device
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = _dtype(dtype, self.device)
         self.on_cuda = self.device.type == "cuda"
+        if deterministic and world is not None and world.tensor_parallel_size > 1:
+            raise ValueError("deterministic mode runs on one GPU, not with tensor parallelism")
+        self.deterministic = deterministic
         self.name = "torch-cuda" if self.on_cuda else "torch-cpu"
         if isinstance(model, ModelConfig) and weights is None:
             raise ValueError("TorchBackend(ModelConfig, ...) needs weights=")
@@ -138,7 +145,7 @@ class TorchBackend:
         ops_config = self.config if self.stage is None else layout.stage_config(self.config, self.stage.layers)
         self.ops = (
             TorchDecoderOps(ops_config, self.device, self.dtype, self.max_model_len, quantize=quantize,
-                            kv_dtype=kv_dtype)
+                            kv_dtype=kv_dtype, deterministic=deterministic)
             if world is None or world.tensor_parallel_size == 1
             else ShardedTorchDecoderOps(ops_config, world.tensor, self.device, self.dtype, self.max_model_len,
                                         quantize=quantize, kv_dtype=kv_dtype)
@@ -435,6 +442,8 @@ class TorchBackend:
         )
 
     def decode_splits(self, num_seqs: int) -> int:
+        if self.deterministic:
+            return 1
         return paged_attention.decode_splits(num_seqs, self.ops.config.num_kv_heads, self._num_sms)
 
     def tune_gemms(self, graph_rows: list[int], eager_rows: list[int]) -> None:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from worker.backends import gemv, paged_attention, quant_linear, torch_ops
 from worker.backends.gelu_mul import gelu_tanh_mul_torch, gelu_tanh_mul_triton
 from worker.backends.head_norm import head_norm_torch, head_norm_triton
+from worker.backends.invariant_matmul import linear_rows_torch
 from worker.backends.lora_kernel import add_lora
 from worker.backends.torch_step import StepInputs
 from worker.models.config import ModelConfig
@@ -47,12 +48,17 @@ class TorchLinear:
 class TorchDecoderOps:
     def __init__(
         self, config: ModelConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
-        quantize: str | None = None, kv_dtype: torch.dtype | None = None,
+        quantize: str | None = None, kv_dtype: torch.dtype | None = None, deterministic: bool = False,
     ) -> None:  # fmt: skip
         """Refuses a rope the position table cannot express (see Rope.position_table).
         `quantize` ("fp8" | "int4"): float linear weights are quantized as they are made.
-        `kv_dtype`: the KV pool's (torch.float8_e4m3fn: half the bytes); default `dtype`."""
+        `kv_dtype`: the KV pool's (torch.float8_e4m3fn: half the bytes); default `dtype`.
+        `deterministic`: float linear layers and the lm head in fixed row tiles
+        (invariant_matmul.py), so a row's logits do not depend on its batch-mates."""
+        if deterministic and quantize is not None:
+            raise ValueError(f"deterministic mode runs float weights only, not {quantize}")
         self.config = config
+        self.deterministic = deterministic
         self.quantize = quantize
         self.kv_dtype = kv_dtype or dtype
         self.device, self.dtype = device, dtype
@@ -211,6 +217,8 @@ class TorchDecoderOps:
 
     def linear(self, x: torch.Tensor, weight: TorchLinear | quant_linear.QuantLinear) -> torch.Tensor:
         if isinstance(weight, TorchLinear):
+            if self.deterministic:
+                return linear_rows_torch(x, weight.weight, weight.bias)
             if self._one_row(x, weight.weight):
                 return gemv.gemv(x, weight.weight, weight.bias)
             return F.linear(x, weight.weight, weight.bias)
@@ -221,7 +229,7 @@ class TorchDecoderOps:
         return weight(x)
 
     def _one_row(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return self.use_triton and x.shape[0] == 1 and weight.stride(1) == 1
+        return not self.deterministic and self.use_triton and x.shape[0] == 1 and weight.stride(1) == 1
 
     def head_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> torch.Tensor:
         cfg = self.config
@@ -274,6 +282,8 @@ class TorchDecoderOps:
         return x if step.logits_indices is None else x[step.logits_indices]
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.deterministic:
+            return linear_rows_torch(x, weight, out_dtype=torch.float32)
         if self._one_row(x, weight):
             return gemv.gemv(x, weight, out_dtype=torch.float32)
         if not x.is_cuda:
