@@ -251,9 +251,12 @@ class TorchDecoderOps:
                 softcap=self.softcap,
             )  # fmt: skip
         else:
+            block_tables, query_start, seq_lens = step.block_tables.long(), step.query_start_host, step.seq_lens_host
+            if self.deterministic:
+                block_tables, query_start, seq_lens = _per_token(block_tables, query_start, seq_lens)
             out = paged_attention.paged_attention_torch(
-                q, self.k_cache[layer], self.v_cache[layer], step.block_tables.long(), step.query_start_host,
-                step.seq_lens_host, self.softmax_scale, window, self.softcap,
+                q, self.k_cache[layer], self.v_cache[layer], block_tables, query_start, seq_lens,
+                self.softmax_scale, window, self.softcap,
             )  # fmt: skip
         return out.view(q.shape[0], -1)
 
@@ -293,3 +296,16 @@ class TorchDecoderOps:
         if out is not None and out.shape == (x.shape[0], weight.shape[0]):
             return torch.mm(x, weight.t(), out_dtype=torch.float32, out=out)
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
+
+
+def _per_token(block_tables: torch.Tensor, query_start: np.ndarray,
+               seq_lens: np.ndarray) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:  # fmt: skip
+    """Each token as a sequence of its own, seeing exactly the keys up to its position: its
+    attention then depends on nothing but its sequence and position (not on batch-mates,
+    nor on how its prompt was cut into chunks, nor on a recompute after preemption)."""
+    q_lens = np.diff(query_start)
+    seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
+    offset_from_end = np.repeat(query_start[1:], q_lens) - 1 - np.arange(int(query_start[-1]))
+    token_lens = seq_lens[seq_of_token] - offset_from_end
+    index = torch.from_numpy(seq_of_token).to(block_tables.device)
+    return block_tables[index], np.arange(len(seq_of_token) + 1), token_lens
