@@ -113,8 +113,10 @@ class TorchBackend:
         device shared with another process; tests). Speculative verification steps of
         up to `max_verify_graph_batch` sequences run in CUDA graphs too (cuda_graphs.py).
         `deterministic`: a request's logits do not depend on its batch-mates: linear layers
-        and the lm head in fixed row tiles (invariant_matmul.py), and generation attention
-        in one program per sequence whatever the batch size (no batch-dependent split-KV)."""
+        and the lm head in fixed row tiles (invariant_matmul.py); on CUDA every step's
+        attention in the prefill kernel's tiles, one program per tile (not the decode
+        kernel whose split-KV count follows the batch size), and no CUDA graphs (their
+        steps take the decode kernel)."""
         if world is not None:
             device = world.device
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -160,7 +162,7 @@ class TorchBackend:
         self.scratch_slot = 0
         self.staging = PinnedStaging(self.device)
         self._graphs: DecodeGraphs | None = None
-        self._use_cuda_graphs = use_cuda_graphs and self.on_cuda and self.stage is None
+        self._use_cuda_graphs = use_cuda_graphs and self.on_cuda and self.stage is None and not deterministic
         self._world = world  # tensor-parallel ranks agree on the decode graphs' timings
         self.lora_enabled = False  # LoRA slots allocated: decode graphs take each row's slot
         self._max_graph_batch = max_graph_batch
@@ -387,7 +389,8 @@ class TorchBackend:
 
     def _upload(self, batch: ForwardBatch) -> StepInputs:
         """Pack the step's metadata into one pinned int32 buffer and copy it over once."""
-        block_q = 1 if batch.num_tokens == batch.num_seqs else paged_attention.PREFILL_BLOCK_Q
+        decode = batch.num_tokens == batch.num_seqs and not self.deterministic
+        block_q = 1 if decode else paged_attention.PREFILL_BLOCK_Q
         tile_seq, tile_q0 = paged_attention.tile_map(batch.query_start, block_q)
         # The attention kernel takes the tables' width as their row stride, and Triton compiles
         # a kernel apart for a stride of 1, one of a multiple of 16 and any other: padded to a
@@ -442,8 +445,6 @@ class TorchBackend:
         )
 
     def decode_splits(self, num_seqs: int) -> int:
-        if self.deterministic:
-            return 1
         return paged_attention.decode_splits(num_seqs, self.ops.config.num_kv_heads, self._num_sms)
 
     def tune_gemms(self, graph_rows: list[int], eager_rows: list[int]) -> None:

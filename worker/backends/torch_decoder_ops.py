@@ -21,10 +21,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from worker.backends import gemv, paged_attention, quant_linear, torch_ops
+from worker.backends import gemv, invariant_matmul, paged_attention, quant_linear, torch_ops
 from worker.backends.gelu_mul import gelu_tanh_mul_torch, gelu_tanh_mul_triton
 from worker.backends.head_norm import head_norm_torch, head_norm_triton
-from worker.backends.invariant_matmul import linear_rows_torch
 from worker.backends.lora_kernel import add_lora
 from worker.backends.torch_step import StepInputs
 from worker.models.config import ModelConfig
@@ -218,7 +217,7 @@ class TorchDecoderOps:
     def linear(self, x: torch.Tensor, weight: TorchLinear | quant_linear.QuantLinear) -> torch.Tensor:
         if isinstance(weight, TorchLinear):
             if self.deterministic:
-                return linear_rows_torch(x, weight.weight, weight.bias)
+                return invariant_matmul.linear(x, weight.weight, weight.bias)
             if self._one_row(x, weight.weight):
                 return gemv.gemv(x, weight.weight, weight.bias)
             return F.linear(x, weight.weight, weight.bias)
@@ -286,7 +285,7 @@ class TorchDecoderOps:
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.deterministic:
-            return linear_rows_torch(x, weight, out_dtype=torch.float32)
+            return invariant_matmul.linear(x, weight, out_dtype=torch.float32)
         if self._one_row(x, weight):
             return gemv.gemv(x, weight, out_dtype=torch.float32)
         if not x.is_cuda:
