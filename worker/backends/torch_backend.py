@@ -135,6 +135,8 @@ class TorchBackend:
         check_mode(quantization)
         quantize = quantization or getattr(model, "quantize", None)
         self.quantization: str | None = getattr(model, "quantization", None) if quantization is None else quantization
+        if deterministic and self.quantization is not None:
+            raise ValueError(f"deterministic mode runs float weights only, not {self.quantization}")
         if kv_cache_dtype not in (None, "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'fp8' or None, got {kv_cache_dtype!r}")
         kv_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else self.dtype

@@ -54,8 +54,6 @@ class TorchDecoderOps:
         `kv_dtype`: the KV pool's (torch.float8_e4m3fn: half the bytes); default `dtype`.
         `deterministic`: float linear layers and the lm head in fixed row tiles
         (invariant_matmul.py), so a row's logits do not depend on its batch-mates."""
-        if deterministic and quantize is not None:
-            raise ValueError(f"deterministic mode runs float weights only, not {quantize}")
         self.config = config
         self.deterministic = deterministic
         self.quantize = quantize
