@@ -5,19 +5,18 @@ shape, so one row of `x @ W` can differ in its low bits between a batch of 1 and
 of 32: the same request would see slightly different logits, and a seeded sample could
 change, depending on its batch-mates.
 
-On the CPU the rows go through the library in tiles of exactly ROW_TILE rows (the last
-one zero-padded), so every call has the same shape and each row's dot products are
-reduced in the same order. On CUDA one Triton GEMM with a single tile configuration and
-no split-K: each output is reduced over K in BLOCK_K steps in the same order whatever M
-is, in one launch (cuBLAS in fixed row tiles would be as invariant, but a long prompt
-would take hundreds of launches per projection).
+On the CPU the rows go through the library in calls of a fixed row count (row_tiles.py).
+On CUDA one Triton GEMM with a single tile configuration and no split-K: each output is
+reduced over K in BLOCK_K steps in the same order whatever M is, in one launch (cuBLAS
+in fixed row tiles would be as invariant, but a long prompt would take hundreds of
+launches per projection).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
+from worker.backends.row_tiles import linear_rows_torch
 
 if TYPE_CHECKING:
     import torch
@@ -28,63 +27,17 @@ try:
 except ImportError:  # a host without Triton: the CPU paths only
     triton = None
 
-# Small enough that a one-row decode step wastes little; a multiple of every CPU GEMM
-# micro-tile height in use, so no row of a full tile falls on a kernel's edge path.
-ROW_TILE = 16
 # The one Triton tile: 64 rows (a wgmma's M) by 128 outputs, K in steps of 64.
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 64, 4, 3
-
-
-def matmul_rows_numpy(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """x [M, K] float32 @ weight [K, N] → [M, N] float32, ROW_TILE rows per call."""
-    m, k = x.shape
-    out = np.empty((m, weight.shape[1]), dtype=np.float32)
-    x = np.ascontiguousarray(x)
-    full = m - m % ROW_TILE
-    for start in range(0, full, ROW_TILE):
-        np.matmul(x[start : start + ROW_TILE], weight, out=out[start : start + ROW_TILE])
-    if full < m:
-        padded = np.zeros((ROW_TILE, k), dtype=x.dtype)
-        padded[: m - full] = x[full:]
-        out[full:] = (padded @ weight)[: m - full]
-    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     """F.linear (x [M, K], weight [N, K]) → [M, N] in `out_dtype` (default x's): the Triton
-    GEMM on CUDA, cuBLAS-free; on the CPU the library in ROW_TILE-row calls."""
+    GEMM on CUDA, cuBLAS-free; on the CPU the library in fixed row tiles (row_tiles.py)."""
     if x.is_cuda and triton is not None:
         return matmul_triton(x, weight, bias, out_dtype)
     return linear_rows_torch(x, weight, bias, out_dtype)
-
-
-def linear_rows_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
-    """F.linear in ROW_TILE-row calls. The bias is added after the product, row by row, so it
-    changes no order."""
-    import torch
-    import torch.nn.functional as F
-
-    m, k = x.shape
-    out = x.new_empty((m, weight.shape[0]), dtype=out_dtype or x.dtype)
-    x = x.contiguous()
-    full = m - m % ROW_TILE
-
-    def product(rows: torch.Tensor) -> torch.Tensor:
-        if out.dtype == x.dtype:
-            return F.linear(rows, weight)
-        return torch.mm(rows, weight.t()).to(out.dtype)
-
-    for start in range(0, full, ROW_TILE):
-        out[start : start + ROW_TILE] = product(x[start : start + ROW_TILE])
-    if full < m:
-        padded = x.new_zeros((ROW_TILE, k))
-        padded[: m - full] = x[full:]
-        out[full:] = product(padded)[: m - full]
-    if bias is not None:
-        out += bias
-    return out
 
 
 if triton is not None:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from worker.backends.invariant_matmul import matmul_rows_numpy
 from worker.backends.numpy_attention import AttentionPlan, paged_attention_numpy
+from worker.backends.row_tiles import matmul_rows_numpy
 from worker.models.config import ModelConfig
 from worker.models.llama import LinearRole
 from worker.models.lora import LoraAdapter
@@ -62,7 +62,7 @@ class NumpyDecoderOps:
     def __init__(self, config: ModelConfig, quantize: str | None = None, deterministic: bool = False) -> None:
         """`quantize` ("fp8" | "int4"): float linear weights carry that quantization's error.
         `deterministic`: every product in fixed row tiles, so a row's logits do not depend
-        on the rest of the batch (invariant_matmul.py)."""
+        on the rest of the batch (row_tiles.py)."""
         self.config = config
         self.matmul = matmul_rows_numpy if deterministic else np.matmul
         self.quantize = quantize
