@@ -3,13 +3,14 @@ batches and all together (cuBLAS in fixed row tiles, no batch-dependent split-KV
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.checkpoints import make_checkpoint
-from tests.worker.backends.test_deterministic import tokens_in_batches
+from tests.worker.backends.test_deterministic import assert_same_tokens_after_preemption, tokens_in_batches
 from worker.executor import ExecutorConfig, KvCacheConfig
 
 pytestmark = [
@@ -27,3 +28,6 @@ def test_seeded_requests_sample_the_same_tokens_whatever_the_batch(dtype: str, t
     assert all(len(t) == 12 for t in together)
     assert tokens_in_batches(checkpoint, config, 16) == together
     assert tokens_in_batches(checkpoint, config, 1) == together
+    # 16 tokens a step: prompts cut into chunks, decode tokens sharing steps with chunks.
+    assert tokens_in_batches(checkpoint, dataclasses.replace(config, max_num_tokens=16), 32) == together
+    assert_same_tokens_after_preemption(checkpoint, config)

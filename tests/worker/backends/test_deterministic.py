@@ -3,6 +3,7 @@ the requests batched with it — on each CPU backend, through the executor."""
 
 from __future__ import annotations
 
+import dataclasses
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -100,19 +101,25 @@ def test_seeded_requests_sample_the_same_tokens_whatever_the_batch(kind: str, ti
     assert all(len(t) == 12 for t in together)
     assert tokens_in_batches(tiny_llama, config, 16) == together
     assert tokens_in_batches(tiny_llama, config, 1) == together
+    # 16 tokens a step: prompts cut into chunks, decode tokens sharing steps with chunks.
+    assert tokens_in_batches(tiny_llama, dataclasses.replace(config, max_num_tokens=16), 32) == together
 
 
 def test_seeded_requests_sample_the_same_tokens_after_preemption(tiny_llama: Path) -> None:
-    """A cache too small for all 32 forces preemption by recompute: the recomputed
-    requests rejoin other batches, and still draw the same tokens."""
     roomy = ExecutorConfig(backend="numpy", deterministic=True,
                            kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=4096))  # fmt: skip
-    tight = ExecutorConfig(backend="numpy", deterministic=True, enable_chunked_context=True,
-                           kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=320, enable_block_reuse=False),
-                           scheduler_config=SchedulerConfig(CapacitySchedulerPolicy.MAX_UTILIZATION))  # fmt: skip
-    want = tokens_in_batches(tiny_llama, roomy, 1)
-    requests = seeded_requests(load_model(tiny_llama).config.vocab_size)
-    with Executor.from_model(tiny_llama, tight) as ex:
+    assert_same_tokens_after_preemption(tiny_llama, roomy)
+
+
+def assert_same_tokens_after_preemption(checkpoint: Path, roomy: ExecutorConfig) -> None:
+    """A cache too small for all 32 forces preemption by recompute: the recomputed
+    requests rejoin other batches, and still draw the same tokens as one by one."""
+    tight = dataclasses.replace(roomy, scheduler_config=SchedulerConfig(CapacitySchedulerPolicy.MAX_UTILIZATION),
+                                kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=320,
+                                                              enable_block_reuse=False))  # fmt: skip
+    want = tokens_in_batches(checkpoint, roomy, 1)
+    requests = seeded_requests(load_model(checkpoint).config.vocab_size)
+    with Executor.from_model(checkpoint, tight) as ex:
         got = [final_tokens(r) for r in run_all(ex, requests).values()]
         preemptions = ex.core.scheduler.num_preemptions
     assert preemptions > 0, "the tight cache never forced a preemption"
