@@ -105,9 +105,10 @@ def test_seeded_requests_sample_the_same_tokens_whatever_the_batch(kind: str, ti
     assert tokens_in_batches(tiny_llama, dataclasses.replace(config, max_num_tokens=16), 32) == together
 
 
-def test_seeded_requests_sample_the_same_tokens_after_preemption(tiny_llama: Path) -> None:
-    roomy = ExecutorConfig(backend="numpy", deterministic=True,
-                           kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=4096))  # fmt: skip
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_seeded_requests_sample_the_same_tokens_after_preemption(kind: str, tiny_llama: Path) -> None:
+    roomy = ExecutorConfig(backend=kind, device="cpu" if kind == "torch" else None, dtype="float32",
+                           deterministic=True, kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=4096))
     assert_same_tokens_after_preemption(tiny_llama, roomy)
 
 
