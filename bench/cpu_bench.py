@@ -16,9 +16,12 @@ from pathlib import Path
 PROMPT_LEN = int(os.environ.get("TOKENWIRE_BENCH_PROMPT", "128"))
 OUTPUT_LEN = int(os.environ.get("TOKENWIRE_BENCH_OUTPUT", "128"))
 CONCURRENCY = (1, 32)
+# 1: the executor in deterministic mode (docs/deterministic.md), to measure what it costs.
+DETERMINISTIC = os.environ.get("TOKENWIRE_BENCH_DETERMINISTIC", "0") == "1"
 TITLE = (f"Executor on this CPU vs transformers generate: default model, "
          f"{PROMPT_LEN} prompt / {OUTPUT_LEN} output tokens, "
-         f"OpenBLAS kernels {os.environ.get('OPENBLAS_CORETYPE', 'detected from the CPU')}")
+         f"OpenBLAS kernels {os.environ.get('OPENBLAS_CORETYPE', 'detected from the CPU')}"
+         f"{', deterministic mode' if DETERMINISTIC else ''}")
 
 
 @dataclass(slots=True)
@@ -43,7 +46,7 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 def run_tokenwire(model_dir: Path, batch: list[list[int]]) -> Measurement:
     from worker.executor import Executor, ExecutorConfig, KvCacheConfig, Request
 
-    config = ExecutorConfig(backend="numpy", max_batch_size=64, max_num_tokens=2048,
+    config = ExecutorConfig(backend="numpy", max_batch_size=64, max_num_tokens=2048, deterministic=DETERMINISTIC,
                             kv_cache_config=KvCacheConfig(max_tokens=len(batch) * (PROMPT_LEN + OUTPUT_LEN) + 1024))
     with Executor.from_model(model_dir, config) as ex:
         # warm-up: first-call costs (allocation, BLAS thread start) stay out of the figures

@@ -52,7 +52,8 @@ def bench_tokenwire(args: argparse.Namespace, cfg: Any, weights: dict[str, torch
 
     backend = TorchBackend(cfg, device, args.dtype, weights=weights, max_num_tokens=args.max_num_tokens,
                            max_model_len=args.max_model_len, max_graph_batch=args.max_batch,
-                           max_batch_size=args.max_batch, kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
+                           max_batch_size=args.max_batch, kv_cache_dtype=args.kv_cache_dtype,
+                           deterministic=args.deterministic)  # fmt: skip
     rows = bench_executor(args, cfg, backend, workloads, roof)
     del backend
     gc.collect()
@@ -202,6 +203,8 @@ def parser() -> argparse.ArgumentParser:
                    help="of the device memory free after the weights and working memory, what the KV cache takes "
                         "(TensorRT-LLM's kv_cache_free_gpu_mem_fraction: 0.9 by default, 0.95 in its published runs)")
     p.add_argument("--max-num-tokens", type=int, default=8192)
+    p.add_argument("--deterministic", action="store_true",
+                   help="the backend's batch-invariant mode (a row's logits independent of its batch-mates)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--direct", action="store_true", help="also drive the backend alone, without the executor")

@@ -43,15 +43,19 @@ def create_backend(
     max_batch_size: int | None = None,
     parallel: ParallelConfig | None = None,
     kv_cache_dtype: str | None = None,
+    deterministic: bool = False,
 ) -> Backend:
     """Build the backend for a LoadedModel. `device` / `dtype` apply to torch only
     (default: cuda and bfloat16 when there is a GPU, else cpu and float32); so do the
     executor's limits, which size the activation reserve and the CUDA-graph buckets.
-    A `parallel` config over several ranks starts them (torch only: worker/parallel)."""
+    A `parallel` config over several ranks starts them (torch only: worker/parallel).
+    `deterministic`: a request's logits do not depend on its batch-mates (one rank only)."""
     kind = resolve_backend(choice)
     if parallel is not None and parallel.world_size > 1:
         if choice == "numpy":
             raise ValueError("tensor or pipeline parallelism needs the torch backend")
+        if deterministic:
+            raise ValueError("deterministic mode runs on one device, not with tensor or pipeline parallelism")
         from worker.parallel.ranks import start_ranks
 
         batch = max_batch_size or 512
@@ -64,7 +68,7 @@ def create_backend(
             raise ValueError(f"a {kv_cache_dtype} KV cache needs the torch backend")
         from worker.backends.numpy_backend import NumpyBackend
 
-        return NumpyBackend(model)
+        return NumpyBackend(model, deterministic)
     from worker.backends.torch_backend import TorchBackend
 
     # Generation steps of every batch size run as CUDA graphs: the graphs share one
@@ -77,6 +81,7 @@ def create_backend(
         max_graph_batch=max_batch_size or 512,
         max_batch_size=max_batch_size or 512,
         kv_cache_dtype=kv_cache_dtype,
+        deterministic=deterministic,
     )
 
 

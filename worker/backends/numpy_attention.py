@@ -87,7 +87,13 @@ def _split_by_length(lengths: np.ndarray, max_keys: int) -> list[np.ndarray]:
     return groups
 
 
-def plan(batch: ForwardBatch, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionPlan:
+def plan(batch: ForwardBatch, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+         per_token: bool = False) -> AttentionPlan:  # fmt: skip
+    """`per_token`: every token attended on its own over exactly its visible blocks, so its
+    result depends on nothing but its sequence and position (not on batch-mates, nor on
+    how the scheduler cut the prompt into chunks, nor on a recompute after preemption)."""
+    if per_token:
+        return _per_token_plan(batch, block_size)
     q_lens = np.diff(batch.query_start)
     starts = batch.query_start[:-1]
     bs = block_size
@@ -112,6 +118,14 @@ def plan(batch: ForwardBatch, block_size: int, num_heads: int, num_kv_heads: int
             nblk = int(positions[-1]) // bs + 1
             chunks.append(Chunk(a, b, batch.block_tables[i, :nblk], positions))
     return AttentionPlan(groups, chunks, block_size)
+
+
+def _per_token_plan(batch: ForwardBatch, block_size: int) -> AttentionPlan:
+    seq_of_token = np.repeat(np.arange(len(batch.context_lens)), np.diff(batch.query_start))
+    groups = [DecodeGroup(np.array([t]), batch.block_tables[seq, None, : int(pos) // block_size + 1],
+                          batch.positions[t : t + 1])
+              for t, (seq, pos) in enumerate(zip(seq_of_token, batch.positions, strict=True))]  # fmt: skip
+    return AttentionPlan(groups, [], block_size)
 
 
 def _softmax_inplace(scores: np.ndarray) -> np.ndarray:

@@ -28,11 +28,13 @@ _HOST_MEMORY_SHARE = 0.5
 class NumpyBackend:
     name = "numpy"
 
-    def __init__(self, model: LoadedModel) -> None:
+    def __init__(self, model: LoadedModel, deterministic: bool = False) -> None:
+        """`deterministic`: a request's logits do not depend on its batch-mates."""
         self.config: ModelConfig = model.config
         self.ropes = layer_ropes(model.config)
         self.quantization = model.quantization  # what the model runs as, for Ready and logs
-        self.ops = NumpyDecoderOps(model.config, model.quantize)
+        self.ops = NumpyDecoderOps(model.config, model.quantize, deterministic)
+        self.deterministic = deterministic
         self.model: llama.DecoderWeights[np.ndarray, NumpyLinear] = llama.build_weights(
             model.config, {**model.weights, **model.quantized}, self.ops
         )
@@ -74,7 +76,8 @@ class NumpyBackend:
         cfg = self.config
         cos, sin = self.ropes[0].step_cos_sin(batch.positions, batch.query_start, batch.context_lens)
         local = [r.step_cos_sin(batch.positions, batch.query_start, batch.context_lens) for r in self.ropes[1:]]
-        attention = plan(batch, self.ops.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        attention = plan(batch, self.ops.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                         per_token=self.deterministic)
         return NumpyStep(batch.token_ids, batch.slot_mapping, batch.logits_indices, cos, sin, attention,
                          batch.lora_slots, batch.prompt_rows, batch.prompt_embeds, local[0] if local else None)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from worker.backends.numpy_attention import AttentionPlan, paged_attention_numpy
+from worker.backends.row_tiles import matmul_rows_numpy
 from worker.models.config import ModelConfig
 from worker.models.llama import LinearRole
 from worker.models.lora import LoraAdapter
@@ -58,9 +59,12 @@ def _apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 class NumpyDecoderOps:
-    def __init__(self, config: ModelConfig, quantize: str | None = None) -> None:
-        """`quantize` ("fp8" | "int4"): float linear weights carry that quantization's error."""
+    def __init__(self, config: ModelConfig, quantize: str | None = None, deterministic: bool = False) -> None:
+        """`quantize` ("fp8" | "int4"): float linear weights carry that quantization's error.
+        `deterministic`: every product in fixed row tiles, so a row's logits do not depend
+        on the rest of the batch (row_tiles.py)."""
         self.config = config
+        self.matmul = matmul_rows_numpy if deterministic else np.matmul
         self.quantize = quantize
         self.softmax_scale = config.softmax_scale
         self.k_cache: list[np.ndarray] = []
@@ -122,7 +126,7 @@ class NumpyDecoderOps:
             if w is not None:
                 rows = np.flatnonzero(slots == slot)
                 a, b = w.a.reshape(-1, w.a.shape[2]), w.b.reshape(w.b.shape[0], -1)
-                y[rows] += (x[rows] @ a.T) @ b.T
+                y[rows] += self.matmul(self.matmul(x[rows], a.T), b.T)
         return y
 
     def add_rms_norm(
@@ -138,7 +142,7 @@ class NumpyDecoderOps:
     def linear(self, x: np.ndarray, weight: NumpyLinear) -> np.ndarray:
         if weight.fp8_inputs is not None:
             x = fake_quantize_inputs(x, weight.fp8_inputs)
-        y = x @ weight.weight
+        y = self.matmul(x, weight.weight)
         if weight.bias is not None:
             y += weight.bias
         return y
@@ -198,4 +202,4 @@ class NumpyDecoderOps:
         return x[step.logits_indices]
 
     def lm_head(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        return np.asarray(x @ weight, dtype=np.float32)
+        return np.asarray(self.matmul(x, weight), dtype=np.float32)

@@ -95,6 +95,7 @@ class TorchBackend:
         kv_cache_dtype: str | None = None,
         max_batch_size: int | None = None,
         free_memory: int | None = None,
+        deterministic: bool = False,
     ) -> None:
         """`model` is a LoadedModel (worker.models) or a ModelConfig with `weights`
         given separately (Hugging Face names; a fused `...qkv_proj.weight` /
@@ -110,12 +111,20 @@ class TorchBackend:
         sizes the working memory kept out of the KV cache (memory_plan.py). `free_memory`:
         bytes to plan the KV cache with instead of what the device reports free now (a
         device shared with another process; tests). Speculative verification steps of
-        up to `max_verify_graph_batch` sequences run in CUDA graphs too (cuda_graphs.py)."""
+        up to `max_verify_graph_batch` sequences run in CUDA graphs too (cuda_graphs.py).
+        `deterministic`: a request's logits do not depend on its batch-mates: linear layers
+        and the lm head in fixed row tiles (invariant_matmul.py); on CUDA every step's
+        attention in the prefill kernel's tiles, one program per tile (not the decode
+        kernel whose split-KV count follows the batch size), and no CUDA graphs (their
+        steps take the decode kernel)."""
         if world is not None:
             device = world.device
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = _dtype(dtype, self.device)
         self.on_cuda = self.device.type == "cuda"
+        if deterministic and world is not None and world.tensor_parallel_size > 1:
+            raise ValueError("deterministic mode runs on one GPU, not with tensor parallelism")
+        self.deterministic = deterministic
         self.name = "torch-cuda" if self.on_cuda else "torch-cpu"
         if isinstance(model, ModelConfig) and weights is None:
             raise ValueError("TorchBackend(ModelConfig, ...) needs weights=")
@@ -126,6 +135,8 @@ class TorchBackend:
         check_mode(quantization)
         quantize = quantization or getattr(model, "quantize", None)
         self.quantization: str | None = getattr(model, "quantization", None) if quantization is None else quantization
+        if deterministic and self.quantization is not None:
+            raise ValueError(f"deterministic mode runs float weights only, not {self.quantization}")
         if kv_cache_dtype not in (None, "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'fp8' or None, got {kv_cache_dtype!r}")
         kv_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else self.dtype
@@ -138,7 +149,7 @@ class TorchBackend:
         ops_config = self.config if self.stage is None else layout.stage_config(self.config, self.stage.layers)
         self.ops = (
             TorchDecoderOps(ops_config, self.device, self.dtype, self.max_model_len, quantize=quantize,
-                            kv_dtype=kv_dtype)
+                            kv_dtype=kv_dtype, deterministic=deterministic)
             if world is None or world.tensor_parallel_size == 1
             else ShardedTorchDecoderOps(ops_config, world.tensor, self.device, self.dtype, self.max_model_len,
                                         quantize=quantize, kv_dtype=kv_dtype)
@@ -153,7 +164,7 @@ class TorchBackend:
         self.scratch_slot = 0
         self.staging = PinnedStaging(self.device)
         self._graphs: DecodeGraphs | None = None
-        self._use_cuda_graphs = use_cuda_graphs and self.on_cuda and self.stage is None
+        self._use_cuda_graphs = use_cuda_graphs and self.on_cuda and self.stage is None and not deterministic
         self._world = world  # tensor-parallel ranks agree on the decode graphs' timings
         self.lora_enabled = False  # LoRA slots allocated: decode graphs take each row's slot
         self._max_graph_batch = max_graph_batch
@@ -380,7 +391,8 @@ class TorchBackend:
 
     def _upload(self, batch: ForwardBatch) -> StepInputs:
         """Pack the step's metadata into one pinned int32 buffer and copy it over once."""
-        block_q = 1 if batch.num_tokens == batch.num_seqs else paged_attention.PREFILL_BLOCK_Q
+        decode = batch.num_tokens == batch.num_seqs and not self.deterministic
+        block_q = 1 if decode else paged_attention.PREFILL_BLOCK_Q
         tile_seq, tile_q0 = paged_attention.tile_map(batch.query_start, block_q)
         # The attention kernel takes the tables' width as their row stride, and Triton compiles
         # a kernel apart for a stride of 1, one of a multiple of 16 and any other: padded to a

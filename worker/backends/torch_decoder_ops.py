@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from worker.backends import gemv, paged_attention, quant_linear, torch_ops
+from worker.backends import gemv, invariant_matmul, paged_attention, quant_linear, torch_ops
 from worker.backends.gelu_mul import gelu_tanh_mul_torch, gelu_tanh_mul_triton
 from worker.backends.head_norm import head_norm_torch, head_norm_triton
 from worker.backends.lora_kernel import add_lora
@@ -47,12 +47,15 @@ class TorchLinear:
 class TorchDecoderOps:
     def __init__(
         self, config: ModelConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
-        quantize: str | None = None, kv_dtype: torch.dtype | None = None,
+        quantize: str | None = None, kv_dtype: torch.dtype | None = None, deterministic: bool = False,
     ) -> None:  # fmt: skip
         """Refuses a rope the position table cannot express (see Rope.position_table).
         `quantize` ("fp8" | "int4"): float linear weights are quantized as they are made.
-        `kv_dtype`: the KV pool's (torch.float8_e4m3fn: half the bytes); default `dtype`."""
+        `kv_dtype`: the KV pool's (torch.float8_e4m3fn: half the bytes); default `dtype`.
+        `deterministic`: float linear layers and the lm head in fixed row tiles
+        (invariant_matmul.py), so a row's logits do not depend on its batch-mates."""
         self.config = config
+        self.deterministic = deterministic
         self.quantize = quantize
         self.kv_dtype = kv_dtype or dtype
         self.device, self.dtype = device, dtype
@@ -211,6 +214,8 @@ class TorchDecoderOps:
 
     def linear(self, x: torch.Tensor, weight: TorchLinear | quant_linear.QuantLinear) -> torch.Tensor:
         if isinstance(weight, TorchLinear):
+            if self.deterministic:
+                return invariant_matmul.linear(x, weight.weight, weight.bias)
             if self._one_row(x, weight.weight):
                 return gemv.gemv(x, weight.weight, weight.bias)
             return F.linear(x, weight.weight, weight.bias)
@@ -221,7 +226,7 @@ class TorchDecoderOps:
         return weight(x)
 
     def _one_row(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return self.use_triton and x.shape[0] == 1 and weight.stride(1) == 1
+        return not self.deterministic and self.use_triton and x.shape[0] == 1 and weight.stride(1) == 1
 
     def head_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> torch.Tensor:
         cfg = self.config
@@ -243,9 +248,12 @@ class TorchDecoderOps:
                 softcap=self.softcap,
             )  # fmt: skip
         else:
+            block_tables, query_start, seq_lens = step.block_tables.long(), step.query_start_host, step.seq_lens_host
+            if self.deterministic:
+                block_tables, query_start, seq_lens = _per_token(block_tables, query_start, seq_lens)
             out = paged_attention.paged_attention_torch(
-                q, self.k_cache[layer], self.v_cache[layer], step.block_tables.long(), step.query_start_host,
-                step.seq_lens_host, self.softmax_scale, window, self.softcap,
+                q, self.k_cache[layer], self.v_cache[layer], block_tables, query_start, seq_lens,
+                self.softmax_scale, window, self.softcap,
             )  # fmt: skip
         return out.view(q.shape[0], -1)
 
@@ -274,6 +282,8 @@ class TorchDecoderOps:
         return x if step.logits_indices is None else x[step.logits_indices]
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.deterministic:
+            return invariant_matmul.linear(x, weight, out_dtype=torch.float32)
         if self._one_row(x, weight):
             return gemv.gemv(x, weight, out_dtype=torch.float32)
         if not x.is_cuda:
@@ -283,3 +293,16 @@ class TorchDecoderOps:
         if out is not None and out.shape == (x.shape[0], weight.shape[0]):
             return torch.mm(x, weight.t(), out_dtype=torch.float32, out=out)
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
+
+
+def _per_token(block_tables: torch.Tensor, query_start: np.ndarray,
+               seq_lens: np.ndarray) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:  # fmt: skip
+    """Each token as a sequence of its own, seeing exactly the keys up to its position: its
+    attention then depends on nothing but its sequence and position (not on batch-mates,
+    nor on how its prompt was cut into chunks, nor on a recompute after preemption)."""
+    q_lens = np.diff(query_start)
+    seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
+    offset_from_end = np.repeat(query_start[1:], q_lens) - 1 - np.arange(int(query_start[-1]))
+    token_lens = seq_lens[seq_of_token] - offset_from_end
+    index = torch.from_numpy(seq_of_token).to(block_tables.device)
+    return block_tables[index], np.arange(len(seq_of_token) + 1), token_lens

@@ -121,7 +121,8 @@ class EngineCore:
         loaded = load_model(path, quantization=cfg.quantization)
         backend = create_backend(loaded, cfg.backend, cfg.device, cfg.dtype,
                                  max_num_tokens=cfg.max_num_tokens, max_batch_size=cfg.max_batch_size,
-                                 parallel=cfg.parallel_config, kv_cache_dtype=cfg.kv_cache_config.dtype)
+                                 parallel=cfg.parallel_config, kv_cache_dtype=cfg.kv_cache_config.dtype,
+                                 deterministic=cfg.deterministic)
         draft = None
         if cfg.draft_model is not None:
             draft = DraftModel.load(cfg.draft_model, cfg.backend, cfg.device, cfg.dtype,

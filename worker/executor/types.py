@@ -277,6 +277,10 @@ class ExecutorConfig:
     # LoRA: on when either is set. Adapters (name -> PEFT directory) are registered at start.
     peft_cache_config: PeftCacheConfig | None = None
     lora_adapters: dict[str, str] = field(default_factory=dict)
+    # True: a request's logits do not depend on which requests share its batch, so a
+    # seeded request samples the same tokens whatever the load (docs/deterministic.md);
+    # costs throughput. Float weights only.
+    deterministic: bool = False
 
     @property
     def lora_enabled(self) -> bool:

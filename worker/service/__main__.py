@@ -97,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "outputs (bf16 1000/1000 on an H100: +12 %%), later tokens for the preempted",
     )
     p.add_argument("--max-num-tokens", type=POSITIVE_INT, default=2048)
+    p.add_argument("--deterministic", action="store_true",
+                   help="a request's logits do not depend on the requests batched with it, so a seeded request "
+                   "samples the same tokens whatever the load; costs throughput; float weights, one device")
     p.add_argument("--max-beam-width", type=POSITIVE_INT, default=4, help="widest beam search accepted")
     p.add_argument("--kv-tokens", type=POSITIVE_INT, default=None, help="KV cache size in tokens (default: by memory)")
     p.add_argument(
@@ -238,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         lora_adapters=lora_adapters,
         peft_cache_config=peft_cache_config,
+        deterministic=args.deterministic,
     )
     try:
         engine = EngineProcess(engine_config)

@@ -89,6 +89,7 @@ class EngineConfig:
     lora_adapters: tuple[tuple[str, str], ...] = ()
     peft_cache_config: ex.PeftCacheConfig | None = None
     scheduler_policy: str = "guaranteed_no_evict"  # a CapacitySchedulerPolicy's value
+    deterministic: bool = False  # logits independent of batch-mates (ExecutorConfig.deterministic)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,6 +281,7 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
         lora_adapters=dict(config.lora_adapters),
         peft_cache_config=config.peft_cache_config,
         scheduler_config=SchedulerConfig(CapacitySchedulerPolicy(config.scheduler_policy)),
+        deterministic=config.deterministic,
     )
     block = executor_config.kv_cache_config.tokens_per_block
     if config.kv_tokens is not None and config.kv_tokens < block:

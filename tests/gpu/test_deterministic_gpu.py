@@ -1,0 +1,33 @@
+"""Deterministic mode on CUDA: seeded requests draw the same tokens alone, in two
+batches and all together (cuBLAS in fixed row tiles, no batch-dependent split-KV)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.checkpoints import make_checkpoint
+from tests.worker.backends.test_deterministic import assert_same_tokens_after_preemption, tokens_in_batches
+from worker.executor import ExecutorConfig, KvCacheConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_seeded_requests_sample_the_same_tokens_whatever_the_batch(dtype: str, tmp_path: Path) -> None:
+    checkpoint = make_checkpoint("llama_gqa", tmp_path / "llama")
+    config = ExecutorConfig(backend="torch", device="cuda", dtype=dtype, deterministic=True,
+                            kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=4096))  # fmt: skip
+    together = tokens_in_batches(checkpoint, config, 32)
+    assert all(len(t) == 12 for t in together)
+    assert tokens_in_batches(checkpoint, config, 16) == together
+    assert tokens_in_batches(checkpoint, config, 1) == together
+    # 16 tokens a step: prompts cut into chunks, decode tokens sharing steps with chunks.
+    assert tokens_in_batches(checkpoint, dataclasses.replace(config, max_num_tokens=16), 32) == together
+    assert_same_tokens_after_preemption(checkpoint, config)
