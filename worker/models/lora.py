@@ -27,10 +27,12 @@ from worker.models.config import CheckpointError, ModelConfig
 from worker.models.llama import LinearRole
 from worker.models.safetensors_io import read_float32, read_header
 
-# Which fused role and part each PEFT target module is.
-TARGET_MODULES: dict[str, tuple[LinearRole, int]] = {
+# Which fused role and part each PEFT target module is; part None: the whole fused
+# projection, as checkpoints that store it fused name it (Phi-3's qkv_proj, gate_up_proj).
+TARGET_MODULES: dict[str, tuple[LinearRole, int | None]] = {
     "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
     "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0),
+    "qkv_proj": ("qkv", None), "gate_up_proj": ("gate_up", None),
 }  # fmt: skip
 ROLES: tuple[LinearRole, ...] = ("qkv", "o", "gate_up", "down")
 
@@ -114,9 +116,13 @@ def load_lora_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> L
         r = ranks[layer, module]
         # PEFT scales by the configured r, whatever rank each module's tensors have.
         scaling = alpha / (math.sqrt(cfg["r"]) if cfg.get("use_rslora") else cfg["r"])
-        lo = sum(outs[:part])
-        w.a[part, :r] = ab["A"]
-        w.b[lo : lo + outs[part], part, :r] = ab["B"] * np.float32(scaling)
+        # A module over the whole fused projection is its parts sharing one A: part p's
+        # output rows are B's rows of p times A x, which the block-diagonal layout computes.
+        for p in range(len(outs)) if part is None else [part]:
+            lo = sum(outs[:p])
+            rows = ab["B"][lo : lo + outs[p]] if part is None else ab["B"]
+            w.a[p, :r] = ab["A"]
+            w.b[lo : lo + outs[p], p, :r] = rows * np.float32(scaling)
     return LoraAdapter(str(directory), rank, weights)
 
 
@@ -157,9 +163,10 @@ def _check_pair(key: tuple[int, str], ab: dict[str, np.ndarray], config: ModelCo
     a, b = ab["A"], ab["B"]
     role, part = TARGET_MODULES[module]
     width, outs = role_shape(config, role)
-    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != width or b.shape[0] != outs[part] or b.shape[1] != a.shape[0]:
+    out = sum(outs) if part is None else outs[part]
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != width or b.shape[0] != out or b.shape[1] != a.shape[0]:
         raise CheckpointError(f"{where}: shape mismatch with the model: lora_A {list(a.shape)}, lora_B "
-                              f"{list(b.shape)}; the model needs lora_A [r, {width}] and lora_B [{outs[part]}, r]")
+                              f"{list(b.shape)}; the model needs lora_A [r, {width}] and lora_B [{out}, r]")
     rank = int(a.shape[0])
     if rank > max_rank:
         raise CheckpointError(f"{where}: rank {rank} is above max_rank {max_rank} (PeftCacheConfig.max_rank)")

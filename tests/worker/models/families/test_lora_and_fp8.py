@@ -1,5 +1,6 @@
 """The capabilities the Llama family has, on the new families: a LoRA adapter made by
-peft on Qwen3 gives peft's logits on both CPU backends, and FP8 / INT4 quantization on
+peft on Qwen3, Gemma 3 and Phi-3 (on its fused projections) gives peft's logits on both
+CPU backends, and FP8 / INT4 quantization on
 load computes alike on both (the reference the CUDA kernels are held to)."""
 
 from __future__ import annotations
@@ -35,12 +36,18 @@ def _prefill(backend: Any, lora_slot: int | None = None) -> np.ndarray:
     return np.asarray(backend.logits_to_host(backend.forward(batch)))
 
 
-def test_peft_lora_on_qwen3_matches_peft(family_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+SPLIT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# peft's target modules per family: Phi-3's checkpoints hold qkv and gate_up fused.
+LORA_TARGETS = {"qwen3_head_dim": SPLIT_TARGETS, "gemma3_local_global": SPLIT_TARGETS,
+                "phi3_window": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(LORA_TARGETS))
+def test_peft_lora_matches_peft(name: str, family_checkpoints: dict[str, Path], tmp_path: Path) -> None:
     import torch
 
-    checkpoint = family_checkpoints["qwen3_head_dim"]
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    adapter_dir = make_adapter(checkpoint, tmp_path / "qwen3_lora", 4, targets, seed=7)
+    checkpoint = family_checkpoints[name]
+    adapter_dir = make_adapter(checkpoint, tmp_path / f"{name}_lora", 4, LORA_TARGETS[name], seed=7)
     with torch.no_grad():
         want = peft_model(checkpoint, adapter_dir)(torch.tensor([PROMPT])).logits[0].numpy()
         base = peft_model(checkpoint, None)(torch.tensor([PROMPT])).logits[0].numpy()
@@ -54,7 +61,7 @@ def test_peft_lora_on_qwen3_matches_peft(family_checkpoints: dict[str, Path], tm
         assert diff < LOGITS_ATOL, f"{backend.name}: max |diff| {diff:.2e}"
 
 
-@pytest.mark.parametrize("name", ["qwen3_head_dim", "gemma3_local_global"])
+@pytest.mark.parametrize("name", ["qwen3_head_dim", "gemma2_capped", "gemma3_local_global", "phi3_window"])
 def test_both_cpu_backends_quantize_on_load_alike(name: str, family_checkpoints: dict[str, Path]) -> None:
     directory = family_checkpoints[name]
     float_logits = _prefill(_backends(directory)[0])
