@@ -1,6 +1,6 @@
 """Quantized checkpoints as users have them: compressed-tensors written by llm-compressor
-(FP8_DYNAMIC, W4A16 symmetric and asymmetric) with transformers loading the same files as
-the oracle; AWQ's gemm layout packed from its documented format; and bad checkpoints that
+(FP8_DYNAMIC, W4A16 symmetric and asymmetric) from a Llama and a Qwen3, with transformers
+loading the same files as the oracle; AWQ's gemm layout packed from its documented format; and bad checkpoints that
 must fail at load naming the tensor.
 
 Oracle tolerance. INT4 W4A16 is weight-only: transformers computes with the same float
@@ -37,31 +37,31 @@ SCHEMES = ("FP8_DYNAMIC", "W4A16", "W4A16_ASYM")
 LOGIT_TOLERANCE = 1e-3  # of the logits' standard deviation (see above)
 
 
-def tiny_llama(directory: Path) -> Path:
-    """A random Llama whose layers group size 128 divides (hidden 128, intermediate 256)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_model(family: str, directory: Path) -> Path:
+    """A random model of `family` whose layers group size 128 divides (hidden 128,
+    intermediate 256); Qwen3 with its per-head q/k norms, at head_dim 32."""
+    import transformers
 
-    config = LlamaConfig(
-        vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.2,
-        bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+    shape = {"vocab_size": 320, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+             "tie_word_embeddings": False, "initializer_range": 0.2, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+    config = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[family](**shape)
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     write_tokenizer(directory)
     return directory
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def checkpoints(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """scheme -> a checkpoint llm-compressor wrote from the same float model ("float" too)."""
     pytest.importorskip("llmcompressor", reason="llm-compressor is in the test extra (pip install -e '.[test]')")
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from transformers import AutoModelForCausalLM
 
-    root = tmp_path_factory.mktemp("quantized")
-    out = {"float": tiny_llama(root / "float")}
+    root = tmp_path_factory.mktemp(f"quantized_{request.param}")
+    out = {"float": tiny_model(request.param, root / "float")}
     for scheme in SCHEMES:
         model = AutoModelForCausalLM.from_pretrained(out["float"], dtype=torch.float32)
         recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
@@ -210,7 +210,7 @@ def write_awq(float_dir: Path, out: Path, group: int = 128) -> dict[str, np.ndar
 
 @pytest.fixture(scope="module")
 def float_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("float") / "llama")
+    return tiny_model("llama", tmp_path_factory.mktemp("float") / "llama")
 
 
 def test_awq_dequantizes_to_the_quantized_values_exactly(float_llama: Path, tmp_path: Path) -> None:
