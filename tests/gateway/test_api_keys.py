@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -15,17 +13,13 @@ import pytest
 
 from clients.client import Client
 from clients.connection import RequestError
-from tests.procs import CLIENT_OPTIONS, REPO, free_port, stack
+from tests.gateway.keys_cli import tokenwire
+from tests.procs import CLIENT_OPTIONS, free_port, stack
 
 openai = pytest.importorskip("openai")
 
 FILE_KEY = "tw-file-key-for-tests"
 ENV_KEY = "tw-env-key-for-tests"
-
-
-def tokenwire(redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "clients.cli", "keys", *args, "--redis", redis_url],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

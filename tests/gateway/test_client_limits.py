@@ -12,7 +12,7 @@ import pytest
 
 from clients.client import Client
 from clients.connection import RequestError
-from tests.gateway.test_api_keys import tokenwire
+from tests.gateway.keys_cli import tokenwire
 from tests.integration.test_metrics import scrape, value
 from tests.procs import CLIENT_OPTIONS, free_port, stack
 

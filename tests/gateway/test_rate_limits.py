@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.gateway.test_api_keys import tokenwire
+from tests.gateway.keys_cli import tokenwire
 from tests.integration.test_metrics import scrape, value
 from tests.procs import free_port, stack
 
