@@ -10,7 +10,6 @@ process of its own).
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.worker.backends.interpreted_kernels import assert_close_sums
+from tests.worker.backends.interpreted_kernels import assert_close_sums, run_checks
 from worker.backends import invariant_matmul, torch_ops
 from worker.backends.paged_attention import PREFILL_BLOCK_Q, paged_attention_triton, tile_map
 
@@ -94,16 +93,5 @@ CHECKS: list[Callable[[], None]] = [
 ]
 
 
-def main() -> int:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        print("set TRITON_INTERPRET=1: the kernels must run in Triton's interpreter", file=sys.stderr)
-        return 2
-    torch.manual_seed(0)
-    for check in CHECKS:
-        check()
-        print(f"{check.__name__}: ok", flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_checks(CHECKS))

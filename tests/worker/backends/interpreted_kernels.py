@@ -259,16 +259,17 @@ CHECKS: list[Callable[[], None]] = [
 ]
 
 
-def main() -> int:
+def run_checks(checks: list[Callable[[], None]]) -> int:
+    """Each check in turn, in Triton's interpreter (the exit status of a script)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1: the kernels must run in Triton's interpreter", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    for check in CHECKS:
+    for check in checks:
         check()
         print(f"{check.__name__}: ok", flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_checks(CHECKS))
