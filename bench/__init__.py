@@ -5,8 +5,12 @@ the modules they share hold one thing each (roofline.py, device_rates.py, runner
 A command imports the library and other commands' public names only; a library module
 imports no command (tests/bench/test_imports.py)."""
 
+import json
 import socket
 import time
+from pathlib import Path
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
 class SkipSection(Exception):
@@ -23,3 +27,17 @@ def free_port() -> int:
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def default_model() -> Path:
+    """The default model's checkpoint directory (fetched once); SkipSection where it cannot be had."""
+    from worker.models.default_model import DefaultModelUnavailable, resolve_model
+
+    try:
+        return resolve_model(DEFAULT_MODEL)
+    except DefaultModelUnavailable as e:
+        raise SkipSection(str(e)) from None
+
+
+def vocab_size(checkpoint: Path) -> int:
+    return int(json.loads((checkpoint / "config.json").read_text())["vocab_size"])

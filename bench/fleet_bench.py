@@ -36,7 +36,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import SkipSection, free_port
+from bench import SkipSection, default_model, free_port, vocab_size
 from ops.process import stop_children
 
 TITLE = "fleet: least-loaded vs prefix-aware routing of multi-turn chats, 2 workers, default model"
@@ -210,16 +210,10 @@ def _row(r: Result, block: int) -> list[str]:
 
 
 def table() -> tuple[list[str], list[list[str]]]:
-    import json
-
     from worker.executor.types import KvCacheConfig
-    from worker.models.default_model import DefaultModelUnavailable, resolve_model
 
-    try:
-        model = resolve_model("SmolLM2-135M-Instruct")
-    except DefaultModelUnavailable as e:
-        raise SkipSection(str(e)) from None
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    model = default_model()
+    vocab = vocab_size(model)
     fleet = _Fleet(model)
     try:
         fleet.wait_ready()

@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from bench import SkipSection
+from bench import SkipSection, default_model, vocab_size
 from bench.service_stack import Stack
 from bench.stream_timing import pct
 
@@ -162,17 +162,15 @@ LOAD_HEADER = ["tool", "requests", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
 
 def model_path(name: str, directory: Path) -> Path:
     from bench.serving_bench import tiny_checkpoint
-    from worker.models.default_model import resolve_model
-
     if name == "tiny":
         return tiny_checkpoint(directory / "tiny")
-    return resolve_model("SmolLM2-135M-Instruct") if name == "default" else Path(name)
+    return default_model() if name == "default" else Path(name)
 
 
 def run(args: argparse.Namespace) -> tuple[list[list[str]], list[list[str]]]:
     with tempfile.TemporaryDirectory(prefix="tokenwire-openai-bench-") as tmp:
         model = model_path(args.model, Path(tmp))
-        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        vocab = vocab_size(model)
         stack = Stack(model)
         try:
             base_url = f"http://127.0.0.1:{stack.http_port}"

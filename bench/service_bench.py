@@ -73,7 +73,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench import SkipSection
+from bench import default_model, vocab_size
 from bench.service_stack import Stack
 from bench.stream_timing import Timeline, pct
 from ops.process import settle_gc
@@ -482,15 +482,8 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def table() -> tuple[list[str], list[list[str]]]:
-    import json
-
-    from worker.models.default_model import DefaultModelUnavailable, resolve_model
-
-    try:
-        model = resolve_model("SmolLM2-135M-Instruct")
-    except DefaultModelUnavailable as e:
-        raise SkipSection(str(e)) from None
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    model = default_model()
+    vocab = vocab_size(model)
     # New prompts for each repeat (the same sets for both paths): a repeated prompt
     # would be served from the prefix cache.
     prompt_sets = [_prompts(vocab, seed) for seed in range(REPEATS)]
@@ -520,9 +513,7 @@ def table() -> tuple[list[str], list[list[str]]]:
 
 def keys_table(model: Path) -> tuple[list[str], list[list[str]]]:
     """Part (c) alone, on any checkpoint: what API keys and limits cost at that model's load."""
-    import json
-
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    vocab = vocab_size(model)
     keys = keys_sets(model, [_prompts(vocab, i) for i in range(KEYS_PAIRS + 1)])
     return ["API keys + limits on the HTTP front", "figure"], [
         ["keys + limits on vs off", f"{len(keys)} sets, orders permuted: {_versus_text(keys, _KEYS_ON, _KEYS_OFF)}"],

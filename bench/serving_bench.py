@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from bench import SkipSection
+from bench import DEFAULT_MODEL, SkipSection, default_model, vocab_size
 from bench.service_stack import Stack
 from bench.stream_timing import Timeline, pct
 
@@ -178,10 +178,8 @@ def tiny_checkpoint(directory: Path) -> Path:
     tokenization and detokenization on the service path, next to no model time."""
     from safetensors.numpy import save_file
 
-    from worker.models.default_model import resolve_model
-
-    default = resolve_model("SmolLM2-135M-Instruct")
-    vocab = json.loads((default / "config.json").read_text())["vocab_size"]
+    default = default_model()
+    vocab = vocab_size(default)
     h, inter, layers, heads, kv_heads = 64, 128, 2, 4, 2
     d = h // heads
     rng = np.random.default_rng(0)
@@ -303,10 +301,10 @@ def bench_model(args: argparse.Namespace, name: str, log: Callable[[str], None])
             from worker.models.default_model import DefaultModelUnavailable, resolve_model
 
             try:
-                path = resolve_model("SmolLM2-135M-Instruct" if name == "default" else name)
+                path = resolve_model(DEFAULT_MODEL if name == "default" else name)
             except DefaultModelUnavailable as e:
                 raise SkipSection(str(e)) from None
-        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        vocab = vocab_size(path)
         executor = Executor.from_model(path, executor_config(args))
     label = (name if name in ("tiny", "default", "8b") else Path(name).name) + variant(args)
     runs: list[RateRun] = []
