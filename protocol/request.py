@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 
 from protocol import options
 from protocol.base import Message, Name, Uint64, WireModel
+from protocol.continuation import continuation_problem
 from protocol.derive import wire_model
 from protocol.packed import Floats, TokenIds
 from protocol.results import Logits
@@ -117,6 +118,9 @@ class Submit(Message):
     speculative_config: SpeculativeConfig | None = None  # None: the worker's default
     lora_config: LoraConfig | None = None  # None: the base model
     prompt_tuning_config: PromptTuningConfig | None = None
+    # The output tokens this request's reader already received from an earlier run of
+    # it (protocol/continuation.py): computed as context, counted as generated, not sent again.
+    resumed_token_ids: TokenIds | None = Field(None, min_length=1)
 
     @property
     def lora(self) -> str | None:
@@ -136,4 +140,7 @@ class Submit(Message):
             )
         if self.prompt_tuning_config is not None and self.input_token_ids is None:
             raise ValueError("prompt_tuning_config needs input_token_ids: its rows are named by token ids")
+        problem = continuation_problem(self, None)  # the vocabulary is the worker's to check
+        if problem is not None:
+            raise ValueError(problem)
         return self

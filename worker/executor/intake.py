@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from worker.executor.beam_search import BeamSearch
+from worker.executor.continuation import resume
 from worker.executor.block_manager import BlockManager
 from worker.executor.lora_registry import LoraRegistry
 from worker.executor.request_table import Entry, RequestTable
@@ -118,6 +119,8 @@ class Intake:
             )
             if grammar is not None:
                 seq.matcher = self._guided.matcher(grammar, end_id)
+            if request.resumed_token_ids:
+                resume(seq, request.resumed_token_ids)
             if spec_config is not None and spec_config.num_draft_tokens > 0:
                 reason = off_reason(request, spec_config, self.has_draft_model) or off_reason_for_tokens(seq)
                 if reason is None:

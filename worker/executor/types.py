@@ -131,6 +131,8 @@ class Request:
     speculative_config: SpeculativeConfig | None = None  # None: the executor's default
     lora_config: LoraConfig | None = None  # None: the base model
     prompt_tuning_config: PromptTuningConfig | None = None
+    # Output tokens already delivered by an earlier run (protocol/continuation.py).
+    resumed_token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)

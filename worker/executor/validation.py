@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from protocol.continuation import continuation_problem
 from protocol.model_fit import context_overflow, token_outside_vocabulary
 from protocol.options import out_of_bounds
 from worker.executor.types import ExecutorConfig, PackedWordList, Request, WordList
@@ -75,6 +76,9 @@ def validate_request(request: Request, model: ModelConfig, config: ExecutorConfi
             if any(not 0 <= t < model.vocab_size for t in word):
                 raise RequestError(f"{name}: token id outside the vocabulary in {word}")
     _check_decoding(request, model)
+    problem = continuation_problem(request, model.vocab_size)
+    if problem is not None:
+        raise RequestError(problem)
     processor = request.logits_post_processor_name
     if processor is not None and processor not in (processors or {}):
         known = ", ".join(sorted(processors or {})) or "none"

@@ -38,6 +38,7 @@ def to_request(msg: protocol.Submit) -> ex.Request:
         speculative_config=None if msg.speculative_config is None else _speculative(msg.speculative_config),
         lora_config=None if msg.lora_config is None else ex.LoraConfig(msg.lora_config.name),
         prompt_tuning_config=None if msg.prompt_tuning_config is None else _prompt_table(msg.prompt_tuning_config),
+        resumed_token_ids=None if msg.resumed_token_ids is None else list(msg.resumed_token_ids),
     )
 
 
