@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from worker.executor.beam_search import BeamSearch
-from worker.executor.continuation import resume
 from worker.executor.block_manager import BlockManager
+from worker.executor.continuation import resume
 from worker.executor.lora_registry import LoraRegistry
 from worker.executor.request_table import Entry, RequestTable
 from worker.executor.sequence import Family, Sequence
