@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,9 +30,9 @@ from worker.executor import (
 SEEDED = SamplingConfig(temperature=1.0, top_p=0.9, seed=8005)
 
 
-def config(**kw: object) -> ExecutorConfig:
+def config(**kw: Any) -> ExecutorConfig:
     # 8 tokens a step: prompts and resumed tokens are computed in chunks, beside other requests' decodes.
-    return ExecutorConfig(backend="numpy", deterministic=True, max_num_tokens=8,  # type: ignore[arg-type]
+    return ExecutorConfig(backend="numpy", deterministic=True, max_num_tokens=8,
                           kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=4096), **kw)
 
 
