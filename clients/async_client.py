@@ -117,7 +117,7 @@ class AsyncClient:
         if self._hop is None or self._hop.loop is not loop:
             self._hop = _Hop(loop)
         request = AsyncRequest(self._connection, msg, self._hop)
-        self._connection.submit(msg.request_id, encode_submit(msg), request)
+        self._connection.submit(msg, encode_submit(msg), request)
         return request
 
     async def generate(

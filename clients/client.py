@@ -149,7 +149,7 @@ class Client:
         TypeError for an unknown one) before anything is sent."""
         msg = submit_from_call(prompt, params, options)
         future = RequestFuture(self._connection, msg)
-        self._connection.submit(msg.request_id, encode_submit(msg), future)
+        self._connection.submit(msg, encode_submit(msg), future)
         return future
 
     def generate(

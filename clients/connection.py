@@ -8,8 +8,10 @@ submitting never waits on the network.
 Failover: a gateway that does not answer Hello within `connect_timeout_s`, or
 stops heartbeating for `missed_heartbeats` intervals, is dropped for the next
 one in the list. Requests that had received nothing yet are sent again there;
-requests that had started fail with `GatewayLostError` (their output so far
-cannot be resumed). When every gateway has failed to answer `connect_attempts`
+streams that had started go on there as continuations (protocol/continuation.py:
+the request again, with every token received so far), so the caller sees one
+stream, no token twice; those a continuation cannot carry on (beams, several
+sequences, log probs) fail with `GatewayLostError`. When every gateway has failed to answer `connect_attempts`
 times in a row, the requests waiting fail with `GatewayUnavailableError`, which
 names the addresses tried, and so do new ones until a gateway answers (the
 connection keeps trying in the background).
@@ -33,6 +35,7 @@ import zmq
 import protocol
 from ops.curve import ClientCurve, connect_as_client
 from protocol.api_keys import API_KEY_ENV
+from protocol.continuation import not_resumable
 from protocol.limits import socket_turn
 
 log = logging.getLogger(__name__)
@@ -66,9 +69,12 @@ class Sink(Protocol):
 @dataclass(eq=False, slots=True)
 class _Call:
     request_id: str
-    payload: bytes
+    submit: protocol.Submit
+    payload: bytes  # the submit's bytes, as sent
     sink: Sink
     started: bool = False
+    # Every token received, where a continuation can carry the stream on after a failover.
+    received: list[int] | None = None
 
 
 class Connection(threading.Thread):
@@ -115,8 +121,10 @@ class Connection(threading.Thread):
 
     # -- any thread ---------------------------------------------------------------------
 
-    def submit(self, request_id: str, payload: bytes, sink: Sink) -> None:
-        self._command("submit", _Call(request_id, payload, sink))
+    def submit(self, msg: protocol.Submit, payload: bytes, sink: Sink) -> None:
+        """Send `msg`, already encoded as `payload` (clients.wire.encode_submit)."""
+        received = list(msg.resumed_token_ids or ()) if msg.streaming and not_resumable(msg) is None else None
+        self._command("submit", _Call(msg.request_id, msg, payload, sink, received=received))
 
     def cancel(self, request_id: str) -> None:
         self._command("cancel", request_id)
@@ -220,6 +228,8 @@ class Connection(threading.Thread):
                         continue
                     if response.is_final:
                         del self._calls[response.request_id]
+                    elif call.received is not None and response.result is not None:
+                        call.received += response.result.output_token_ids[0]
                     call.sink.on_response(response)
             elif isinstance(msg, protocol.ErrorReply):
                 call = self._calls.pop(msg.request_id, None) if msg.request_id else None
@@ -301,14 +311,14 @@ class Connection(threading.Thread):
             log.warning("gateway %s lost (%s); now using %s", lost, why, self.gateway)
         assert self._sock is not None
         for request_id, call in list(self._calls.items()):
-            if call.started:
+            if call.started and call.received is None:
                 del self._calls[request_id]
-                call.sink.on_error(
-                    GatewayLostError(
-                        "unavailable",
-                        f"gateway {lost} was lost ({why}) after the request had started streaming",
-                        request_id,
-                    )
-                )
-            else:
-                self._send(call.payload)
+                call.sink.on_error(GatewayLostError(
+                    "unavailable", f"gateway {lost} was lost ({why}) after the request had started streaming; a "
+                    f"request with {not_resumable(call.submit) or 'no streaming'} cannot be resumed", request_id))
+                continue
+            if call.started and call.received:
+                call.payload = protocol.encode(call.submit.model_copy(update={"resumed_token_ids": call.received}))
+                log.info("request %s resumes through %s after %d tokens", request_id, self.gateway,
+                         len(call.received))  # fmt: skip
+            self._send(call.payload)

@@ -287,7 +287,7 @@ class Consumer:
                 assert self._connection is not None
                 self._running[job_id] = _Running(entry_id, job, deliveries, time.monotonic())
                 sink = _JobSink(job_id, job.submit.num_return_sequences, self._done)
-                self._connection.submit(job_id, protocol.encode(job.submit), sink)
+                self._connection.submit(job.submit, protocol.encode(job.submit), sink)
 
     # -- ending jobs --------------------------------------------------------------------------
 

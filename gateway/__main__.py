@@ -9,7 +9,7 @@ import sys
 
 from gateway.api_keys import add_api_key_options
 from ops.binds import add_insecure_option
-from ops.config import PORT, POSITIVE_FLOAT, POSITIVE_INT, add_config_options
+from ops.config import NON_NEGATIVE_INT, PORT, POSITIVE_FLOAT, POSITIVE_INT, add_config_options
 from ops.curve_options import add_curve_options, curve_config
 from ops.secrets import add_redis_password_option
 
@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight-per-client", type=POSITIVE_INT, default=1024)
     p.add_argument("--client-send-limit", type=POSITIVE_INT, default=10_000,
                    help="messages a ZeroMQ client may leave unread before it is cut off (its requests cancelled)")
+    p.add_argument("--migration-limit", type=NON_NEGATIVE_INT, default=3,
+                   help="times one request may be moved to another worker when its worker is lost (0: never)")
     p.add_argument(
         "--no-worker-timeout", type=POSITIVE_FLOAT, default=10.0, help="seconds a request waits for a worker"
     )
@@ -103,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
                 max_inflight=args.max_inflight,
                 max_inflight_per_client=args.max_inflight_per_client,
                 client_send_limit=args.client_send_limit,
+                migration_limit=args.migration_limit,
                 no_worker_timeout_s=args.no_worker_timeout,
                 drain_timeout_s=args.drain_timeout,
                 tokenizer_sha256=dict(pin.split("=", 1) for pin in args.tokenizer_sha256),

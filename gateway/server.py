@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 import protocol
 from gateway.api_keys import ApiKeys, HelloKeys
@@ -32,6 +33,7 @@ from gateway.client_batch import ClientBatch
 from gateway.client_limits import ClientLimits
 from gateway.client_pipes import ClientPipes
 from gateway.discovery import Discovery
+from gateway.migration import Ended, next_run, tracks_tokens
 from gateway.prefix_router import PrefixRouter, RouterName
 from gateway.tokenizer_store import PromptError, Tokenizers
 from gateway.workers import WorkerLink, adapter_models, can_load, serves
@@ -50,8 +52,6 @@ log = logging.getLogger(__name__)
 
 # Where in-process clients (the HTTP front, gateway/http_front.py) reach the ROUTER.
 INPROC_ENDPOINT = "inproc://gateway-clients"
-# How often one request may be handed to a new worker after its worker was lost.
-_MAX_DISPATCHES = 3
 # Text prompts (or chats) up to this many characters are tokenized on the socket loop: a
 # millisecond or so. Longer ones go to a pool, so that one client's burst of large prompts
 # never delays the loop (heartbeats, every other stream) nor other clients' short prompts.
@@ -97,6 +97,8 @@ class GatewayConfig:
     overlap_weight: float = 4.0  # what a prompt block to compute costs against a block held by decoding
     # Messages a client may leave unread before it is cut off (gateway/client_pipes.py).
     client_send_limit: int = 10_000
+    # How often one request may be moved to another worker when its worker is lost (gateway/migration.py).
+    migration_limit: int = 3
 
 
 @dataclass(eq=False, slots=True)
@@ -111,6 +113,11 @@ class _Request:
     worker: WorkerLink | None = None
     started: bool = False  # the client has received some of its output
     dispatches: int = 0
+    # Where a continuation can carry it on (gateway/migration.py): every token workers sent for
+    # it (after those its client resumed from); None: not kept, no continuation can.
+    received: list[int] | None = None
+    dropped: str = ""  # why its last worker dropped it, for the error if no other takes it
+    dropped_at: float | None = None  # then: it waits for another worker from here
     api_key: ApiKeyRecord | None = None  # the client's, where its limits apply
     lease: str = ""  # its place in its key's limits
 
@@ -179,6 +186,10 @@ class Gateway:
         os.set_blocking(self._wake_read, False)
         self.poller.register(self._wake_read, zmq.POLLIN)
         self._sockets: dict[zmq.Socket, WorkerLink] = {}
+        # Each worker socket's disconnect events: a worker process that dies closes its connections
+        # at once, so the gateway need not wait out the heartbeat bound (a lost host still does).
+        self._monitors: dict[zmq.Socket, WorkerLink] = {}
+        self._monitor_of: dict[WorkerLink, zmq.Socket] = {}
         self.notifier = Notifier(address="")  # the process's own under systemd (gateway/__main__.py)
         self.metrics = GatewayMetrics()
         self.router = PrefixRouter(self.gateway_id, self.metrics, config.router, config.overlap_weight)
@@ -227,6 +238,8 @@ class Gateway:
                     link = self._sockets.get(sock)
                     if link is not None:
                         self._from_worker(link)
+                    elif (link := self._monitors.get(sock)) is not None:
+                        self._disconnected(link)
                 self._apply_discovery()
                 now = time.monotonic()
                 if now >= next_tick:
@@ -248,6 +261,7 @@ class Gateway:
             os.close(self._wake_write)
             self.discovery.join(timeout=5)
             for link in list(self.workers.values()):
+                self._monitor_of[link].close(0)
                 link.socket.close(0)
             self.frontend.close(0)
             if self._curve is not None:
@@ -422,6 +436,8 @@ class Gateway:
         stream = OutputStream(None, msg.stop or [], msg.num_return_sequences, msg.sampling_config.beam_width > 1)
         req = _Request(msg.request_id, self._wire_id(msg.request_id), client, msg, stream, model,
                        api_key=state.api_key, lease=lease)  # fmt: skip
+        if tracks_tokens(msg):
+            req.received = list(msg.resumed_token_ids or ())
         self.requests[req.wire_id] = req
         self.metrics.accepted(req)
         state.requests[req.request_id] = req
@@ -490,6 +506,8 @@ class Gateway:
             return
         tokenizer = self.tokenizers.get(req.model) if req.model is not None else None
         req.stream.tokenizer = req.stream.tokenizer or tokenizer
+        if not req.dispatches and req.submit.resumed_token_ids:
+            req.stream.resume(req.submit.resumed_token_ids)  # a client's continuation: their text was sent
         req.worker = link
         if not req.dispatches:
             self.metrics.dispatched(time.monotonic() - req.created, req.model)
@@ -559,14 +577,14 @@ class Gateway:
         for req in waiting:
             if self.requests.get(req.wire_id) is not req:
                 continue  # cancelled or its client went away meanwhile
-            if now - req.created > self.config.no_worker_timeout_s:
+            if now - (req.dropped_at or req.created) > self.config.no_worker_timeout_s:
                 lora = req.submit.lora
                 adapter = "" if lora is None else f" holding (or able to load) LoRA adapter {lora!r}"
                 self._fail(
                     req,
                     ErrorCode.UNAVAILABLE,
                     f"no worker for model {req.model or '(any)'}{adapter} became available within "
-                    f"{self.config.no_worker_timeout_s:g} s",
+                    f"{self.config.no_worker_timeout_s:g} s{req.dropped}",
                 )
             elif any(w.ready for w in self.workers.values()):
                 self._dispatch(req)
@@ -618,7 +636,10 @@ class Gateway:
         link = WorkerLink(info, sock)
         self.workers[info.worker_id] = link
         self._sockets[sock] = link
+        monitor = self._monitor_of[link] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitors[monitor] = link
         self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(monitor, zmq.POLLIN)
         sock.send(
             protocol.encode(
                 protocol.Hello(
@@ -714,6 +735,8 @@ class Gateway:
                 if req is None or req.worker is not link:
                     continue
                 ids = token_ids[start:end]
+                if req.received is not None:
+                    req.received += ids
                 step = req.stream.apply_tokens(ids)
                 if step is None:
                     continue
@@ -738,6 +761,8 @@ class Gateway:
                 whole(req, response, True)
                 continue
             worker_final = response.result.is_final
+            if req.received is not None:
+                req.received += response.result.output_token_ids[0]
             if req.stream.apply(response.result) is None:
                 continue
             req.started = True
@@ -756,17 +781,28 @@ class Gateway:
                 self._ended_at_worker(msg.request_id, link)
             log.warning("worker %s: %s error: %s", link.worker_id, msg.code, msg.message)
             return
-        if msg.code == ErrorCode.DRAINING and not req.started and req.dispatches < _MAX_DISPATCHES:
-            # Sent before its Drain reached us: nothing was produced, so another worker can run it.
-            link.draining = True
+        if msg.worker_ended or msg.code == ErrorCode.DRAINING:
+            # The worker's reason, not the request's (a DRAINING refusal was sent before its Drain reached us).
+            link.draining = link.draining or msg.code == ErrorCode.DRAINING
             link.requests.discard(req.wire_id)
             req.worker = None
-            log.info("request %s re-dispatched: worker %s is draining", req.request_id, link.worker_id)
-            self._dispatch(req)
+            self._move(req, link, msg.message)
             return
         self.metrics.ended(req, f"error_{msg.code}")
         self._reply(req.client, msg.model_copy(update={"request_id": req.request_id}))
         self._forget(req)
+
+    def _disconnected(self, link: WorkerLink) -> None:
+        """Its connection closed: a worker that was ready is gone (a process that dies closes
+        its connections at once); before that, ZeroMQ keeps trying and the heartbeat bound applies."""
+        for _ in socket_turn():
+            try:
+                recv_monitor_message(self._monitor_of[link], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if link.ready and self.workers.get(link.worker_id) is link:
+                self._lose_worker(link, "its connection closed")
+                return
 
     def _lose_worker(self, link: WorkerLink, why: str) -> None:
         log.warning("worker %s lost (%s): %d requests affected", link.worker_id, why, len(link.requests))
@@ -774,6 +810,11 @@ class Gateway:
         self.router.forget(link)
         self._sockets.pop(link.socket, None)
         self.poller.unregister(link.socket)
+        monitor = self._monitor_of.pop(link)
+        del self._monitors[monitor]
+        self.poller.unregister(monitor)
+        link.socket.disable_monitor()
+        monitor.close(0)
         link.socket.close(0)
         self.lost_at[link.worker_id] = time.time()
         self.ending = {wire_id: w for wire_id, w in self.ending.items() if w is not link}
@@ -782,17 +823,26 @@ class Gateway:
             if req is None or req.worker is not link:
                 continue
             req.worker = None
-            if not req.started and req.dispatches < _MAX_DISPATCHES:
-                log.info("request %s re-dispatched: it had produced no output on %s", req.request_id, link.worker_id)
-                self._dispatch(req)
-            else:
-                self._fail(
-                    req,
-                    ErrorCode.UNAVAILABLE,
-                    f"worker {link.worker_id} was lost mid-request ({why}) after "
-                    f"{req.stream.num_tokens} tokens; the stream ends here",
-                )
+            self._move(req, link, f"it was lost: {why}")
         link.requests.clear()
+
+    def _move(self, req: _Request, link: WorkerLink, why: str) -> None:
+        """Carry a request on to another worker after `link` dropped it (gateway/migration.py)."""
+        received = req.received or []
+        run = next_run(req.submit, req.started, received, req.dispatches - 1, self.config.migration_limit)
+        if isinstance(run, Ended):
+            self.metrics.migrated(req, run.outcome)
+            self._fail(req, ErrorCode.UNAVAILABLE, f"worker {link.worker_id} dropped this request after "
+                       f"{req.stream.num_tokens} tokens ({why}); {run.why}")  # fmt: skip
+            return
+        how = "continued" if run.resumed_token_ids else "restarted"
+        self.metrics.migrated(req, how)
+        log.info("request %s %s on another worker (%d tokens received): worker %s dropped it (%s)",
+                 req.request_id, how, len(received), link.worker_id, why)  # fmt: skip
+        req.submit = run
+        req.dropped = f" (worker {link.worker_id} dropped it after {req.stream.num_tokens} tokens: {why})"
+        req.dropped_at = time.monotonic()
+        self._dispatch(req)
 
     # -- bookkeeping ----------------------------------------------------------------------------
 

@@ -47,6 +47,7 @@ class Bounded:
 
 
 POSITIVE_INT = Bounded(int, ge=1)
+NON_NEGATIVE_INT = Bounded(int, ge=0)
 POSITIVE_FLOAT = Bounded(float, gt=0.0)
 NON_NEGATIVE_FLOAT = Bounded(float, ge=0.0)
 PORT = Bounded(int, ge=0, le=65535)  # 0: off

@@ -255,6 +255,11 @@ class GatewayMetrics(_Metrics):
         self.prefix_matched_blocks = Counter("tokenwire_gateway_prefix_matched_blocks",
                                              "Of those, the leading blocks the worker's KV cache held when routed",
                                              ["worker"], registry=self.registry)  # fmt: skip
+        self.migrations = Counter("tokenwire_gateway_migrations",
+                                  "Requests whose worker dropped them, by model and outcome: restarted (nothing "
+                                  "received yet), continued (a continuation), limit (--migration-limit reached), "
+                                  "not_resumable (started, and a continuation cannot carry it on)",
+                                  ["model", "outcome"], registry=self.registry)  # fmt: skip
         self.prefix_index_blocks = Gauge("tokenwire_gateway_prefix_index_blocks",
                                          "Block hashes this gateway holds for each worker's KV cache", ["worker"],
                                          registry=self.registry)  # fmt: skip
@@ -296,6 +301,9 @@ class GatewayMetrics(_Metrics):
 
     def dispatched(self, waited_s: float, model: str | None) -> None:
         self.queue_time.observe([waited_s], model or "")
+
+    def migrated(self, key: object, outcome: str) -> None:
+        self.migrations.labels(self.model_of(key), outcome).inc()
 
     def client_cancelled(self, key: object, how: str) -> None:
         """A client stopped a request: "cancel" (it said so), "gone" (it went silent) or

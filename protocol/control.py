@@ -40,6 +40,9 @@ class ErrorReply(Message):
     code: ErrorCode = Field(strict=False)
     message: str
     request_id: Name | None = None
+    # From a worker: it ended the request for its own reason (its engine failed, its drain
+    # ran out of time), not the request's, so another worker can carry it on.
+    worker_ended: bool = False
 
 
 class Heartbeat(Message):

@@ -152,6 +152,12 @@ class OutputStream:
         self.finished = result.is_final
         return result
 
+    def resume(self, token_ids: list[int]) -> None:
+        """Take in tokens its reader received from an earlier run (a continuation,
+        protocol/continuation.py): their text is not passed on again, but the text and
+        stop strings of the tokens after them follow from them."""
+        self.apply_tokens(list(token_ids))
+
     def apply_tokens(self, token_ids: list[int]) -> str | Result | None:
         """`apply` for a plain streamed step (sequence 0's next tokens, one beam, not
         final: what protocol.StreamedTokens carries) without building a Result for

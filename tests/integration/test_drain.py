@@ -16,19 +16,20 @@ from tests.procs import CLIENT_OPTIONS, MISSED, Stack
 
 LONG = {"max_tokens": 6000, "min_tokens": 6000, "temperature": 0.0}  # cannot finish within the bound
 SHORT = {"max_tokens": 40, "min_tokens": 40, "temperature": 0.0}  # finishes within it
+MEDIUM = {"max_tokens": 400, "min_tokens": 400, "temperature": 0.0}  # 25 of them cannot finish within 1 s
 
 
 def test_sigterm_during_50_streams(long_model, redis_url, tmp_path):
     s = Stack(long_model, redis_url, tmp_path)
     try:
-        draining = s.worker("--drain-timeout", "3")
+        draining = s.worker("--drain-timeout", "1")
         s.gateway("--no-worker-timeout", "20")
         s.gateways[0].wait_workers(1)
         # While the second worker loads, a 2-core machine can leave the gateway silent for
         # longer than three of its short (test) heartbeat intervals, when a client with the
         # default missed_heartbeats gives it up (CI once saw 0.9 s): this one allows MISSED.
         with Client([s.gateways[0].endpoint], missed_heartbeats=MISSED) as client:
-            futures = [client.stream([5 + i % 50, 6, 7], **(LONG if i % 2 else SHORT)) for i in range(50)]
+            futures = [client.stream([5 + i % 50, 6, 7], **(MEDIUM if i % 2 else SHORT)) for i in range(50)]
             for f in futures:
                 next(iter(f))  # every one has streamed a token: all 50 run on the worker
             draining.process.send_signal(signal.SIGTERM)
@@ -38,22 +39,15 @@ def test_sigterm_during_50_streams(long_model, redis_url, tmp_path):
             other = s.worker()
             assert draining.process.wait(timeout=30) == 0, draining.log()[-3000:]
 
-            completed = drained = 0
+            # The short ones finish on the draining worker; those still running at its bound go on
+            # through the other one (gateway/migration.py): none fails.
             for i, f in enumerate(futures):
-                try:
-                    result = f.result(timeout=30)
-                except RequestError as e:
-                    error = e
-                else:
-                    assert result.finish_reason == FinishReason.LENGTH
-                    assert len(result.token_ids) == (LONG if i % 2 else SHORT)["max_tokens"]
-                    completed += 1
-                    continue
-                assert error.code == ErrorCode.DRAINING and "worker draining" in error.message, error
-                drained += 1
-            assert completed + drained == 50
-            assert drained >= 25  # every long one hit the bound
-            assert completed >= 1  # in-flight work was let finish, not cut at the signal
+                result = f.result(timeout=120)
+                assert result.finish_reason == FinishReason.LENGTH
+                assert len(result.token_ids) == (MEDIUM if i % 2 else SHORT)["max_tokens"]
+            log = s.gateways[0].log()
+            assert log.count("continued on another worker") >= 1, "the bound cut no stream short"
+            assert "worker draining: worker0 is shutting down (its 1 s bound passed)" in log
 
             assert s.redis.zscore(s.keys.workers(), draining.worker_id) is None
             assert not s.redis.exists(s.keys.worker(draining.worker_id), s.keys.heartbeat(draining.worker_id))
@@ -69,7 +63,7 @@ def test_second_sigterm_ends_the_drain_at_once(long_model, redis_url, tmp_path):
     s = Stack(long_model, redis_url, tmp_path)
     try:
         worker = s.worker("--drain-timeout", "600")
-        s.gateway()
+        s.gateway("--no-worker-timeout", "2")
         s.gateways[0].wait_workers(1)
         with Client([s.gateways[0].endpoint], **CLIENT_OPTIONS) as client:
             future = client.stream([5, 6, 7], **LONG)
@@ -80,9 +74,10 @@ def test_second_sigterm_ends_the_drain_at_once(long_model, redis_url, tmp_path):
             worker.process.send_signal(signal.SIGTERM)
             assert worker.process.wait(timeout=30) == 0
             assert time.monotonic() - t0 < 10
-            with pytest.raises(RequestError, match="second SIGTERM") as e:
+            # Dropped by its only worker, it waits for another, then fails saying why.
+            with pytest.raises(RequestError, match=r"dropped it after \d+ tokens: worker draining: .*SIGTERM") as e:
                 future.result(timeout=30)
-            assert e.value.code == ErrorCode.DRAINING
+            assert e.value.code == ErrorCode.UNAVAILABLE
     finally:
         s.close()
 

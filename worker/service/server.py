@@ -304,7 +304,8 @@ class WorkerService:
             if not self.engine_failure:
                 self.engine.cancel_request(entry.exec_id)
             text = f"{why}; the request ended after {entry.output_tokens} tokens"
-            self._send(entry.gateway, protocol.ErrorReply(code=code, message=text, request_id=entry.request_id))
+            self._send(entry.gateway, protocol.ErrorReply(code=code, message=text, request_id=entry.request_id,
+                                                          worker_ended=True))
             self.metrics.finished(entry.exec_id, "draining" if code is ErrorCode.DRAINING else "error")
             ended += 1
         return ended
