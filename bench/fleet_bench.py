@@ -26,18 +26,12 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import shutil
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from bench import SkipSection, default_model, free_port, vocab_size
-from ops.process import stop_children
+from bench import default_model, vocab_size
+from bench.fleet_stack import Fleet
 
 TITLE = "fleet: least-loaded vs prefix-aware routing of multi-turn chats, 2 workers, default model"
 CONVERSATIONS = int(os.environ.get("TOKENWIRE_BENCH_FLEET_CONVERSATIONS", "16"))
@@ -48,7 +42,6 @@ OUTPUT = int(os.environ.get("TOKENWIRE_BENCH_FLEET_OUTPUT", "16"))
 RATE = float(os.environ.get("TOKENWIRE_BENCH_FLEET_RATE", "0.5"))
 PAUSE_S = (1.0, 4.0)
 ROUTERS = ("least-loaded", "prefix")
-REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(slots=True)
@@ -70,65 +63,6 @@ class Result:
     turns: list[Turn] = field(default_factory=list)
     prompt_blocks: float = 0.0  # the gateway's counters: full prompt blocks routed
     matched_blocks: float = 0.0  # and those the chosen worker's index held
-
-
-class _Fleet:
-    """A private redis-server, two workers and one gateway per router, as child processes."""
-
-    def __init__(self, model: Path) -> None:
-        redis_server = shutil.which("redis-server")
-        if redis_server is None:
-            raise SkipSection("redis-server is not on PATH")
-        self.dir = tempfile.TemporaryDirectory(prefix="tokenwire-fleet-")
-        self.redis = f"redis://127.0.0.1:{free_port()}/0"
-        self.gateways = {r: (f"tcp://127.0.0.1:{free_port()}", free_port(), free_port()) for r in ROUTERS}
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        self.log = Path(self.dir.name) / "log"
-        log = self.log.open("wb")
-        port = self.redis.rsplit(":", 1)[1].split("/")[0]
-        self.procs = [subprocess.Popen([redis_server, "--port", port, "--save", "", "--appendonly", "no"],
-                                       stdout=subprocess.DEVNULL)]  # fmt: skip
-        time.sleep(0.3)
-        py = sys.executable
-        for i in range(2):
-            self.procs.append(subprocess.Popen(
-                [py, "-m", "worker.service", "--model", str(model), "--bind", f"tcp://127.0.0.1:{free_port()}",
-                 "--redis", self.redis, "--worker-id", f"worker{i}", "--cpu-threads", "1", "--kv-tokens", "16384"],
-                env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
-        for router, (bind, metrics, http) in self.gateways.items():
-            self.procs.append(subprocess.Popen(
-                [py, "-m", "gateway", "--bind", bind, "--redis", self.redis, "--router", router,
-                 "--gateway-id", f"gw-{router}", "--metrics-port", str(metrics), "--http-port", str(http),
-                 "--no-worker-timeout", "300"],
-                env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
-
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Until both gateways log both workers ready."""
-        deadline = time.monotonic() + timeout_s
-        while self.log.read_text(errors="replace").count("ready: [") < 4:
-            if any(p.poll() is not None for p in self.procs) or time.monotonic() > deadline:
-                tail = self.log.read_text(errors="replace")[-2000:]
-                self.close()
-                raise RuntimeError(f"the fleet did not come up:\n{tail}")
-            time.sleep(0.5)
-
-    def counters(self, router: str) -> tuple[float, float]:
-        """(prompt blocks, matched blocks) the gateway routed, summed over workers."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.gateways[router][1]}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        names = ("tokenwire_gateway_prefix_prompt_blocks_total", "tokenwire_gateway_prefix_matched_blocks_total")
-        sums = dict.fromkeys(names, 0.0)
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name in sums:
-                    sums[s.name] += s.value
-        return sums[names[0]], sums[names[1]]
-
-    def close(self) -> None:
-        stop_children(self.procs, timeout_s=10)
-        self.dir.cleanup()
 
 
 async def _chats(endpoint: str, vocab: int, seed: int) -> tuple[float, int, list[Turn]]:
@@ -168,14 +102,27 @@ async def _chats(endpoint: str, vocab: int, seed: int) -> tuple[float, int, list
         return time.perf_counter() - start, tokens, turns
 
 
-def _run(fleet: _Fleet, router: str, vocab: int, seed: int) -> Result:
+def _counters(fleet: Fleet, router: str) -> tuple[float, float]:
+    """(prompt blocks, matched blocks) the gateway routed, summed over workers."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = ("tokenwire_gateway_prefix_prompt_blocks_total", "tokenwire_gateway_prefix_matched_blocks_total")
+    sums = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(fleet.metrics(router)):
+        for s in family.samples:
+            if s.name in sums:
+                sums[s.name] += s.value
+    return sums[names[0]], sums[names[1]]
+
+
+def _run(fleet: Fleet, router: str, vocab: int, seed: int) -> Result:
     import redis
 
     import protocol
 
-    before = fleet.counters(router)
+    before = _counters(fleet, router)
     seconds, tokens, turns = asyncio.run(_chats(fleet.gateways[router][0], vocab, seed))
-    after = fleet.counters(router)
+    after = _counters(fleet, router)
     keys = protocol.Keys()
     db = redis.Redis.from_url(fleet.redis, decode_responses=True)
     try:
@@ -214,7 +161,7 @@ def table() -> tuple[list[str], list[list[str]]]:
 
     model = default_model()
     vocab = vocab_size(model)
-    fleet = _Fleet(model)
+    fleet = Fleet(model, ROUTERS)
     try:
         fleet.wait_ready()
         results = [_run(fleet, router, vocab, seed) for seed, router in enumerate(ROUTERS)]

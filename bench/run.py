@@ -30,6 +30,7 @@ SECTIONS: dict[str, str] = {
     "serving": "bench.serving_bench",
     "lora": "bench.lora_bench",
     "fleet": "bench.fleet_bench",
+    "migration": "bench.migration_bench",
     "openai": "bench.openai_bench",
 }
 

@@ -5,16 +5,17 @@ thread hand it commands through a queue and wake it through a pipe the poller
 watches, so `Client` and `AsyncClient` are safe to share between threads and
 submitting never waits on the network.
 
-Failover: a gateway that does not answer Hello within `connect_timeout_s`, or
-stops heartbeating for `missed_heartbeats` intervals, is dropped for the next
-one in the list. Requests that had received nothing yet are sent again there;
-streams that had started go on there as continuations (protocol/continuation.py:
-the request again, with every token received so far), so the caller sees one
-stream, no token twice; those a continuation cannot carry on (beams, several
-sequences, log probs) fail with `GatewayLostError`. When every gateway has failed to answer `connect_attempts`
-times in a row, the requests waiting fail with `GatewayUnavailableError`, which
-names the addresses tried, and so do new ones until a gateway answers (the
-connection keeps trying in the background).
+Failover: a gateway that does not answer Hello within `connect_timeout_s`,
+stops heartbeating for `missed_heartbeats` intervals, or whose connection closes
+after it answered (its process died), is dropped for the next one in the list.
+Requests that had received nothing yet are sent again there; streams that had
+started go on there as continuations (protocol/continuation.py: the request again,
+with every token received so far), so the caller sees one stream, no token twice;
+those a continuation cannot carry on (beams, several sequences, log probs) fail
+with `GatewayLostError`. When every gateway has failed to answer
+`connect_attempts` times in a row, the requests waiting fail with
+`GatewayUnavailableError`, which names the addresses tried, and so do new ones
+until a gateway answers (the connection keeps trying in the background).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 import protocol
 from ops.curve import ClientCurve, connect_as_client
@@ -110,6 +112,7 @@ class Connection(threading.Thread):
         self._calls: dict[str, _Call] = {}
         self._index = -1
         self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None  # the socket's disconnect events
         self._poller = zmq.Poller()
         self._ready = False
         self._opened = 0.0
@@ -155,6 +158,8 @@ class Connection(threading.Thread):
                     return
                 if self._sock in events:
                     self._receive()
+                if self._monitor in events and self._disconnected():
+                    self._failover("its connection closed")
                 if time.monotonic() >= next_tick:
                     self._tick()
                     # Until a gateway answers, its connect timeout is watched more closely.
@@ -165,8 +170,7 @@ class Connection(threading.Thread):
             for call in self._calls.values():
                 call.sink.on_error(RequestError("closed", "the client was closed", call.request_id))
             self._calls.clear()
-            if self._sock is not None:
-                self._sock.close(0)
+            self._close_socket()
             self._ctx.term()
             os.close(self._wake_r)
             os.close(self._wake_w)
@@ -279,9 +283,25 @@ class Connection(threading.Thread):
             request_id,
         )
 
-    def _open_next(self) -> None:
+    def _disconnected(self) -> bool:
+        """Whether the connection of a gateway that had answered closed."""
+        assert self._monitor is not None
+        closed = False
+        with contextlib.suppress(zmq.Again):
+            while True:
+                recv_monitor_message(self._monitor, zmq.NOBLOCK)
+                closed = self._ready
+        return closed
+
+    def _close_socket(self) -> None:
         if self._sock is not None:
+            self._sock.disable_monitor()
             self._sock.close(0)
+        if self._monitor is not None:
+            self._monitor.close(0)
+
+    def _open_next(self) -> None:
+        self._close_socket()
         self._index = (self._index + 1) % len(self.gateways)
         self.gateway = self.gateways[self._index]
         sock = self._ctx.socket(zmq.DEALER)
@@ -290,10 +310,12 @@ class Connection(threading.Thread):
         sock.setsockopt(zmq.RCVHWM, 0)
         if self.curve is not None:
             connect_as_client(sock, self.curve.keypair, self.curve.server_public)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(self.gateway)
         self._sock = sock
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._ready = False
         self._opened = time.monotonic()

@@ -782,8 +782,9 @@ class Gateway:
             log.warning("worker %s: %s error: %s", link.worker_id, msg.code, msg.message)
             return
         if msg.worker_ended or msg.code == ErrorCode.DRAINING:
-            # The worker's reason, not the request's (a DRAINING refusal was sent before its Drain reached us).
-            link.draining = link.draining or msg.code == ErrorCode.DRAINING
+            # The worker's reason, not the request's (a DRAINING refusal was sent before its Drain reached
+            # us); it is going away either way, so nothing new goes to it.
+            link.draining = True
             link.requests.discard(req.wire_id)
             req.worker = None
             self._move(req, link, msg.message)
@@ -801,7 +802,10 @@ class Gateway:
             except zmq.Again:
                 return
             if link.ready and self.workers.get(link.worker_id) is link:
-                self._lose_worker(link, "its connection closed")
+                while link.socket.poll(0) and self.workers.get(link.worker_id) is link:
+                    self._from_worker(link)  # what it sent before it went: its last results, its errors
+                if self.workers.get(link.worker_id) is link:
+                    self._lose_worker(link, "its connection closed")
                 return
 
     def _lose_worker(self, link: WorkerLink, why: str) -> None:

@@ -51,7 +51,7 @@ def test_kill_worker_mid_stream(long_model, redis_url, tmp_path):
         assert log.count("restarted on another worker") == 1, "the killed worker's queued request"
 
 
-def test_kill_gateway(long_model, redis_url, tmp_path):
+def test_kill_gateway(long_model, redis_url, tmp_path, caplog):
     with stack(long_model, redis_url, tmp_path, workers=0, gateways=0) as s:
         worker = s.worker("--deterministic")  # the continuation runs beside other requests than before
         first, second = s.gateway(), s.gateway()
@@ -76,6 +76,8 @@ def test_kill_gateway(long_model, redis_url, tmp_path):
         assert got.token_ids == want.token_ids, "the resumed stream differs from an undisturbed run"
         assert got.text == want.text
         assert streamed == want.token_ids, "the stream's chunks repeat or miss tokens"
+        # Seen by the closed connection, not after the heartbeat bound.
+        assert f"gateway {first.endpoint} lost (its connection closed)" in caplog.text
         s.wait_idle(worker)
 
 

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from clients.client import Client, RequestError, RequestFuture, Speculation
-from tests.procs import CLIENT_OPTIONS, Stack, Worker, spawned, stack
+from tests.procs import CLIENT_OPTIONS, HEARTBEAT_S, Stack, Worker, spawned, stack
 from tests.worker.peft_adapters import make_adapter
 
-TOKENS = 240
+TOKENS = 2000  # streams that run for seconds (the long model's context is 8192)
 # Each kind of request a continuation carries on: every option it must resume exactly.
 KINDS: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
@@ -42,13 +42,13 @@ def adapter(service_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 @pytest.fixture
-def fleet(service_model: Path, redis_url: str, tmp_path: Path, adapter: Path) -> Callable[..., Any]:
+def fleet(long_model: Path, redis_url: str, tmp_path: Path, adapter: Path) -> Callable[..., Any]:
     """`fleet(workers, *gateway_args, worker_args=())`: a stack of deterministic workers
-    holding adapter `a`, and one gateway."""
+    holding adapter `a` (made for the same weights), and one gateway."""
 
     @contextmanager
     def make(workers: int, *gateway_args: str, worker_args: tuple[str, ...] = ()) -> Iterator[Stack]:
-        with stack(service_model, redis_url, tmp_path, workers=0, gateways=0) as s:
+        with stack(long_model, redis_url, tmp_path, workers=0, gateways=0) as s:
             for _ in range(workers):
                 s.worker("--deterministic", "--lora", f"a={adapter}", *worker_args)
             s.gateway(*gateway_args).wait_workers(workers, timeout=60)
@@ -97,18 +97,25 @@ class Followed:
         counts = {n: len(t) for n, t in self.tokens.items()}
         raise AssertionError(f"streams did not reach {at_least} tokens: {counts}")
 
+    def running(self) -> int:
+        return sum(not f.done() for f in self.futures.values())
+
     def join(self) -> None:
         for t in self.threads:
             t.join(timeout=120)
 
 
-def busiest(s: Stack, among: list[Worker]) -> Worker:
-    """The live worker running the most requests, once its heartbeat in Redis shows any."""
+def busiest(s: Stack, among: list[Worker], running: Callable[[], int]) -> Worker:
+    """The live worker running the most requests, once the heartbeats in Redis count all
+    `running` streams. Heartbeats two intervals old at most: an older one may still show
+    the requests of a run before."""
+    time.sleep(2 * HEARTBEAT_S)
+    assert running(), "every stream ended before the fault"
     deadline = time.monotonic() + 10
     while True:
         registered = [w for w in among if w.alive and s.redis.exists(s.keys.heartbeat(w.worker_id))]
         active = {w: s.load(w).num_active_requests for w in registered}
-        if max(active.values()) > 0 or time.monotonic() > deadline:
+        if sum(active.values()) >= running() or time.monotonic() > deadline:
             return max(active, key=active.__getitem__)
         time.sleep(0.02)
 
@@ -133,13 +140,13 @@ def kill_mid_stream(s: Stack, kill: Callable[[Worker], None], *, twice: bool = F
     with Client([s.gateways[0].endpoint], **CLIENT_OPTIONS) as client:
         followed = Followed(start_all(client))
         followed.wait_tokens(5)
-        victim = busiest(s, s.workers)
+        victim = busiest(s, s.workers, followed.running)
         kill(victim)
         if twice:
             s.gateways[0].wait_log("continued on another worker", timeout=30)
             survivors = [w for w in s.workers if w is not victim]
             followed.wait_tokens(10)
-            kill(busiest(s, survivors))
+            kill(busiest(s, survivors, followed.running))
         followed.join()
     return followed
 
@@ -174,10 +181,11 @@ def test_the_engine_process_crashing_and_a_drain_timing_out_migrate_the_same_way
 
 def test_the_migration_limit_ends_a_started_stream_with_one_clear_error(fleet: Callable[..., Any]) -> None:
     with fleet(2, "--migration-limit", "0") as s, Client([s.gateways[0].endpoint], **CLIENT_OPTIONS) as client:
-        futures = {i: client.stream(p, max_tokens=500, ignore_eos=True, temperature=0.0) for i, p in enumerate(PROMPTS)}
+        futures = {i: client.stream(p, max_tokens=TOKENS, ignore_eos=True, temperature=0.0)
+                   for i, p in enumerate(PROMPTS)}  # fmt: skip
         followed = Followed({str(i): f for i, f in futures.items()})
         followed.wait_tokens(3)
-        victim = busiest(s, s.workers)
+        victim = busiest(s, s.workers, followed.running)
         victim.kill9()
         followed.join()
         assert followed.errors, "no stream was on the killed worker"
