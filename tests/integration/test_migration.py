@@ -29,9 +29,14 @@ KINDS: dict[str, dict[str, Any]] = {
                   "repetition_penalty": 1.3, "no_repeat_ngram_size": 3},
     "speculation": {"temperature": 0.0, "speculative": Speculation(num_draft_tokens=4)},
     "lora": {"temperature": 1.0, "seed": 11, "lora": "a"},
-    "guided": {"temperature": 1.0, "seed": 5, "guided_regex": "([a-z]+ ){40,}", "ignore_eos": False},
+    # A JSON array too long to end before the fault.
+    "guided json": {"temperature": 1.0, "seed": 5, "ignore_eos": False, "guided_json": {
+        "type": "array", "items": {"type": "string", "maxLength": 4}, "minItems": 400}},
+    # Its stop string is cut from the greedy stream's text, late enough to come after the fault.
+    "stop string": {"temperature": 0.0},
 }  # fmt: skip
 PROMPTS = [[20 + i, 21, 22, 23, 24, 25, 26] for i in range(len(KINDS))]
+PROMPTS[list(KINDS).index("stop string")] = PROMPTS[0]  # the greedy one's
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +62,11 @@ def fleet(long_model: Path, redis_url: str, tmp_path: Path, adapter: Path) -> Ca
     return make
 
 
-def start_all(client: Client, stop: dict[str, list[str]] | None = None) -> dict[str, RequestFuture]:
+def start_all(client: Client, stop: str) -> dict[str, RequestFuture]:
     pytest.importorskip("xgrammar", reason="the guided request needs the `guided` extra")
     return {
-        name: client.stream(prompt, max_tokens=TOKENS, **{"ignore_eos": True, **opts}, stop=(stop or {}).get(name, []))
+        name: client.stream(prompt, max_tokens=TOKENS, **{"ignore_eos": True, **opts},
+                            stop=[stop] if name == "stop string" else [])
         for (name, opts), prompt in zip(KINDS.items(), PROMPTS, strict=True)
     }  # fmt: skip
 
@@ -120,9 +126,15 @@ def busiest(s: Stack, among: list[Worker], running: Callable[[], int]) -> Worker
         time.sleep(0.02)
 
 
-def reference(s: Stack) -> dict[str, Any]:
+def reference(s: Stack) -> tuple[dict[str, Any], str]:
+    """Every kind of request run undisturbed, and the stop string of the "stop string" one."""
     with Client([s.gateways[0].endpoint], **CLIENT_OPTIONS) as client:
-        return {name: f.result(timeout=120) for name, f in start_all(client).items()}
+        text = client.generate(PROMPTS[0], max_tokens=TOKENS, ignore_eos=True, temperature=0.0, timeout=120).text
+        stop = text[int(len(text) * 0.6):][:12]
+        assert stop.strip() and text.index(stop) > len(text) // 2, "no stop string late in the text"
+        want = {name: f.result(timeout=120) for name, f in start_all(client, stop).items()}
+    assert len(want["stop string"].token_ids) < TOKENS
+    return want, stop
 
 
 def assert_as_undisturbed(followed: Followed, want: dict[str, Any]) -> None:
@@ -136,9 +148,9 @@ def assert_as_undisturbed(followed: Followed, want: dict[str, Any]) -> None:
         assert followed.texts[name] == got.text, name
 
 
-def kill_mid_stream(s: Stack, kill: Callable[[Worker], None], *, twice: bool = False) -> Followed:
+def kill_mid_stream(s: Stack, stop: str, kill: Callable[[Worker], None], *, twice: bool = False) -> Followed:
     with Client([s.gateways[0].endpoint], **CLIENT_OPTIONS) as client:
-        followed = Followed(start_all(client))
+        followed = Followed(start_all(client, stop))
         followed.wait_tokens(5)
         victim = busiest(s, s.workers, followed.running)
         kill(victim)
@@ -153,8 +165,8 @@ def kill_mid_stream(s: Stack, kill: Callable[[Worker], None], *, twice: bool = F
 
 def test_kill_9_twice_mid_stream_every_stream_ends_as_undisturbed(fleet: Callable[..., Any]) -> None:
     with fleet(3) as s:
-        want = reference(s)
-        followed = kill_mid_stream(s, Worker.kill9, twice=True)
+        want, stop = reference(s)
+        followed = kill_mid_stream(s, stop, Worker.kill9, twice=True)
         assert_as_undisturbed(followed, want)
         log = s.gateways[0].log()
         assert log.count("continued on another worker") >= 2
@@ -172,9 +184,9 @@ def test_the_engine_process_crashing_and_a_drain_timing_out_migrate_the_same_way
         worker.process.send_signal(signal.SIGTERM)
 
     with fleet(3, worker_args=("--drain-timeout", "0.2")) as s:
-        want = reference(s)
-        assert_as_undisturbed(kill_mid_stream(s, crash_engine), want)
-        assert_as_undisturbed(kill_mid_stream(s, drain), want)
+        want, stop = reference(s)
+        assert_as_undisturbed(kill_mid_stream(s, stop, crash_engine), want)
+        assert_as_undisturbed(kill_mid_stream(s, stop, drain), want)
         log = s.gateways[0].log()
         assert "worker failed" in log and "worker draining" in log
 
