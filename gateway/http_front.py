@@ -107,7 +107,8 @@ class _Call:
 class Bridge:
     """The HTTP front's ZeroMQ client of the gateway, on the front's event loop."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, api_key: str | None, identity: bytes) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, api_key: str | None, identity: bytes, send_limit: int) -> None:
+        """`send_limit`: events one request's HTTP client may leave unread before it is cut off."""
         self.api_key = api_key  # the gateway's own key for its HTTP front, which checks clients' keys
         self.sock = zmq.asyncio.Context.shadow(ctx).socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -117,7 +118,9 @@ class Bridge:
         self.sock.connect(endpoint)
         self.sender_id = f"http-{os.getpid()}"
         self.calls: dict[str, _Call] = {}
+        self.send_limit = send_limit
         self._tasks: list[asyncio.Task[None]] = []
+        self._cancels: set[asyncio.Task[None]] = set()  # the cut-off requests' cancels being sent
 
     async def start(self) -> None:
         await self._send(protocol.Hello(sender_id=self.sender_id, role="client", heartbeat_interval_s=_HEARTBEAT_S,
@@ -165,6 +168,9 @@ class Bridge:
                 call = self.calls.pop(msg.request_id, None) if msg.request_id else None
                 if call is not None:
                     call.put(api.ApiError.from_code(msg.code, msg.message))
+            # recv returns at once while messages wait, without a turn of the loop: give the handlers
+            # theirs, so that a stream's events pile up only while its client's connection does not drain.
+            await asyncio.sleep(0)
 
     def _results(self, batch: protocol.ResultBatch) -> None:
         calls = self.calls
@@ -176,6 +182,8 @@ class Bridge:
                 if call is not None:
                     call.step_tokens += n
                     call.put(text)
+                    if len(call.events) > self.send_limit:
+                        self._cut_off(request_id, call)
         for response in batch.responses:
             call = calls.get(response.request_id)
             if call is None:
@@ -186,6 +194,22 @@ class Bridge:
                 call.put(api.ApiError(500, response.error_msg or "the worker failed", "server_error"))
             else:
                 call.put(response.result)
+                if len(call.events) > self.send_limit and not response.is_final:
+                    self._cut_off(response.request_id, call)
+
+    def _cut_off(self, request_id: str, call: _Call) -> None:
+        """A stream whose HTTP client reads nothing (its connection does not drain, so its
+        handler waits to write) holds at most `send_limit` events here: past that its request
+        is cancelled and its events dropped, an error in their place for when it reads again."""
+        del self.calls[request_id]
+        why = (f"cut off: this HTTP client left {self.send_limit} of the stream's events unread (the "
+               "gateway's --client-send-limit); the request was cancelled")  # fmt: skip
+        log.warning("request %s %s", request_id, why)
+        call.events.clear()
+        call.put(api.ApiError.from_code(protocol.ErrorCode.OVERLOADED, why))
+        task = asyncio.get_running_loop().create_task(self._send(protocol.Cancel(request_id=request_id)))
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
 
 
 class HttpFront:
@@ -239,7 +263,8 @@ class HttpFront:
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         from gateway.server import INPROC_ENDPOINT
 
-        self.bridge = Bridge(self.gateway.ctx, INPROC_ENDPOINT, self.gateway.bridge_key, self.gateway.bridge_identity)
+        self.bridge = Bridge(self.gateway.ctx, INPROC_ENDPOINT, self.gateway.bridge_key, self.gateway.bridge_identity,
+                             self.gateway.config.client_send_limit)
         await self.bridge.start()
         watch = asyncio.create_task(self._watch_gateway())
         try:

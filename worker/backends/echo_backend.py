@@ -43,7 +43,14 @@ class EchoBackend:
 
     def sample(self, logits: Any, sampling: SamplingBatch) -> SampleOutput:
         ids = np.asarray(logits, dtype=np.int64)
-        return SampleOutput(token_ids=ids, log_probs=np.zeros(ids.shape[0], dtype=np.float32))
+        zeros = np.zeros(ids.shape[0], dtype=np.float32)
+        if not sampling.top_n:
+            return SampleOutput(token_ids=ids, log_probs=zeros)
+        # Top log probs (and beam candidates): the echoed token, certain, then the ones after it.
+        top = (ids[:, None] + np.arange(sampling.top_n)) % self.config.vocab_size
+        top_log_probs = np.full(top.shape, -1e9, dtype=np.float32)
+        top_log_probs[:, 0] = 0.0
+        return SampleOutput(token_ids=ids, log_probs=zeros, top_tokens=top, top_log_probs=top_log_probs)
 
     def logits_to_host(self, logits: Any) -> np.ndarray:
         # One-hot rows, so post-processors and logits outputs see something well-formed.
