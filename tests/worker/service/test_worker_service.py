@@ -234,7 +234,7 @@ def test_echo_backend_is_a_transport_test_worker(service_model, redis_server, tm
         g.send(protocol.Submit(request_id="lp", input_token_ids=[5, 6, 77], max_tokens=5, streaming=True,
                                output_config=protocol.OutputConfig(top_n_log_probs=3)))
         g.recv_until(lambda: g.final("lp"))
-        top = [t for r in g.responses("lp") for t in r.result.top_token_ids[0]]  # type: ignore[union-attr]
+        top = [t for r in g.responses("lp") for t in r.result.top_token_ids[0]]  # type: ignore[union-attr,index]
         assert [t[0] for t in top] == [77] * 5 and all(len(t) == 3 for t in top)
         assert "TRANSPORT TEST ONLY" in w.log()
         g.close()
