@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bench import SkipSection, free_port
+from bench.process_cpu import cpu_seconds, spawned_child
 from ops.compute_threads import usable_cores
 from ops.process import stop_children
 
@@ -96,6 +97,15 @@ class Stack:
             ["--curve-secret-key-file", str(root / "keys" / "gateway.key_secret"),
              "--curve-allowed-keys-dir", str(root / "clients"), "--curve-worker-keys-dir", str(root / "workers")],
         )  # fmt: skip
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far of the gateway, the worker process (sockets, Redis, bookkeeping)
+        and its engine process (the model's steps)."""
+        _, worker, gateway = self.procs
+        engine = spawned_child(worker.pid)
+        seconds = {"gateway": cpu_seconds(gateway.pid), "worker": cpu_seconds(worker.pid)}
+        seconds["engine"] = float("nan") if engine is None else cpu_seconds(engine)
+        return seconds
 
     def close(self) -> None:
         stop_children(self.procs, timeout_s=10)

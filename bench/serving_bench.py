@@ -39,7 +39,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from bench import DEFAULT_MODEL, SkipSection, default_model, vocab_size
+from bench.process_cpu import own_cpu_seconds
 from bench.service_stack import Stack
 from bench.stream_timing import Timeline, pct
 
@@ -66,6 +67,9 @@ class RateRun:
     ttft_ms: list[float]
     itl_ms: list[float]
     e2e_ms: list[float]
+    # CPU microseconds per streamed token, by process: client, gateway, worker, engine (in
+    # process: the one process, under "engine").
+    cpu_us: dict[str, float] = field(default_factory=dict)
 
     @property
     def tok_s(self) -> float:
@@ -75,11 +79,13 @@ class RateRun:
         rate = "burst" if math.isinf(self.rate) else f"{self.rate:.2f}"
         return [self.model, self.path, rate, f"{self.requests / self.seconds:.2f}", f"{self.tok_s:,.0f}",
                 *(f"{pct(v, q):.1f}" for v in (self.ttft_ms, self.e2e_ms) for q in (50, 99)),
-                f"{pct(self.itl_ms, 50):.2f}", f"{pct(self.itl_ms, 99):.2f}"]  # fmt: skip
+                f"{pct(self.itl_ms, 50):.2f}", f"{pct(self.itl_ms, 99):.2f}",
+                *(f"{self.cpu_us[p]:.1f}" if p in self.cpu_us else "-" for p in PROCESSES)]  # fmt: skip
 
 
+PROCESSES = ("client", "gateway", "worker", "engine")
 HEADER = ["model", "path", "rate req/s", "achieved req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
-          "E2E p50 ms", "E2E p99 ms", "ITL p50 ms", "ITL p99 ms"]  # fmt: skip
+          "E2E p50 ms", "E2E p99 ms", "ITL p50 ms", "ITL p99 ms", *(f"CPU us/tok {p}" for p in PROCESSES)]  # fmt: skip
 
 
 def arrivals(n: int, rate: float, seed: int) -> np.ndarray:
@@ -140,7 +146,19 @@ def run_in_process(executor: Any, model: str, prompts: list[list[int]], output: 
 
 def _in_process_at(executor: Any, model: str, n: int, prompt: int, output: int, vocab: int, rate: float,
                    i: int) -> RateRun:  # fmt: skip
-    return run_in_process(executor, model, prompts_for(n, prompt, vocab, 10 + i), output, rate, seed=i)
+    before = own_cpu_seconds()
+    r = run_in_process(executor, model, prompts_for(n, prompt, vocab, 10 + i), output, rate, seed=i)
+    r.cpu_us = {"engine": (own_cpu_seconds() - before) * 1e6 / r.tokens}
+    return r
+
+
+def _service_at(stack: Stack, model: str, n: int, prompt: int, output: int, vocab: int, rate: float,
+                i: int) -> RateRun:  # fmt: skip
+    before, client = stack.cpu_seconds(), own_cpu_seconds()
+    r = asyncio.run(service_run(stack.gateway, model, prompts_for(n, prompt, vocab, 20 + i), output, rate, seed=i))
+    r.cpu_us = {"client": (own_cpu_seconds() - client) * 1e6 / r.tokens,
+                **{p: (s - before[p]) * 1e6 / r.tokens for p, s in stack.cpu_seconds().items()}}  # fmt: skip
+    return r
 
 
 # -- through the service --------------------------------------------------------------------------------
@@ -330,9 +348,7 @@ def bench_model(args: argparse.Namespace, name: str, log: Callable[[str], None])
             worker_args += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []
             stack = Stack(path, *worker_args)
             try:
-                remote, _ = sweep(lambda rate, i: asyncio.run(service_run(
-                    stack.gateway, label, prompts_for(n, p, vocab, 20 + i), o, rate, seed=i)),
-                    rates, log)  # fmt: skip
+                remote, _ = sweep(partial(_service_at, stack, label, n, p, o, vocab), rates, log)
                 runs += remote
             finally:
                 stack.close()
@@ -368,10 +384,10 @@ def save_runs(path: Path, args: argparse.Namespace, runs: Sequence[RateRun]) -> 
     """Every request's latencies, to the microsecond and gzipped: what `bench.plots` draws
     the serving curves from, small enough to keep in bench/results/."""
 
-    def field(value: Any) -> Any:
+    def rounded(value: Any) -> Any:
         return [round(v, 3) for v in value] if isinstance(value, list) else value
 
-    saved = {"args": vars(args), "runs": [{k: field(getattr(r, k)) for k in r.__slots__} for r in runs]}
+    saved = {"args": vars(args), "runs": [{k: rounded(getattr(r, k)) for k in r.__slots__} for r in runs]}
     with gzip.open(path, "wt") as f:
         json.dump(saved, f, default=str)
 
