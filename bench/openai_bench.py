@@ -151,8 +151,8 @@ def guidellm_row(base_url: str, tokenizer: Path, args: argparse.Namespace) -> li
 def serving_row(stack: Stack, vocab: int, args: argparse.Namespace) -> list[str]:
     from bench.serving_bench import prompts_for, service_run
 
-    r = asyncio.run(service_run(stack.gateway, "bench", prompts_for(args.requests, args.prompt, vocab, 7),
-                                 args.output, float("inf"), seed=0))  # fmt: skip
+    r, _ = service_run(stack.gateway, "bench", prompts_for(args.requests, args.prompt, vocab, 7), args.output,
+                       float("inf"), seed=0)  # fmt: skip
     return ["serving_bench (ZeroMQ, streamed)", str(r.requests), f"{r.tok_s:,.0f}", f"{pct(r.ttft_ms, 50):.1f}",
             f"{pct(r.ttft_ms, 99):.1f}", f"{pct(r.itl_ms, 50):.2f}", f"{pct(r.itl_ms, 99):.2f}"]  # fmt: skip
 

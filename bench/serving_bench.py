@@ -39,8 +39,10 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -152,11 +154,12 @@ def _in_process_at(executor: Any, model: str, n: int, prompt: int, output: int, 
     return r
 
 
-def _service_at(stack: Stack, model: str, n: int, prompt: int, output: int, vocab: int, rate: float,
-                i: int) -> RateRun:  # fmt: skip
-    before, client = stack.cpu_seconds(), own_cpu_seconds()
-    r = asyncio.run(service_run(stack.gateway, model, prompts_for(n, prompt, vocab, 20 + i), output, rate, seed=i))
-    r.cpu_us = {"client": (own_cpu_seconds() - client) * 1e6 / r.tokens,
+def _service_at(stack: Stack, model: str, n: int, prompt: int, output: int, vocab: int,
+                pool: ProcessPoolExecutor | None, clients: int, rate: float, i: int) -> RateRun:  # fmt: skip
+    before = stack.cpu_seconds()
+    r, client = service_run(stack.gateway, model, prompts_for(n, prompt, vocab, 20 + i), output, rate, i, pool,
+                            clients)  # fmt: skip
+    r.cpu_us = {"client": client * 1e6 / r.tokens,
                 **{p: (s - before[p]) * 1e6 / r.tokens for p, s in stack.cpu_seconds().items()}}  # fmt: skip
     return r
 
@@ -164,28 +167,54 @@ def _service_at(stack: Stack, model: str, n: int, prompt: int, output: int, voca
 # -- through the service --------------------------------------------------------------------------------
 
 
-async def service_run(endpoint: str, model: str, prompts: list[list[int]], output: int, rate: float,
-                       seed: int) -> RateRun:  # fmt: skip
+async def _client_share(endpoint: str, prompts: list[list[int]], offsets: list[float], output: int,
+                        start: float | None) -> list[Timeline]:  # fmt: skip
+    """One client's requests, each sent at `start` + its offset (`start`: a time.perf_counter
+    value, CLOCK_MONOTONIC, the same in every process of the host; None: once connected)."""
     from clients.async_client import AsyncClient
 
     async with AsyncClient([endpoint]) as client:
         await client.generate([100, 101, 102], max_tokens=2, timeout=300)  # connected, and the worker is ready
-        offsets = arrivals(len(prompts), rate, seed)
+        begin = time.perf_counter() if start is None else start
         lines: list[Timeline] = []
-        sent: list[float] = []
-        start = time.perf_counter()
 
         async def one(i: int) -> None:
-            await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
-            now = time.perf_counter()
-            line = Timeline(now)
+            await asyncio.sleep(max(0.0, begin + offsets[i] - time.perf_counter()))
+            line = Timeline(time.perf_counter())
             lines.append(line)
-            sent.append(now)
             async for chunk in client.stream(prompts[i], max_tokens=output, min_tokens=output, temperature=0.0):
                 line.add(time.perf_counter(), len(chunk.token_ids))
 
         await asyncio.gather(*(one(i) for i in range(len(prompts))))
-    return _collect(model, "gateway + worker", rate, sent, lines)
+    return lines
+
+
+def client_process(endpoint: str, prompts: list[list[int]], offsets: list[float], output: int,
+                   start: float) -> tuple[list[Timeline], float]:  # fmt: skip
+    """A client process's share of a run: its timelines and the CPU seconds it took."""
+    before = own_cpu_seconds()
+    lines = asyncio.run(_client_share(endpoint, prompts, offsets, output, start))
+    return lines, own_cpu_seconds() - before
+
+
+def service_run(endpoint: str, model: str, prompts: list[list[int]], output: int, rate: float, seed: int,
+                pool: ProcessPoolExecutor | None = None, clients: int = 1) -> tuple[RateRun, float]:  # fmt: skip
+    """The requests through the gateway, from this process or spread over `clients` processes
+    of `pool` (request i to client i mod clients); the run and its clients' CPU seconds."""
+    offsets = arrivals(len(prompts), rate, seed).tolist()
+    if pool is None:
+        before = own_cpu_seconds()
+        lines = asyncio.run(_client_share(endpoint, prompts, offsets, output, None))
+        return _collect(model, "gateway + worker", rate, [t.start for t in lines], lines), own_cpu_seconds() - before
+    n = clients
+    start = time.perf_counter() + 3.0  # every client connected by then
+    shares = [pool.submit(client_process, endpoint, prompts[k::n], offsets[k::n], output, start) for k in range(n)]
+    lines, cpu = [], 0.0
+    for share in shares:
+        got, seconds = share.result()
+        lines += got
+        cpu += seconds
+    return _collect(model, f"gateway + worker, {n} clients", rate, [t.start for t in lines], lines), cpu
 
 
 # -- models -------------------------------------------------------------------------------------------------
@@ -336,7 +365,6 @@ def bench_model(args: argparse.Namespace, name: str, log: Callable[[str], None])
         del executor
         release_device_memory()  # the worker process sizes its KV cache from what is free
         if path is not None and "service" in args.paths:
-            log(f"{label}, gateway + worker: the same rates")
             worker_args = ["--max-batch-size", str(args.max_batch), "--max-num-tokens", str(args.max_num_tokens)]
             # The worker's KV cache holds as many of these requests as the in-process one did (at
             # most all of them: a cache sized from free memory could not be had again in a second
@@ -347,10 +375,16 @@ def bench_model(args: argparse.Namespace, name: str, log: Callable[[str], None])
             worker_args += ["--quantization", args.quantization] if args.quantization else []
             worker_args += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []
             stack = Stack(path, *worker_args)
+            # Several client processes: one Python client tops out near 20,000 streamed tokens/s
+            # (bench/results/serving_cpu_per_process_llama1b_h200_2026-11-29.txt), below what a GPU makes.
+            pool = None if args.clients <= 1 else ProcessPoolExecutor(args.clients, mp_context=get_context("spawn"))
             try:
-                remote, _ = sweep(partial(_service_at, stack, label, n, p, o, vocab), rates, log)
+                log(f"{label}, gateway + worker: the same rates, {max(1, args.clients)} client process(es)")
+                remote, _ = sweep(partial(_service_at, stack, label, n, p, o, vocab, pool, args.clients), rates, log)
                 runs += remote
             finally:
+                if pool is not None:
+                    pool.shutdown()
                 stack.close()
     finally:
         if tmp is not None:
@@ -402,6 +436,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=int, default=128)
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=None,
                    help="requests/s, comma-separated (default: 0.25, 0.5, 0.75, 1 x the burst's)")
+    p.add_argument("--clients", type=int, default=4, help="client processes the service's requests are spread over")
     p.add_argument("--max-batch", type=int, default=512)
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--kv-tokens", type=int, default=0, help="KV cache tokens (default: sized from free memory)")
