@@ -74,6 +74,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench import default_model, vocab_size
+from bench.process_cpu import cpu_seconds
 from bench.service_stack import Stack
 from bench.stream_timing import Timeline, pct
 from ops.process import settle_gc
@@ -256,13 +257,13 @@ def _sample(stack: Stack, prompts: list[list[int]], model: str | None = None) ->
     """One run through the ZeroMQ client; with `model`, through the HTTP front instead
     (sending BENCH_KEY)."""
     gateway, worker = stack.procs[2].pid, stack.procs[1].pid
-    before = (_cpu_seconds(gateway), _cpu_seconds(worker), time.process_time())
+    before = (cpu_seconds(gateway), cpu_seconds(worker), time.process_time())
     if model is None:
         run = _stream_all(stack.gateway, prompts, OUTPUT, greedy=True, curve=stack.client_curve)
     else:
         run = _http_stream_all(stack.http_port, model, prompts, OUTPUT, greedy=True, key=BENCH_KEY)
     start, end, lines = asyncio.run(run)
-    after = (_cpu_seconds(gateway), _cpu_seconds(worker), time.process_time())
+    after = (cpu_seconds(gateway), cpu_seconds(worker), time.process_time())
     return Sample(_collect("", start, end, lines), *(a - b for a, b in zip(after, before, strict=True)))
 
 
@@ -430,18 +431,18 @@ def echo_transport(model: Path) -> list[Run]:
         asyncio.run(_stream_all(stack.gateway, [[100, 200, 300]], 2, greedy=False))
         for streams, tokens in ECHO_WORKLOADS:
             prompts = [[100 + i, 200 + i, 300 + i] for i in range(streams)]
-            gateway_cpu, client_cpu = _cpu_seconds(gateway_pid), time.process_time()
+            gateway_cpu, client_cpu = cpu_seconds(gateway_pid), time.process_time()
             start, end, lines = asyncio.run(_stream_all(stack.gateway, prompts, tokens, greedy=False))
-            gateway_us = (_cpu_seconds(gateway_pid) - gateway_cpu) * 1e6 / (streams * tokens)
+            gateway_us = (cpu_seconds(gateway_pid) - gateway_cpu) * 1e6 / (streams * tokens)
             client_us = (time.process_time() - client_cpu) * 1e6 / (streams * tokens)
             name = (f"TRANSPORT TEST echo worker, {streams} streams x {tokens} "
                     f"(CPU µs/token: gateway {gateway_us:.1f}, client {client_us:.1f})")  # fmt: skip
             runs.append(_collect(name, start, end, lines))
         streams, tokens = ECHO_WORKLOADS[0]
         prompts = [[100 + i, 200 + i, 300 + i] for i in range(streams)]
-        gateway_cpu, client_cpu = _cpu_seconds(gateway_pid), time.process_time()
+        gateway_cpu, client_cpu = cpu_seconds(gateway_pid), time.process_time()
         start, end, lines = asyncio.run(_http_stream_all(stack.http_port, model.name, prompts, tokens, greedy=False))
-        gateway_us = (_cpu_seconds(gateway_pid) - gateway_cpu) * 1e6 / (streams * tokens)
+        gateway_us = (cpu_seconds(gateway_pid) - gateway_cpu) * 1e6 / (streams * tokens)
         client_us = (time.process_time() - client_cpu) * 1e6 / (streams * tokens)
         name = (f"TRANSPORT TEST echo worker, HTTP+SSE, {streams} streams x {tokens} "
                 f"(CPU µs/token: gateway {gateway_us:.1f}, client {client_us:.1f})")  # fmt: skip
@@ -460,25 +461,16 @@ def _echo_with_curve(model: Path) -> Run:
         asyncio.run(_stream_all(stack.gateway, [[100, 200, 300]], 2, greedy=False, curve=stack.client_curve))
         streams, tokens = ECHO_WORKLOADS[0]
         prompts = [[100 + i, 200 + i, 300 + i] for i in range(streams)]
-        gateway_cpu, client_cpu = _cpu_seconds(stack.procs[2].pid), time.process_time()
+        gateway_cpu, client_cpu = cpu_seconds(stack.procs[2].pid), time.process_time()
         start, end, lines = asyncio.run(_stream_all(stack.gateway, prompts, tokens, greedy=False,
                                                     curve=stack.client_curve))  # fmt: skip
-        gateway_us = (_cpu_seconds(stack.procs[2].pid) - gateway_cpu) * 1e6 / (streams * tokens)
+        gateway_us = (cpu_seconds(stack.procs[2].pid) - gateway_cpu) * 1e6 / (streams * tokens)
         client_us = (time.process_time() - client_cpu) * 1e6 / (streams * tokens)
         name = (f"TRANSPORT TEST echo worker, CURVE on, {streams} streams x {tokens} "
                 f"(CPU µs/token: gateway {gateway_us:.1f}, client {client_us:.1f})")  # fmt: skip
         return _collect(name, start, end, lines)
     finally:
         stack.close()
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a live process, all its threads (Linux; NaN elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def table() -> tuple[list[str], list[list[str]]]:

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bench import SkipSection, free_port
-from bench.process_cpu import cpu_seconds, spawned_child
+from bench.process_cpu import cpu_seconds
 from ops.compute_threads import usable_cores
-from ops.process import stop_children
+from ops.process import spawned, stop_children
 
 if TYPE_CHECKING:
     from ops.curve import ClientCurve
@@ -102,9 +102,9 @@ class Stack:
         """CPU seconds so far of the gateway, the worker process (sockets, Redis, bookkeeping)
         and its engine process (the model's steps)."""
         _, worker, gateway = self.procs
-        engine = spawned_child(worker.pid)
+        engines = spawned(worker.pid)
         seconds = {"gateway": cpu_seconds(gateway.pid), "worker": cpu_seconds(worker.pid)}
-        seconds["engine"] = float("nan") if engine is None else cpu_seconds(engine)
+        seconds["engine"] = cpu_seconds(engines[0]) if engines else float("nan")
         return seconds
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,17 @@ def settle_gc() -> None:
     atexit.register(gc.unfreeze)
     _, middle, old = gc.get_threshold()
     gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
+
+
+def children(pid: int) -> list[int]:
+    """The processes that `pid`'s main thread started and that are still its children (Linux)."""
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def spawned(pid: int) -> list[int]:
+    """Those of `pid`'s children started with multiprocessing's spawn (not its resource tracker):
+    a worker's engine process."""
+    return [c for c in children(pid) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
 def stop_children(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:

@@ -49,16 +49,6 @@ def running(pid: int) -> bool:
         return False
 
 
-def children(pid: int) -> list[int]:
-    """The processes that `pid`'s main thread started and that are still its children."""
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
-def spawned(pid: int) -> list[int]:
-    """Those of `pid`'s children started with multiprocessing's spawn (not its resource tracker)."""
-    return [c for c in children(pid) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-
-
 def long_context_checkpoint(checkpoint: Path, directory: Path, max_positions: int = 8192) -> Path:
     """The same tiny checkpoint with a longer context, for requests that must run
     for seconds (cancel and kill tests): the weights do not depend on it."""

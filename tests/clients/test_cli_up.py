@@ -20,7 +20,7 @@ import redis
 
 from clients.client import Client
 from clients.jobs import JobQueue, JobStatus
-from tests import procs
+from ops.process import children as process_children
 from tests.procs import REPO, free_port, running
 
 
@@ -144,7 +144,7 @@ def test_kill_9_of_up_stops_its_children(service_model: Path, redis_url: str, tm
     children: list[int] = []
     try:
         _read_until(_lines(proc), "serving;", timeout=90)
-        children = procs.children(proc.pid)
+        children = process_children(proc.pid)
         assert len(children) == 3, children  # worker, gateway, consumer (the test's Redis is its own)
         proc.kill()
         proc.wait(timeout=10)

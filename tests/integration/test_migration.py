@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from clients.client import Client, RequestError, RequestFuture, Speculation
-from tests.procs import CLIENT_OPTIONS, HEARTBEAT_S, Stack, Worker, spawned, stack
+from ops.process import spawned
+from tests.procs import CLIENT_OPTIONS, HEARTBEAT_S, Stack, Worker, stack
 from tests.worker.peft_adapters import make_adapter
 
 TOKENS = 2000  # streams that run for seconds (the long model's context is 8192)

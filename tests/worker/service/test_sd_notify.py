@@ -14,8 +14,9 @@ import pytest
 import zmq
 
 import protocol
+from ops.process import spawned
 from tests.notify import NotifySocket, notify_socket
-from tests.procs import Worker, spawned
+from tests.procs import Worker
 from worker.service.engine import LOOP_STUCK_AFTER_S
 
 

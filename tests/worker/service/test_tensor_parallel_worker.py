@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 import protocol
-from tests.procs import Stack, running, spawned
+from ops.process import spawned
+from tests.procs import Stack, running
 from tests.worker.service.test_worker_service import FakeGateway
 
 

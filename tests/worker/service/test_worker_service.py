@@ -11,7 +11,8 @@ import pytest
 import zmq
 
 import protocol
-from tests.procs import HEARTBEAT_S, MISSED, Stack, spawned
+from ops.process import spawned
+from tests.procs import HEARTBEAT_S, MISSED, Stack
 from tests.worker.service.processors import FORCED_TOKEN
 from worker.executor import EngineCore, ExecutorConfig, Request
 
