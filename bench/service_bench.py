@@ -68,8 +68,9 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing import get_context
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -93,10 +94,16 @@ CURVE_BUDGET_S = float(os.environ.get("TOKENWIRE_BENCH_SERVICE_CURVE_BUDGET_S", 
 KEYS_PAIRS = max(2, int(os.environ.get("TOKENWIRE_BENCH_SERVICE_KEYS_PAIRS", "60")))
 KEYS_BUDGET_S = float(os.environ.get("TOKENWIRE_BENCH_SERVICE_KEYS_BUDGET_S", "90"))
 # (concurrent streams, tokens each), as "64x1024,256x512"
+# Client processes for the echo rows that measure the gateway rather than one client (1: none).
+ECHO_CLIENTS = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_ECHO_CLIENTS", "1"))
 ECHO_WORKLOADS = tuple(
     (int(n), int(t)) for n, t in
     (w.split("x") for w in os.environ.get("TOKENWIRE_BENCH_SERVICE_ECHO", "64x1024,256x512").split(","))
 )  # fmt: skip
+
+
+HEADER = ["path", "out tokens", "s", "tokens/s", "vs in-process", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+          "ITL p99 ms", "decode ITL p50 ms", "decode ITL p99 ms"]  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -447,10 +454,36 @@ def echo_transport(model: Path) -> list[Run]:
         name = (f"TRANSPORT TEST echo worker, HTTP+SSE, {streams} streams x {tokens} "
                 f"(CPU µs/token: gateway {gateway_us:.1f}, client {client_us:.1f})")  # fmt: skip
         runs.append(_collect(name, start, end, lines))
+        if ECHO_CLIENTS > 1:  # what one gateway carries when the clients are not the limit
+            # Many streams, then many short requests (at most 1,024 in flight per client: the gateway's limit).
+            for streams, tokens in ((max(n for n, _ in ECHO_WORKLOADS), 512), (1024 * ECHO_CLIENTS, 16)):
+                runs.append(_echo_spread(stack, streams, tokens))
     finally:
         stack.close()
     runs.append(_echo_with_curve(model))
     return runs
+
+
+def _echo_spread(stack: Stack, streams: int, tokens: int) -> Run:
+    """The echo workload from ECHO_CLIENTS client processes, all sent at once."""
+    from bench.serving_bench import client_process
+
+    prompts = [[100 + i % 1000, 200, 300] for i in range(streams)]
+    before = stack.cpu_seconds()
+    with ProcessPoolExecutor(ECHO_CLIENTS, mp_context=get_context("spawn")) as pool:
+        start_at = time.perf_counter() + 5.0  # every client process up and connected by then
+        shares = [pool.submit(client_process, stack.gateway, part, [0.0] * len(part), tokens, start_at)
+                  for part in (prompts[k::ECHO_CLIENTS] for k in range(ECHO_CLIENTS))]  # fmt: skip
+        results = [share.result() for share in shares]
+    after = stack.cpu_seconds()
+    lines = [line for got, _ in results for line in got]
+    start, end = min(t.start for t in lines), max(t.last or t.start for t in lines)
+    us = {p: (after[p] - before[p]) * 1e6 / (streams * tokens) for p in after}
+    clients_us = sum(cpu for _, cpu in results) * 1e6 / (streams * tokens)
+    name = (f"TRANSPORT TEST echo worker, {ECHO_CLIENTS} client processes, {streams} streams x {tokens}: "
+            f"{streams / (end - start):,.0f} req/s (CPU µs/token: gateway {us['gateway']:.1f}, worker "
+            f"{us['worker']:.1f}, engine {us['engine']:.1f}, clients {clients_us:.1f})")  # fmt: skip
+    return _collect(name, start, end, lines)
 
 
 def _echo_with_curve(model: Path) -> Run:
@@ -483,8 +516,6 @@ def table() -> tuple[list[str], list[list[str]]]:
     *runs, sets = compare(model, prompt_sets, curve_prompt_sets)
     keys = keys_sets(model, [_prompts(vocab, REPEATS + CURVE_PAIRS + i) for i in range(KEYS_PAIRS + 1)])
     local, remote, http, curve = (min(r, key=lambda run: run.seconds) for r in runs)  # the fastest of each path
-    header = ["path", "out tokens", "s", "tokens/s", "vs in-process", "TTFT p50 ms", "TTFT p99 ms",
-              "ITL p50 ms", "ITL p99 ms", "decode ITL p50 ms", "decode ITL p99 ms"]  # fmt: skip
     rows = [local.row(), remote.row(local), curve.row(local), http.row(local)]
     rows.append([f"(CURVE on vs off, {len(sets)} sets, orders permuted: {_versus_text(sets, _ON, _OFF)}; goal >= 0.97)",
                  *[""] * 10])  # fmt: skip
@@ -500,7 +531,7 @@ def table() -> tuple[list[str], list[list[str]]]:
     rows.append([f"(workload: {REQUESTS} streams x {PROMPT} prompt / {OUTPUT} output tokens, default model)",
                  *[""] * 10])  # fmt: skip
     rows += [r.row() for r in echo_transport(model)]
-    return header, rows
+    return HEADER, rows
 
 
 def keys_table(model: Path) -> tuple[list[str], list[list[str]]]:
@@ -521,7 +552,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--keys-only", type=Path, default=None, metavar="CHECKPOINT",
                    help="only part (c), API keys and limits, on this checkpoint (a larger model on a GPU)")
+    p.add_argument("--echo-only", type=Path, default=None, metavar="CHECKPOINT",
+                   help="only the echo transport rows, on this checkpoint's config and tokenizer")
     args = p.parse_args()
+    if args.echo_only:
+        print(format_table(HEADER, [r.row() for r in echo_transport(args.echo_only)]))
+        return
     print(format_table(*(keys_table(args.keys_only) if args.keys_only else table())))
 
 

@@ -51,6 +51,11 @@ class RequestError(RuntimeError):
         self.message = message
         self.request_id = request_id
 
+    def __reduce__(self) -> tuple[type[RequestError], tuple[str, str, str | None]]:
+        # Picklable as it was made (the default re-calls __init__ with the formatted text alone):
+        # an error raised in a process pool's worker reaches the caller whole.
+        return type(self), (self.code, self.message, self.request_id)
+
 
 class GatewayLostError(RequestError):
     """The gateway stopped answering after this request had started streaming."""
