@@ -118,6 +118,7 @@ class _Request:
     received: list[int] | None = None
     dropped: str = ""  # why its last worker dropped it, for the error if no other takes it
     dropped_at: float | None = None  # then: it waits for another worker from here
+    cancelled: bool = False  # its client cancelled it: its worker's final ends it, and it is never moved
     api_key: ApiKeyRecord | None = None  # the client's, where its limits apply
     lease: str = ""  # its place in its key's limits
 
@@ -456,6 +457,7 @@ class Gateway:
         if req is None:
             return  # finished already: nothing to do
         self.metrics.client_cancelled(req, "cancel")
+        req.cancelled = True
         if req.worker is not None:
             req.worker.socket.send(protocol.encode(protocol.Cancel(request_id=req.wire_id)))
         else:  # still waiting for a worker: end it here
@@ -832,6 +834,9 @@ class Gateway:
 
     def _move(self, req: _Request, link: WorkerLink, why: str) -> None:
         """Carry a request on to another worker after `link` dropped it (gateway/migration.py)."""
+        if req.cancelled:  # the worker went before it confirmed the cancel
+            self._finish_with_result(req, protocol.FinishReason.CANCELLED)
+            return
         received = req.received or []
         run = next_run(req.submit, req.started, received, req.dispatches - 1, self.config.migration_limit)
         if isinstance(run, Ended):

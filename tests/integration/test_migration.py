@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from clients.client import Client, RequestError, RequestFuture, Speculation
+from clients.client import Client, FinishReason, RequestError, RequestFuture, Speculation
 from ops.process import spawned
 from tests.procs import CLIENT_OPTIONS, HEARTBEAT_S, Stack, Worker, stack
 from tests.worker.peft_adapters import make_adapter
@@ -206,3 +206,19 @@ def test_the_migration_limit_ends_a_started_stream_with_one_clear_error(fleet: C
             assert error.code == "unavailable"
             assert f"worker {victim.worker_id} dropped this request" in error.message
             assert "the gateway's --migration-limit" in error.message, error.message
+
+
+def test_a_request_cancelled_before_its_worker_died_is_not_moved(fleet: Callable[..., Any]) -> None:
+    with fleet(2) as s, Client([s.gateways[0].endpoint], **CLIENT_OPTIONS) as client:
+        future = client.stream(PROMPTS[0], max_tokens=TOKENS, ignore_eos=True, temperature=0.0)
+        next(iter(future))
+        followed = Followed({"one": future})
+        victim = busiest(s, s.workers, followed.running)
+        victim.process.send_signal(signal.SIGSTOP)  # it cannot confirm the cancel
+        future.cancel()
+        time.sleep(0.5)  # the cancel reached the gateway
+        victim.kill9()
+        followed.join()
+        result = future.result(timeout=30)
+        assert result.finish_reason == FinishReason.CANCELLED
+        assert "continued on another worker" not in s.gateways[0].log()
