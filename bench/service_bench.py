@@ -96,6 +96,8 @@ KEYS_BUDGET_S = float(os.environ.get("TOKENWIRE_BENCH_SERVICE_KEYS_BUDGET_S", "9
 # (concurrent streams, tokens each), as "64x1024,256x512"
 # Client processes for the echo rows that measure the gateway rather than one client (1: none).
 ECHO_CLIENTS = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_ECHO_CLIENTS", "1"))
+# And echo workers behind the one gateway for a second pair of them (1: none).
+ECHO_WORKERS = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_ECHO_WORKERS", "1"))
 ECHO_WORKLOADS = tuple(
     (int(n), int(t)) for n, t in
     (w.split("x") for w in os.environ.get("TOKENWIRE_BENCH_SERVICE_ECHO", "64x1024,256x512").split(","))
@@ -263,7 +265,7 @@ class Sample:
 def _sample(stack: Stack, prompts: list[list[int]], model: str | None = None) -> Sample:
     """One run through the ZeroMQ client; with `model`, through the HTTP front instead
     (sending BENCH_KEY)."""
-    gateway, worker = stack.procs[2].pid, stack.procs[1].pid
+    gateway, worker = stack.gateway_proc.pid, stack.workers[0].pid
     before = (cpu_seconds(gateway), cpu_seconds(worker), time.process_time())
     if model is None:
         run = _stream_all(stack.gateway, prompts, OUTPUT, greedy=True, curve=stack.client_curve)
@@ -417,7 +419,7 @@ def keys_sets(model: Path, prompt_sets: list[list[list[int]]]) -> list[dict[str,
             s.close()
 
 
-def _echo_stack(model: Path, curve: bool = False) -> Stack:
+def _echo_stack(model: Path, curve: bool = False, workers: int = 1) -> Stack:
     from worker.executor.types import KvCacheConfig
 
     most = max(n for n, _ in ECHO_WORKLOADS)
@@ -426,13 +428,13 @@ def _echo_stack(model: Path, curve: bool = False) -> Stack:
     block = KvCacheConfig().tokens_per_block
     kv_tokens = most * -(-(3 + max(t for _, t in ECHO_WORKLOADS)) // block) * block + 1024
     return Stack(model, "--backend", "echo", "--max-batch-size", str(most), "--max-num-tokens", "65536",
-                  "--kv-tokens", str(kv_tokens), curve=curve)  # fmt: skip
+                  "--kv-tokens", str(kv_tokens), curve=curve, workers=workers)  # fmt: skip
 
 
 def echo_transport(model: Path) -> list[Run]:
     runs = []
     stack = _echo_stack(model)
-    gateway_pid = stack.procs[2].pid
+    gateway_pid = stack.gateway_proc.pid
     try:
         # Up and warm (the gateway has loaded the worker's tokenizer) before any CPU time counts.
         asyncio.run(_stream_all(stack.gateway, [[100, 200, 300]], 2, greedy=False))
@@ -460,6 +462,13 @@ def echo_transport(model: Path) -> list[Run]:
                 runs.append(_echo_spread(stack, streams, tokens))
     finally:
         stack.close()
+    if ECHO_CLIENTS > 1 and ECHO_WORKERS > 1:  # the gateway's own ceiling: more echo workers than one gateway needs
+        stack = _echo_stack(model, workers=ECHO_WORKERS)
+        try:
+            runs += [_echo_spread(stack, streams, tokens)
+                     for streams, tokens in ((max(n for n, _ in ECHO_WORKLOADS), 512), (1024 * ECHO_CLIENTS, 16))]
+        finally:
+            stack.close()
     runs.append(_echo_with_curve(model))
     return runs
 
@@ -480,7 +489,8 @@ def _echo_spread(stack: Stack, streams: int, tokens: int) -> Run:
     start, end = min(t.start for t in lines), max(t.last or t.start for t in lines)
     us = {p: (after[p] - before[p]) * 1e6 / (streams * tokens) for p in after}
     clients_us = sum(cpu for _, cpu in results) * 1e6 / (streams * tokens)
-    name = (f"TRANSPORT TEST echo worker, {ECHO_CLIENTS} client processes, {streams} streams x {tokens}: "
+    workers = f"{len(stack.workers)} echo workers" if len(stack.workers) > 1 else "echo worker"
+    name = (f"TRANSPORT TEST {workers}, {ECHO_CLIENTS} client processes, {streams} streams x {tokens}: "
             f"{streams / (end - start):,.0f} req/s (CPU µs/token: gateway {us['gateway']:.1f}, worker "
             f"{us['worker']:.1f}, engine {us['engine']:.1f}, clients {clients_us:.1f})")  # fmt: skip
     return _collect(name, start, end, lines)
@@ -494,10 +504,10 @@ def _echo_with_curve(model: Path) -> Run:
         asyncio.run(_stream_all(stack.gateway, [[100, 200, 300]], 2, greedy=False, curve=stack.client_curve))
         streams, tokens = ECHO_WORKLOADS[0]
         prompts = [[100 + i, 200 + i, 300 + i] for i in range(streams)]
-        gateway_cpu, client_cpu = cpu_seconds(stack.procs[2].pid), time.process_time()
+        gateway_cpu, client_cpu = cpu_seconds(stack.gateway_proc.pid), time.process_time()
         start, end, lines = asyncio.run(_stream_all(stack.gateway, prompts, tokens, greedy=False,
                                                     curve=stack.client_curve))  # fmt: skip
-        gateway_us = (cpu_seconds(stack.procs[2].pid) - gateway_cpu) * 1e6 / (streams * tokens)
+        gateway_us = (cpu_seconds(stack.gateway_proc.pid) - gateway_cpu) * 1e6 / (streams * tokens)
         client_us = (time.process_time() - client_cpu) * 1e6 / (streams * tokens)
         name = (f"TRANSPORT TEST echo worker, CURVE on, {streams} streams x {tokens} "
                 f"(CPU µs/token: gateway {gateway_us:.1f}, client {client_us:.1f})")  # fmt: skip

@@ -26,18 +26,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class Stack:
-    """A private redis-server, one worker and one gateway, as child processes; `worker_args`
-    go to the worker's command line (its KV cache size among them), `gateway_args` to the
-    gateway's; with `curve`, CURVE on between all three (keys made in the stack's directory)."""
+    """A private redis-server, `workers` workers (one by default) and one gateway, as child
+    processes; `worker_args` go to each worker's command line (its KV cache size among them),
+    `gateway_args` to the gateway's; with `curve`, CURVE on between them all (keys made in the
+    stack's directory)."""
 
-    def __init__(self, model: Path, *worker_args: str, curve: bool = False, gateway_args: Sequence[str] = ()) -> None:
+    def __init__(self, model: Path, *worker_args: str, curve: bool = False, gateway_args: Sequence[str] = (),
+                 workers: int = 1) -> None:  # fmt: skip
         redis_server = shutil.which("redis-server")
         if redis_server is None:
             raise SkipSection("redis-server is not on PATH")
         self.dir = tempfile.TemporaryDirectory(prefix="tokenwire-bench-")
-        ports = [free_port() for _ in range(3)]
+        ports = [free_port() for _ in range(2)]
         self.redis = f"redis://127.0.0.1:{ports[0]}/0"
-        self.gateway = f"tcp://127.0.0.1:{ports[2]}"
+        self.gateway = f"tcp://127.0.0.1:{ports[1]}"
         self.http_port = free_port()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         log = open(Path(self.dir.name) / "log", "wb")  # noqa: SIM115 - closed with the directory
@@ -51,19 +53,20 @@ class Stack:
         # (a worker leaves a core to its neighbours by default): the rows then differ by the
         # service path alone. A --cpu-threads in worker_args comes later and wins.
         same_threads = ["--cpu-threads", str(usable_cores())]
-        self.procs.append(subprocess.Popen(
-            [py, "-m", "worker.service", "--model", str(model), "--bind", f"tcp://127.0.0.1:{ports[1]}",
+        self.workers = [subprocess.Popen(
+            [py, "-m", "worker.service", "--model", str(model), "--bind", f"tcp://127.0.0.1:{free_port()}",
              "--redis", self.redis, *same_threads, *worker_args, *worker_curve],
-            env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
-        self.procs.append(subprocess.Popen(
+            env=env, stdout=log, stderr=subprocess.STDOUT) for _ in range(workers)]  # fmt: skip
+        self.gateway_proc = subprocess.Popen(
             [py, "-m", "gateway", "--bind", self.gateway, "--redis", self.redis,
              "--no-worker-timeout", "300", "--http-port", str(self.http_port), *gateway_curve, *gateway_args],
-            env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
-        self._wait_healthy(300.0)
+            env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        self.procs += [*self.workers, self.gateway_proc]
+        self._wait_healthy(300.0, workers)
 
-    def _wait_healthy(self, timeout_s: float) -> None:
-        """Until the gateway's /health says 200 (Redis answers and a worker is ready): the
-        clients fail fast, so they must not race the model's load."""
+    def _wait_healthy(self, timeout_s: float, workers: int) -> None:
+        """Until the gateway's /health says 200 (Redis answers and a worker is ready) and it has
+        logged every worker ready: the clients fail fast, so they must not race the model's load."""
         deadline = time.monotonic() + timeout_s
         url = f"http://127.0.0.1:{self.http_port}/health"
         while time.monotonic() < deadline:
@@ -73,7 +76,8 @@ class Stack:
                 raise RuntimeError(f"the service stack ended while starting:\n{tail}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as answer:
-                    if answer.status == 200:
+                    ready = (Path(self.dir.name) / "log").read_text(errors="replace").count(" ready: [")
+                    if answer.status == 200 and ready >= workers:
                         return
             except OSError:  # not listening yet, or 503 until a worker is ready
                 pass
@@ -99,13 +103,11 @@ class Stack:
         )  # fmt: skip
 
     def cpu_seconds(self) -> dict[str, float]:
-        """CPU seconds so far of the gateway, the worker process (sockets, Redis, bookkeeping)
-        and its engine process (the model's steps)."""
-        _, worker, gateway = self.procs
-        engines = spawned(worker.pid)
-        seconds = {"gateway": cpu_seconds(gateway.pid), "worker": cpu_seconds(worker.pid)}
-        seconds["engine"] = cpu_seconds(engines[0]) if engines else float("nan")
-        return seconds
+        """CPU seconds so far of the gateway, the worker processes (sockets, Redis, bookkeeping)
+        and their engine processes (the model's steps), each kind summed."""
+        engines = [e for w in self.workers for e in spawned(w.pid)]
+        return {"gateway": cpu_seconds(self.gateway_proc.pid), "worker": sum(cpu_seconds(w.pid) for w in self.workers),
+                "engine": sum(cpu_seconds(e) for e in engines) if engines else float("nan")}
 
     def close(self) -> None:
         stop_children(self.procs, timeout_s=10)
