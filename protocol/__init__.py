@@ -5,7 +5,8 @@ The names below load on first use (PEP 562), so that the pure-data modules —
 `protocol.options` (the request options), `protocol.status` (finish reasons,
 request states), `protocol.stats` (iteration and request stats) and
 `protocol.model_fit` (vocabulary and context rules), `protocol.block_hash` (the
-KV block hashes both sides compute) — can be imported where
+KV block hashes both sides compute), `protocol.continuation` (which requests a
+continuation can carry) — can be imported where
 pydantic and msgpack are not installed: the executor on a GPU host, and
 `clients.params`.
 """

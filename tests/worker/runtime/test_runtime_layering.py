@@ -8,9 +8,10 @@ import sys
 from tests.procs import REPO
 
 # protocol's pure-data modules (standard library only): the options' one declaration,
-# finish reasons and request states, the stats, the vocabulary and context rules.
+# finish reasons and request states, the stats, the vocabulary and context rules, the block
+# hashes, which requests a continuation can carry.
 PURE_PROTOCOL = {"protocol", "protocol.options", "protocol.status", "protocol.stats", "protocol.model_fit",
-                 "protocol.block_hash"}
+                 "protocol.block_hash", "protocol.continuation"}
 
 
 def test_the_runtime_imports_no_service_or_wire_package() -> None:
