@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import random
 import statistics
@@ -75,6 +74,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench import default_model, vocab_size
+from bench.http_stream import stream_completion
 from bench.process_cpu import cpu_seconds
 from bench.service_stack import Stack
 from bench.stream_timing import Timeline, pct
@@ -190,39 +190,13 @@ async def _stream_all(
 async def _http_stream_all(
     port: int, model: str, prompts: list[list[int]], output: int, greedy: bool, key: str | None = None
 ) -> tuple[float, float, list[Timeline]]:
-    """Every prompt as one streamed /v1/completions request, concurrently; each SSE
-    chunk carries one step's text (one token while decoding), and each stream's
-    token count is its usage's. With `key`, each request sends it as its bearer token."""
-    auth = b"" if key is None else b"Authorization: Bearer %s\r\n" % key.encode()
-
-    async def one(prompt: list[int], line: Timeline | None) -> None:
-        body = {"model": model, "prompt": prompt, "max_tokens": output, "min_tokens": output, "stream": True,
-                "stream_options": {"include_usage": True}, **({"temperature": 0.0} if greedy else {})}  # fmt: skip
-        payload = json.dumps(body).encode()
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n%s"
-                     b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (auth, len(payload), payload))  # fmt: skip
-        status = await reader.readline()
-        assert b" 200 " in status, status + await reader.read()
-        while (await reader.readline()).strip():
-            pass  # headers; the body is chunked, its chunk sizes are skipped as non-data lines
-        chunks = usage = 0
-        async for raw in reader:
-            if not raw.startswith(b"data: {"):
-                continue
-            if b'"usage":{' in raw:
-                usage = json.loads(raw[6:])["usage"]["completion_tokens"]
-            elif line is not None:
-                line.add(time.perf_counter(), 1)
-                chunks += 1
-        writer.close()
-        if line is not None and usage != chunks:  # a chunk carried several tokens: count them as the usage says
-            line.tokens = usage
-
-    await one([100, 101, 102], None)  # warm-up
+    """Every prompt as one streamed /v1/completions request, concurrently (bench/http_stream.py).
+    With `key`, each request sends it as its bearer token."""
+    await stream_completion(port, model, [100, 101, 102], output, None, greedy=greedy, key=key)  # warm-up
     start = time.perf_counter()
     lines = [Timeline(start) for _ in prompts]
-    await asyncio.gather(*(one(p, t) for p, t in zip(prompts, lines, strict=True)))
+    await asyncio.gather(*(stream_completion(port, model, p, output, t, greedy=greedy, key=key)
+                           for p, t in zip(prompts, lines, strict=True)))  # fmt: skip
     return start, time.perf_counter(), lines
 
 

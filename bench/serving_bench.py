@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from bench import DEFAULT_MODEL, SkipSection, default_model, vocab_size
+from bench.http_stream import stream_completion
 from bench.process_cpu import own_cpu_seconds
 from bench.service_stack import Stack
 from bench.stream_timing import Timeline, pct
@@ -154,10 +155,10 @@ def _in_process_at(executor: Any, model: str, n: int, prompt: int, output: int, 
     return r
 
 
-def _service_at(stack: Stack, model: str, n: int, prompt: int, output: int, vocab: int,
+def _service_at(stack: Stack, endpoint: str, model: str, n: int, prompt: int, output: int, vocab: int,
                 pool: ProcessPoolExecutor | None, clients: int, rate: float, i: int) -> RateRun:  # fmt: skip
     before = stack.cpu_seconds()
-    r, client = service_run(stack.gateway, model, prompts_for(n, prompt, vocab, 20 + i), output, rate, i, pool,
+    r, client = service_run(endpoint, model, prompts_for(n, prompt, vocab, 20 + i), output, rate, i, pool,
                             clients)  # fmt: skip
     r.cpu_us = {"client": client * 1e6 / r.tokens,
                 **{p: (s - before[p]) * 1e6 / r.tokens for p, s in stack.cpu_seconds().items()}}  # fmt: skip
@@ -170,7 +171,10 @@ def _service_at(stack: Stack, model: str, n: int, prompt: int, output: int, voca
 async def _client_share(endpoint: str, prompts: list[list[int]], offsets: list[float], output: int,
                         start: float | None) -> list[Timeline]:  # fmt: skip
     """One client's requests, each sent at `start` + its offset (`start`: a time.perf_counter
-    value, CLOCK_MONOTONIC, the same in every process of the host; None: once connected)."""
+    value, CLOCK_MONOTONIC, the same in every process of the host; None: once connected).
+    `endpoint` "http://127.0.0.1:PORT/MODEL": streamed /v1/completions to that HTTP front."""
+    if endpoint.startswith("http://"):
+        return await _http_share(endpoint, prompts, offsets, output, start)
     from clients.async_client import AsyncClient
 
     async with AsyncClient([endpoint]) as client:
@@ -186,6 +190,23 @@ async def _client_share(endpoint: str, prompts: list[list[int]], offsets: list[f
                 line.add(time.perf_counter(), len(chunk.token_ids))
 
         await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    return lines
+
+
+async def _http_share(url: str, prompts: list[list[int]], offsets: list[float], output: int,
+                      start: float | None) -> list[Timeline]:  # fmt: skip
+    port, model = int(url.split(":")[2].split("/")[0]), url.rsplit("/", 1)[1]
+    await stream_completion(port, model, [100, 101, 102], 2, None, greedy=True)  # up, and the worker is ready
+    begin = time.perf_counter() if start is None else start
+    lines: list[Timeline] = []
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(max(0.0, begin + offsets[i] - time.perf_counter()))
+        line = Timeline(time.perf_counter())
+        lines.append(line)
+        await stream_completion(port, model, prompts[i], output, line, greedy=True)
+
+    await asyncio.gather(*(one(i) for i in range(len(prompts))))
     return lines
 
 
@@ -205,8 +226,10 @@ def service_run(endpoint: str, model: str, prompts: list[list[int]], output: int
     if pool is None:
         before = own_cpu_seconds()
         lines = asyncio.run(_client_share(endpoint, prompts, offsets, output, None))
-        return _collect(model, "gateway + worker", rate, [t.start for t in lines], lines), own_cpu_seconds() - before
+        path = "HTTP + SSE" if endpoint.startswith("http://") else "gateway + worker"
+        return _collect(model, path, rate, [t.start for t in lines], lines), own_cpu_seconds() - before
     n = clients
+    path = "HTTP + SSE" if endpoint.startswith("http://") else "gateway + worker"
     start = time.perf_counter() + 3.0  # every client connected by then
     shares = [pool.submit(client_process, endpoint, prompts[k::n], offsets[k::n], output, start) for k in range(n)]
     lines, cpu = [], 0.0
@@ -214,7 +237,7 @@ def service_run(endpoint: str, model: str, prompts: list[list[int]], output: int
         got, seconds = share.result()
         lines += got
         cpu += seconds
-    return _collect(model, f"gateway + worker, {n} clients", rate, [t.start for t in lines], lines), cpu
+    return _collect(model, f"{path}, {n} clients", rate, [t.start for t in lines], lines), cpu
 
 
 # -- models -------------------------------------------------------------------------------------------------
@@ -380,8 +403,15 @@ def bench_model(args: argparse.Namespace, name: str, log: Callable[[str], None])
             pool = None if args.clients <= 1 else ProcessPoolExecutor(args.clients, mp_context=get_context("spawn"))
             try:
                 log(f"{label}, gateway + worker: the same rates, {max(1, args.clients)} client process(es)")
-                remote, _ = sweep(partial(_service_at, stack, label, n, p, o, vocab, pool, args.clients), rates, log)
+                remote, _ = sweep(partial(_service_at, stack, stack.gateway, label, n, p, o, vocab, pool, args.clients),
+                                  rates, log)  # fmt: skip
                 runs += remote
+                if "http" in args.paths:
+                    log(f"{label}, HTTP + SSE: the same rates")
+                    url = f"http://127.0.0.1:{stack.http_port}/{path.name}"
+                    over_http, _ = sweep(partial(_service_at, stack, url, label, n, p, o, vocab, pool, args.clients),
+                                         rates, log)  # fmt: skip
+                    runs += over_http
             finally:
                 if pool is not None:
                     pool.shutdown()
@@ -430,7 +460,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="8b,default",
                    help="comma-separated: 8b (in process only), default, tiny, or a checkpoint directory")
-    p.add_argument("--paths", default="inprocess,service", help="inprocess, or inprocess,service")
+    p.add_argument("--paths", default="inprocess,service",
+                   help="inprocess, inprocess,service or inprocess,service,http (HTTP + SSE to the same service)")
     p.add_argument("--requests", type=int, default=512, help="requests at each rate")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--output", type=int, default=128)
