@@ -38,7 +38,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -174,39 +174,37 @@ async def _client_share(endpoint: str, prompts: list[list[int]], offsets: list[f
     value, CLOCK_MONOTONIC, the same in every process of the host; None: once connected).
     `endpoint` "http://127.0.0.1:PORT/MODEL": streamed /v1/completions to that HTTP front."""
     if endpoint.startswith("http://"):
-        return await _http_share(endpoint, prompts, offsets, output, start)
+        port, model = int(endpoint.split(":")[2].split("/")[0]), endpoint.rsplit("/", 1)[1]
+        await stream_completion(port, model, [100, 101, 102], 2, None, greedy=True)  # up, and the worker is ready
+
+        def over_http(i: int, line: Timeline) -> Awaitable[None]:
+            return stream_completion(port, model, prompts[i], output, line, greedy=True)
+
+        return await _paced(offsets, time.perf_counter() if start is None else start, over_http)
     from clients.async_client import AsyncClient
 
     async with AsyncClient([endpoint]) as client:
         await client.generate([100, 101, 102], max_tokens=2, timeout=300)  # connected, and the worker is ready
-        begin = time.perf_counter() if start is None else start
-        lines: list[Timeline] = []
 
-        async def one(i: int) -> None:
-            await asyncio.sleep(max(0.0, begin + offsets[i] - time.perf_counter()))
-            line = Timeline(time.perf_counter())
-            lines.append(line)
+        async def streamed(i: int, line: Timeline) -> None:
             async for chunk in client.stream(prompts[i], max_tokens=output, min_tokens=output, temperature=0.0):
                 line.add(time.perf_counter(), len(chunk.token_ids))
 
-        await asyncio.gather(*(one(i) for i in range(len(prompts))))
-    return lines
+        return await _paced(offsets, time.perf_counter() if start is None else start, streamed)
 
 
-async def _http_share(url: str, prompts: list[list[int]], offsets: list[float], output: int,
-                      start: float | None) -> list[Timeline]:  # fmt: skip
-    port, model = int(url.split(":")[2].split("/")[0]), url.rsplit("/", 1)[1]
-    await stream_completion(port, model, [100, 101, 102], 2, None, greedy=True)  # up, and the worker is ready
-    begin = time.perf_counter() if start is None else start
+async def _paced(offsets: list[float], begin: float,
+                 send: Callable[[int, Timeline], Awaitable[None]]) -> list[Timeline]:  # fmt: skip
+    """Request i sent by `send(i, its timeline)` at `begin` + offsets[i], all concurrently."""
     lines: list[Timeline] = []
 
     async def one(i: int) -> None:
         await asyncio.sleep(max(0.0, begin + offsets[i] - time.perf_counter()))
         line = Timeline(time.perf_counter())
         lines.append(line)
-        await stream_completion(port, model, prompts[i], output, line, greedy=True)
+        await send(i, line)
 
-    await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    await asyncio.gather(*(one(i) for i in range(len(offsets))))
     return lines
 
 
