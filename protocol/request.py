@@ -73,6 +73,16 @@ class PromptTuningConfig(WireModel):
         return self.embedding_table.shape[0]
 
 
+class EmbeddingConfig(WireModel):
+    """Ask for the prompt's embedding instead of generated tokens: the final hidden
+    state (after the model's last norm), pooled over the prompt and scaled to unit L2
+    norm, returned as `Result.embedding`. `pooling`: "last" (the last token's state,
+    what decoder embedding models are trained for) or "mean" (the average over the
+    prompt's tokens); None: the checkpoint's sentence-transformers pooling, else "last"."""
+
+    pooling: Literal["last", "mean"] | None = None
+
+
 class ChatMessage(WireModel):
     """One turn of a chat, as OpenAI's and Hugging Face's chat templates take it."""
 
@@ -117,6 +127,8 @@ class Submit(Message):
     speculative_config: SpeculativeConfig | None = None  # None: the worker's default
     lora_config: LoraConfig | None = None  # None: the base model
     prompt_tuning_config: PromptTuningConfig | None = None
+    # Set: the request answers with its prompt's embedding, and generates nothing.
+    embedding_config: EmbeddingConfig | None = None
 
     @property
     def lora(self) -> str | None:
@@ -136,4 +148,6 @@ class Submit(Message):
             )
         if self.prompt_tuning_config is not None and self.input_token_ids is None:
             raise ValueError("prompt_tuning_config needs input_token_ids: its rows are named by token ids")
+        if self.embedding_config is not None and self.streaming:
+            raise ValueError("embedding_config: an embedding comes whole; streaming must be false")
         return self
