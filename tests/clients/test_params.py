@@ -73,6 +73,7 @@ NOT_OPTIONS = {
     "return_all_generated_tokens",  # the APIs accumulate streamed tokens themselves
     "output_config.exclude_input_from_output",  # outputs hold generated tokens; the prompt's are on RequestOutput
     "prompt_tuning_config",  # embeddings for the prompt's ids past the vocabulary: part of the prompt (a Submit's)
+    "embedding_config",  # another kind of request (an embedding, nothing generated), not a generation option
 }
 
 

@@ -57,6 +57,8 @@ class Embeddings:
                  max_seq_len: int, pooling: str) -> None:
         """`pooling`: the model's own (checkpoint_pooling), for requests that name none."""
         self.backend = backend
+        # None: the backend cannot hand back hidden states, and embedding requests are refused.
+        self.hidden: HiddenStateBackend | None = backend if isinstance(backend, HiddenStateBackend) else None
         self.blocks = blocks
         self.table = table
         self.max_seq_len = max_seq_len
@@ -80,7 +82,7 @@ class Embeddings:
         assert request.embedding_config is not None
         if request_id in self.waiting or request_id in self.table:
             return f"request id {request_id} is already in flight"
-        if not isinstance(self.backend, HiddenStateBackend):
+        if self.hidden is None:
             return f"embeddings are not available on the {self.backend.name} backend"
         prompt = request.input_token_ids
         if not prompt:
@@ -159,7 +161,8 @@ class Embeddings:
             chunks.append((entry, entry.computed, n))
             budget -= n
         forward, rows = self._forward_batch(chunks)
-        hidden = self.backend.hidden_states(forward)  # type: ignore[attr-defined]  # admit checked it
+        assert self.hidden is not None  # admit refused every request otherwise
+        hidden = self.hidden.hidden_states(forward)
         for (entry, start, n), (lo, hi) in zip(chunks, rows, strict=True):
             entry.computed = start + n
             if entry.pooling == "mean":
