@@ -14,7 +14,7 @@ import pytest
 
 from tests.checkpoints import VOCAB_SIZE
 from tests.worker.executor.helpers import _hf_model, run_all
-from worker.executor import EmbeddingConfig, Executor, ExecutorConfig, FinishReason, KvCacheConfig, Request
+from worker.executor import EmbeddingConfig, EngineCore, Executor, ExecutorConfig, FinishReason, KvCacheConfig, Request
 from worker.models.pooling import checkpoint_pooling
 
 # Both sides compute in float32 (epsilon 1.2e-7). Each layer's sums run over at most 128
@@ -126,3 +126,15 @@ def test_bad_embedding_requests_are_refused(tiny_llama: Path, tokens: list[int],
         (responses,) = run_all(ex, [Request(input_token_ids=tokens, max_tokens=1,
                                             embedding_config=EmbeddingConfig(pooling))]).values()  # fmt: skip
     assert words in (responses[-1].error_msg or ""), responses
+
+
+def test_an_embedding_cancelled_before_its_step_ends_cancelled(tiny_llama: Path) -> None:
+    config = ExecutorConfig(backend="numpy", kv_cache_config=KvCacheConfig(max_tokens=4096))
+    core = EngineCore.from_model(tiny_llama, config)
+    core.add_requests([(1, Request(input_token_ids=[5, 6], max_tokens=1, embedding_config=EmbeddingConfig()))])
+    assert core.has_work
+    core.abort(1)
+    (response,) = core.step().responses
+    assert response.result is not None and response.result.embedding is None
+    assert response.result.finish_reasons == [FinishReason.CANCELLED] and response.result.is_final
+    assert not core.has_work
