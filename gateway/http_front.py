@@ -48,8 +48,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import protocol
+from gateway import embeddings_api, reasoning, responses_api, tool_calls
 from gateway import openai_api as api
-from gateway import reasoning, responses_api, tool_calls
 from gateway.chat_output import ChatStream, OutputRules
 from gateway.http_auth import ApiKeyAuth, Usage, usage_of
 from gateway.rate_limits import RateLimits
@@ -231,6 +231,7 @@ class HttpFront:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
@@ -411,6 +412,56 @@ class HttpFront:
         usage.prompt_tokens, usage.completion_tokens = prompt_tokens or 0, sum(c.tokens for c in choices)
         return api.whole_response(chat, ids[0], prepared[0][0], choices, prompt_tokens, text, None if chat else echoes,
                                   rules)  # fmt: skip
+
+    # -- embeddings ---------------------------------------------------------------------------
+
+    async def embeddings(self, request: Request) -> Response:
+        """One request to the workers per input, run side by side and answered together;
+        one failure fails the whole, as for a completion's several prompts."""
+        try:
+            body = _validated(embeddings_api.EmbeddingRequest, await self._json(request))
+            inputs = body.inputs()
+            model, tokenizer, max_seq_len = self._tokenizer_of(body.model)
+            vocab_size = self._vocab_size(model)
+            # On a thread: long inputs' tokenizing would hold up every other HTTP client.
+            token_ids = await asyncio.to_thread(self._embedding_tokens, inputs, model, tokenizer, max_seq_len)
+            for i, ids in enumerate(token_ids):
+                embeddings_api.check_tokens(ids, i, max_seq_len, vocab_size)
+        except api.ApiError as e:
+            return JSONResponse(e.body(), e.status)
+        assert self.bridge is not None
+        submits = [embeddings_api.submit_for(f"embd-{uuid.uuid4().hex}", model, ids, body.pooling) for ids in token_ids]
+        calls = [await self.bridge.submit(submit) for submit in submits]
+        request_ids = [submit.request_id for submit in submits]
+        each = [asyncio.ensure_future(_final(call)) for call in calls]
+        try:
+            results = await asyncio.gather(*each)
+            vectors = [embeddings_api.vector_of(result, body.dimensions) for result in results]
+        except api.ApiError as e:
+            for task in each:  # the others wait on requests stopped here
+                task.cancel()
+            await self._cancel_all(request_ids)
+            return JSONResponse(e.body(), e.status)
+        finally:
+            for request_id in request_ids:
+                self.bridge.forget(request_id)
+        prompt_tokens = sum(len(t) for t in token_ids)
+        usage_of(request.scope).prompt_tokens = prompt_tokens  # counted for the API key
+        return JSONResponse(embeddings_api.response(model, vectors, body.encoding_format, prompt_tokens))
+
+    def _embedding_tokens(self, inputs: list[str | list[int]], model: str, tokenizer: Any,
+                          max_seq_len: int | None) -> list[list[int]]:  # fmt: skip
+        ids = []
+        for i, item in enumerate(inputs):
+            if isinstance(item, list):
+                ids.append(item)
+                continue
+            try:
+                ids.append(self.gateway.tokenizers.prompt_ids(model, item, None, max_seq_len))
+            except ValueError as e:  # PromptError: a text no context of the model could hold
+                raise api.ApiError(400, f"input[{i}]: {e}", "invalid_request_error", "invalid_value",
+                                   f"input[{i}]") from e  # fmt: skip
+        return ids
 
     # -- tokenizing ---------------------------------------------------------------------------
 
@@ -768,6 +819,17 @@ def _tool_items(splitter: ChatStream, index: int, delta: str, logprobs: dict[str
         items[0]["logprobs"] = logprobs
         items[-1]["finish_reason"] = reason
     return items
+
+
+async def _final(call: _Call) -> protocol.Result:
+    """The final result of a request that streams nothing (an embedding's)."""
+    while True:
+        await call.wait()
+        event = call.events.popleft()
+        if isinstance(event, api.ApiError):
+            raise event
+        if isinstance(event, protocol.Result) and event.is_final:
+            return event
 
 
 def _validated(model: Any, raw: Any) -> Any:

@@ -571,7 +571,9 @@ class Gateway:
             if problem is not None:
                 return problem
         if link.max_seq_len is not None:
-            return context_overflow(len(ids), msg.max_tokens, link.max_seq_len)
+            # An embedding generates nothing: its prompt alone must fit.
+            generated = 0 if msg.embedding_config is not None else msg.max_tokens
+            return context_overflow(len(ids), generated, link.max_seq_len)
         return None
 
     def _dispatch_waiting(self, now: float) -> None:

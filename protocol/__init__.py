@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from protocol.records import WorkerInfo as WorkerInfo
     from protocol.records import WorkerLoad as WorkerLoad
     from protocol.request import ChatMessage as ChatMessage
+    from protocol.request import EmbeddingConfig as EmbeddingConfig
     from protocol.request import GuidedDecodingParams as GuidedDecodingParams
     from protocol.request import LoraConfig as LoraConfig
     from protocol.request import OutputConfig as OutputConfig
@@ -76,8 +77,8 @@ _HOME = {
     **dict.fromkeys(["KvEvents", "KvSnapshot", "KvSnapshotRequest"], "kv_cache"),
     **dict.fromkeys(["DEFAULT_LIMITS", "Limits"], "limits"),
     **dict.fromkeys(["IterationStats", "RequestStats", "WorkerInfo", "WorkerLoad"], "records"),
-    **dict.fromkeys(["ChatMessage", "GuidedDecodingParams", "LoraConfig", "OutputConfig", "PromptTuningConfig",
-                     "SamplingConfig", "SpeculativeConfig", "Submit"], "request"),
+    **dict.fromkeys(["ChatMessage", "EmbeddingConfig", "GuidedDecodingParams", "LoraConfig", "OutputConfig",
+                     "PromptTuningConfig", "SamplingConfig", "SpeculativeConfig", "Submit"], "request"),
     **dict.fromkeys(["Logits", "PromptLogProbs", "Response", "Result", "ResultBatch", "StreamedTokens"], "results"),
     "FinishReason": "status",
 }  # fmt: skip

@@ -74,6 +74,16 @@ class PromptTuningConfig(WireModel):
         return self.embedding_table.shape[0]
 
 
+class EmbeddingConfig(WireModel):
+    """Ask for the prompt's embedding instead of generated tokens: the final hidden
+    state (after the model's last norm), pooled over the prompt and scaled to unit L2
+    norm, returned as `Result.embedding`. `pooling`: "last" (the last token's state,
+    what decoder embedding models are trained for) or "mean" (the average over the
+    prompt's tokens); None: the checkpoint's sentence-transformers pooling, else "last"."""
+
+    pooling: Literal["last", "mean"] | None = None
+
+
 class ChatMessage(WireModel):
     """One turn of a chat, as OpenAI's and Hugging Face's chat templates take it."""
 
@@ -121,6 +131,8 @@ class Submit(Message):
     # The output tokens this request's reader already received from an earlier run of
     # it (protocol/continuation.py): computed as context, counted as generated, not sent again.
     resumed_token_ids: TokenIds | None = Field(None, min_length=1)
+    # Set: the request answers with its prompt's embedding, and generates nothing.
+    embedding_config: EmbeddingConfig | None = None
 
     @property
     def lora(self) -> str | None:
@@ -143,4 +155,6 @@ class Submit(Message):
         problem = continuation_problem(self, None)  # the vocabulary is the worker's to check
         if problem is not None:
             raise ValueError(problem)
+        if self.embedding_config is not None and self.streaming:
+            raise ValueError("embedding_config: an embedding comes whole; streaming must be false")
         return self

@@ -61,6 +61,7 @@ class Result(WireModel):
     context_logits: Logits | None = None  # [prompt_len, vocab]
     generation_logits: Logits | None = None  # [beams, new_tokens, vocab]
     prompt_log_probs: PromptLogProbs | None = None  # in a final result, when asked for
+    embedding: Logits | None = None  # [hidden], unit L2 norm: a request with embedding_config
     # Filled by the gateway: the text these tokens add, one string per beam.
     text: list[str] | None = None
 

@@ -74,6 +74,7 @@ NOT_OPTIONS = {
     "output_config.exclude_input_from_output",  # outputs hold generated tokens; the prompt's are on RequestOutput
     "prompt_tuning_config",  # embeddings for the prompt's ids past the vocabulary: part of the prompt (a Submit's)
     "resumed_token_ids",  # a continuation's: set by a gateway or the client library when a stream moves
+    "embedding_config",  # another kind of request (an embedding, nothing generated), not a generation option
 }
 
 

@@ -168,3 +168,14 @@ class AsyncBackend(Backend, Protocol):
     host has not seen yet."""
 
     def launch(self, batch: ForwardBatch, sampling: SamplingBatch | None) -> StepHandle: ...
+
+
+@runtime_checkable
+class HiddenStateBackend(Backend, Protocol):
+    """A backend that can hand back the model's final hidden state instead of logits
+    (what embeddings pool, worker/executor/embeddings.py)."""
+
+    def hidden_states(self, batch: ForwardBatch) -> np.ndarray:
+        """Run the model; return float32 [S, hidden] on the host: the final hidden state
+        (after the last norm, before the lm head) of batch.logits_indices. Synchronous."""
+        ...

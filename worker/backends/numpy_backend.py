@@ -86,6 +86,12 @@ class NumpyBackend:
             raise RuntimeError("NumpyBackend.forward before allocate_kv_cache")
         return llama.forward(self.model, self.ops, self.step(batch))
 
+    def hidden_states(self, batch: ForwardBatch) -> np.ndarray:
+        """HiddenStateBackend: the final hidden state [S, hidden] of batch.logits_indices."""
+        if not self.ops.k_cache:
+            raise RuntimeError("NumpyBackend.hidden_states before allocate_kv_cache")
+        return np.asarray(llama.forward(self.model, self.ops, self.step(batch), hidden=True), dtype=np.float32)
+
     # --- sampling ---------------------------------------------------------------------
 
     def sample(self, logits: np.ndarray, sampling: SamplingBatch) -> SampleOutput:

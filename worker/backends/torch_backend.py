@@ -347,6 +347,18 @@ class TorchBackend:
                 return self._graphs.run(batch, key)
             return self.run_model(self._upload(batch))
 
+    def hidden_states(self, batch: ForwardBatch) -> np.ndarray:
+        """HiddenStateBackend: the final hidden state [S, hidden] of batch.logits_indices,
+        float32 on the host. Eager (no CUDA graph holds this output), on the stream the
+        steps run on, so it is ordered after any step in flight."""
+        if not self.ops.k_cache:
+            raise RuntimeError("allocate_kv_cache() must run before hidden_states()")
+        if self.stage is not None:
+            raise RuntimeError("hidden states are not available under pipeline parallelism")
+        with torch.inference_mode():
+            h = llama.forward(self.model, self.ops, self._upload(batch), hidden=True)
+            return h.float().cpu().numpy()
+
     def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> SampleOutput:
         return self._sample_async(logits, sampling).result()
 

@@ -5,6 +5,7 @@ from worker.executor.executor import Executor
 from worker.executor.types import (
     CapacitySchedulerPolicy,
     DraftSource,
+    EmbeddingConfig,
     ExecutorConfig,
     FinishReason,
     GuidedDecodingConfig,
@@ -30,6 +31,7 @@ from worker.executor.types import (
 __all__ = [
     "CapacitySchedulerPolicy",
     "DraftSource",
+    "EmbeddingConfig",
     "EngineCore",
     "Executor",
     "ExecutorConfig",

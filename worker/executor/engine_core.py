@@ -19,7 +19,9 @@ call back into the core:
 - siblings.py: the returned sequences of n > 1 sampling, forked from their leader;
 - speculative.py: draft proposals before a schedule, acceptance after;
 - launcher.py: a batch's inputs and its launch (host_logits.py for host steps);
-- completion.py: tokens in place, stop rules, responses, beams, stats.
+- completion.py: tokens in place, stop rules, responses, beams, stats;
+- embeddings.py: requests that want the prompt's pooled hidden state, answered
+  in forwards of their own at the start of a step, never scheduled.
 A new capability lands as one more of these, not as core methods.
 
 Whoever drives the core does the I/O around `step()`, and the waiting: the
@@ -43,6 +45,7 @@ from worker.backends.base import Backend
 from worker.executor.block_manager import BlockManager
 from worker.executor.completion import Completion
 from worker.executor.draft_model import DraftModel
+from worker.executor.embeddings import Embeddings
 from worker.executor.intake import Intake
 from worker.executor.launcher import InFlight, Launcher
 from worker.executor.logits_processors import load_processors
@@ -54,6 +57,7 @@ from worker.executor.speculative import Speculation
 from worker.executor.step_output import StepOutput
 from worker.executor.types import ExecutorConfig, Request
 from worker.models.lora import LoraAdapter
+from worker.models.pooling import DEFAULT_POOLING, checkpoint_pooling
 
 __all__ = ["EngineCore", "StepOutput"]
 
@@ -62,11 +66,13 @@ log = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, backend: Backend, config: ExecutorConfig | None = None, *, tokenizer: Any = None,
-                 chat_template: str | None = None, draft: DraftModel | None = None) -> None:
+                 chat_template: str | None = None, draft: DraftModel | None = None,
+                 pooling: str = DEFAULT_POOLING) -> None:
         """A core over a ready backend (`from_model` loads one). `tokenizer` is needed
         only by guided decoding; `chat_template` is carried for the APIs above;
         `draft`: the draft model of speculative decoding, if any (it gets as many KV
-        blocks as the target)."""
+        blocks as the target); `pooling`: how the model's embeddings are pooled when a
+        request names no pooling (worker/models/pooling.py)."""
         self.config = config = config or ExecutorConfig()
         self.backend = backend
         self.draft = draft
@@ -100,6 +106,7 @@ class EngineCore:
         self.launcher = Launcher(backend, config, self.blocks, lora, self.processors)
         self.completion = Completion(config, self.table, self.scheduler, self.blocks, self.speculation,
                                      self.max_seq_len)
+        self.embeddings = Embeddings(backend, config, self.blocks, self.table, self.max_seq_len, pooling)
         self._inflight: InFlight | None = None  # the step launched and not read back yet
         self._held: ScheduledBatch | None = None  # scheduled, launched once the step in flight has completed
         self.stalled = False  # the last step found requests waiting, none fitting and none in flight
@@ -127,7 +134,8 @@ class EngineCore:
         if cfg.draft_model is not None:
             draft = DraftModel.load(cfg.draft_model, cfg.backend, cfg.device, cfg.dtype,
                                     cfg.max_num_tokens, cfg.max_batch_size)
-        return cls(backend, cfg, tokenizer=loaded.tokenizer, chat_template=loaded.chat_template, draft=draft)
+        return cls(backend, cfg, tokenizer=loaded.tokenizer, chat_template=loaded.chat_template, draft=draft,
+                   pooling=checkpoint_pooling(loaded.source))
 
     def _num_kv_blocks(self) -> int:
         kv = self.config.kv_cache_config
@@ -183,7 +191,10 @@ class EngineCore:
         """Start requests under the caller's ids; an invalid one (or an id already in
         flight) ends with an error response in the next step's output."""
         for request_id, request in requests:
-            self.intake.admit(request_id, request)
+            if request.embedding_config is not None:
+                self.embeddings.admit(request_id, request)
+            else:
+                self.intake.admit(request_id, request)
 
     def abort(self, request_id: int) -> None:
         """Cancel a request: it ends with a CANCELLED final response (unknown or
@@ -191,12 +202,14 @@ class EngineCore:
         entry = self.table.get(request_id)
         if entry is not None:
             self.completion.cancel(entry)
+        else:
+            self.embeddings.cancel(request_id)
 
     @property
     def has_work(self) -> bool:
         """Whether `step()` has anything to do: requests to run, a step in flight, or output to hand over."""
         return (self.scheduler.has_work or self._inflight is not None or self._held is not None
-                or bool(self.table.out))
+                or bool(self.table.out) or bool(self.embeddings.waiting))
 
     def load(self) -> tuple[int, int, int]:
         """(queued, active, free KV blocks)."""
@@ -207,6 +220,7 @@ class EngineCore:
         on the device, and complete N too when the next schedule depends on its
         tokens. A batch held for step N - 1's tokens launches in the same call, once
         they are in place: the device would otherwise wait through the driver's turn."""
+        self.embeddings.run()
         self._turn()
         if self._held is not None:
             self._turn()

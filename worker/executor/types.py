@@ -109,6 +109,16 @@ class PromptTuningConfig:
     embedding_table: np.ndarray  # float [rows, hidden]
 
 
+@dataclass(frozen=True, slots=True)
+class EmbeddingConfig:
+    """The request answers with its prompt's embedding and generates nothing: the final
+    hidden state (after the model's last norm), pooled over the prompt, unit L2 norm
+    (worker/executor/embeddings.py). `pooling`: "last" | "mean"; None: the model's own
+    (its sentence-transformers pooling config, else "last")."""
+
+    pooling: str | None = None
+
+
 @dataclass(slots=True)
 class Request:
     input_token_ids: list[int]
@@ -133,6 +143,7 @@ class Request:
     prompt_tuning_config: PromptTuningConfig | None = None
     # Output tokens already delivered by an earlier run (protocol/continuation.py).
     resumed_token_ids: list[int] | None = None
+    embedding_config: EmbeddingConfig | None = None  # set: an embedding instead of generation
 
 
 @dataclass(slots=True)
@@ -163,6 +174,7 @@ class Result:
     context_logits: object | None = None  # array [prompt_len, vocab] when asked for
     generation_logits: object | None = None  # array [beams, new_tokens, vocab]
     prompt_log_probs: PromptLogProbs | None = None  # in a final result, when asked for
+    embedding: np.ndarray | None = None  # float32 [hidden], unit L2 norm: a request with embedding_config
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ torch_decoder_ops.py in worker/backends are the two implementations.
         x = proj(glu(h, gate_up), down)                          # glu = act(gate) * up of proj(h, gate_up)
         x = norm(x, mlp_out_norm)                                # sandwich-norm variants only
     where proj(x, w) = lora(linear(x, w), x): each token's LoRA adapter, if any, adds its delta
-    h, _ = add_rms_norm(x, residual, final_norm)
+    h, _ = add_rms_norm(x, residual, final_norm)                # [S, hidden]: what embeddings pool
     logits = soft_cap(lm_head(h))                                # [S, vocab] float32; cap variants only
 
 RMSNorm weights are stored as offsets from norm_offset in some families (Gemma's
@@ -239,10 +239,13 @@ def build_weights(
     )
 
 
-def forward(model: DecoderWeights[T, L], ops: DecoderOps[T, L, S], step: S, link: StageLink[T, S] | None = None) -> T:
+def forward(model: DecoderWeights[T, L], ops: DecoderOps[T, L, S], step: S, link: StageLink[T, S] | None = None,
+            *, hidden: bool = False) -> T:
     """Float32 logits [S, vocab] of the step's wanted rows; writes its K and V to the pool.
-    A pipeline stage's weights run with its `link`: a stage after the first takes its
-    input from the previous one, a stage before the last returns what it sent on."""
+    With `hidden`, the wanted rows' final hidden state [S, hidden] instead (after the
+    final norm, in the ops' dtype): what embeddings pool. A pipeline stage's weights
+    run with its `link`: a stage after the first takes its input from the previous one,
+    a stage before the last returns what it sent on."""
     cfg = model.config
     eps = cfg.rms_norm_eps
     residual: T | None = None
@@ -279,5 +282,7 @@ def forward(model: DecoderWeights[T, L], ops: DecoderOps[T, L, S], step: S, link
         return link.send(x, residual, step)
     assert model.final_norm is not None
     h, _ = ops.add_rms_norm(x, residual, model.final_norm, eps)
+    if hidden:
+        return h
     logits = ops.lm_head(h, model.lm_head)
     return logits if cfg.final_logit_softcap is None else ops.soft_cap(logits, cfg.final_logit_softcap)

@@ -39,6 +39,7 @@ def to_request(msg: protocol.Submit) -> ex.Request:
         lora_config=None if msg.lora_config is None else ex.LoraConfig(msg.lora_config.name),
         prompt_tuning_config=None if msg.prompt_tuning_config is None else _prompt_table(msg.prompt_tuning_config),
         resumed_token_ids=None if msg.resumed_token_ids is None else list(msg.resumed_token_ids),
+        embedding_config=None if msg.embedding_config is None else ex.EmbeddingConfig(msg.embedding_config.pooling),
     )
 
 
@@ -71,6 +72,7 @@ def to_wire_result(r: ex.Result) -> protocol.Result:
         context_logits=_logits(r.context_logits),
         generation_logits=_logits(r.generation_logits),
         prompt_log_probs=_prompt_log_probs(r.prompt_log_probs),
+        embedding=_logits(r.embedding),
         text=None,
     )
 
