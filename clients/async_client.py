@@ -13,13 +13,19 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import protocol
 from clients.connection import Connection, RequestError
 from clients.params import RequestOutput, SamplingParams, StreamChunk
-from clients.wire import Accumulator, Prompt, encode_submit, submit_from_call
+from clients.wire import Accumulator, Prompt, as_batch, embedding_of, embedding_submit, encode_submit, submit_from_call
 from ops.curve import ClientCurve
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    from protocol.request import Pooling
 
 _END = object()
 
@@ -112,13 +118,22 @@ class AsyncClient:
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, /, **options: Any) -> AsyncRequest:
         """Start a request from a coroutine; arguments as in Client.submit."""
-        msg = submit_from_call(prompt, params, options)
+        return self._start(submit_from_call(prompt, params, options))
+
+    def _start(self, msg: protocol.Submit) -> AsyncRequest:
         loop = asyncio.get_running_loop()
         if self._hop is None or self._hop.loop is not loop:
             self._hop = _Hop(loop)
         request = AsyncRequest(self._connection, msg, self._hop)
         self._connection.submit(msg, encode_submit(msg), request)
         return request
+
+    async def embed(self, inputs: Prompt | Sequence[Prompt], /, *, pooling: Pooling | None = None,
+                    model: str | None = None, timeout: float | None = None
+                    ) -> list[npt.NDArray[np.float32]]:  # fmt: skip
+        """Each input's embedding, in order; arguments as in Client.embed."""
+        requests = [self._start(embedding_submit(p, pooling, model)) for p in as_batch(inputs)]
+        return [embedding_of(await r.result(timeout)) for r in requests]
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, /, *, timeout: float | None = None, **kwargs: Any

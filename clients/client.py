@@ -19,14 +19,29 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import protocol
 from clients.connection import Connection, GatewayLostError, GatewayUnavailableError, RequestError
 from clients.params import CompletionOutput, RequestOutput, SamplingParams, Speculation, StreamChunk
-from clients.wire import Accumulator, Messages, Prompt, encode_submit, submit_from_call
+from clients.wire import (
+    Accumulator,
+    Messages,
+    Prompt,
+    as_batch,
+    embedding_of,
+    embedding_submit,
+    encode_submit,
+    submit_from_call,
+)
 from ops.curve import ClientCurve
 from protocol import FinishReason
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    from protocol.request import Pooling
 
 __all__ = [
     "Client",
@@ -147,10 +162,20 @@ class Client:
         with prompt None), and SamplingParams
         fields, over `params`. Bad options raise (ValueError naming the field, or
         TypeError for an unknown one) before anything is sent."""
-        msg = submit_from_call(prompt, params, options)
+        return self._start(submit_from_call(prompt, params, options))
+
+    def _start(self, msg: protocol.Submit) -> RequestFuture:
         future = RequestFuture(self._connection, msg)
         self._connection.submit(msg, encode_submit(msg), future)
         return future
+
+    def embed(self, inputs: Prompt | Sequence[Prompt], /, *, pooling: Pooling | None = None, model: str | None = None,
+              timeout: float | None = None) -> list[npt.NDArray[np.float32]]:  # fmt: skip
+        """The embedding of each input (text or token ids), in order: the model's final
+        hidden state pooled over the input ("last" token or "mean"; None: the model's own)
+        at unit length, as /v1/embeddings gives it. All are sent at once."""
+        futures = [self._start(embedding_submit(p, pooling, model)) for p in as_batch(inputs)]
+        return [embedding_of(f.result(timeout)) for f in futures]
 
     def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, /, *, timeout: float | None = None, **kwargs: Any

@@ -50,11 +50,15 @@ from clients.llm_config import (
 )
 from clients.model_source import resolve_source
 from clients.params import CompletionOutput, RequestOutput, SamplingParams, sampling_params
-from clients.wire import Accumulator, Prompt
+from clients.wire import Accumulator, Prompt, as_batch, embedding_of
 from protocol import FinishReason
 from protocol.text import OutputStream
 
 if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    from protocol.request import Pooling
     from worker.executor import CapacitySchedulerPolicy, Executor, ExecutorConfig, Request, Response
 
 __all__ = [
@@ -335,21 +339,36 @@ class LLM:
                 self.load_lora(lora_request.lora_name, lora_request.lora_path)
             p = replace(p, lora=lora_request.lora_name)
         prompt_ids = self.encode(prompt)
-        request = executor_request(prompt_ids, p, streaming)
+        return self._start(executor_request(prompt_ids, p, streaming), p, prompt, prompt_ids)
+
+    def _start(self, request: Request, params: SamplingParams, prompt: Prompt, prompt_ids: list[int]) -> RequestHandle:
         with self._lock:  # the dispatcher looks the handle up under this lock
             request_id = self.executor.enqueue_request(request)
-            handle = RequestHandle(self, request_id, p, prompt if isinstance(prompt, str) else None, prompt_ids)
+            handle = RequestHandle(self, request_id, params, prompt if isinstance(prompt, str) else None, prompt_ids)
             self._handles[request_id] = handle
         return handle
+
+    def embed(self, inputs: Prompt | Sequence[Prompt], /, *, pooling: Pooling | None = None,
+              timeout: float | None = None) -> list[npt.NDArray[np.float32]]:  # fmt: skip
+        """The embedding of each input (text or token ids), in order: the model's final
+        hidden state pooled over the input ("last" token or "mean"; None: the model's own)
+        at unit length, as the service's /v1/embeddings gives it. All are enqueued at once."""
+        from worker.executor.types import EmbeddingConfig
+
+        params = SamplingParams(max_tokens=1)
+        handles = []
+        for prompt in as_batch(inputs):
+            prompt_ids = self.encode(prompt)
+            request = replace(executor_request(prompt_ids, params, False), embedding_config=EmbeddingConfig(pooling))
+            handles.append(self._start(request, params, prompt, prompt_ids))
+        return [embedding_of(h.result(timeout)) for h in handles]
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, /,
                  timeout: float | None = None, sampling_config: SamplingParams | None = None,
                  lora_request: LoRARequest | None = None, **options: Any) -> list[RequestOutput]:  # fmt: skip
         """Generate for one prompt or many (all enqueued at once, batched by the executor)."""
-        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
-        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
         params = _one_of(params, sampling_config)
-        handles = [self.generate_async(p, params, lora_request=lora_request, **options) for p in batch]
+        handles = [self.generate_async(p, params, lora_request=lora_request, **options) for p in as_batch(prompts)]
         return [h.result(timeout) for h in handles]
 
     def _dispatch(self) -> None:

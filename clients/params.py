@@ -175,6 +175,7 @@ class RequestOutput:
     prompt_token_ids: list[int] | None = None  # where known: the LLM tokenizes here, the service in its gateway
     finished: bool = False
     context_logits: npt.NDArray[np.float32] | None = None  # [prompt tokens, vocab]
+    embedding: npt.NDArray[np.float32] | None = None  # [hidden], unit length: an embedding request's only output
 
     @property
     def text(self) -> str:

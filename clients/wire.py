@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
+    from protocol.request import Pooling
+
 Prompt = str | Sequence[int]
 # Chat turns: dicts with "role" and "content", as OpenAI's API and chat templates take them.
 Messages = Sequence[Mapping[str, str]]
@@ -52,6 +54,26 @@ def to_submit(
             **params.request_fields(),
         }
     )
+
+
+def as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text or token ids) or a sequence of them, as a list of prompts."""
+    single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+    return [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
+
+
+def embedding_submit(prompt: Prompt, pooling: Pooling | None, model: str | None) -> protocol.Submit:
+    """A submit that asks for the prompt's embedding (protocol.EmbeddingConfig; pooling None:
+    the model's) and generates nothing."""
+    msg = to_submit(prompt, SamplingParams(max_tokens=1), model=model)
+    return msg.model_copy(update={"embedding_config": protocol.EmbeddingConfig(pooling=pooling)})
+
+
+def embedding_of(output: RequestOutput) -> npt.NDArray[np.float32]:
+    """The embedding an embedding request's output carries."""
+    if output.embedding is None:
+        raise RuntimeError(f"request {output.request_id} came back without an embedding")
+    return output.embedding
 
 
 def encode_submit(msg: protocol.Submit) -> bytes:
@@ -95,6 +117,8 @@ class Accumulator:
         assert r is not None
         if r.context_logits is not None:
             self.result.context_logits = _array(r.context_logits)
+        if r.embedding is not None:
+            self.result.embedding = _array(r.embedding)
         chunk = self._replace_beams(r) if self.beam_search else self._extend(r)
         self.result.finished = r.is_final
         return chunk

@@ -16,8 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import protocol
 from gateway.openai_api import ApiError
-
-Pooling = Literal["last", "mean"]  # protocol.EmbeddingConfig's
+from protocol.request import Pooling
 
 # OpenAI's own limit on the inputs of one request; each is a request to a worker.
 MAX_INPUTS = 2048

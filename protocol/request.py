@@ -74,6 +74,9 @@ class PromptTuningConfig(WireModel):
         return self.embedding_table.shape[0]
 
 
+Pooling = Literal["last", "mean"]  # how an embedding pools the final hidden states over the prompt
+
+
 class EmbeddingConfig(WireModel):
     """Ask for the prompt's embedding instead of generated tokens: the final hidden
     state (after the model's last norm), pooled over the prompt and scaled to unit L2
@@ -81,7 +84,7 @@ class EmbeddingConfig(WireModel):
     what decoder embedding models are trained for) or "mean" (the average over the
     prompt's tokens); None: the checkpoint's sentence-transformers pooling, else "last"."""
 
-    pooling: Literal["last", "mean"] | None = None
+    pooling: Pooling | None = None
 
 
 class ChatMessage(WireModel):

@@ -163,3 +163,34 @@ def test_logits_travel_to_the_client(client):
         assert out.context_logits.shape == (3, logits.shape[1])
         assert logits.shape[0] == 4  # streamed: one row per response, joined
         assert list(logits.argmax(axis=1)) == out.token_ids  # greedy picks each row's best
+
+
+def test_embed_from_every_client_api_agrees(client, service, long_model):
+    """Client.embed, AsyncClient.embed and the in-process LLM.embed give the same unit
+    vectors, in the order of the inputs (the vectors themselves are checked against
+    transformers in tests/worker/executor/test_embeddings.py)."""
+    import numpy as np
+
+    from clients.llm import LLM
+    from worker.executor import ExecutorConfig
+
+    inputs = ["The quick brown fox", [5, 6, 7, 8], "jumps over the lazy dog"]
+    remote = client.embed(inputs, timeout=30)
+    mean = client.embed(inputs, pooling="mean", timeout=30)
+
+    async def from_async():
+        async with AsyncClient([service.gateways[0].endpoint], **CLIENT_OPTIONS) as c:
+            return await c.embed(inputs, timeout=30)
+
+    with LLM(long_model, ExecutorConfig(backend="numpy")) as llm:
+        local = llm.embed(inputs)
+        local_mean = llm.embed(inputs, pooling="mean")
+    # float32 sums in batches of other shapes: agreement to a few float32 ulps of unit vectors
+    for got, want in ((remote, local), (asyncio.run(from_async()), local), (mean, local_mean)):
+        assert len(got) == len(want) == 3
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, atol=1e-5)
+            assert abs(float(np.linalg.norm(g)) - 1.0) < 1e-5
+    assert not np.allclose(remote[0], remote[2], atol=1e-3), "different inputs, the same vector"
+    assert not np.allclose(remote[0], mean[0], atol=1e-3), "last-token and mean pooling agree"
+    assert client.embed("one input alone", timeout=30)[0].shape == remote[0].shape
