@@ -174,7 +174,7 @@ def test_embed_from_every_client_api_agrees(client, service, long_model):
     from clients.llm import LLM
     from worker.executor import ExecutorConfig
 
-    inputs = ["The quick brown fox", [5, 6, 7, 8], "jumps over the lazy dog"]
+    inputs: list[str | list[int]] = ["The quick brown fox", [5, 6, 7, 8], "jumps over the lazy dog"]
     remote = client.embed(inputs, timeout=30)
     mean = client.embed(inputs, pooling="mean", timeout=30)
 
