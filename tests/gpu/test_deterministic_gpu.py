@@ -13,7 +13,7 @@ import torch
 
 from tests.checkpoints import make_checkpoint
 from tests.worker.backends.test_deterministic import assert_same_tokens_after_preemption, tokens_in_batches
-from tests.worker.executor.test_continuation import continue_at_cuts, requests
+from tests.worker.executor.test_continuation import continued_at_cuts, requests
 from worker.executor import Executor, ExecutorConfig, KvCacheConfig
 
 pytestmark = [
@@ -43,4 +43,7 @@ def test_continuations_generate_the_rest_of_the_undisturbed_output(dtype: str, t
                             kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=4096))  # fmt: skip
     named = {name: r for name, r in requests().items() if name != "guided" or find_spec("xgrammar") is not None}
     with Executor.from_model(checkpoint, config) as ex:
-        continue_at_cuts(ex, named)
+        outcomes = continued_at_cuts(ex, named)
+    assert outcomes
+    for label, (want, got) in outcomes.items():
+        assert got == want, label

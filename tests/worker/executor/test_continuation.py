@@ -62,9 +62,13 @@ def only(got: dict[int, list[Response]]) -> list[Response]:
     return responses
 
 
-def continue_at_cuts(ex: Executor, named: dict[str, Request]) -> None:
-    """Each request undisturbed, then continued from its first token, its middle and
-    its last but one, all continuations in one batch: the same tokens and endings."""
+Ending = tuple[list[int], list[FinishReason]]  # a run's tokens and finish reasons
+
+
+def continued_at_cuts(ex: Executor, named: dict[str, Request]) -> dict[str, tuple[Ending, Ending]]:
+    """Each request undisturbed, then continued from its first token, its middle and its
+    last but one, all continuations in one batch: by "name after N tokens", what the
+    continuation should give (the rest of the undisturbed run) and what it gave."""
     whole = dict(zip(named, run_all(ex, list(named.values())).values(), strict=True))
     continuations, wanted = [], []
     for name, request in named.items():
@@ -74,17 +78,25 @@ def continue_at_cuts(ex: Executor, named: dict[str, Request]) -> None:
             continuations.append(dataclasses.replace(request, resumed_token_ids=tokens[:cut]))
             # Streamed, the resumed tokens are not sent again; a single final result holds the whole output.
             rest = tokens[cut:] if request.streaming else tokens
-            wanted.append((name, cut, rest, last(whole[name]).result.finish_reasons))  # type: ignore[union-attr]
+            wanted.append((f"{name} after {cut} tokens", (rest, finish_reasons(whole[name]))))
     got = run_all(ex, continuations).values()
-    for (name, cut, rest, reasons), responses in zip(wanted, got, strict=True):
-        assert final_tokens(responses) == rest, f"{name} continued after {cut} tokens"
-        assert last(responses).result.finish_reasons == reasons, f"{name} after {cut}"  # type: ignore[union-attr]
+    return {label: (want, (final_tokens(responses), finish_reasons(responses)))
+            for (label, want), responses in zip(wanted, got, strict=True)}  # fmt: skip
+
+
+def finish_reasons(responses: list[Response]) -> list[FinishReason]:
+    result = last(responses).result
+    assert result is not None
+    return result.finish_reasons
 
 
 def test_continuations_generate_the_rest_of_the_undisturbed_output(tiny_llama: Path) -> None:
     pytest.importorskip("xgrammar", reason="guided decoding needs the `guided` extra")
     with Executor.from_model(tiny_llama, config()) as ex:
-        continue_at_cuts(ex, requests())
+        outcomes = continued_at_cuts(ex, requests())
+    assert {label.split(" after ")[0] for label in outcomes} == set(requests())
+    for label, (want, got) in outcomes.items():
+        assert got == want, label
 
 
 def test_a_stop_word_across_the_resumed_boundary_ends_the_continuation(tiny_llama: Path) -> None:
@@ -96,7 +108,7 @@ def test_a_stop_word_across_the_resumed_boundary_ends_the_continuation(tiny_llam
         assert want == tokens[:8]
         got = only(run_all(ex, [dataclasses.replace(stopped, resumed_token_ids=tokens[:6])]))
         assert final_tokens(got) == tokens[6:8]
-        assert last(got).result.finish_reasons == [FinishReason.STOP_WORDS]  # type: ignore[union-attr]
+        assert finish_reasons(got) == [FinishReason.STOP_WORDS]
 
 
 def test_continuations_under_a_lora_adapter(tiny_llama: Path, lora_adapters: dict[str, Path]) -> None:
@@ -104,7 +116,10 @@ def test_continuations_under_a_lora_adapter(tiny_llama: Path, lora_adapters: dic
     with Executor.from_model(tiny_llama, config(lora_adapters=adapters,
                                                 peft_cache_config=PeftCacheConfig(max_rank=8))) as ex:
         base = requests()["seeded"]
-        continue_at_cuts(ex, {name: dataclasses.replace(base, lora_config=LoraConfig(name)) for name in adapters})
+        outcomes = continued_at_cuts(ex, {n: dataclasses.replace(base, lora_config=LoraConfig(n)) for n in adapters})
+    assert {label.split(" after ")[0] for label in outcomes} == set(adapters)
+    for label, (want, got) in outcomes.items():
+        assert got == want, label
 
 
 @pytest.mark.parametrize(("change", "message"), [
