@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.procs import free_port, stack
+from tests.gateway.http_service import http_service
 
 openai = pytest.importorskip("openai")
 
@@ -19,12 +19,7 @@ MODEL = "tiny-llama-long"
 
 @pytest.fixture(scope="module")
 def service(long_model, redis_server, tmp_path_factory):
-    port = free_port()
-    with stack(long_model, redis_server.url, tmp_path_factory.mktemp("compat"), workers=0, gateways=0) as s:
-        s.worker()
-        s.gateway("--http-port", str(port))
-        s.gateways[0].wait_workers(1)
-        s.http_url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    with http_service(long_model, redis_server.url, tmp_path_factory.mktemp("compat")) as s:
         yield s
 
 

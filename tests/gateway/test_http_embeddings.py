@@ -13,7 +13,7 @@ import pytest
 
 from gateway import embeddings_api
 from tests.checkpoints import VOCAB_SIZE
-from tests.procs import free_port, stack
+from tests.gateway.http_service import http_service
 from tests.worker.executor.test_embeddings import TOL, hf_embedding
 
 openai = pytest.importorskip("openai")
@@ -25,12 +25,7 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital o
 
 @pytest.fixture(scope="module")
 def service(service_model: Path, redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    port = free_port()
-    with stack(service_model, redis_server.url, tmp_path_factory.mktemp("http"), workers=0, gateways=0) as s:
-        s.worker()
-        s.gateway("--http-port", str(port))
-        s.gateways[0].wait_workers(1)
-        s.http_url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    with http_service(service_model, redis_server.url, tmp_path_factory.mktemp("http")) as s:
         yield s
 
 

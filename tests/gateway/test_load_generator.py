@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.procs import free_port, stack
+from tests.gateway.http_service import http_service
 
 pytest.importorskip("guidellm", reason="guidellm is not installed (the `test` extra)")
 
@@ -23,12 +23,7 @@ REQUESTS = 20
 
 @pytest.fixture(scope="module")
 def service(long_model, redis_server, tmp_path_factory):
-    port = free_port()
-    with stack(long_model, redis_server.url, tmp_path_factory.mktemp("load"), workers=0, gateways=0) as s:
-        s.worker()
-        s.gateway("--http-port", str(port))
-        s.gateways[0].wait_workers(1)
-        s.http_url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    with http_service(long_model, redis_server.url, tmp_path_factory.mktemp("load")) as s:
         yield s
 
 
