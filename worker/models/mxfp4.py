@@ -1,0 +1,50 @@
+"""MXFP4, the OCP Microscaling 4-bit format gpt-oss ships its expert weights in.
+
+A block of 32 values shares one E8M0 scale (a byte s: 2 ** (s - 127); 255 is NaN), and
+each value is an E2M1 number (a sign bit, two exponent bits with bias 1, one mantissa
+bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives). Checkpoints pack two values per
+byte, the even-indexed element in the low nibble: `blocks` [..., G, 16] uint8 with
+`scales` [..., G] uint8 hold a [..., G * 32] matrix.
+
+Written here because the format is a dozen lines of bit arithmetic and no maintained
+library reads it without pulling in a GPU kernel package.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BLOCK = 32  # values per shared scale
+
+
+def _e2m1_values() -> np.ndarray:
+    """The 16 E2M1 codes' values, from the format's definition."""
+    codes = np.arange(16)
+    sign = np.where(codes & 0b1000, -1.0, 1.0)
+    exponent, mantissa = (codes >> 1) & 0b11, codes & 1
+    # exponent 0 is subnormal: 2 ** (1 - bias) * (mantissa / 2) with bias 1
+    magnitude = np.where(exponent == 0, 0.5 * mantissa, 2.0 ** (exponent - 1) * (1 + 0.5 * mantissa))
+    return (sign * magnitude).astype(np.float32)
+
+
+E2M1 = _e2m1_values()
+
+
+def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """float32 [..., G * 32] from packed `blocks` [..., G, 16] and `scales` [..., G] (uint8)."""
+    blocks, scales = np.asarray(blocks), np.asarray(scales)
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
+        raise ValueError(f"MXFP4 blocks and scales are uint8 (got {blocks.dtype} and {scales.dtype})")
+    if blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(
+            f"MXFP4 blocks {blocks.shape} do not match scales {scales.shape}: "
+            f"blocks are [..., G, {BLOCK // 2}] for scales [..., G]"
+        )
+    values = np.empty(blocks.shape[:-1] + (BLOCK,), np.float32)
+    values[..., 0::2] = E2M1[blocks & 0x0F]
+    values[..., 1::2] = E2M1[blocks >> 4]
+    nan = scales == 255
+    factor = np.ldexp(np.float32(1.0), np.where(nan, 127, scales).astype(np.int32) - 127).astype(np.float32)
+    factor[nan] = np.nan
+    values *= factor[..., None]
+    return values.reshape(blocks.shape[:-2] + (blocks.shape[-2] * BLOCK,))
