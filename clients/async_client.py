@@ -18,7 +18,16 @@ from typing import TYPE_CHECKING, Any
 import protocol
 from clients.connection import Connection, RequestError
 from clients.params import RequestOutput, SamplingParams, StreamChunk
-from clients.wire import Accumulator, Prompt, as_batch, embedding_of, embedding_submit, encode_submit, submit_from_call
+from clients.wire import (
+    Accumulator,
+    Messages,
+    Prompt,
+    as_batch,
+    embedding_of,
+    embedding_submit,
+    encode_submit,
+    submit_from_call,
+)
 from ops.curve import ClientCurve
 
 if TYPE_CHECKING:
@@ -116,7 +125,7 @@ class AsyncClient:
         )
         self._hop: _Hop | None = None  # for the loop of the latest submit; requests keep their own
 
-    def submit(self, prompt: Prompt, params: SamplingParams | None = None, /, **options: Any) -> AsyncRequest:
+    def submit(self, prompt: Prompt | None, params: SamplingParams | None = None, /, **options: Any) -> AsyncRequest:
         """Start a request from a coroutine; arguments as in Client.submit."""
         return self._start(submit_from_call(prompt, params, options))
 
@@ -142,6 +151,11 @@ class AsyncClient:
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, /, **kwargs: Any) -> AsyncRequest:
         return self.submit(prompt, params, streaming=True, **kwargs)
+
+    async def chat(self, messages: Messages, params: SamplingParams | None = None, /, *,
+                   timeout: float | None = None, **kwargs: Any) -> RequestOutput:  # fmt: skip
+        """A chat's reply; arguments as in Client.chat (tools included)."""
+        return await self.submit(None, params, messages=messages, **kwargs).result(timeout)
 
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self._connection.close)

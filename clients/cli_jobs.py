@@ -20,7 +20,8 @@ from ops.curve_options import add_client_curve_options, client_curve
 from ops.secrets import add_redis_password_option, redact, redis_url
 
 # Keys a line of a `jobs run` file may hold besides "prompt" or "messages": submit's keyword arguments.
-_JOB_FIELDS = frozenset(["job_id", "deadline_s", "result_ttl_s", "model", *(f.name for f in fields(SamplingParams))])
+_JOB_FIELDS = frozenset(["job_id", "deadline_s", "result_ttl_s", "model", "tools", "tool_choice", "parallel_tool_calls",
+                         "embedding", *(f.name for f in fields(SamplingParams))])  # fmt: skip
 
 
 def job_spec(line: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:

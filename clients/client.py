@@ -189,8 +189,11 @@ class Client:
 
     def chat(self, messages: Messages, params: SamplingParams | None = None, /, *, timeout: float | None = None,
              **kwargs: Any) -> RequestOutput:  # fmt: skip
-        """A chat's reply: `messages` (dicts with role and content) rendered by the
-        gateway with the model's chat template; keyword arguments as in submit."""
+        """A chat's reply: `messages` (dicts with role and content, as OpenAI's API takes
+        them) rendered by the gateway with the model's chat template; keyword arguments as
+        in submit, and `tools` (OpenAI's entries), `tool_choice` ("none", "auto",
+        "required" or a tool's name: a forced call, guided to the tools' schemas) and
+        `parallel_tool_calls`: the calls come back in the output's `tool_calls`."""
         return self.submit(None, params, messages=messages, **kwargs).result(timeout)
 
     def close(self) -> None:

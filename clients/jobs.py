@@ -27,6 +27,7 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
+import protocol
 from clients.job_scripts import Scripts, ensure_group
 from clients.params import SamplingParams, sampling_params
 from clients.wire import Prompt, to_submit
@@ -105,7 +106,9 @@ class JobQueue:
         """Queue one job and return its id. `deadline_s`: seconds from now after
         which the job ends EXPIRED instead of running (or is stopped); `options`:
         SamplingParams fields (max_tokens, temperature, priority, stop, ...), over
-        `params`. Bad arguments raise before anything is queued."""
+        `params`; for a chat (`messages` instead of a prompt) `tools`, `tool_choice` and
+        `parallel_tool_calls` as in Client.chat; `embedding` ({} or {"pooling": ...}): the
+        prompt's embedding instead of text. Bad arguments raise before anything is queued."""
         return self.submit_many([{"prompt": prompt, "params": params, "job_id": job_id, "model": model,
                                   "deadline_s": deadline_s, "result_ttl_s": result_ttl_s, **options}])[0]  # fmt: skip
 
@@ -147,9 +150,16 @@ class JobQueue:
         if deadline_s is not None and deadline_s <= 0:
             raise ValueError(f"deadline_s must be > 0 seconds from now, got {deadline_s}")
         spec.pop("streaming", None)  # a job's result is stored whole
+        tools = {k: spec.pop(k) for k in ("tools", "tool_choice", "parallel_tool_calls") if k in spec}
+        embedding = spec.pop("embedding", None)
         now = time.time()
+        submit = to_submit(prompt, sampling_params(params, spec), request_id=job_id, model=model, messages=messages,
+                           **tools)  # fmt: skip
+        if embedding is not None:  # the prompt's embedding (protocol.EmbeddingConfig's fields), nothing generated
+            config = protocol.EmbeddingConfig.model_validate(embedding)
+            submit = submit.model_copy(update={"embedding_config": config})
         return Job(
-            submit=to_submit(prompt, sampling_params(params, spec), request_id=job_id, model=model, messages=messages),
+            submit=submit,
             deadline=None if deadline_s is None else now + deadline_s,
             submitted_at=now,
             result_ttl_s=ttl,

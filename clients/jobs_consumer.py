@@ -322,9 +322,12 @@ class Consumer:
                 text=o.text,
                 token_ids=o.token_ids,
                 finish_reason=o.finish_reason.name.lower() if o.finish_reason is not None else None,
+                tool_calls=o.tool_calls,
             )
             for o in outcome.outputs
         ]
+        if outcome.embedding is not None:
+            outputs = [JobOutput(embedding=outcome.embedding.tolist())]
         status = JobStatus.DONE
         error = ""
         if outcome.finish_reason == FinishReason.CANCELLED:

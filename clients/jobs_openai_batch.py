@@ -1,8 +1,7 @@
 """OpenAI's batch input lines ({"custom_id", "method", "url", "body"}) as job options:
 the body of a /v1/chat/completions or /v1/completions line in SamplingParams' names,
-and a /v1/responses line run as the chat it stands for (instructions as the system
-message, then the input). Embedding lines are refused by name: the job queue
-generates text only."""
+a /v1/responses line run as the chat it stands for (instructions as the system
+message, then the input), and a /v1/embeddings line as one input's embedding job."""
 
 from __future__ import annotations
 
@@ -19,6 +18,7 @@ _RESPONSES_NAMES: dict[str, str | None] = {
     "store": None, "metadata": None, "stream": None, "user": None,
 }  # fmt: skip
 _GENERATING = ("/v1/chat/completions", "/v1/completions")
+_SERVED = (*_GENERATING, "/v1/responses", "/v1/embeddings")
 
 
 def body_spec(url: str | None, body: dict[str, Any]) -> dict[str, Any]:
@@ -27,7 +27,9 @@ def body_spec(url: str | None, body: dict[str, Any]) -> dict[str, Any]:
         return _renamed(body, _OPENAI_NAMES, keep_unknown=True)
     if url == "/v1/responses":
         return _responses(body)
-    raise ValueError(f'"url" {url!r} is not served by the job queue; it takes {[*_GENERATING, "/v1/responses"]}')
+    if url == "/v1/embeddings":
+        return _embeddings(body)
+    raise ValueError(f'"url" {url!r} is not served by the job queue; it takes {list(_SERVED)}')
 
 
 def _renamed(body: dict[str, Any], names: dict[str, str | None], keep_unknown: bool) -> dict[str, Any]:
@@ -51,6 +53,27 @@ def _responses(body: dict[str, Any]) -> dict[str, Any]:
     messages = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
     messages += _input_messages(body["input"])
     return {**_renamed(body, _RESPONSES_NAMES, keep_unknown=False), "messages": messages}
+
+
+def _embeddings(body: dict[str, Any]) -> dict[str, Any]:
+    """One input's embedding: a text or token ids, or a list of exactly one of either
+    (a job is one request; a batch file holds a line per input)."""
+    unknown = set(body) - {"input", "model", "encoding_format", "user"}
+    if unknown:
+        raise ValueError(f'a /v1/embeddings line takes "input", "model" and "encoding_format"; not {sorted(unknown)}')
+    if body.get("encoding_format", "float") != "float":
+        raise ValueError('a /v1/embeddings line: "encoding_format" must be "float" (job results are JSON)')
+    value = body.get("input")
+    if isinstance(value, list) and value and isinstance(value[0], str | list):
+        if len(value) != 1:
+            raise ValueError(f'a /v1/embeddings line embeds one input; this one has {len(value)} (one line each)')
+        value = value[0]
+    if not value:
+        raise ValueError('a /v1/embeddings line needs "input": a text or token ids')
+    spec: dict[str, Any] = {"prompt": value, "embedding": {}}
+    if "model" in body:
+        spec["model"] = body["model"]
+    return spec
 
 
 def _input_messages(value: Any) -> list[dict[str, Any]]:

@@ -50,8 +50,8 @@ from clients.llm_config import (
 )
 from clients.model_source import resolve_source
 from clients.params import CompletionOutput, RequestOutput, SamplingParams, sampling_params
-from clients.wire import Accumulator, Prompt, as_batch, embedding_of
-from protocol import FinishReason
+from clients.wire import Accumulator, Messages, Prompt, Tools, as_batch, embedding_of, to_submit
+from protocol import FinishReason, chat_tools
 from protocol.text import OutputStream
 
 if TYPE_CHECKING:
@@ -326,6 +326,37 @@ class LLM:
         return render_chat(self.executor.chat_template, messages, add_generation_prompt=add_generation_prompt,
                            bos_token=bos, eos_token=eos,
                            extra={**(chat_template_kwargs or {}), **template_vars})  # fmt: skip
+
+    def chat(self, messages: Messages, params: SamplingParams | None = None, /, *, tools: Tools | None = None,
+             tool_choice: str | None = None, parallel_tool_calls: bool = True, tool_parser: str | None = None,
+             chat_template_kwargs: Mapping[str, Any] | None = None, timeout: float | None = None,
+             **options: Any) -> RequestOutput:  # fmt: skip
+        """A chat's reply, rendered with the model's template as the gateway renders it;
+        `options`: SamplingParams fields, over `params`. `tools`, `tool_choice` and
+        `parallel_tool_calls` as in Client.chat (a forced call is guided to the tools'
+        schemas); the calls are read in `tool_parser`'s format (protocol/tool_calls.py
+        PARSERS; default: the template's) into the output's tool_calls, and its text is
+        then the content outside them."""
+        p = sampling_params(params, options)
+        submit = to_submit(None, p, messages=messages, tools=tools, tool_choice=tool_choice,
+                           parallel_tool_calls=parallel_tool_calls)  # validated as the service validates it
+        guide = chat_tools.forced_guide(submit)
+        if guide is not None:
+            p = replace(p, guided_json=guide)
+        assert submit.messages is not None
+        text = self.apply_chat_template(chat_tools.template_messages(submit.messages),
+                                        chat_template_kwargs=chat_template_kwargs,
+                                        **(chat_tools.template_extra(submit) or {}))  # fmt: skip
+        if self.tokenizer is None:
+            raise ValueError("this LLM has no tokenizer (skip_tokenizer_init): a chat needs one")
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        prompt_ids = [int(t) for t in getattr(ids, "ids", ids)]
+        output = self._start(executor_request(prompt_ids, p, False), p, prompt_ids, prompt_ids).result(timeout)
+        use = chat_tools.tool_use(submit, self.executor.chat_template, tool_parser)
+        read = None if use is None else chat_tools.read_calls(use, output.text)
+        if read is not None:
+            output.outputs[0].text, output.outputs[0].tool_calls = read
+        return output
 
     def generate_async(self, prompt: Prompt, params: SamplingParams | None = None, /, streaming: bool = False,
                        sampling_config: SamplingParams | None = None, lora_request: LoRARequest | None = None,

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-    from protocol import FinishReason
+    from protocol import FinishReason, FunctionCall
 
 # SamplingParams fields that are the executor's SamplingConfig fields, name for name.
 SAMPLING_CONFIG_FIELDS = tuple(f.name for f in fields(options.SamplingConfig))
@@ -163,6 +163,9 @@ class CompletionOutput:
     top_token_ids: list[list[int]] | None = None
     top_log_probs: list[list[float]] | None = None
     generation_logits: npt.NDArray[np.float32] | None = None  # [generated tokens, vocab]
+    # A chat given tools: the calls its output made (then `text`, unless it streamed, is the
+    # content outside them).
+    tool_calls: list[FunctionCall] | None = None
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ the same code.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,11 @@ if TYPE_CHECKING:
 
 Prompt = str | Sequence[int]
 # Chat turns: dicts with "role" and "content", as OpenAI's API and chat templates take them.
-Messages = Sequence[Mapping[str, str]]
+# Chat turns as OpenAI's API takes them: role and content, an assistant's tool_calls, a
+# tool's tool_call_id.
+Messages = Sequence[Mapping[str, Any]]
+# OpenAI's `tools` entries: {"type": "function", "function": {"name", "description", "parameters"}}.
+Tools = Sequence[Mapping[str, Any]]
 
 
 def to_submit(
@@ -37,10 +42,13 @@ def to_submit(
     model: str | None = None,
     streaming: bool = False,
     messages: Messages | None = None,
+    tools: Tools | None = None,
+    tool_choice: str | None = None,
+    parallel_tool_calls: bool = True,
 ) -> protocol.Submit:
     """A validated submit message (text, token ids, or chat `messages` with prompt
-    None: the gateway applies the model's chat template); bad options raise
-    pydantic's ValidationError, a ValueError that names the field."""
+    None: the gateway applies the model's chat template, with `tools` when given);
+    bad options raise pydantic's ValidationError, a ValueError that names the field."""
     text = prompt if isinstance(prompt, str) else None
     return protocol.Submit.model_validate(
         {
@@ -48,12 +56,42 @@ def to_submit(
             "model": model,
             "prompt": text,
             "input_token_ids": None if text is not None or prompt is None else list(prompt),
-            "messages": None if messages is None else [dict(m) for m in messages],
+            "messages": None if messages is None else [wire_message(m) for m in messages],
+            "tools": None if tools is None else [wire_tool(t) for t in tools],
+            "tool_choice": tool_choice,
+            "parallel_tool_calls": parallel_tool_calls,
             "streaming": streaming,
             "stop": list(params.stop) or None,
             **params.request_fields(),
         }
     )
+
+
+def wire_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A chat turn in OpenAI's shape as protocol.ChatMessage's fields: an assistant's
+    tool_calls ({"id", "function": {"name", "arguments"}}) flattened to id, name, arguments."""
+    turn = dict(message)
+    if turn.get("content") is None:
+        turn["content"] = ""  # an assistant turn that only calls
+    calls = turn.get("tool_calls")
+    if calls:
+        try:
+            turn["tool_calls"] = [
+                {"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls
+            ]
+        except (KeyError, TypeError):
+            raise ValueError('messages: a tool call is {"id", "function": {"name", "arguments"}}') from None
+    return turn
+
+
+def wire_tool(tool: Mapping[str, Any]) -> protocol.ToolSpec:
+    """An OpenAI `tools` entry as protocol.ToolSpec (its parameters' schema as JSON text)."""
+    function = tool.get("function")
+    if tool.get("type", "function") != "function" or not isinstance(function, Mapping) or "name" not in function:
+        raise ValueError('tools: each is {"type": "function", "function": {"name", "description", "parameters"}}')
+    parameters = function.get("parameters")
+    return protocol.ToolSpec(name=function["name"], description=function.get("description"),
+                             parameters=None if parameters is None else json.dumps(parameters))  # fmt: skip
 
 
 def as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
@@ -93,8 +131,12 @@ def submit_from_call(prompt: Prompt | None, params: SamplingParams | None, optio
     model = options.pop("model", None)
     streaming = options.pop("streaming", False)
     messages = options.pop("messages", None)
+    tools = options.pop("tools", None)
+    tool_choice = options.pop("tool_choice", None)
+    parallel_tool_calls = options.pop("parallel_tool_calls", True)
     return to_submit(prompt, sampling_params(params, options), request_id=request_id, model=model,
-                     streaming=streaming, messages=messages)  # fmt: skip
+                     streaming=streaming, messages=messages, tools=tools, tool_choice=tool_choice,
+                     parallel_tool_calls=parallel_tool_calls)  # fmt: skip
 
 
 class Accumulator:
@@ -129,6 +171,8 @@ class Accumulator:
         new_text = r.text[0] if r.text else ""
         out.token_ids.extend(new_ids)
         out.text += new_text
+        if r.tool_calls is not None:
+            out.tool_calls = list(r.tool_calls)
         if r.log_probs is not None:
             out.log_probs = out.log_probs or []
             out.log_probs.extend(r.log_probs[0])

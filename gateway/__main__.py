@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
                 insecure=insecure,
                 router=args.router,
                 overlap_weight=args.overlap_weight,
+                tool_parser=args.tool_parser,
             ),
             api_keys,
         )
@@ -121,8 +122,7 @@ def run(args: argparse.Namespace) -> int:
             from gateway.http_front import HttpFront  # Starlette and uvicorn load only for it
 
             open_paths = frozenset(p.strip() for p in args.auth_open_paths.split(",") if p.strip())
-            http = HttpFront(gw, args.http_host, args.http_port, open_paths, tool_parser=args.tool_parser,
-                             reasoning_parser=args.reasoning_parser)
+            http = HttpFront(gw, args.http_host, args.http_port, open_paths, reasoning_parser=args.reasoning_parser)
         if args.metrics_port:
             gw.metrics.serve(args.metrics_host, args.metrics_port)
     except (zmq.ZMQError, OSError) as e:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway import reasoning
-from gateway.tool_calls import ToolCall, ToolStream, ToolUse
+from protocol.tool_calls import ToolCall, ToolStream, ToolUse
 
 
 @dataclass(frozen=True, slots=True)

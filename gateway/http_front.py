@@ -48,7 +48,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import protocol
-from gateway import embeddings_api, reasoning, responses_api, tool_calls
+from gateway import embeddings_api, reasoning, responses_api
 from gateway import openai_api as api
 from gateway.chat_output import ChatStream, OutputRules
 from gateway.http_auth import ApiKeyAuth, Usage, usage_of
@@ -56,9 +56,10 @@ from gateway.rate_limits import RateLimits
 from gateway.response_store import ResponseStore
 from gateway.responses_api import ResponsesRequest
 from gateway.tokenize_api import DetokenizeRequest, TokenizeRequest
-from gateway.tool_calls import ToolUse
 from gateway.workers import adapter_models
+from protocol import tool_calls
 from protocol.chat_template import ChatTemplateError
+from protocol.tool_calls import ToolUse
 
 if TYPE_CHECKING:
     from gateway.server import Gateway
@@ -216,10 +217,9 @@ class HttpFront:
     """The HTTP server of one gateway: `start()` serves on a thread, `stop()` ends it."""
 
     def __init__(self, gateway: Gateway, host: str, port: int, open_paths: frozenset[str] = frozenset(),
-                 tool_parser: str | None = None, reasoning_parser: str | None = None) -> None:  # fmt: skip
+                 reasoning_parser: str | None = None) -> None:  # fmt: skip
         self.gateway = gateway
-        # None: the formats each model's chat template teaches.
-        self.tool_parser = tool_parser
+        # None: the format each model's chat template teaches (tool calls: the gateway's --tool-parser).
         self.reasoning_parser = reasoning_parser
         # Bound now, so a port in use is an error at start-up rather than on a thread later.
         self.socket = socket.create_server((host, port), reuse_port=False)
@@ -705,7 +705,8 @@ class HttpFront:
     def _output_rules(self, body: api.ChatRequest, model: str | None) -> OutputRules | None:
         template = self.gateway.tokenizers.chat_template(model)
         choice = body.call_choice()
-        tools = None if choice == "none" else ToolUse(tool_calls.parser_for(template, self.tool_parser), choice)
+        parser = tool_calls.parser_for(template, self.gateway.config.tool_parser)
+        tools = None if choice == "none" else ToolUse(parser, choice)
         thinking = reasoning.parser_for(template, self.reasoning_parser)
         return None if tools is None and thinking is None else OutputRules(tools, thinking)
 

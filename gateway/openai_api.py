@@ -18,10 +18,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 import protocol
-from gateway import tool_calls
 from gateway.chat_output import OutputRules
 from gateway.echo import Echo, Entry, prompt_entries, vllm_prompt_logprobs
-from protocol import ErrorCode, FinishReason
+from protocol import ErrorCode, FinishReason, tool_calls
 
 # HTTP status and OpenAI error type for each of the gateway's error codes.
 STATUS: dict[str, tuple[int, str]] = {

@@ -41,7 +41,7 @@ from ops.curve import CurveConfig, CurveServer, connect_as_client, routing_id
 from ops.drain import Drain
 from ops.metrics import GatewayMetrics, outcome
 from ops.sd_notify import Notifier
-from protocol import ErrorCode
+from protocol import ErrorCode, chat_tools
 from protocol.api_keys import ApiKeyRecord
 from protocol.chat_template import ChatTemplateError
 from protocol.limits import socket_turn
@@ -99,6 +99,9 @@ class GatewayConfig:
     client_send_limit: int = 10_000
     # How often one request may be moved to another worker when its worker is lost (gateway/migration.py).
     migration_limit: int = 3
+    # The format chats' tool calls are read in (protocol/tool_calls.py PARSERS); None: the
+    # one the model's chat template teaches.
+    tool_parser: str | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -427,6 +430,11 @@ class Gateway:
             names = [m for w in ready if serves(w, None, lora) or (lora is not None and can_load(w, None, lora))
                      for m in w.models[:1]]  # fmt: skip
             model = max(set(names), key=names.count) if names else None
+        if msg.tools:
+            try:
+                msg = chat_tools.with_guide(msg)
+            except ValueError as e:
+                return refuse(ErrorCode.INVALID_REQUEST, str(e))
         lease = ""
         if state.api_key is not None and self.client_limits is not None:
             lease = uuid.uuid4().hex
@@ -518,13 +526,19 @@ class Gateway:
         link.sent_since_load += 1
         # A client's own client_request_id is not passed on: the worker names the request by it.
         named = None if req.wire_id == req.request_id else req.request_id
-        update = {"request_id": req.wire_id, "client_request_id": named, "model": req.model, "stop": None}
+        update = {"request_id": req.wire_id, "client_request_id": named, "model": req.model, "stop": None,
+                  "tools": None, "tool_choice": None}  # fmt: skip
         link.socket.send(protocol.encode(req.submit.model_copy(update=update), self.limits))
 
     def _prompt_ids(self, req: _Request, max_seq_len: int | None) -> list[int]:
         messages = req.submit.messages
-        chat = [m.model_dump() for m in messages] if messages else None
-        return self.tokenizers.prompt_ids(req.model, req.submit.prompt, chat, max_seq_len)
+        if not messages:
+            return self.tokenizers.prompt_ids(req.model, req.submit.prompt, None, max_seq_len)
+        try:
+            chat = chat_tools.template_messages(messages)
+        except ValueError as e:
+            raise PromptError(str(e)) from None
+        return self.tokenizers.prompt_ids(req.model, None, chat, max_seq_len, chat_tools.template_extra(req.submit))
 
     @staticmethod
     def _set_prompt_ids(req: _Request, ids: list[int]) -> None:
@@ -717,6 +731,8 @@ class Gateway:
 
         def whole(req: _Request, response: protocol.Response, worker_final: bool) -> None:
             result = response.result
+            if result is not None and result.is_final and req.submit.tools:
+                self._read_calls(req, result)
             to = out.get(req.client) or out.setdefault(req.client, ClientBatch())
             if response.request_id != req.request_id:  # the worker's, by wire id
                 response = response.model_copy(update={"request_id": req.request_id})
@@ -777,6 +793,14 @@ class Gateway:
         for client, to in out.items():
             for message in to.messages(self.limits):
                 self._send(client, message)
+
+    def _read_calls(self, req: _Request, result: protocol.Result) -> None:
+        use = chat_tools.tool_use(req.submit, self.tokenizers.chat_template(req.model), self.config.tool_parser)
+        read = None if use is None else chat_tools.read_calls(use, req.stream.whole_text())
+        if read is not None:
+            content, result.tool_calls = read
+            if not req.submit.streaming:  # streamed, the text is out already
+                result.text = [content]
 
     def _worker_error(self, link: WorkerLink, msg: protocol.ErrorReply) -> None:
         req = self.requests.get(msg.request_id) if msg.request_id else None

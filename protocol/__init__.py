@@ -58,6 +58,8 @@ if TYPE_CHECKING:
     from protocol.request import SamplingConfig as SamplingConfig
     from protocol.request import SpeculativeConfig as SpeculativeConfig
     from protocol.request import Submit as Submit
+    from protocol.request import ToolSpec as ToolSpec
+    from protocol.results import FunctionCall as FunctionCall
     from protocol.results import Logits as Logits
     from protocol.results import PromptLogProbs as PromptLogProbs
     from protocol.results import Response as Response
@@ -78,8 +80,9 @@ _HOME = {
     **dict.fromkeys(["DEFAULT_LIMITS", "Limits"], "limits"),
     **dict.fromkeys(["IterationStats", "RequestStats", "WorkerInfo", "WorkerLoad"], "records"),
     **dict.fromkeys(["ChatMessage", "EmbeddingConfig", "GuidedDecodingParams", "LoraConfig", "OutputConfig",
-                     "PromptTuningConfig", "SamplingConfig", "SpeculativeConfig", "Submit"], "request"),
-    **dict.fromkeys(["Logits", "PromptLogProbs", "Response", "Result", "ResultBatch", "StreamedTokens"], "results"),
+                     "PromptTuningConfig", "SamplingConfig", "SpeculativeConfig", "Submit", "ToolSpec"], "request"),
+    **dict.fromkeys(["FunctionCall", "Logits", "PromptLogProbs", "Response", "Result", "ResultBatch",
+                     "StreamedTokens"], "results"),
     "FinishReason": "status",
 }  # fmt: skip
 

@@ -14,8 +14,9 @@ from pydantic import Field, ValidationError
 
 from protocol.base import Name, WireModel
 from protocol.errors import ProtocolError
-from protocol.packed import WIRE_CONTEXT, TokenIds
+from protocol.packed import WIRE_CONTEXT, Floats, TokenIds
 from protocol.request import Submit
+from protocol.results import FunctionCall
 
 T = TypeVar("T", bound=WireModel)
 
@@ -37,7 +38,7 @@ class JobStatus(enum.StrEnum):
 
 
 class Job(WireModel):
-    """A queued job: one generation request; its request_id is the job id."""
+    """A queued job: one request (a generation, or an embedding); its request_id is the job id."""
 
     submit: Submit
     deadline: float | None = None  # unix time; past it the job ends EXPIRED
@@ -53,6 +54,8 @@ class JobOutput(WireModel):
     text: str = ""
     token_ids: TokenIds = Field(default_factory=list)
     finish_reason: Annotated[str, Field(max_length=32)] | None = None
+    tool_calls: list[FunctionCall] | None = None  # a chat given tools: the calls it made
+    embedding: Floats | None = None  # an embedding job's only output: [hidden], unit length
 
 
 class JobResult(WireModel):

@@ -14,7 +14,7 @@ from protocol.base import Message, Name, Uint64, WireModel
 from protocol.continuation import continuation_problem
 from protocol.derive import wire_model
 from protocol.packed import Floats, TokenIds
-from protocol.results import Logits
+from protocol.results import FunctionCall, Logits
 
 if TYPE_CHECKING:
     # What type checkers see: the declaration's fields on a wire model, built from keywords.
@@ -88,10 +88,26 @@ class EmbeddingConfig(WireModel):
 
 
 class ChatMessage(WireModel):
-    """One turn of a chat, as OpenAI's and Hugging Face's chat templates take it."""
+    """One turn of a chat, as OpenAI's and Hugging Face's chat templates take it: an
+    assistant's turn may hold the calls it made, a tool's turn names the call it answers."""
 
     role: Name
-    content: str
+    content: str = ""
+    tool_calls: list[FunctionCall] | None = Field(None, min_length=1)
+    tool_call_id: Name | None = None
+
+
+class ToolSpec(WireModel):
+    """A function a chat's model may call (OpenAI's `tools` entry): its parameters'
+    JSON schema as JSON text, as guides are; None: any object."""
+
+    name: Name
+    description: str | None = None
+    parameters: str | None = Field(None, min_length=2)
+
+
+# tool_choice: one of these, or a tool's name (a forced call to it).
+TOOL_CHOICES = ("none", "auto", "required")
 
 
 class Submit(Message):
@@ -136,6 +152,12 @@ class Submit(Message):
     resumed_token_ids: TokenIds | None = Field(None, min_length=1)
     # Set: the request answers with its prompt's embedding, and generates nothing.
     embedding_config: EmbeddingConfig | None = None
+    # A chat's tools, which its template renders: the gateway guides a forced call
+    # ("required", or a tool's name) to the tools' schemas and reads the calls the output
+    # makes into the final result's tool_calls. tool_choice None: "auto".
+    tools: list[ToolSpec] | None = Field(None, min_length=1, max_length=128)
+    tool_choice: Name | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def lora(self) -> str | None:
@@ -160,4 +182,27 @@ class Submit(Message):
             raise ValueError(problem)
         if self.embedding_config is not None and self.streaming:
             raise ValueError("embedding_config: an embedding comes whole; streaming must be false")
+        if self.tools is not None or self.tool_choice is not None:
+            self._check_tools()
         return self
+
+    def _check_tools(self) -> None:
+        names = [t.name for t in self.tools or []]
+        choice = self.tool_choice
+        if choice is not None and choice not in TOOL_CHOICES and choice not in names:
+            raise ValueError(f"tool_choice {choice!r}: neither one of {list(TOOL_CHOICES)} nor a tool's name "
+                             f"(tools: {names})")
+        if choice not in (None, "none") and not names:
+            raise ValueError(f"tool_choice {choice!r} needs tools")
+        if self.tools is None:
+            return
+        if self.messages is None:
+            raise ValueError("tools: only a chat (messages) can be given tools")
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools: names must differ; got {names}")
+        if self.embedding_config is not None:
+            raise ValueError("tools: not with embedding_config")
+        if self.num_return_sequences > 1 or self.sampling_config.beam_width > 1:
+            raise ValueError("tools: calls are read from one output; not with num_return_sequences > 1 or beams")
+        if choice not in (None, "none", "auto") and self.guided_decoding_params is not None:
+            raise ValueError("guided_decoding_params: not with a forced tool call (tool_choice required or named)")

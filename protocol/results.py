@@ -45,6 +45,14 @@ class PromptLogProbs(WireModel):
         return self
 
 
+class FunctionCall(WireModel):
+    """A call the model made to one of a chat's tools: OpenAI's tool_calls entry."""
+
+    id: Name
+    name: Name
+    arguments: str  # JSON text
+
+
 class Result(WireModel):
     is_final: bool
     # One list per beam (a single list when beam_width == 1).
@@ -64,6 +72,10 @@ class Result(WireModel):
     embedding: Logits | None = None  # [hidden], unit L2 norm: a request with embedding_config
     # Filled by the gateway: the text these tokens add, one string per beam.
     text: list[str] | None = None
+    # Filled by the gateway in a chat's final result when it was given tools: the calls
+    # read from the whole output (protocol/tool_calls.py); then, unless it streamed, the
+    # final text is the output's content outside the calls.
+    tool_calls: list[FunctionCall] | None = None
 
     @model_validator(mode="after")
     def _one_entry_per_beam(self) -> Self:

@@ -152,6 +152,13 @@ class OutputStream:
         self.finished = result.is_final
         return result
 
+    def whole_text(self, index: int = 0) -> str:
+        """All the text sequence `index` has handed out so far."""
+        seq = self._seqs.get(index)
+        if seq is None or seq.text is None:
+            return ""
+        return seq.text.detok.text[: seq.text.sent]
+
     def resume(self, token_ids: list[int]) -> None:
         """Take in tokens its reader received from an earlier run (a continuation,
         protocol/continuation.py): their text is not passed on again, but the text and

@@ -41,6 +41,7 @@ def test_cli_stream_honours_timeout():
     )  # fmt: skip
     took = time.monotonic() - start
     assert run.returncode == 1, run.stderr
-    assert took < 3.0, took
+    # Far under the 300 s default; the margin is the interpreter's start, seconds on a loaded machine.
+    assert took < 20.0, took
     assert "Traceback" not in run.stderr
     assert "error:" in run.stderr

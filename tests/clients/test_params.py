@@ -65,6 +65,9 @@ NOT_OPTIONS = {
     "model",  # Client.submit's and JobQueue.submit's model
     "prompt",
     "messages",  # a chat's turns, in place of the prompt (Client.chat)
+    "tools",  # a chat's tools and how they are used: Client.chat's, LLM.chat's and a chat job's arguments
+    "tool_choice",
+    "parallel_tool_calls",
     "input_token_ids",
     "streaming",  # how the output is delivered: Client.stream, LLM.generate_async(streaming=True)
     "client_id",  # a transport tag

@@ -9,7 +9,7 @@ import pytest
 
 from gateway import reasoning
 from gateway.chat_output import ChatStream, OutputRules
-from gateway.tool_calls import ToolUse
+from protocol.tool_calls import ToolUse
 
 
 @pytest.mark.parametrize(("parser", "text", "thought", "content"), [

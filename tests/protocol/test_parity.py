@@ -40,14 +40,19 @@ def as_plain(value: Any) -> Any:
     return value
 
 
+# What a gateway reads and strips (a chat's messages and tools, stop strings) or names.
+SUBMIT_WIRE_ONLY = {"request_id", "model", "prompt", "messages", "stop", "client_request_id", "tools", "tool_choice",
+                    "parallel_tool_calls"}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("wire", "executor", "wire_only"),
     [
         (p.GuidedDecodingParams, ex.GuidedDecodingParams, set()),
         (p.SpeculativeConfig, ex.SpeculativeConfig, set()),
         (p.LoraConfig, ex.LoraConfig, set()),
-        (p.Submit, ex.Request, {"request_id", "model", "prompt", "messages", "stop", "client_request_id"}),
-        (p.Result, ex.Result, {"text"}),
+        (p.Submit, ex.Request, SUBMIT_WIRE_ONLY),
+        (p.Result, ex.Result, {"text", "tool_calls"}),
         (p.Response, ex.Response, set()),
     ],
 )
@@ -69,7 +74,7 @@ def test_a_submit_converts_to_an_executor_request_by_name():
         sampling_config=p.SamplingConfig(temperature=0.5, top_k=4, seed=9),
         guided_decoding_params=p.GuidedDecodingParams(guide_type="regex", guide="a+"),
     )
-    fields = msg.model_dump(exclude={"request_id", "model", "prompt", "messages", "stop", "client_request_id"})
+    fields = msg.model_dump(exclude=SUBMIT_WIRE_ONLY)
     request = ex.Request(
         **{
             **fields,

@@ -8,7 +8,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from gateway import tool_calls as tc
+from protocol import tool_calls as tc
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
