@@ -49,9 +49,12 @@ def tiny_model(family: str, directory: Path) -> Path:
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
              "tie_word_embeddings": False, "initializer_range": 0.2, "bos_token_id": 1, "eos_token_id": 2,
              "pad_token_id": 0}  # fmt: skip
-    config = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
-              "gemma3_text": lambda **kw: transformers.Gemma3TextConfig(**kw, head_dim=32, sliding_window=6),
-              "phi3": transformers.Phi3Config}[family](**shape)  # fmt: skip
+    classes: dict[str, Any] = {
+        "llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
+        "gemma3_text": transformers.Gemma3TextConfig, "phi3": transformers.Phi3Config,
+    }  # fmt: skip
+    extra = {"head_dim": 32, "sliding_window": 6} if family == "gemma3_text" else {}
+    config = classes[family](**shape, **extra)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     write_tokenizer(directory)
