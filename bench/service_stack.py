@@ -1,5 +1,5 @@
-"""The service on this machine for a bench: a private redis-server, one worker and one gateway
-as child processes, CURVE on between them when asked."""
+"""The service on this machine for a bench: a private redis-server, workers and gateway
+processes as children, CURVE on between them when asked."""
 
 from __future__ import annotations
 
@@ -26,20 +26,22 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class Stack:
-    """A private redis-server, `workers` workers (one by default) and one gateway, as child
-    processes; `worker_args` go to each worker's command line (its KV cache size among them),
-    `gateway_args` to the gateway's; with `curve`, CURVE on between them all (keys made in the
-    stack's directory)."""
+    """A private redis-server, `workers` workers (one by default) and `gateways` gateway
+    processes (one by default; several share one HTTP port, each with a ZeroMQ port of its own:
+    `self.gateways`), as child processes; `worker_args` go to each worker's command line (its KV
+    cache size among them), `gateway_args` to each gateway's; with `curve`, CURVE on between
+    them all (keys made in the stack's directory)."""
 
     def __init__(self, model: Path, *worker_args: str, curve: bool = False, gateway_args: Sequence[str] = (),
-                 workers: int = 1) -> None:  # fmt: skip
+                 workers: int = 1, gateways: int = 1) -> None:  # fmt: skip
         redis_server = shutil.which("redis-server")
         if redis_server is None:
             raise SkipSection("redis-server is not on PATH")
         self.dir = tempfile.TemporaryDirectory(prefix="tokenwire-bench-")
-        ports = [free_port() for _ in range(2)]
+        ports = [free_port() for _ in range(1 + gateways)]
         self.redis = f"redis://127.0.0.1:{ports[0]}/0"
-        self.gateway = f"tcp://127.0.0.1:{ports[1]}"
+        self.gateways = [f"tcp://127.0.0.1:{port}" for port in ports[1:]]
+        self.gateway = self.gateways[0]
         self.http_port = free_port()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         log = open(Path(self.dir.name) / "log", "wb")  # noqa: SIM115 - closed with the directory
@@ -57,16 +59,19 @@ class Stack:
             [py, "-m", "worker.service", "--model", str(model), "--bind", f"tcp://127.0.0.1:{free_port()}",
              "--redis", self.redis, *same_threads, *worker_args, *worker_curve],
             env=env, stdout=log, stderr=subprocess.STDOUT) for _ in range(workers)]  # fmt: skip
-        self.gateway_proc = subprocess.Popen(
-            [py, "-m", "gateway", "--bind", self.gateway, "--redis", self.redis,
-             "--no-worker-timeout", "300", "--http-port", str(self.http_port), *gateway_curve, *gateway_args],
-            env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-        self.procs += [*self.workers, self.gateway_proc]
-        self._wait_healthy(300.0, workers)
+        shared = ["--http-reuse-port"] if gateways > 1 else []
+        self.gateway_procs = [subprocess.Popen(
+            [py, "-m", "gateway", "--bind", endpoint, "--redis", self.redis, "--no-worker-timeout", "300",
+             "--http-port", str(self.http_port), *shared, *gateway_curve, *gateway_args],
+            env=env, stdout=log, stderr=subprocess.STDOUT) for endpoint in self.gateways]  # fmt: skip
+        self.gateway_proc = self.gateway_procs[0]
+        self.procs += [*self.workers, *self.gateway_procs]
+        self._wait_healthy(300.0, workers * gateways)
 
     def _wait_healthy(self, timeout_s: float, workers: int) -> None:
-        """Until the gateway's /health says 200 (Redis answers and a worker is ready) and it has
-        logged every worker ready: the clients fail fast, so they must not race the model's load."""
+        """Until /health says 200 (Redis answers and a worker is ready) and the gateways have
+        logged `workers` workers ready, all told: the clients fail fast, so they must not race
+        the model's load."""
         deadline = time.monotonic() + timeout_s
         url = f"http://127.0.0.1:{self.http_port}/health"
         while time.monotonic() < deadline:
@@ -103,10 +108,11 @@ class Stack:
         )  # fmt: skip
 
     def cpu_seconds(self) -> dict[str, float]:
-        """CPU seconds so far of the gateway, the worker processes (sockets, Redis, bookkeeping)
+        """CPU seconds so far of the gateways, the worker processes (sockets, Redis, bookkeeping)
         and their engine processes (the model's steps), each kind summed."""
         engines = [e for w in self.workers for e in spawned(w.pid)]
-        return {"gateway": cpu_seconds(self.gateway_proc.pid), "worker": sum(cpu_seconds(w.pid) for w in self.workers),
+        return {"gateway": sum(cpu_seconds(g.pid) for g in self.gateway_procs),
+                "worker": sum(cpu_seconds(w.pid) for w in self.workers),
                 "engine": sum(cpu_seconds(e) for e in engines) if engines else float("nan")}
 
     def close(self) -> None:

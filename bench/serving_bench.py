@@ -155,7 +155,7 @@ def _in_process_at(executor: Any, model: str, n: int, prompt: int, output: int, 
     return r
 
 
-def _service_at(stack: Stack, endpoint: str, model: str, n: int, prompt: int, output: int, vocab: int,
+def _service_at(stack: Stack, endpoint: str | list[str], model: str, n: int, prompt: int, output: int, vocab: int,
                 pool: ProcessPoolExecutor | None, clients: int, rate: float, i: int) -> RateRun:  # fmt: skip
     before = stack.cpu_seconds()
     r, client = service_run(endpoint, model, prompts_for(n, prompt, vocab, 20 + i), output, rate, i, pool,
@@ -216,20 +216,24 @@ def client_process(endpoint: str, prompts: list[list[int]], offsets: list[float]
     return lines, own_cpu_seconds() - before
 
 
-def service_run(endpoint: str, model: str, prompts: list[list[int]], output: int, rate: float, seed: int,
+def service_run(endpoint: str | list[str], model: str, prompts: list[list[int]], output: int, rate: float, seed: int,
                 pool: ProcessPoolExecutor | None = None, clients: int = 1) -> tuple[RateRun, float]:  # fmt: skip
     """The requests through the gateway, from this process or spread over `clients` processes
-    of `pool` (request i to client i mod clients); the run and its clients' CPU seconds."""
+    of `pool` (request i to client i mod clients; with several gateway endpoints, client k
+    to endpoint k mod their number); the run and its clients' CPU seconds."""
+    endpoints = [endpoint] if isinstance(endpoint, str) else endpoint
     offsets = arrivals(len(prompts), rate, seed).tolist()
+    path = "HTTP + SSE" if endpoints[0].startswith("http://") else "gateway + worker"
+    if len(endpoints) > 1:
+        path += f", {len(endpoints)} gateway processes"
     if pool is None:
         before = own_cpu_seconds()
-        lines = asyncio.run(_client_share(endpoint, prompts, offsets, output, None))
-        path = "HTTP + SSE" if endpoint.startswith("http://") else "gateway + worker"
+        lines = asyncio.run(_client_share(endpoints[0], prompts, offsets, output, None))
         return _collect(model, path, rate, [t.start for t in lines], lines), own_cpu_seconds() - before
     n = clients
-    path = "HTTP + SSE" if endpoint.startswith("http://") else "gateway + worker"
     start = time.perf_counter() + 3.0  # every client connected by then
-    shares = [pool.submit(client_process, endpoint, prompts[k::n], offsets[k::n], output, start) for k in range(n)]
+    shares = [pool.submit(client_process, endpoints[k % len(endpoints)], prompts[k::n], offsets[k::n], output, start)
+              for k in range(n)]  # fmt: skip
     lines, cpu = [], 0.0
     for share in shares:
         got, seconds = share.result()
@@ -395,20 +399,22 @@ def bench_model(args: argparse.Namespace, name: str, log: Callable[[str], None])
             worker_args += ["--device", args.device] if args.device else []
             worker_args += ["--quantization", args.quantization] if args.quantization else []
             worker_args += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []
-            stack = Stack(path, *worker_args)
+            stack = Stack(path, *worker_args, gateways=args.gateways)
             # Several client processes: one Python client tops out near 20,000 streamed tokens/s
             # (bench/results/serving_cpu_per_process_llama1b_h200_2026-11-29.txt), below what a GPU makes.
             pool = None if args.clients <= 1 else ProcessPoolExecutor(args.clients, mp_context=get_context("spawn"))
             try:
                 log(f"{label}, gateway + worker: the same rates, {max(1, args.clients)} client process(es)")
-                remote, _ = sweep(partial(_service_at, stack, stack.gateway, label, n, p, o, vocab, pool, args.clients),
-                                  rates, log)  # fmt: skip
+                remote, _ = sweep(partial(_service_at, stack, stack.gateways, label, n, p, o, vocab, pool,
+                                          args.clients), rates, log)  # fmt: skip
                 runs += remote
                 if "http" in args.paths:
                     log(f"{label}, HTTP + SSE: the same rates")
+                    # One port, whatever the number of gateway processes: the kernel spreads the connections.
                     url = f"http://127.0.0.1:{stack.http_port}/{path.name}"
-                    over_http, _ = sweep(partial(_service_at, stack, url, label, n, p, o, vocab, pool, args.clients),
-                                         rates, log)  # fmt: skip
+                    urls = [url] * args.gateways
+                    over_http, _ = sweep(partial(_service_at, stack, urls, label, n, p, o, vocab, pool,
+                                                 args.clients), rates, log)  # fmt: skip
                     runs += over_http
             finally:
                 if pool is not None:
@@ -466,6 +472,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=None,
                    help="requests/s, comma-separated (default: 0.25, 0.5, 0.75, 1 x the burst's)")
     p.add_argument("--clients", type=int, default=4, help="client processes the service's requests are spread over")
+    p.add_argument("--gateways", type=int, default=1,
+                   help="gateway processes (one HTTP port between them; ZeroMQ clients spread over their ports)")
     p.add_argument("--max-batch", type=int, default=512)
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--kv-tokens", type=int, default=0, help="KV cache tokens (default: sized from free memory)")

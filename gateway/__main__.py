@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--http-port", type=PORT, default=0, help="serve the OpenAI-compatible HTTP API on this port (0: off)"
     )
     p.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API listens on")
+    p.add_argument("--http-reuse-port", action="store_true",
+                   help="share the HTTP port with the other gateway processes of this host that set it too "
+                        "(SO_REUSEPORT): the kernel spreads new connections over them")  # fmt: skip
     add_api_key_options(p)
     add_insecure_option(p)
     p.add_argument("--tool-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
@@ -122,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
             from gateway.http_front import HttpFront  # Starlette and uvicorn load only for it
 
             open_paths = frozenset(p.strip() for p in args.auth_open_paths.split(",") if p.strip())
-            http = HttpFront(gw, args.http_host, args.http_port, open_paths, reasoning_parser=args.reasoning_parser)
+            http = HttpFront(gw, args.http_host, args.http_port, open_paths, reasoning_parser=args.reasoning_parser,
+                             reuse_port=args.http_reuse_port)  # fmt: skip
         if args.metrics_port:
             gw.metrics.serve(args.metrics_host, args.metrics_port)
     except (zmq.ZMQError, OSError) as e:

@@ -217,12 +217,14 @@ class HttpFront:
     """The HTTP server of one gateway: `start()` serves on a thread, `stop()` ends it."""
 
     def __init__(self, gateway: Gateway, host: str, port: int, open_paths: frozenset[str] = frozenset(),
-                 reasoning_parser: str | None = None) -> None:  # fmt: skip
+                 reasoning_parser: str | None = None, reuse_port: bool = False) -> None:  # fmt: skip
         self.gateway = gateway
         # None: the format each model's chat template teaches (tool calls: the gateway's --tool-parser).
         self.reasoning_parser = reasoning_parser
         # Bound now, so a port in use is an error at start-up rather than on a thread later.
-        self.socket = socket.create_server((host, port), reuse_port=False)
+        # `reuse_port`: gateway processes of one host serve one port, each taking the
+        # connections the kernel hands it (one process's Python stays off the others' path).
+        self.socket = socket.create_server((host, port), reuse_port=reuse_port)
         self.port: int = self.socket.getsockname()[1]
         self.host = host
         self.bridge: Bridge | None = None

@@ -22,6 +22,7 @@ SERVICES = [
     "tokenwire-worker@.service",
     "tokenwire-worker-tp@.service",
     "tokenwire-gateway.service",
+    "tokenwire-gateway@.service",
     "tokenwire-jobs-consumer.service",
 ]
 
@@ -112,13 +113,15 @@ def _run_exec_start(tmp_path: Path, unit: str, instance: str) -> list[str]:
     command = exec_start.replace(INSTALLED, str(stub)).replace("%%", "%").replace("%i", instance)
     command = command.replace("%H", "host").replace("$$", "$")
     argv = ["/bin/sh", "-c", command.split("'", 2)[1]]
-    env = {
-        **os.environ,
-        "TOKENWIRE_BIND_HOST": "0.0.0.0",
-        "TOKENWIRE_PORT_BASE": "5600",
-        "TOKENWIRE_METRICS_PORT_BASE": "9600",
-    }
+    env = {**os.environ, **_unit_environment(unit)}
     return subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout.splitlines()
+
+
+def _unit_environment(unit: str) -> dict[str, str]:
+    """The unit's Environment= settings, as systemd hands them to ExecStart."""
+    lines = (UNITS / unit).read_text().splitlines()
+    pairs = [line.split("=", 1)[1] for line in lines if line.startswith("Environment=")]
+    return dict(pair.split("=", 1) for pair in pairs)
 
 
 def test_tensor_parallel_worker_takes_its_gpus_from_the_instance(tmp_path: Path) -> None:
@@ -131,6 +134,15 @@ def test_tensor_parallel_worker_takes_its_gpus_from_the_instance(tmp_path: Path)
     assert out[out.index("--bind") + 1] == "tcp://0.0.0.0:5602"
     assert out[out.index("--metrics-port") + 1] == "9602"
     assert out[out.index("--worker-id") + 1] == "host-gpus2-3"
+
+
+def test_gateway_instances_share_the_http_port_and_take_ports_of_their_own(tmp_path: Path) -> None:
+    """Instance 3: ZeroMQ port and metrics port 3 past the bases, its own id, the HTTP port shared."""
+    out = _run_exec_start(tmp_path, "tokenwire-gateway@.service", "3")
+    assert out[out.index("--bind") + 1] == "tcp://0.0.0.0:5553"
+    assert out[out.index("--metrics-port") + 1] == "9553"
+    assert out[out.index("--gateway-id") + 1] == "host-gw3"
+    assert "--http-reuse-port" in out
 
 
 def test_worker_instance_sets_its_port_from_the_gpu_index(tmp_path: Path) -> None:
@@ -153,7 +165,8 @@ def test_worker_instance_sets_its_port_from_the_gpu_index(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize(
     ("name", "threshold"),
-    [("tokenwire-worker@.service", 40), ("tokenwire-gateway.service", 20), ("tokenwire-jobs-consumer.service", 20)],
+    [("tokenwire-worker@.service", 40), ("tokenwire-gateway.service", 20), ("tokenwire-gateway@.service", 20),
+     ("tokenwire-jobs-consumer.service", 20)],
 )
 def test_hardening_keeps_the_exposure_score_low(units: Path, name: str, threshold: int) -> None:
     """`systemd-analyze security` scores 0 (locked down) to 10 (exposed); the worker's GPU
