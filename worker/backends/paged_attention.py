@@ -317,9 +317,11 @@ def paged_attention_torch(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference: one dense masked attention per sequence, in float32 (float64 for float64 q).
-    `softcap`: the scores become softcap * tanh(scores / softcap) before the mask."""
+    `softcap`: the scores become softcap * tanh(scores / softcap) before the mask. `sinks`
+    [H]: a logit per head in each softmax's denominator that weights no value."""
     num_heads = q.shape[1]
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -345,6 +347,10 @@ def paged_attention_torch(
         if sliding_window:
             allowed &= k_pos > q_pos - sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # the sink's column joins the softmax, then is dropped
+            sink = sinks.to(acc)[:, None, None].expand(-1, b - a, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[a:b] = torch.matmul(probs, v.to(acc)).transpose(0, 1).to(q.dtype)
     return out

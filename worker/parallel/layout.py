@@ -56,6 +56,9 @@ def validate(parallel: ParallelConfig, config: ModelConfig) -> None:
     kv = config.num_kv_heads
     if kv % tp and tp % kv:
         raise ValueError(f"{kv} KV heads neither split over nor replicate onto {tp} tensor-parallel ranks")
+    if config.is_moe and tp > 1:
+        raise ValueError(f"model_type {config.model_type!r}: mixture-of-experts layers do not run under tensor "
+                         "parallelism")
     if config.intermediate_size % tp:
         raise ValueError(f"intermediate size {config.intermediate_size} does not split over {tp} ranks")
 
