@@ -4,7 +4,7 @@ On CUDA: cuBLAS GEMMs (F.linear) over the fused projections, a Triton GEMV for o
 products (batch-1 decode, gemv.py; gate_up's with SwiGLU in the same launch), and Triton
 kernels for everything else: add + RMSNorm, SiLU * up, rotary embedding fused with the
 KV-cache write (torch_ops.py), and attention over the paged cache (paged_attention.py,
-with the score soft-cap and window of the layer);
+with the score soft-cap, window and sinks of the layer);
 in one-row steps these launch with programmatic dependent launch on Hopper (pdl.py). On
 the CPU, or without Triton: their plain-torch twins. The variants with no kernel of their
 own (q/k head norms, GeGLU, embedding scale, logit soft-cap) run as plain torch ops on
@@ -69,11 +69,6 @@ class TorchDecoderOps:
             for rope in layer_ropes(config)
         ]
         self.use_triton = device.type == "cuda" and paged_attention.triton is not None
-        if config.attention_sinks and self.use_triton:
-            raise CheckpointError(
-                f"model_type {config.model_type!r}: attention sinks are not in the CUDA paged attention kernel; "
-                "this model runs on the CPU backends only"
-            )
         if config.is_moe and quantize is not None:
             raise CheckpointError(f"model_type {config.model_type!r}: quantization {quantize!r} of expert weights "
                                   "is not supported")  # fmt: skip
@@ -274,7 +269,7 @@ class TorchDecoderOps:
             out = paged_attention.paged_attention_triton(
                 q, self.k_cache[layer], self.v_cache[layer], step.block_tables, step.query_start, step.seq_lens,
                 step.tile_seq, step.tile_q0, step.block_q, self.softmax_scale, window, splits=step.splits,
-                softcap=self.softcap,
+                softcap=self.softcap, sinks=sinks,
             )  # fmt: skip
         else:
             block_tables, query_start, seq_lens = step.block_tables.long(), step.query_start_host, step.seq_lens_host
