@@ -520,19 +520,22 @@ def _weights_of(
     quantized = getattr(model, "quantized", None) or {}
     if not refs or (model.weights and device.type != "cuda"):
         return {**model.weights, **quantized}
-    return _DeviceTensors({name: Path(ref.file) for name, ref in refs.items()}, device, dtype, quantized)
+    # Weights with no file of their own: made by the loader (gpt-oss's dequantized MXFP4 experts).
+    made = {name: w for name, w in model.weights.items() if name not in refs}
+    return _DeviceTensors({name: Path(ref.file) for name, ref in refs.items()}, device, dtype, {**quantized, **made})
 
 
-class _DeviceTensors(Mapping[str, torch.Tensor | QuantizedWeight]):
+class _DeviceTensors(Mapping[str, torch.Tensor | QuantizedWeight | np.ndarray]):
     """Safetensors read onto the device one tensor at a time, as the model's weights are
     built: a tensor-parallel rank keeps only its shard of each, so the whole checkpoint
-    is never on its GPU at once. The loader's quantized linear weights come as they are."""
+    is never on its GPU at once. The loader's quantized linear weights (and tensors it made) come
+    as they are."""
 
     def __init__(self, files: dict[str, Path], device: torch.device, dtype: torch.dtype,
-                 quantized: dict[str, QuantizedWeight]) -> None:  # fmt: skip
+                 quantized: dict[str, QuantizedWeight | np.ndarray]) -> None:  # fmt: skip
         self.files, self.device, self.dtype, self.quantized = files, device, dtype, quantized
 
-    def __getitem__(self, name: str) -> torch.Tensor | QuantizedWeight:
+    def __getitem__(self, name: str) -> torch.Tensor | QuantizedWeight | np.ndarray:
         from safetensors import safe_open
 
         if name in self.quantized:
