@@ -17,6 +17,7 @@ import numpy as np
 from worker.backends.numpy_attention import AttentionPlan, paged_attention_numpy
 from worker.backends.row_tiles import matmul_rows_numpy
 from worker.models.config import CheckpointError, ModelConfig
+from worker.models.expert_act import expert_act
 from worker.models.llama import LinearRole
 from worker.models.lora import LoraAdapter
 from worker.models.moe_checkpoint import ExpertTensors
@@ -41,10 +42,6 @@ class NumpyExperts:
     down: np.ndarray  # [experts, intermediate, hidden]
     gate_up_bias: np.ndarray | None  # [experts, 2 * intermediate]
     down_bias: np.ndarray | None  # [experts, hidden]
-
-
-# gpt-oss's clamped SwiGLU.
-SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,20 +240,11 @@ class NumpyDecoderOps:
             gate_up = self.matmul(x[rows], experts.gate_up[e])
             if experts.gate_up_bias is not None:
                 gate_up += experts.gate_up_bias[e]
-            y = self.matmul(self._expert_act(gate_up), experts.down[e])
+            y = self.matmul(expert_act(gate_up, self.config.expert_act), experts.down[e])
             if experts.down_bias is not None:
                 y += experts.down_bias[e]
             out[rows] += y * weights[rows, k, None]
         return out
-
-    def _expert_act(self, gate_up: np.ndarray) -> np.ndarray:
-        n = gate_up.shape[1] // 2
-        gate, up = gate_up[:, :n], gate_up[:, n:]
-        if self.config.expert_act == "swiglu_clamped":
-            gate = np.minimum(gate, np.float32(SWIGLU_LIMIT))
-            up = np.clip(up, np.float32(-SWIGLU_LIMIT), np.float32(SWIGLU_LIMIT))
-            return (up + np.float32(1.0)) * gate / (np.float32(1.0) + np.exp(np.float32(-SWIGLU_ALPHA) * gate))
-        return gate / (np.float32(1.0) + np.exp(-gate)) * up
 
     def scale(self, x: np.ndarray, factor: float) -> np.ndarray:
         x *= np.float32(factor)

@@ -17,9 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.models.config import ModelConfig
-
-# gpt-oss's clamped SwiGLU.
-SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
+from worker.models.expert_act import SWIGLU_ALPHA, SWIGLU_LIMIT
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +44,7 @@ def route(logits: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torc
 
 
 def expert_act(gate_up: torch.Tensor, kind: str) -> torch.Tensor:
-    """[N, 2I] (gate, then up) -> [N, I]: "silu" act(gate) * up, or gpt-oss's "swiglu_clamped"."""
+    """[N, 2I] (gate, then up) -> [N, I], as worker/models/expert_act.py defines it."""
     gate, up = gate_up.chunk(2, dim=-1)
     if kind == "swiglu_clamped":
         gate = gate.clamp(max=SWIGLU_LIMIT)
