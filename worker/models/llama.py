@@ -138,7 +138,7 @@ class DecoderOps(Protocol[T, L, S_contra]):
         """x [N, hidden] -> [N, hidden]: each row's top experts (moe_routing.route over its
         router logits, in float32), their activation (config.expert_act) of gate and up,
         down-projected and summed by the routing weights. Counts the rows each expert
-        took (the backend's router statistics)."""
+        took (the backend's router statistics). `logits_rows` as for `lora`."""
 
     def scale(self, x: T, factor: float) -> T:
         """x * factor, with factor rounded to x's dtype first (as transformers does)."""
