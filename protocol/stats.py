@@ -37,6 +37,11 @@ class IterationStats:
     # MAX_UTILIZATION: their KV was dropped to make room, and they recompute their tokens
     # when admitted again.
     num_preempted: int = option(0, "sequences this iteration's schedule preempted", ge=0)
+    # Router statistics, for placing experts: the load of each expert of each layer.
+    expert_tokens: list[list[int]] | None = option(  # noqa: RUF009 (a field())
+        None, "mixture-of-experts models: the tokens routed to each expert, [layer][expert] (zeros for dense "
+        "layers), since the previous record that has them (steps that sample nothing carry theirs over); "
+        "None for dense models")
 
 
 @dataclass(slots=True)

@@ -127,6 +127,33 @@ FAMILY_CHECKPOINTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         {"rope_parameters": _LONGROPE, "original_max_position_embeddings": 64, "tie_word_embeddings": True},
         {},
     ),
+    # Mixtures of experts: top-1, 2 and 4 of 4 to 8 experts, renormalised or not, a window,
+    # and dense MLP layers among the MoE ones.
+    "mixtral_top2_window": (
+        "MixtralConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6, "tie_word_embeddings": False},
+        {},
+    ),
+    "qwen3_moe_top4_dense_layer": (
+        "Qwen3MoeConfig",
+        {"num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 32, "norm_topk_prob": True,
+         "num_hidden_layers": 3, "mlp_only_layers": [1], "head_dim": 24, "tie_word_embeddings": False},
+        {},
+    ),
+    # Attention sinks, q/k/v/o biases, local and global layers in turn, YaRN, a biased
+    # router picking 2 of 4 experts, clamped SwiGLU experts with biases.
+    "gpt_oss_sinks": (
+        "GptOssConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 6,
+         "intermediate_size": 64, "tie_word_embeddings": False},
+        {},
+    ),
+    "qwen3_moe_top1_sparse_step": (
+        "Qwen3MoeConfig",
+        {"num_experts": 6, "num_experts_per_tok": 1, "moe_intermediate_size": 48, "norm_topk_prob": False,
+         "decoder_sparse_step": 2, "tie_word_embeddings": True},
+        {},
+    ),
 }
 
 

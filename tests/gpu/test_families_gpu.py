@@ -1,5 +1,6 @@
-"""The families beyond Llama on the CUDA path (Triton attention with soft-capping and
-per-layer windows, per-layer rotary tables, q/k norms, GeGLU) token-identical to
+"""The families beyond Llama on the CUDA path (Triton attention with soft-capping,
+per-layer windows and sinks, per-layer rotary tables, q/k norms, GeGLU, the MoE expert
+loop) token-identical to
 transformers, in float32 so that argmax ties cannot part them; and the soft-capped
 kernel against the torch reference in bf16."""
 
@@ -24,7 +25,8 @@ pytestmark = [
 PROMPTS = {"p": [5, 17, 42, 99, 3, 250, 7, 8, 11], "q": [9, 8, 7], "r": list(range(30, 52))}
 
 
-@pytest.mark.parametrize("name", ["qwen3_head_dim", "gemma2_capped", "gemma3_local_global", "phi3_window"])
+@pytest.mark.parametrize("name", ["qwen3_head_dim", "gemma2_capped", "gemma3_local_global", "phi3_window",
+                                  "mixtral_top2_window", "qwen3_moe_top4_dense_layer", "gpt_oss_sinks"])
 def test_greedy_tokens_equal_transformers_on_cuda(name: str, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -41,8 +43,9 @@ def test_greedy_tokens_equal_transformers_on_cuda(name: str, tmp_path: Path) -> 
     assert greedy_run(backend, PROMPTS, 10, seed=5) == want
 
 
+@pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("decode", [True, False])
-def test_soft_capped_windowed_kernel_matches_reference_in_bf16(decode: bool) -> None:
+def test_soft_capped_windowed_kernel_matches_reference_in_bf16(decode: bool, sinks: bool) -> None:
     rng = np.random.default_rng(2)
     heads, kv_heads, dim, block, window, cap = 8, 4, 256, 16, 40, 50.0
     ctx = rng.integers(1, 300, 6)
@@ -66,9 +69,11 @@ def test_soft_capped_windowed_kernel_matches_reference_in_bf16(decode: bool) -> 
     def i32(a: np.ndarray) -> torch.Tensor:
         return torch.tensor(a, dtype=torch.int32, device=dev)
 
+    sink = torch.linspace(-2.0, 6.0, heads, device=dev, dtype=bf16) if sinks else None
     out = paged_attention_triton(q, k, v, i32(tables), i32(query_start), i32(ctx), i32(tile_seq), i32(tile_q0),
-                                 block_q, 256**-0.5, window, softcap=cap)  # fmt: skip
+                                 block_q, 256**-0.5, window, softcap=cap, sinks=sink,
+                                 splits=4 if decode else 1)  # fmt: skip
     tables64 = torch.tensor(tables, dtype=torch.int64, device=dev)
-    ref = paged_attention_torch(q, k, v, tables64, query_start, ctx, 256**-0.5, window, cap)
+    ref = paged_attention_torch(q, k, v, tables64, query_start, ctx, 256**-0.5, window, cap, sink)
     # bf16 operands of P·V, as test_paged_attention_gpu.py holds the uncapped kernel to.
     assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-2

@@ -243,6 +243,7 @@ MESSAGES: dict[str, st.SearchStrategy[p.Message]] = {
         free_num_blocks=counts,
         used_num_blocks=counts,
         reused_blocks=counts,
+        expert_tokens=_maybe(st.lists(st.lists(counts, max_size=8), max_size=4)),
     ),
     "request_stats": st.builds(
         p.RequestStats,

@@ -103,6 +103,9 @@ class SampleOutput:
     # likely first, and their log probs (log-softmax of the processed logits).
     top_tokens: np.ndarray | None = None  # int64 [S, N]
     top_log_probs: np.ndarray | None = None  # float32 [S, N]
+    # Mixture-of-experts models: the rows each layer's experts took (its router's choices)
+    # since the previous sampled step; None for dense models.
+    expert_tokens: np.ndarray | None = None  # int64 [layers, experts]
 
 
 class StepHandle(Protocol):

@@ -128,26 +128,35 @@ def _per_token_plan(batch: ForwardBatch, block_size: int) -> AttentionPlan:
     return AttentionPlan(groups, [], block_size)
 
 
-def _softmax_inplace(scores: np.ndarray) -> np.ndarray:
-    scores -= scores.max(axis=-1, keepdims=True)
+def _softmax_inplace(scores: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
+    """`sinks` (broadcasting to scores[..., :1]): a logit more in each denominator."""
+    top = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        top = np.maximum(top, sinks)
+    scores -= top
     np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    denominator = scores.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        denominator += np.exp(sinks - top)
+    scores /= denominator
     return scores
 
 
 def paged_attention_numpy(
     q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, plan: AttentionPlan, window: int | None, scale: float,
-    softcap: float | None = None,
+    softcap: float | None = None, sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """q [T, H, D]; caches [num_blocks, block_size, KVH, D] -> [T, H, D]. `softcap`: the
-    scores become softcap * tanh(scores / softcap) before the mask."""
+    scores become softcap * tanh(scores / softcap) before the mask. `sinks` [H]: a logit
+    per head in each softmax's denominator that weights no value."""
     group_masks, chunk_masks = plan.masks_for(window)
     out = np.empty(q.shape, dtype=np.float32)
     for group, mask in zip(plan.groups, group_masks, strict=True):
-        out[group.rows] = _attend_decode(q[group.rows], k_cache, v_cache, group.block_tables, mask, scale, softcap)
+        out[group.rows] = _attend_decode(q[group.rows], k_cache, v_cache, group.block_tables, mask, scale, softcap,
+                                        sinks)
     for chunk, mask in zip(plan.chunks, chunk_masks, strict=True):
         out[chunk.start : chunk.end] = _attend_chunk(
-            q[chunk.start : chunk.end], k_cache, v_cache, chunk.block_table, mask, scale, softcap
+            q[chunk.start : chunk.end], k_cache, v_cache, chunk.block_table, mask, scale, softcap, sinks
         )
     return out
 
@@ -161,7 +170,7 @@ def _cap(scores: np.ndarray, softcap: float | None) -> None:
 
 def _attend_decode(
     q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray, mask: np.ndarray, scale: float,
-    softcap: float | None,
+    softcap: float | None, sinks: np.ndarray | None,
 ) -> np.ndarray:
     b, num_heads, d = q.shape
     n_kv = k_cache.shape[2]
@@ -173,13 +182,13 @@ def _attend_decode(
     scores = np.matmul(qg, keys.transpose(0, 1, 3, 2))  # [B, kv, g, L]
     _cap(scores, softcap)
     scores += mask
-    probs = _softmax_inplace(scores)
+    probs = _softmax_inplace(scores, None if sinks is None else sinks.reshape(1, n_kv, -1, 1))
     return np.matmul(probs, values).reshape(b, num_heads, d)
 
 
 def _attend_chunk(
     q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray, mask: np.ndarray, scale: float,
-    softcap: float | None,
+    softcap: float | None, sinks: np.ndarray | None,
 ) -> np.ndarray:
     n, num_heads, d = q.shape
     n_kv = k_cache.shape[2]
@@ -190,6 +199,6 @@ def _attend_chunk(
     scores = np.matmul(qg, keys[:, None].transpose(0, 1, 3, 2))  # [kv, g, n, L]
     _cap(scores, softcap)
     scores += mask
-    probs = _softmax_inplace(scores)
+    probs = _softmax_inplace(scores, None if sinks is None else sinks.reshape(n_kv, -1, 1, 1))
     out = np.matmul(probs, values[:, None])  # [kv, g, n, d]
     return out.transpose(2, 0, 1, 3).reshape(n, num_heads, d)

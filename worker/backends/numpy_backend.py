@@ -8,6 +8,8 @@ to its own sequence's cached keys at positions <= its own (numpy_attention.py).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from worker.backends.base import ForwardBatch, SampleOutput, SamplingBatch
@@ -95,7 +97,12 @@ class NumpyBackend:
     # --- sampling ---------------------------------------------------------------------
 
     def sample(self, logits: np.ndarray, sampling: SamplingBatch) -> SampleOutput:
-        return sample(logits, sampling)
+        out = sample(logits, sampling)
+        if not self.config.is_moe:
+            return out
+        counts = self.ops.expert_tokens.copy()
+        self.ops.expert_tokens[:] = 0
+        return replace(out, expert_tokens=counts)
 
     def logits_to_host(self, logits: np.ndarray) -> np.ndarray:
         return np.asarray(logits, dtype=np.float32)

@@ -10,14 +10,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from worker.backends.numpy_attention import AttentionPlan, paged_attention_numpy
 from worker.backends.row_tiles import matmul_rows_numpy
-from worker.models.config import ModelConfig
+from worker.models.config import CheckpointError, ModelConfig
+from worker.models.expert_act import expert_act
 from worker.models.llama import LinearRole
 from worker.models.lora import LoraAdapter
+from worker.models.moe_checkpoint import ExpertTensors
+from worker.models.moe_routing import route
 from worker.models.quantization import Fp8Inputs, QuantizedWeight, fake_quantize_inputs, fp8_inputs, reference_parts
 
 
@@ -26,6 +30,18 @@ class NumpyLinear:
     weight: np.ndarray  # [in, out]
     bias: np.ndarray | None  # [out]
     fp8_inputs: Fp8Inputs | None = None  # FP8 layers: inputs rounded to e4m3 as on the GPU
+
+
+@dataclass(frozen=True, slots=True)
+class NumpyExperts:
+    """One MoE layer: the router and every expert's projections, stacked, [in, out] each."""
+
+    router: np.ndarray  # [hidden, experts]
+    router_bias: np.ndarray | None  # [experts]
+    gate_up: np.ndarray  # [experts, hidden, 2 * intermediate]: gate, then up
+    down: np.ndarray  # [experts, intermediate, hidden]
+    gate_up_bias: np.ndarray | None  # [experts, 2 * intermediate]
+    down_bias: np.ndarray | None  # [experts, hidden]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +79,9 @@ class NumpyDecoderOps:
         """`quantize` ("fp8" | "int4"): float linear weights carry that quantization's error.
         `deterministic`: every product in fixed row tiles, so a row's logits do not depend
         on the rest of the batch (row_tiles.py)."""
+        if config.is_moe and quantize is not None:
+            raise CheckpointError(f"model_type {config.model_type!r}: quantization {quantize!r} of expert weights "
+                                  "is not supported")  # fmt: skip
         self.config = config
         self.matmul = matmul_rows_numpy if deterministic else np.matmul
         self.quantize = quantize
@@ -71,6 +90,8 @@ class NumpyDecoderOps:
         self.v_cache: list[np.ndarray] = []
         self.block_size = 0
         self.lora_slots: list[LoraAdapter | None] = []  # the adapter in each slot
+        # Router statistics: the rows each layer's experts took since the last read.
+        self.expert_tokens = np.zeros((config.num_layers, config.num_experts), np.int64)
 
     # -- the KV pool ------------------------------------------------------------------------
 
@@ -104,6 +125,23 @@ class NumpyDecoderOps:
         fused = floats[0] if len(floats) == 1 else np.concatenate(floats)
         fused_bias = None if bias is None else np.concatenate(bias)
         return NumpyLinear(np.ascontiguousarray(fused.T), fused_bias, fp8_inputs(parts, self.quantize))
+
+    def expert_weights(self, tensors: ExpertTensors) -> NumpyExperts:
+        def stacked(parts: Sequence[Any]) -> np.ndarray:
+            return np.stack([np.asarray(p, dtype=np.float32) for p in parts])
+
+        gate_up = np.concatenate([stacked(tensors.gate), stacked(tensors.up)], axis=1)  # [E, 2I, hidden]
+        bias = None
+        if tensors.gate_bias is not None and tensors.up_bias is not None:
+            bias = np.concatenate([np.asarray(tensors.gate_bias), np.asarray(tensors.up_bias)], axis=1)
+        return NumpyExperts(
+            router=np.ascontiguousarray(np.asarray(tensors.router, np.float32).T),
+            router_bias=None if tensors.router_bias is None else np.asarray(tensors.router_bias, np.float32),
+            gate_up=np.ascontiguousarray(gate_up.transpose(0, 2, 1)),
+            down=np.ascontiguousarray(stacked(tensors.down).transpose(0, 2, 1)),
+            gate_up_bias=bias,
+            down_bias=None if tensors.down_bias is None else np.asarray(tensors.down_bias, np.float32),
+        )
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -169,9 +207,10 @@ class NumpyDecoderOps:
         self.v_cache[layer].reshape(-1, n_kv, d)[step.slot_mapping] = v
         return q
 
-    def attention(self, q: np.ndarray, layer: int, window: int | None, step: NumpyStep) -> np.ndarray:
+    def attention(self, q: np.ndarray, layer: int, window: int | None, step: NumpyStep,
+                  sinks: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
         out = paged_attention_numpy(q, self.k_cache[layer], self.v_cache[layer], step.attention, window,
-                                    self.softmax_scale, self.config.attn_logit_softcap)  # fmt: skip
+                                    self.softmax_scale, self.config.attn_logit_softcap, sinks)  # fmt: skip
         return out.reshape(q.shape[0], -1)
 
     def glu(self, x: np.ndarray, weight: NumpyLinear, layer: int, step: NumpyStep,
@@ -187,6 +226,25 @@ class NumpyDecoderOps:
         np.divide(gate, act, out=act)
         act *= up
         return act
+
+    def moe(self, x: np.ndarray, experts: NumpyExperts, layer: int, step: NumpyStep,
+            logits_rows: bool) -> np.ndarray:  # fmt: skip
+        logits = self.matmul(x, experts.router)
+        if experts.router_bias is not None:
+            logits += experts.router_bias
+        chosen, weights = route(logits, self.config)  # [N, k] each
+        self.expert_tokens[layer] += np.bincount(chosen.ravel(), minlength=self.config.num_experts)
+        out = np.zeros_like(x)
+        for e in np.unique(chosen).tolist():
+            rows, k = np.nonzero(chosen == e)  # a row takes an expert at most once
+            gate_up = self.matmul(x[rows], experts.gate_up[e])
+            if experts.gate_up_bias is not None:
+                gate_up += experts.gate_up_bias[e]
+            y = self.matmul(expert_act(gate_up, self.config.expert_act), experts.down[e])
+            if experts.down_bias is not None:
+                y += experts.down_bias[e]
+            out[rows] += y * weights[rows, k, None]
+        return out
 
     def scale(self, x: np.ndarray, factor: float) -> np.ndarray:
         x *= np.float32(factor)

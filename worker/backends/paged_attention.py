@@ -104,12 +104,12 @@ if triton is not None:
     @triton.jit
     def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, block_tables_ptr, query_start_ptr,
-        seq_lens_ptr, tile_seq_ptr, tile_q0_ptr, scale, window, softcap, stride_qt, stride_qh, stride_kb, stride_ks,
-        stride_kh, stride_ot, stride_oh, stride_bt,
+        seq_lens_ptr, tile_seq_ptr, tile_q0_ptr, sinks_ptr, scale, window, softcap, stride_qt, stride_qh,
+        stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
         NUM_HEADS: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, COMPUTE: tl.constexpr,
-        FP8_DECODE: tl.constexpr, PDL: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+        FP8_DECODE: tl.constexpr, PDL: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     ):  # fmt: skip
         pdl_wait(PDL)
         tile = tl.program_id(0)
@@ -195,6 +195,12 @@ if triton is not None:
 
         row_d_ok = row_ok[:, None] & d_ok[None, :]
         if SPLITS == 1:
+            if USE_SINKS:  # the head's sink logit joins the denominator (with several splits: in the merge)
+                sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+                m_fin = tl.maximum(m_i, sink)
+                rescale = tl.exp(m_i - m_fin)
+                l_i = l_i * rescale + tl.exp(sink - m_fin)
+                acc = acc * rescale[:, None]
             l_i = tl.where(l_i == 0.0, 1.0, l_i)
             out = acc / l_i[:, None]
             o_rows = (q_begin + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh
@@ -208,9 +214,9 @@ if triton is not None:
 
     @triton.jit
     def _merge_splits_kernel(  # type: ignore[no-untyped-def]
-        part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
+        part_acc_ptr, part_ml_ptr, sinks_ptr, out_ptr, stride_ot, stride_oh,
         NUM_HEADS: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        PDL: tl.constexpr,
+        PDL: tl.constexpr, USE_SINKS: tl.constexpr,
     ):  # fmt: skip
         pdl_wait(PDL)
         tok = tl.program_id(0).to(tl.int64)
@@ -222,10 +228,15 @@ if triton is not None:
         m = tl.load(part_ml_ptr + base * 2)
         l = tl.load(part_ml_ptr + base * 2 + 1)  # noqa: E741
         m_max = tl.max(m, 0)
+        if USE_SINKS:
+            sink = tl.load(sinks_ptr + head).to(tl.float32)
+            m_max = tl.maximum(m_max, sink)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
         w = tl.exp(m - m_max)  # splits that saw no key: exp(-inf) = 0
         acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=d_ok[None, :], other=0.0)
         total = tl.sum(l * w, 0)
+        if USE_SINKS:
+            total += tl.exp(sink - m_max)
         total = tl.where(total == 0.0, 1.0, total)
         out = tl.sum(acc * w[:, None], 0) / total
         tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
@@ -246,9 +257,11 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,
     splits: int = 1,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D]; caches [num_blocks, block_size, KVH, D]; int32 metadata on q's device.
-    `softcap`: the scores become softcap * tanh(scores / softcap) before the mask.
+    `softcap`: the scores become softcap * tanh(scores / softcap) before the mask. `sinks`
+    [H]: a logit per head in each softmax's denominator that weights no value.
 
     tile_seq / tile_q0 come from `tile_map(query_start, block_q)`. A generation batch
     whose every sequence has the same q <= block_q query tokens (q = 1: decode; q > 1:
@@ -282,12 +295,12 @@ def paged_attention_triton(
         stages, launch["maxnreg"] = FP8_DECODE_STAGES, FP8_DECODE_MAX_REGISTERS
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_ml, block_tables, query_start, seq_lens, tile_seq, tile_q0,
-        scale, sliding_window or 0, softcap or 1.0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
+        q if sinks is None else sinks, scale, sliding_window or 0, softcap or 1.0, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=keys_per_iter(block_d, block_size, fp8_decode), SPLITS=splits,
         NUM_HEADS=num_heads,
-        USE_WINDOW=bool(sliding_window), USE_SOFTCAP=softcap is not None,
+        USE_WINDOW=bool(sliding_window), USE_SOFTCAP=softcap is not None, USE_SINKS=sinks is not None,
         # An e4m3 cache is read as fp16: e4m3 widens to fp16 in one packed instruction a pair (to
         # bf16 through float32, an instruction an element), and fp16 holds the queries and
         # probabilities at least as well as bf16. It is what lets the capped registers pay (above),
@@ -300,8 +313,9 @@ def paged_attention_triton(
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
+            part_acc, part_ml, q if sinks is None else sinks, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=block_d, USE_SINKS=sinks is not None,
+            num_warps=4,
             **pdl.options(q.device, num_tokens),
         )  # fmt: skip
     return out
@@ -317,9 +331,11 @@ def paged_attention_torch(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference: one dense masked attention per sequence, in float32 (float64 for float64 q).
-    `softcap`: the scores become softcap * tanh(scores / softcap) before the mask."""
+    `softcap`: the scores become softcap * tanh(scores / softcap) before the mask. `sinks`
+    [H]: a logit per head in each softmax's denominator that weights no value."""
     num_heads = q.shape[1]
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -345,6 +361,10 @@ def paged_attention_torch(
         if sliding_window:
             allowed &= k_pos > q_pos - sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # the sink's column joins the softmax, then is dropped
+            sink = sinks.to(acc)[:, None, None].expand(-1, b - a, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[a:b] = torch.matmul(probs, v.to(acc)).transpose(0, 1).to(q.dtype)
     return out

@@ -59,16 +59,22 @@ def _dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
 
 
 class _Launched:
-    """A step queued on the device; `result` waits for its token ids and log probs."""
+    """A step queued on the device; `result` waits for its token ids and log probs (and an
+    MoE model's router statistics, read in the same wait)."""
 
-    def __init__(self, tensors: list[torch.Tensor], event: torch.cuda.Event | None) -> None:
-        self.tensors, self.event = tensors, event  # ids, log probs[, top tokens, top log probs]
+    def __init__(self, tensors: list[torch.Tensor], event: torch.cuda.Event | None,
+                 expert_tokens: bool = False) -> None:  # fmt: skip
+        self.tensors, self.event = tensors, event  # ids, log probs[, top tokens, top log probs][, expert tokens]
+        self.expert_tokens = expert_tokens
 
     def result(self) -> SampleOutput:
         if self.event is not None:
             self.event.synchronize()
-        ids, lps, *top = (t.numpy().copy() for t in self.tensors)
-        return SampleOutput(ids.astype(np.int64), lps, *top)
+        arrays = [t.numpy().copy() for t in self.tensors]
+        experts = arrays.pop() if self.expert_tokens else None
+        ids, lps, *top = arrays
+        top_tokens, top_log_probs = top if top else (None, None)
+        return SampleOutput(ids.astype(np.int64), lps, top_tokens, top_log_probs, experts)
 
 
 class _NothingSampled:
@@ -164,7 +170,9 @@ class TorchBackend:
         self.scratch_slot = 0
         self.staging = PinnedStaging(self.device)
         self._graphs: DecodeGraphs | None = None
-        self._use_cuda_graphs = use_cuda_graphs and self.on_cuda and self.stage is None and not deterministic
+        # The MoE layers' expert loop reads its per-expert row counts on the host: no graph captures it.
+        self._use_cuda_graphs = (use_cuda_graphs and self.on_cuda and self.stage is None and not deterministic
+                                 and not self.config.is_moe)  # fmt: skip
         self._world = world  # tensor-parallel ranks agree on the decode graphs' timings
         self.lora_enabled = False  # LoRA slots allocated: decode graphs take each row's slot
         self._max_graph_batch = max_graph_batch
@@ -376,15 +384,20 @@ class TorchBackend:
             ids, log_probs, top = sample_all(logits, sampling)
             self.last_ids = ids
             tensors = [ids, log_probs, *(top or ())]
+            # Router statistics: a snapshot of the layers' counters, copied back with the tokens.
+            experts = self.config.is_moe and self.stage is None
+            if experts:
+                tensors.append(self.ops.expert_tokens.clone())
+                self.ops.expert_tokens.zero_()
             if not self.on_cuda:
-                return _Launched(tensors, None)
+                return _Launched(tensors, None, experts)
             # Fresh pinned buffers per step: a step's results may be read after the next launch.
             host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
             for h, t in zip(host, tensors, strict=True):
                 h.copy_(t, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            return _Launched(host, event)
+            return _Launched(host, event, experts)
 
     def resolve_pending(self, tokens: torch.Tensor, host_tokens: np.ndarray) -> None:
         """Replace placeholder ids -(k + 1) in `tokens` (on the device) by the previous
@@ -507,19 +520,22 @@ def _weights_of(
     quantized = getattr(model, "quantized", None) or {}
     if not refs or (model.weights and device.type != "cuda"):
         return {**model.weights, **quantized}
-    return _DeviceTensors({name: Path(ref.file) for name, ref in refs.items()}, device, dtype, quantized)
+    # Weights with no file of their own: made by the loader (gpt-oss's dequantized MXFP4 experts).
+    made = {name: w for name, w in model.weights.items() if name not in refs}
+    return _DeviceTensors({name: Path(ref.file) for name, ref in refs.items()}, device, dtype, {**quantized, **made})
 
 
-class _DeviceTensors(Mapping[str, torch.Tensor | QuantizedWeight]):
+class _DeviceTensors(Mapping[str, torch.Tensor | QuantizedWeight | np.ndarray]):
     """Safetensors read onto the device one tensor at a time, as the model's weights are
     built: a tensor-parallel rank keeps only its shard of each, so the whole checkpoint
-    is never on its GPU at once. The loader's quantized linear weights come as they are."""
+    is never on its GPU at once. The loader's quantized linear weights (and tensors it made) come
+    as they are."""
 
     def __init__(self, files: dict[str, Path], device: torch.device, dtype: torch.dtype,
-                 quantized: dict[str, QuantizedWeight]) -> None:  # fmt: skip
+                 quantized: dict[str, QuantizedWeight | np.ndarray]) -> None:  # fmt: skip
         self.files, self.device, self.dtype, self.quantized = files, device, dtype, quantized
 
-    def __getitem__(self, name: str) -> torch.Tensor | QuantizedWeight:
+    def __getitem__(self, name: str) -> torch.Tensor | QuantizedWeight | np.ndarray:
         from safetensors import safe_open
 
         if name in self.quantized:

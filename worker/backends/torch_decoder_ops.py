@@ -4,7 +4,7 @@ On CUDA: cuBLAS GEMMs (F.linear) over the fused projections, a Triton GEMV for o
 products (batch-1 decode, gemv.py; gate_up's with SwiGLU in the same launch), and Triton
 kernels for everything else: add + RMSNorm, SiLU * up, rotary embedding fused with the
 KV-cache write (torch_ops.py), and attention over the paged cache (paged_attention.py,
-with the score soft-cap and window of the layer);
+with the score soft-cap, window and sinks of the layer);
 in one-row steps these launch with programmatic dependent launch on Hopper (pdl.py). On
 the CPU, or without Triton: their plain-torch twins. The variants with no kernel of their
 own (q/k head norms, GeGLU, embedding scale, logit soft-cap) run as plain torch ops on
@@ -25,10 +25,12 @@ from worker.backends import gemv, invariant_matmul, paged_attention, quant_linea
 from worker.backends.gelu_mul import gelu_tanh_mul_torch, gelu_tanh_mul_triton
 from worker.backends.head_norm import head_norm_torch, head_norm_triton
 from worker.backends.lora_kernel import add_lora
+from worker.backends.torch_moe import TorchExperts, route, run_experts
 from worker.backends.torch_step import StepInputs
-from worker.models.config import ModelConfig
+from worker.models.config import CheckpointError, ModelConfig
 from worker.models.llama import LinearRole
 from worker.models.lora import ROLES, LoraAdapter, role_shape
+from worker.models.moe_checkpoint import ExpertTensors
 from worker.models.quantization import Fp8Weight, Int4Weight, QuantizedWeight, fp8_inputs, reference_parts
 from worker.models.rope import layer_ropes
 
@@ -67,6 +69,11 @@ class TorchDecoderOps:
             for rope in layer_ropes(config)
         ]
         self.use_triton = device.type == "cuda" and paged_attention.triton is not None
+        if config.is_moe and quantize is not None:
+            raise CheckpointError(f"model_type {config.model_type!r}: quantization {quantize!r} of expert weights "
+                                  "is not supported")  # fmt: skip
+        # Router statistics: the rows each layer's experts took since the last read, on the device.
+        self.expert_tokens = torch.zeros((config.num_layers, config.num_experts), dtype=torch.int64, device=device)
 
         if self.use_triton:
             self._add_rmsnorm, self._silu_mul, self._rope_cache = (
@@ -182,6 +189,22 @@ class TorchDecoderOps:
             return TorchLinear(fused, bias)
         return quant_linear.Fp8Reference(fused, bias, inputs.static_scale)
 
+    def expert_weights(self, tensors: ExpertTensors) -> TorchExperts:
+        def stacked(parts: Sequence[torch.Tensor | np.ndarray]) -> torch.Tensor:
+            return torch.stack([self._tensor(p) for p in parts])
+
+        bias = None
+        if tensors.gate_bias is not None and tensors.up_bias is not None:
+            bias = torch.cat([self._tensor(tensors.gate_bias), self._tensor(tensors.up_bias)], dim=1)
+        return TorchExperts(
+            router=self._tensor(tensors.router),
+            router_bias=None if tensors.router_bias is None else self._tensor(tensors.router_bias),
+            gate_up=torch.cat([stacked(tensors.gate), stacked(tensors.up)], dim=1).contiguous(),
+            down=stacked(tensors.down).contiguous(),
+            gate_up_bias=bias,
+            down_bias=None if tensors.down_bias is None else self._tensor(tensors.down_bias),
+        )
+
     # -- one step ---------------------------------------------------------------------------
 
     def embedding(self, table: torch.Tensor, step: StepInputs) -> torch.Tensor:
@@ -240,12 +263,13 @@ class TorchDecoderOps:
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
         )  # fmt: skip
 
-    def attention(self, q: torch.Tensor, layer: int, window: int | None, step: StepInputs) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, layer: int, window: int | None, step: StepInputs,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         if self.use_triton:
             out = paged_attention.paged_attention_triton(
                 q, self.k_cache[layer], self.v_cache[layer], step.block_tables, step.query_start, step.seq_lens,
                 step.tile_seq, step.tile_q0, step.block_q, self.softmax_scale, window, splits=step.splits,
-                softcap=self.softcap,
+                softcap=self.softcap, sinks=sinks,
             )  # fmt: skip
         else:
             block_tables, query_start, seq_lens = step.block_tables.long(), step.query_start_host, step.seq_lens_host
@@ -253,7 +277,7 @@ class TorchDecoderOps:
                 block_tables, query_start, seq_lens = _per_token(block_tables, query_start, seq_lens)
             out = paged_attention.paged_attention_torch(
                 q, self.k_cache[layer], self.v_cache[layer], block_tables, query_start, seq_lens,
-                self.softmax_scale, window, self.softcap,
+                self.softmax_scale, window, self.softcap, sinks,
             )  # fmt: skip
         return out.view(q.shape[0], -1)
 
@@ -271,6 +295,13 @@ class TorchDecoderOps:
             self._fp8_rows = (out, codes, scales)
             return out
         return self._silu_mul(gate_up)
+
+    def moe(self, x: torch.Tensor, experts: TorchExperts, layer: int, step: StepInputs,
+            logits_rows: bool) -> torch.Tensor:  # fmt: skip
+        chosen, weights = route(F.linear(x, experts.router, experts.router_bias), self.config)
+        ones = torch.ones(chosen.numel(), dtype=torch.int64, device=chosen.device)
+        self.expert_tokens[layer].index_add_(0, chosen.flatten(), ones)
+        return run_experts(x, experts, chosen, weights, self.config.expert_act)
 
     def scale(self, x: torch.Tensor, factor: float) -> torch.Tensor:
         return x.mul_(float(torch.tensor(factor, dtype=x.dtype)))

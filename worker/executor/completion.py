@@ -95,7 +95,7 @@ class Completion:
         for seq in step.batch.seqs:
             if not seq.is_finished:
                 self._register_blocks(seq)
-        self._record_iteration(step)
+        self._record_iteration(step, None if out is None else out.expert_tokens)
 
     def respond(self, seq: Sequence) -> None:
         """The response this sequence owes now, if any; frees it when finished."""
@@ -198,7 +198,7 @@ class Completion:
         known = len(seq.token_ids) - seq.num_pending
         self.blocks.register_full_blocks(seq.blocks, seq.token_ids, min(seq.num_computed, known), seq.cache_salt)
 
-    def _record_iteration(self, step: InFlight) -> None:
+    def _record_iteration(self, step: InFlight, expert_tokens: np.ndarray | None) -> None:
         self.iter += 1
         batch = step.batch
         drafted, accepted = self.speculation.take_counts()
@@ -218,6 +218,7 @@ class Completion:
             num_draft_tokens=drafted,
             num_accepted_draft_tokens=accepted,
             num_preempted=len(batch.preempted),
+            expert_tokens=None if expert_tokens is None else expert_tokens.tolist(),
         ))
         if self.stats_every_request:
             for entry in self.table:

@@ -52,6 +52,29 @@ class ModelConfig:
     # The rotary base of the sliding layers, which then use plain RoPE while the others
     # keep rope_theta and rope_scaling (Gemma 3); None: one rotary embedding for all.
     local_rope_theta: float | None = None
+    # The attention output projection carries a bias too (gpt-oss).
+    o_bias: bool = False
+    # A learned logit per head that joins each query's softmax denominator and weights no
+    # value (gpt-oss's attention sinks).
+    attention_sinks: bool = False
+    # -- mixture of experts: the layers in moe_layers replace the MLP with experts --------
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0  # each expert's
+    moe_layers: tuple[int, ...] = ()  # the rest keep the dense MLP (Qwen3-MoE's mlp_only_layers)
+    # How a token's router logits choose and weigh its experts (worker/models/moe_routing.py):
+    # "softmax_topk" (softmax over all experts, the top k, renormalised when norm_topk_prob)
+    # or "topk_softmax" (the top k logits, then a softmax over them: gpt-oss).
+    router: str = "softmax_topk"
+    norm_topk_prob: bool = False
+    # The router and the experts' gate_up and down projections carry biases (gpt-oss).
+    expert_bias: bool = False
+    # The experts' activation: "silu" (act(gate) * up) or "swiglu_clamped" (gpt-oss's:
+    # gate clamped above and up both sides at 7, (up + 1) * gate * sigmoid(1.702 * gate)).
+    expert_act: str = "silu"
+    # How the checkpoint names and lays out an MoE layer's tensors
+    # (worker/models/moe_checkpoint.py): "mixtral" | "qwen" | "gpt_oss".
+    moe_checkpoint: str = ""
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -63,6 +86,10 @@ class ModelConfig:
     @property
     def softmax_scale(self) -> float:
         return self.head_dim**-0.5 if self.attention_scale is None else self.attention_scale
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
 
     def layer_rope(self, layer: int) -> int:
         """Which rotary table a layer uses: 0 the model's, 1 the local one."""

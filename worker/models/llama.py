@@ -16,10 +16,17 @@ torch_decoder_ops.py in worker/backends are the two implementations.
         o = proj(attn, o); o = norm(o, attn_out_norm)            # the second: sandwich-norm variants only
         h, residual = add_rms_norm(o, residual, post_norm)
         x = proj(glu(h, gate_up), down)                          # glu = act(gate) * up of proj(h, gate_up)
+          or x = moe(h, experts)                                 # MoE layers: routed experts instead
         x = norm(x, mlp_out_norm)                                # sandwich-norm variants only
     where proj(x, w) = lora(linear(x, w), x): each token's LoRA adapter, if any, adds its delta
     h, _ = add_rms_norm(x, residual, final_norm)                # [S, hidden]: what embeddings pool
     logits = soft_cap(lm_head(h))                                # [S, vocab] float32; cap variants only
+
+An MoE layer (ModelConfig.moe_layers) routes each token to its top experts
+(moe_routing.py) and sums their SwiGLU outputs by the router's weights; the checkpoint's
+expert tensors are read by moe_checkpoint.py and held in whatever form the backend's
+`expert_weights` makes (stacked per layer on torch, the layout a fused kernel reads).
+Attention sinks (gpt-oss) are one more logit per head in each query's softmax.
 
 RMSNorm weights are stored as offsets from norm_offset in some families (Gemma's
 1 + weight); the offset is added once, as the weights are built.
@@ -51,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from worker.models.config import CheckpointError, ModelConfig
+from worker.models.moe_checkpoint import ExpertTensors, expert_tensors
 
 T = TypeVar("T")  # the backend's tensors: activations, norm and embedding weights
 L = TypeVar("L")  # a linear layer's weight, as the backend's `linear_weight` made it
@@ -111,16 +119,26 @@ class DecoderOps(Protocol[T, L, S_contra]):
         positions, with rotary table `rope` (ModelConfig.layer_rope); writes k and v into
         the layer's KV pool at the step's slots. Returns q [T, heads, head_dim]."""
 
-    def attention(self, q: T, layer: int, window: int | None, step: S_contra) -> T:
+    def attention(self, q: T, layer: int, window: int | None, step: S_contra, sinks: T | None = None) -> T:
         """Causal attention of each token to its own sequence's cached keys (only the
         last `window` positions when set), with the config's softmax scale and score
-        soft-cap: [T, heads * head_dim]."""
+        soft-cap: [T, heads * head_dim]. `sinks` [heads]: a logit per head that joins
+        the softmax's denominator and weights no value (gpt-oss)."""
 
     def glu(self, x: T, weight: L, layer: int, step: S_contra, logits_rows: bool) -> T:
         """x [N, hidden] -> act(gate) * up [N, intermediate] (act: config.hidden_act) of
         the gate_up projection with its LoRA delta, lora(linear(x, weight), x, layer,
         "gate_up", ...): one op, so that a backend may fuse the projection with the
         activation."""
+
+    def expert_weights(self, tensors: ExpertTensors) -> Any:
+        """One MoE layer's router and experts, in the form `moe` computes with."""
+
+    def moe(self, x: T, experts: Any, layer: int, step: S_contra, logits_rows: bool) -> T:
+        """x [N, hidden] -> [N, hidden]: each row's top experts (moe_routing.route over its
+        router logits, in float32), their activation (config.expert_act) of gate and up,
+        down-projected and summed by the routing weights. Counts the rows each expert
+        took (the backend's router statistics). `logits_rows` as for `lora`."""
 
     def scale(self, x: T, factor: float) -> T:
         """x * factor, with factor rounded to x's dtype first (as transformers does)."""
@@ -151,14 +169,16 @@ class LayerWeights(Generic[T, L]):
     qkv: L  # hidden -> (heads + 2 * kv_heads) * head_dim: q, k, v fused (+ biases, Qwen2)
     o: L  # heads * head_dim -> hidden
     post_norm: T  # [hidden], before the MLP
-    gate_up: L  # hidden -> 2 * intermediate: gate, then up
-    down: L  # intermediate -> hidden
+    gate_up: L | None  # hidden -> 2 * intermediate: gate, then up (None in MoE layers)
+    down: L | None  # intermediate -> hidden
     window: int | None  # sliding window (Mistral), None for full attention
     rope: int = 0  # the rotary table (ModelConfig.layer_rope)
     q_norm: T | None = None  # [head_dim], with k_norm: per-head norms before the rotary embedding
     k_norm: T | None = None
     attn_out_norm: T | None = None  # [hidden], sandwich norms: on the attention's output
     mlp_out_norm: T | None = None  # [hidden], and on the MLP's
+    experts: Any = None  # MoE layers: the router and experts as `expert_weights` made them
+    sinks: T | None = None  # [heads], attention sinks (gpt-oss)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,22 +226,31 @@ def build_weights(
         bias = None
         if config.attention_bias:
             bias = parts(attn + "qkv_proj.bias", [attn + f"{n}_proj.bias" for n in "qkv"])
-        gate_up = parts(mlp + "gate_up_proj.weight", [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
+        o_bias = [need(attn + "o_proj.bias")] if config.o_bias else None
         layer = f"model.layers.{i}."
+        experts, gate_up, down = None, None, None
+        if i in config.moe_layers:
+            experts = ops.expert_weights(expert_tensors(config, need, i))
+        else:
+            dense = parts(mlp + "gate_up_proj.weight", [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
+            gate_up = ops.linear_weight(dense, None, "gate_up")
+            down = ops.linear_weight([need(mlp + "down_proj.weight")], None, "down")
         built.append(
             LayerWeights(
                 input_norm=norm(layer + "input_layernorm.weight"),
                 qkv=ops.linear_weight(qkv, bias, "qkv"),
-                o=ops.linear_weight([need(attn + "o_proj.weight")], None, "o"),
+                o=ops.linear_weight([need(attn + "o_proj.weight")], o_bias, "o"),
                 post_norm=norm(layer + mlp_norm + ".weight"),
-                gate_up=ops.linear_weight(gate_up, None, "gate_up"),
-                down=ops.linear_weight([need(mlp + "down_proj.weight")], None, "down"),
+                gate_up=gate_up,
+                down=down,
                 window=config.sliding_window if i in config.sliding_layers else None,
                 rope=config.layer_rope(i),
                 q_norm=norm(attn + "q_norm.weight") if config.qk_norm else None,
                 k_norm=norm(attn + "k_norm.weight") if config.qk_norm else None,
                 attn_out_norm=norm(layer + "post_attention_layernorm.weight") if config.sandwich_norms else None,
                 mlp_out_norm=norm(layer + "post_feedforward_layernorm.weight") if config.sandwich_norms else None,
+                experts=experts,
+                sinks=ops.norm_weight(need(attn + "sinks")) if config.attention_sinks else None,
             )
         )
     embed = None
@@ -265,7 +294,7 @@ def forward(model: DecoderWeights[T, L], ops: DecoderOps[T, L, S], step: S, link
         if layer.q_norm is not None and layer.k_norm is not None:
             qkv = ops.head_norm(qkv, layer.q_norm, layer.k_norm, eps)
         q = ops.rope_and_cache(qkv, i, layer.rope, step)
-        attn = ops.attention(q, i, layer.window, step)
+        attn = ops.attention(q, i, layer.window, step, layer.sinks)
         if i == last:
             attn, residual = ops.logits_rows(attn, step), ops.logits_rows(residual, step)
             rows = True
@@ -273,8 +302,12 @@ def forward(model: DecoderWeights[T, L], ops: DecoderOps[T, L, S], step: S, link
         if layer.attn_out_norm is not None:
             o, _ = ops.add_rms_norm(o, None, layer.attn_out_norm, eps)
         h, residual = ops.add_rms_norm(o, residual, layer.post_norm, eps)
-        act = ops.glu(h, layer.gate_up, i, step, rows)
-        x = ops.lora(ops.linear(act, layer.down), act, i, "down", step, rows)
+        if layer.experts is not None:
+            x = ops.moe(h, layer.experts, i, step, rows)
+        else:
+            assert layer.gate_up is not None and layer.down is not None
+            act = ops.glu(h, layer.gate_up, i, step, rows)
+            x = ops.lora(ops.linear(act, layer.down), act, i, "down", step, rows)
         if layer.mlp_out_norm is not None:
             x, _ = ops.add_rms_norm(x, None, layer.mlp_out_norm, eps)
     if model.lm_head is None:

@@ -36,6 +36,9 @@ TARGET_MODULES: dict[str, tuple[LinearRole, int | None]] = {
 }  # fmt: skip
 ROLES: tuple[LinearRole, ...] = ("qkv", "o", "gate_up", "down")
 
+# A mixture-of-experts layer's experts and router (worker/models/moe_checkpoint.py).
+_EXPERT = re.compile(r"\.(?:experts|block_sparse_moe|router)\.|\.mlp\.gate\.")
+_MLP = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 _TENSOR = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight")
 
 
@@ -89,6 +92,9 @@ def load_lora_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> L
     found: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for name, ref in refs.items():
         m = _TENSOR.fullmatch(name)
+        if _EXPERT.search(name) or (m is not None and m.group(2) in _MLP and int(m.group(1)) in config.moe_layers):
+            raise CheckpointError(f"LoRA adapter {directory}: tensor {name} adapts the experts of a mixture-of-experts "
+                                  "layer, which is not supported (adapters on the attention projections are)")
         if m is None or m.group(2) not in TARGET_MODULES:
             module = m.group(2) if m else name
             raise CheckpointError(f"LoRA adapter {directory}: unsupported target module {module!r} (tensor {name}); "

@@ -11,7 +11,9 @@ Row-parallel o and down: the matching input columns, and the partial outputs are
 summed across ranks. Vocabulary-parallel embedding and lm head: a contiguous range of
 token rows, padded so every rank's range has the same length (the gather of the
 logits needs equal parts). With fewer KV heads than ranks, each KV head is held by
-the tp / kv_heads ranks whose query heads use it.
+the tp / kv_heads ranks whose query heads use it. Mixture-of-experts layers shard each
+expert as a dense MLP (gate and up rows, down columns, summed after the layer) and keep
+the router whole, so every rank routes alike.
 
 The slices are taken from the float tensors before the backend turns them into its
 weights, so any linear-weight format (quantized included) shards the same way.
@@ -34,6 +36,7 @@ import numpy as np
 from worker.models.config import ModelConfig
 from worker.models.llama import LinearRole
 from worker.models.lora import LoraAdapter, LoraWeights
+from worker.models.moe_checkpoint import ExpertTensors
 
 if TYPE_CHECKING:
     from worker.executor.types import ParallelConfig
@@ -56,6 +59,11 @@ def validate(parallel: ParallelConfig, config: ModelConfig) -> None:
     kv = config.num_kv_heads
     if kv % tp and tp % kv:
         raise ValueError(f"{kv} KV heads neither split over nor replicate onto {tp} tensor-parallel ranks")
+    if tp > 1 and (config.attention_sinks or config.o_bias or config.expert_bias):
+        raise ValueError(f"model_type {config.model_type!r}: attention sinks and biases on the o projection and "
+                         "the experts do not run under tensor parallelism")
+    if config.moe_intermediate_size % tp:
+        raise ValueError(f"expert intermediate size {config.moe_intermediate_size} does not split over {tp} ranks")
     if config.intermediate_size % tp:
         raise ValueError(f"intermediate size {config.intermediate_size} does not split over {tp} ranks")
 
@@ -79,6 +87,7 @@ def local_config(config: ModelConfig, tp: int) -> ModelConfig:
         num_heads=config.num_heads // tp,
         num_kv_heads=max(1, config.num_kv_heads // tp),
         intermediate_size=config.intermediate_size // tp,
+        moe_intermediate_size=config.moe_intermediate_size // tp,
     )
 
 
@@ -131,6 +140,21 @@ def shard_linear(
         return [t[start : start + n] for t, (start, n) in zip(split, ranges, strict=True)]
 
     return cut(parts), None if bias is None else cut(bias)
+
+
+def shard_experts(tensors: ExpertTensors, rank: int, tp: int) -> ExpertTensors:
+    """The rank's slice of every expert, as of a dense MLP: its rows of gate and up, its
+    columns of down (the partial sums all-reduced after the layer); the router whole."""
+    if tensors.down_bias is not None:
+        raise ValueError("a bias on the experts' down projection is not supported under tensor parallelism")
+    n = tensors.gate[0].shape[0] // tp
+    rows = slice(rank * n, (rank + 1) * n)
+    return replace(
+        tensors,
+        gate=[_contiguous(g[rows]) for g in tensors.gate],
+        up=[_contiguous(u[rows]) for u in tensors.up],
+        down=[_contiguous(d[:, rows]) for d in tensors.down],
+    )
 
 
 def shard_lora(adapter: LoraAdapter, config: ModelConfig, rank: int, tp: int) -> LoraAdapter:

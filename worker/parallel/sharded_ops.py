@@ -19,10 +19,12 @@ import torch.nn.functional as F
 
 from worker.backends.quant_linear import QuantLinear
 from worker.backends.torch_decoder_ops import TorchDecoderOps, TorchLinear
+from worker.backends.torch_moe import TorchExperts
 from worker.backends.torch_step import StepInputs
 from worker.models.config import ModelConfig
 from worker.models.llama import LinearRole
 from worker.models.lora import LoraAdapter
+from worker.models.moe_checkpoint import ExpertTensors
 from worker.parallel import layout
 from worker.parallel.group import TensorGroup
 
@@ -63,6 +65,10 @@ class ShardedTorchDecoderOps(TorchDecoderOps):
         parts, bias = layout.shard_linear(parts, bias, role, self.full_config, g.rank, g.size)
         return super().linear_weight(parts, bias, role)
 
+    def expert_weights(self, tensors: ExpertTensors) -> TorchExperts:
+        """The rank's slice of every expert's intermediate width (layout.shard_experts)."""
+        return super().expert_weights(layout.shard_experts(tensors, self.group.rank, self.group.size))
+
     def load_lora_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
         """The slots hold the rank's slices (allocate_lora sized them by the rank's heads)."""
         if adapter is not None:
@@ -83,6 +89,11 @@ class ShardedTorchDecoderOps(TorchDecoderOps):
         """The rank's delta added; a row-parallel projection's sum (base and delta) all-reduced."""
         y = super().lora(y, x, layer, role, step, logits_rows)
         return self.group.all_reduce(y) if role in layout.ROW_PARALLEL else y
+
+    def moe(self, x: torch.Tensor, experts: TorchExperts, layer: int, step: StepInputs,
+            logits_rows: bool) -> torch.Tensor:  # fmt: skip
+        """Every rank routes alike (the router is whole); the experts' partial sums all-reduced."""
+        return self.group.all_reduce(super().moe(x, experts, layer, step, logits_rows))
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Every rank's logits over its vocabulary range, gathered into [S, vocab]."""

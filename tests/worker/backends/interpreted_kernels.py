@@ -252,10 +252,47 @@ def check_paged_attention_softcap_window() -> None:
         assert not torch.allclose(out, uncapped, atol=1e-3), "the cap changed nothing"
 
 
+def check_paged_attention_sinks() -> None:
+    """A sink logit per head in every denominator (gpt-oss), under a window, in decode,
+    split decode (the sinks join in the merge) and prefill tiles."""
+    rng = np.random.default_rng(2)
+    heads, kv_heads, dim, block, window = 4, 2, 16, 4, 6
+    ctx = np.array([9, 23, 14])
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0])
+    for decode, splits in ((True, 1), (True, 2), (False, 1)):
+        q_lens = np.ones(3, dtype=np.int64) if decode else np.array([9, 7, 5])
+        per_seq = -(-ctx // block)
+        num_blocks = int(per_seq.sum()) + 1
+        perm = rng.permutation(num_blocks)
+        tables = np.zeros((3, int(per_seq.max())), dtype=np.int32)
+        start = 0
+        for i, nb in enumerate(per_seq):
+            tables[i, :nb] = perm[start : start + nb]
+            start += nb
+        k, v = torch.randn(num_blocks, block, kv_heads, dim), torch.randn(num_blocks, block, kv_heads, dim)
+        query_start = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int64)
+        q = torch.randn(int(query_start[-1]), heads, dim)
+        block_q = 1 if decode else PREFILL_BLOCK_Q
+        tile_seq, tile_q0 = tile_map(query_start, block_q)
+        i32: dict[str, Any] = {"dtype": torch.int32}
+        out = torch.full_like(q, float("nan"))
+        paged_attention_triton(
+            q, k, v, torch.tensor(tables, **i32), torch.tensor(query_start, **i32), torch.tensor(ctx, **i32),
+            torch.tensor(tile_seq, **i32), torch.tensor(tile_q0, **i32), block_q, 0.3, window, out=out,
+            splits=splits, sinks=sinks,
+        )  # fmt: skip
+        tables64 = torch.tensor(tables, dtype=torch.int64)
+        ref = paged_attention_torch(q, k, v, tables64, query_start, ctx, 0.3, window, sinks=sinks)
+        spread = paged_attention_torch(q, k, v.abs(), tables64, query_start, ctx, 0.3, window, sinks=sinks)
+        assert_close_attention(out, ref, spread, q, k, 0.3, window)
+        sinkless = paged_attention_torch(q, k, v, tables64, query_start, ctx, 0.3, window)
+        assert not torch.allclose(out, sinkless, atol=1e-3), "the sinks changed nothing"
+
+
 CHECKS: list[Callable[[], None]] = [
     check_add_rmsnorm, check_fp8_outputs, check_fp8_gemm, check_gemv, check_gemv_swiglu, check_argmax_logsumexp,
     check_argmax_at_every_chunk_count, check_silu_mul, check_rope_and_cache, check_paged_attention,
-    check_paged_attention_softcap_window,
+    check_paged_attention_softcap_window, check_paged_attention_sinks,
 ]
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.models.config import CheckpointError, ModelConfig
+from worker.models.moe_checkpoint import expert_shapes
 
 # config.json fields that never change the computation: bookkeeping, training-time
 # settings, and the generic fields transformers writes for every model.
@@ -121,6 +122,10 @@ def checkpoint_tensors(config: ModelConfig, fused: bool = False) -> dict[str, tu
             shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
             shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
+        if config.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if config.attention_sinks:
+            shapes[p + "self_attn.sinks"] = (config.num_heads,)
         if config.attention_bias:
             shapes[p + "self_attn.q_proj.bias"] = (q_out,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
@@ -128,6 +133,9 @@ def checkpoint_tensors(config: ModelConfig, fused: bool = False) -> dict[str, tu
         if config.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
+        if i in config.moe_layers:
+            shapes |= expert_shapes(config, i)
+            continue
         if fused:
             shapes[p + "mlp.gate_up_proj.weight"] = (2 * inter, h)
         else:

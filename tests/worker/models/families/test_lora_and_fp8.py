@@ -1,10 +1,11 @@
 """The capabilities the Llama family has, on the new families: a LoRA adapter made by
-peft on Qwen3, Gemma 3 and Phi-3 (on its fused projections) gives peft's logits on both
-CPU backends, and FP8 / INT4 quantization on
+peft on Qwen3, Gemma 3, Phi-3 (on its fused projections) and Qwen3-MoE (not on its
+experts, which are refused) gives peft's logits on both CPU backends, and FP8 / INT4 quantization on
 load computes alike on both (the reference the CUDA kernels are held to)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from tests.worker.backends.paged_batches import PagedSequences
 from tests.worker.peft_adapters import make_adapter, peft_model
 from worker.backends.numpy_backend import NumpyBackend
 from worker.backends.torch_backend import TorchBackend
+from worker.models.config import CheckpointError
 from worker.models.loader import load_model
 from worker.models.lora import load_lora_adapter
 
@@ -39,7 +41,8 @@ def _prefill(backend: Any, lora_slot: int | None = None) -> np.ndarray:
 SPLIT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # peft's target modules per family: Phi-3's checkpoints hold qkv and gate_up fused.
 LORA_TARGETS = {"qwen3_head_dim": SPLIT_TARGETS, "gemma3_local_global": SPLIT_TARGETS,
-                "phi3_window": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}  # fmt: skip
+                "phi3_window": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+                "qwen3_moe_top4_dense_layer": ["q_proj", "k_proj", "v_proj", "o_proj"]}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(LORA_TARGETS))
@@ -59,6 +62,21 @@ def test_peft_lora_matches_peft(name: str, family_checkpoints: dict[str, Path], 
         got = _prefill(backend, lora_slot=1)
         diff = float(np.abs(got - want).max())
         assert diff < LOGITS_ATOL, f"{backend.name}: max |diff| {diff:.2e}"
+
+
+def test_lora_on_experts_is_refused(family_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    checkpoint = family_checkpoints["qwen3_moe_top4_dense_layer"]
+    adapter_dir = make_adapter(checkpoint, tmp_path / "lora", 4, ["q_proj"], seed=7)
+    file = adapter_dir / "adapter_model.safetensors"
+    tensors = load_file(str(file))
+    expert = "base_model.model.model.layers.0.mlp.experts.3.down_proj.lora_A.weight"
+    tensors[expert] = np.zeros((4, 32), np.float32)
+    save_file(tensors, str(file))
+    config = load_model(checkpoint).config
+    with pytest.raises(CheckpointError, match=rf"tensor {re.escape(expert)} adapts the experts"):
+        load_lora_adapter(adapter_dir, config, max_rank=8)
 
 
 @pytest.mark.parametrize("name", ["qwen3_head_dim", "gemma2_capped", "gemma3_local_global", "phi3_window"])

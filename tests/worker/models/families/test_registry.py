@@ -102,3 +102,50 @@ def test_gemma3_config_of_transformers_4_reads_the_same(family_checkpoints: dict
             "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "num_hidden_layers": 3}  # fmt: skip
     family = family_of("gemma3_text")
     assert family.config(old) == family.config(new)
+
+
+# The published config.json files of the MoE families (transformers 4 fields), as shipped.
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+    "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+    "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                            "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": 201088,
+}  # fmt: skip
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936,
+}  # fmt: skip
+
+
+def test_published_moe_configs_read_as_their_variant() -> None:
+    gpt_oss = family_of("gpt_oss").config(GPT_OSS_20B)
+    assert (gpt_oss.num_experts, gpt_oss.experts_per_token, gpt_oss.router) == (32, 4, "topk_softmax")
+    assert gpt_oss.attention_sinks and gpt_oss.o_bias and gpt_oss.expert_bias
+    assert gpt_oss.sliding_window == 128 and gpt_oss.sliding_layers == tuple(range(0, 24, 2))
+    assert gpt_oss.rope_scaling is not None and gpt_oss.rope_scaling["rope_type"] == "yarn"
+    qwen = family_of("qwen3_moe").config(QWEN3_30B_A3B)
+    assert (qwen.num_experts, qwen.experts_per_token, qwen.moe_intermediate_size) == (128, 8, 768)
+    assert qwen.norm_topk_prob and qwen.moe_layers == tuple(range(48)) and qwen.qk_norm
+
+
+def test_unsupported_moe_setting_fails_naming_it() -> None:
+    with pytest.raises(CheckpointError, match=r"swiglu_limit 5\.0 is not supported for model_type 'gpt_oss'"):
+        family_of("gpt_oss").config({**GPT_OSS_20B, "swiglu_limit": 5.0})
+    with pytest.raises(CheckpointError, match=r"setting 'shared_expert_intermediate_size' is not understood"):
+        family_of("qwen3_moe").config({**QWEN3_30B_A3B, "shared_expert_intermediate_size": 512})

@@ -2,7 +2,9 @@
 the CPU): each rank's logits and KV shard equal the whole model's (itself token-identical
 to transformers, test_parity.py), the variant data reaching every rank: q/k norms per
 head, sandwich norms, soft-caps after the gathered logits, the scaled vocab-parallel
-embedding, per-layer rotary tables and windows counted from the model's first layer."""
+embedding, per-layer rotary tables and windows counted from the model's first layer, and
+mixture-of-experts layers (each rank holding its slice of every expert's intermediate
+width; a stage its layers' experts, dense layers among them counted from the model's first)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import pytest
 
 from tests.worker.parallel import rank_check
 
-CHECKPOINTS = ["qwen3_head_dim", "gemma2_capped", "gemma3_local_global", "phi3_window"]
+CHECKPOINTS = ["qwen3_head_dim", "gemma2_capped", "gemma3_local_global", "phi3_window", "mixtral_top2_window",
+               "qwen3_moe_top4_dense_layer"]
 
 
 def _free_port() -> int:

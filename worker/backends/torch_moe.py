@@ -1,0 +1,76 @@
+"""A mixture-of-experts layer in torch: routing (worker/models/moe_routing.py's
+definition, step by step) and the experts as a loop over those that took rows: gather
+the rows, gate_up, activation, down, add back weighted (index_add_). Correct on the CPU
+and on CUDA; the expert weights are stacked per layer in the layout a fused kernel reads
+(`gate_up` [experts, 2 * intermediate, hidden], gate rows then up rows; `down`
+[experts, hidden, intermediate]), so such a kernel replaces `run_experts` alone.
+
+The router statistics are a device tensor the layer adds to (no host sync here); the
+backend reads it once per step, where the step already waits for its results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker.models.config import ModelConfig
+from worker.models.expert_act import SWIGLU_ALPHA, SWIGLU_LIMIT
+
+
+@dataclass(frozen=True, slots=True)
+class TorchExperts:
+    router: torch.Tensor  # [experts, hidden]
+    router_bias: torch.Tensor | None  # [experts]
+    gate_up: torch.Tensor  # [experts, 2 * intermediate, hidden]: gate rows, then up rows
+    down: torch.Tensor  # [experts, hidden, intermediate]
+    gate_up_bias: torch.Tensor | None  # [experts, 2 * intermediate]
+    down_bias: torch.Tensor | None  # [experts, hidden]
+
+
+def route(logits: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(experts [N, k] int64, weights [N, k] float32) from router logits [N, experts]."""
+    logits = logits.float()
+    k = config.experts_per_token
+    if config.router == "topk_softmax":
+        top, index = torch.topk(logits, k, dim=-1)
+        return index, torch.softmax(top, dim=-1)
+    weights, index = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+    if config.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return index, weights
+
+
+def expert_act(gate_up: torch.Tensor, kind: str) -> torch.Tensor:
+    """[N, 2I] (gate, then up) -> [N, I], as worker/models/expert_act.py defines it."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if kind == "swiglu_clamped":
+        gate = gate.clamp(max=SWIGLU_LIMIT)
+        up = up.clamp(min=-SWIGLU_LIMIT, max=SWIGLU_LIMIT)
+        return (up + 1) * gate * torch.sigmoid(gate * SWIGLU_ALPHA)
+    return F.silu(gate) * up
+
+
+def run_experts(x: torch.Tensor, experts: TorchExperts, chosen: torch.Tensor, weights: torch.Tensor,
+                act: str) -> torch.Tensor:  # fmt: skip
+    """x [N, hidden] -> the routed sum [N, hidden]; chosen, weights [N, k]."""
+    out = torch.zeros_like(x)
+    flat = chosen.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts.gate_up.shape[0]).tolist()  # the loop's one host read
+    k = chosen.shape[1]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        picks = order[start : start + n]
+        start += n
+        rows = picks // k
+        y = F.linear(x.index_select(0, rows), experts.gate_up[e],
+                     None if experts.gate_up_bias is None else experts.gate_up_bias[e])  # fmt: skip
+        y = F.linear(expert_act(y, act), experts.down[e], None if experts.down_bias is None else experts.down_bias[e])
+        w = weights.flatten().index_select(0, picks)[:, None]
+        out.index_add_(0, rows, (y.float() * w).to(x.dtype))
+    return out

@@ -1,0 +1,95 @@
+"""How checkpoints name and lay out a mixture-of-experts layer's tensors, and their reading
+into one form the backends take (`ExpertTensors`): the router [experts, hidden] and each
+expert's gate, up [intermediate, hidden] and down [hidden, intermediate] projections.
+
+Three layouts (ModelConfig.moe_checkpoint), as transformers' save_pretrained writes them
+and as the published checkpoints ship:
+- "mixtral": `block_sparse_moe.gate` and `block_sparse_moe.experts.E.w1 | w3 | w2` (gate, up, down);
+- "qwen": `mlp.gate` and `mlp.experts.E.gate_proj | up_proj | down_proj`;
+- "gpt_oss": `mlp.router` (with a bias) and every expert in one tensor, gate_up_proj
+  [experts, hidden, 2 * intermediate] with gate and up interleaved column by column, and
+  down_proj [experts, intermediate, hidden] (each with a bias).
+Tensors may be numpy arrays or torch tensors; only indexing, slicing and swapaxes are used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from worker.models.config import CheckpointError, ModelConfig
+
+LAYOUTS = ("mixtral", "qwen", "gpt_oss")
+_PER_EXPERT = {"mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
+               "qwen": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertTensors:
+    """One MoE layer's weights in Hugging Face's [out, in] orientation; `gate`, `up` and
+    `down` index by expert (a list, or a stacked [experts, ...] tensor)."""
+
+    router: Any  # [experts, hidden]
+    router_bias: Any | None  # [experts]
+    gate: Sequence[Any]  # experts x [intermediate, hidden]
+    up: Sequence[Any]  # experts x [intermediate, hidden]
+    down: Sequence[Any]  # experts x [hidden, intermediate]
+    gate_bias: Any | None = None  # [experts, intermediate]
+    up_bias: Any | None = None  # [experts, intermediate]
+    down_bias: Any | None = None  # [experts, hidden]
+
+
+def _layout(config: ModelConfig) -> str:
+    if config.moe_checkpoint not in LAYOUTS:
+        raise CheckpointError(f"moe_checkpoint {config.moe_checkpoint!r} is not a known layout ({', '.join(LAYOUTS)})")
+    return config.moe_checkpoint
+
+
+def expert_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """The layer's MoE tensors with their shapes, as the checkpoint names them."""
+    h, inter, n = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    p = f"model.layers.{layer}."
+    layout = _layout(config)
+    if layout == "gpt_oss":
+        return {
+            p + "mlp.router.weight": (n, h), p + "mlp.router.bias": (n,),
+            p + "mlp.experts.gate_up_proj": (n, h, 2 * inter), p + "mlp.experts.gate_up_proj_bias": (n, 2 * inter),
+            p + "mlp.experts.down_proj": (n, inter, h), p + "mlp.experts.down_proj_bias": (n, h),
+        }  # fmt: skip
+    block, router, (gate, up, down) = _PER_EXPERT[layout]
+    shapes: dict[str, tuple[int, ...]] = {f"{p}{block}.{router}.weight": (n, h)}
+    for e in range(n):
+        expert = f"{p}{block}.experts.{e}."
+        shapes |= {expert + f"{gate}.weight": (inter, h), expert + f"{up}.weight": (inter, h),
+                   expert + f"{down}.weight": (h, inter)}  # fmt: skip
+    return shapes
+
+
+def expert_tensors(config: ModelConfig, need: Callable[[str], Any], layer: int) -> ExpertTensors:
+    """The layer's experts from the checkpoint's tensors; `need` raises naming a missing one."""
+    p = f"model.layers.{layer}."
+    layout = _layout(config)
+    if layout == "gpt_oss":
+        # [experts, hidden, 2I] with gate and up interleaved -> [experts, 2I, hidden], then split.
+        gate_up = need(p + "mlp.experts.gate_up_proj").swapaxes(1, 2)
+        gate_up_bias = need(p + "mlp.experts.gate_up_proj_bias")
+        return ExpertTensors(
+            router=need(p + "mlp.router.weight"),
+            router_bias=need(p + "mlp.router.bias"),
+            gate=gate_up[:, 0::2],
+            up=gate_up[:, 1::2],
+            down=need(p + "mlp.experts.down_proj").swapaxes(1, 2),
+            gate_bias=gate_up_bias[:, 0::2],
+            up_bias=gate_up_bias[:, 1::2],
+            down_bias=need(p + "mlp.experts.down_proj_bias"),
+        )
+    block, router, (gate, up, down) = _PER_EXPERT[layout]
+    experts = [f"{p}{block}.experts.{e}." for e in range(config.num_experts)]
+    return ExpertTensors(
+        router=need(f"{p}{block}.{router}.weight"),
+        router_bias=None,
+        gate=[need(e + f"{gate}.weight") for e in experts],
+        up=[need(e + f"{up}.weight") for e in experts],
+        down=[need(e + f"{down}.weight") for e in experts],
+    )
