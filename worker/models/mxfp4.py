@@ -40,11 +40,11 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
             f"MXFP4 blocks {blocks.shape} do not match scales {scales.shape}: "
             f"blocks are [..., G, {BLOCK // 2}] for scales [..., G]"
         )
-    values = np.empty(blocks.shape[:-1] + (BLOCK,), np.float32)
+    values = np.empty((*blocks.shape[:-1], BLOCK), np.float32)
     values[..., 0::2] = E2M1[blocks & 0x0F]
     values[..., 1::2] = E2M1[blocks >> 4]
     nan = scales == 255
     factor = np.ldexp(np.float32(1.0), np.where(nan, 127, scales).astype(np.int32) - 127).astype(np.float32)
     factor[nan] = np.nan
     values *= factor[..., None]
-    return values.reshape(blocks.shape[:-2] + (blocks.shape[-2] * BLOCK,))
+    return values.reshape((*blocks.shape[:-2], blocks.shape[-2] * BLOCK))
