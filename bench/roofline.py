@@ -31,6 +31,19 @@ class Roofline:
     window: int | None = None
     window_kv_bytes_per_token: int = 0
     window_attn_flops_per_ctx: int = 0
+    # Mixture of experts: `weight_bytes` and `matmul_params` leave the experts out; a step
+    # reads every expert its tokens chose (expected over uniform routing: experts_read), each
+    # `expert_bytes` over all MoE layers, and a token computes `experts_per_token` of them.
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_bytes: int = 0
+    expert_params: int = 0
+
+    def experts_read(self, tokens: int) -> float:
+        """Distinct experts a layer's `tokens` choose, expected when each picks k of E uniformly."""
+        if not self.experts:
+            return 0.0
+        return self.experts * (1 - (1 - self.experts_per_token / self.experts) ** tokens)
 
     def clipped(self, context: float) -> float:
         """Of a query's `context` keys, those a sliding-window layer reads."""
@@ -50,18 +63,20 @@ class Roofline:
         """Seconds: the larger of compute and memory time for one step. `window_*`: the
         same sums with each sequence's keys clipped to the window (default: unclipped)."""
         flops: float = 2 * self.matmul_params * tokens + 2 * self.lm_head_params * sampled
+        flops += 2 * self.expert_params * self.experts_per_token * tokens
         flops += self.attn_flops_per_ctx * ctx_sum
         window_ctx_sum = ctx_sum if window_ctx_sum is None else window_ctx_sum
         window_read_tokens = kv_read_tokens if window_read_tokens is None else window_read_tokens
         flops += self.window_attn_flops_per_ctx * window_ctx_sum
-        memory = self.weight_bytes + self.kv_bytes_per_token * kv_read_tokens
+        memory = self.weight_bytes + self.expert_bytes * self.experts_read(tokens)
+        memory += self.kv_bytes_per_token * kv_read_tokens
         memory += self.window_kv_bytes_per_token * window_read_tokens
         return max(flops / self.flops, memory / self.bandwidth)
 
     def decode_floor(self, context: int) -> float:
         """Seconds per token for one sequence alone: weights plus its KV, read once."""
         kv = self.kv_bytes_per_token * context + self.window_kv_bytes_per_token * self.clipped(context)
-        return (self.weight_bytes + kv) / self.bandwidth * self.stages
+        return (self.weight_bytes + self.expert_bytes * self.experts_read(1) + kv) / self.bandwidth * self.stages
 
     def offline_tok_s(self, prompt: int, output: int, requests: int, batch: int) -> float:
         """Best output tokens/s: prefill at full compute, then waves of at most `batch`
@@ -127,10 +142,8 @@ class Roofline:
 def roofline_for(cfg: Any, bandwidth: float, flops: float, dtype_bytes: int, stages: int = 1,
                  kv_bytes: int | None = None) -> Roofline:  # fmt: skip
     """`dtype_bytes` a weight, and a KV value unless `kv_bytes` says otherwise (an FP8 cache)."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
-    matmul = cfg.num_layers * per_layer
-    lm_head = cfg.vocab_size * h  # a tied head reads the embedding: the same bytes
+    matmul, expert = _params(cfg)
+    lm_head = cfg.vocab_size * cfg.hidden_size  # a tied head reads the embedding: the same bytes
     return Roofline(
         bandwidth=bandwidth,
         flops=flops,
@@ -139,7 +152,27 @@ def roofline_for(cfg: Any, bandwidth: float, flops: float, dtype_bytes: int, sta
         lm_head_params=lm_head,
         stages=stages,
         **_attention(cfg, kv_bytes or dtype_bytes),
+        **_experts(cfg, expert, expert * dtype_bytes),
     )
+
+
+def _params(cfg: Any) -> tuple[int, int]:
+    """(the projections every token computes: attention, the dense MLPs and the MoE routers;
+    one expert's over all MoE layers)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    attention = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h
+    moe_layers = len(cfg.moe_layers) if getattr(cfg, "is_moe", False) else 0
+    dense = (cfg.num_layers - moe_layers) * 3 * h * cfg.intermediate_size
+    router = moe_layers * h * cfg.num_experts if moe_layers else 0
+    expert = moe_layers * 3 * h * cfg.moe_intermediate_size if moe_layers else 0
+    return cfg.num_layers * attention + dense + router, expert
+
+
+def _experts(cfg: Any, expert_params: int, expert_bytes: int) -> dict[str, Any]:
+    if not expert_params:
+        return {}
+    return {"experts": cfg.num_experts, "experts_per_token": cfg.experts_per_token, "expert_bytes": expert_bytes,
+            "expert_params": expert_params}
 
 
 def _attention(cfg: Any, kv_bytes: int) -> dict[str, Any]:
@@ -162,20 +195,29 @@ def quantized_roofline(cfg: Any, quantization: str, kv_bytes: int, bandwidth: fl
     float32 scale per output channel; int4 half a byte plus a float32 scale and zero per
     group (of 32 on load). The lm head stays bf16; its FLOPs are counted at `flops` too (7%
     of them)."""
+    matmul, expert = _params(cfg)
+    lm_head = cfg.vocab_size * cfg.hidden_size
     h, d = cfg.hidden_size, cfg.head_dim
-    outs = (cfg.num_heads + 2 * cfg.num_kv_heads) * d + h + 2 * cfg.intermediate_size + h
-    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
-    matmul, lm_head = cfg.num_layers * per_layer, cfg.vocab_size * h
-    fp8_bytes, int4_bytes = matmul + cfg.num_layers * outs * 4, matmul // 2 + matmul // INT4_GROUP_SIZE * 8
-    matmul_bytes = fp8_bytes if quantization == "fp8" else int4_bytes
+    moe_layers = len(cfg.moe_layers) if expert else 0
+    # Output channels, each with its scale: every layer's q, k, v and o; the dense MLPs' gate, up and down.
+    outs = cfg.num_layers * ((cfg.num_heads + 2 * cfg.num_kv_heads) * d + h)
+    outs += (cfg.num_layers - moe_layers) * (2 * cfg.intermediate_size + h)
+
+    def stored(params: int, channels: int) -> int:
+        if quantization == "fp8":
+            return params + channels * 4
+        return params // 2 + params // INT4_GROUP_SIZE * 8
+
+    expert_outs = moe_layers * (2 * cfg.moe_intermediate_size + h)
     return Roofline(
         bandwidth=bandwidth,
         flops=flops,
-        weight_bytes=matmul_bytes + lm_head * 2,
+        weight_bytes=stored(matmul, outs) + lm_head * 2,
         matmul_params=matmul,
         lm_head_params=lm_head,
         stages=stages,
         **_attention(cfg, kv_bytes),
+        **_experts(cfg, expert, stored(expert, expert_outs)),
     )
 
 
