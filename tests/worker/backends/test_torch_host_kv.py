@@ -3,6 +3,8 @@ the pool's dtype (FP8 included), and a step queued after a copy sees its blocks.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,8 @@ from worker.backends.torch_host_kv import TorchHostKv  # noqa: E402
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def pool(device: str, dtype: torch.dtype, layers: int = 3) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def pool(device: str, dtype: Any, layers: int = 3) -> tuple[list[Any], list[Any]]:
+    """Random K and V caches of `layers` layers."""
     gen = torch.Generator().manual_seed(0)
     shape = (8, 4, 2, 16)  # [blocks, block_size, kv_heads, head_dim]
     k = [torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(layers)]

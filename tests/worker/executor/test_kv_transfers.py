@@ -25,7 +25,7 @@ def conversations(rng: random.Random, count: int = 6, turns: int = 3) -> list[li
     first turns of all conversations come first, then the second turns, and so on."""
     system = [rng.randrange(5, VOCAB_SIZE) for _ in range(16)]
     messages = [[[rng.randrange(5, VOCAB_SIZE) for _ in range(8)] for _ in range(turns)] for _ in range(count)]
-    return [system + sum(messages[c][: t + 1], []) for t in range(turns) for c in range(count)]
+    return [system + [tok for m in messages[c][: t + 1] for tok in m] for t in range(turns) for c in range(count)]
 
 
 def config(backend: str, host_cache_size: int) -> ExecutorConfig:
