@@ -58,3 +58,28 @@ def test_evicted_prefixes_reload_from_the_host_and_change_no_token(tiny_llama: P
 def test_a_host_tier_smaller_than_a_block_is_refused(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match="host_cache_size 100 bytes is less than one KV block"):
         Executor.from_model(tiny_llama, config("numpy", 100))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
+def test_on_cuda_reloads_overlap_the_steps_and_change_no_token(tiny_llama: Path, kv_dtype: str | None) -> None:
+    """The side stream's copies, in the pool's dtype: the same tokens as without the tier."""
+    prompts = conversations(random.Random(8), count=8, turns=4)
+    requests = [Request(input_token_ids=p, max_tokens=6, end_id=-1) for p in prompts]
+    itemsize = 1 if kv_dtype == "fp8" else 4
+
+    def run(host_blocks: int) -> tuple[list[list[int]], int]:
+        kv = KvCacheConfig(tokens_per_block=BLOCK, max_tokens=DEVICE_TOKENS, dtype=kv_dtype,
+                           host_cache_size=host_blocks * BLOCK * BYTES_PER_TOKEN * itemsize // 4)
+        config = ExecutorConfig(backend="torch", device="cuda", dtype="float32", max_batch_size=2, kv_cache_config=kv)
+        with Executor.from_model(tiny_llama, config) as ex:
+            tokens = [final_tokens(r) for r in run_all(ex, requests).values()]
+            stats = ex.get_latest_iteration_stats()[-1]
+            ex.core.blocks.check_invariants([])
+            assert ex.core.blocks.num_free == ex.core.blocks.num_blocks
+        return tokens, stats.reused_host_blocks
+
+    without, _ = run(0)
+    with_tier, host_hits = run(HOST_BLOCKS)
+    assert with_tier == without
+    assert host_hits > 0
