@@ -195,8 +195,9 @@ def run(args: argparse.Namespace) -> tuple[str, list[str], list[list[str]]]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
-                   help="default: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument(
+        "--dtype", default=None, choices=["bfloat16", "float32"], help="default: bfloat16 on CUDA, float32 on the CPU"
+    )
     p.add_argument("--tiny", action="store_true", help="a tiny model and workload: the code paths, not the speed")
     p.add_argument("--conversations", type=int, default=None, help="default 32; tiny 8")
     p.add_argument("--turns", type=int, default=None, help="default 4; tiny 3")

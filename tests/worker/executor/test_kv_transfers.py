@@ -69,8 +69,12 @@ def test_on_cuda_reloads_overlap_the_steps_and_change_no_token(tiny_llama: Path,
     itemsize = 1 if kv_dtype == "fp8" else 4
 
     def run(host_blocks: int) -> tuple[list[list[int]], int]:
-        kv = KvCacheConfig(tokens_per_block=BLOCK, max_tokens=DEVICE_TOKENS, dtype=kv_dtype,
-                           host_cache_size=host_blocks * BLOCK * BYTES_PER_TOKEN * itemsize // 4)
+        kv = KvCacheConfig(
+            tokens_per_block=BLOCK,
+            max_tokens=DEVICE_TOKENS,
+            dtype=kv_dtype,
+            host_cache_size=host_blocks * BLOCK * BYTES_PER_TOKEN * itemsize // 4,
+        )
         config = ExecutorConfig(backend="torch", device="cuda", dtype="float32", max_batch_size=2, kv_cache_config=kv)
         with Executor.from_model(tiny_llama, config) as ex:
             tokens = [final_tokens(r) for r in run_all(ex, requests).values()]

@@ -42,5 +42,6 @@ def test_more_than_the_hosts_memory_is_refused() -> None:
     total_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / (1 << 30)
     with pytest.raises(SystemExit) as e:
         main(["--host-kv-cache-gb", str(2 * total_gib)])
-    assert str(e.value) == (f"tokenwire worker: --host-kv-cache-gb {2 * total_gib:g} is more than this host's "
-                            f"memory ({total_gib:.1f} GiB)")
+    assert str(e.value) == (
+        f"tokenwire worker: --host-kv-cache-gb {2 * total_gib:g} is more than this host's memory ({total_gib:.1f} GiB)"
+    )
