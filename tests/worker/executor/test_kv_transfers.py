@@ -62,7 +62,7 @@ def test_a_host_tier_smaller_than_a_block_is_refused(tiny_llama: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", [None, "fp8"])
-def test_on_cuda_reloads_overlap_the_steps_and_change_no_token(tiny_llama: Path, kv_dtype: str | None) -> None:
+def test_on_cuda_the_host_tier_changes_no_token_in_either_kv_dtype(tiny_llama: Path, kv_dtype: str | None) -> None:
     """The side stream's copies, in the pool's dtype: the same tokens as without the tier."""
     prompts = conversations(random.Random(8), count=8, turns=4)
     requests = [Request(input_token_ids=p, max_tokens=6, end_id=-1) for p in prompts]
