@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from prometheus_client.core import HistogramMetricFamily
 
 import protocol
+from protocol import stats
 
 # Seconds. TTFT spans a queue wait and a prefill; inter-token latency is one decoding step.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -184,6 +185,21 @@ class WorkerMetrics(_Metrics):
                                    "Sequences preempted to make room in the KV cache (recomputed later)",
                                    registry=self.registry)  # fmt: skip
 
+        # Prefix-cache hits by the tier that held the block (a host hit is a block copied back
+        # to the device: a reload); the host tier's offloads, size and fill (--host-kv-cache-gb).
+        self.prefix_hit_blocks = Counter("tokenwire_worker_prefix_hit_blocks",
+                                         "Prompt blocks found in the KV cache, by the tier that held them "
+                                         "(host: copied back to the device)", ["tier"],
+                                         registry=self.registry)  # fmt: skip
+        self.offloaded_blocks = Counter("tokenwire_worker_kv_offloaded_blocks",
+                                        "KV blocks evicted from the device and copied to the host tier",
+                                        registry=self.registry)  # fmt: skip
+        self.host_blocks = Gauge("tokenwire_worker_kv_host_blocks_total", "KV cache host tier blocks",
+                                 registry=self.registry)  # fmt: skip
+        self.host_blocks_cached = Gauge("tokenwire_worker_kv_host_blocks_cached",
+                                        "KV cache host tier blocks holding a cached block", registry=self.registry)
+        self._kv_counted = (0, 0, 0)  # the cumulative (reused, reused on host, offloaded) already counted
+
     def watch(
         self,
         load: Callable[[], protocol.WorkerLoad],
@@ -223,6 +239,21 @@ class WorkerMetrics(_Metrics):
         if drafted:
             self.draft_tokens.inc(drafted)
             self.accepted_draft_tokens.inc(accepted)
+
+    def kv_cache(self, latest: stats.IterationStats) -> None:
+        """Count the prefix hits and offloads of an engine's latest iteration record (its
+        counts are cumulative over the engine's life)."""
+        now = (latest.reused_blocks, latest.reused_host_blocks, latest.offloaded_blocks)
+        reused, on_host, offloaded = (a - b for a, b in zip(now, self._kv_counted, strict=True))
+        self._kv_counted = now
+        if reused - on_host:
+            self.prefix_hit_blocks.labels("device").inc(reused - on_host)
+        if on_host:
+            self.prefix_hit_blocks.labels("host").inc(on_host)
+        if offloaded:
+            self.offloaded_blocks.inc(offloaded)
+        self.host_blocks.set(latest.max_num_host_blocks)
+        self.host_blocks_cached.set(latest.cached_num_host_blocks)
 
     def rejected(self) -> None:
         """A request refused before it started (draining, a bad submit)."""

@@ -58,8 +58,10 @@ Incarnation = Annotated[str, Field(min_length=1, max_length=64)]
 
 class KvEvents(Message):
     """Worker -> every gateway: the block hashes its cache index gained and lost since
-    event `seq - 1`. The two lists are disjoint (a hash gained and lost within one
-    message is in neither), so they apply in either order."""
+    event `seq - 1`, by tier: `stored` are in device memory now, `stored_host` in the
+    host tier now (a hash that moved between tiers is listed under the one it is in),
+    `removed` in neither. The lists are disjoint (a hash gained and lost within one
+    message is in none), so they apply in any order."""
 
     kind: ClassVar[str] = "kv_events"
 
@@ -68,10 +70,11 @@ class KvEvents(Message):
     seq: int = Field(ge=1)
     stored: BlockHashes = Field(default_factory=list)
     removed: BlockHashes = Field(default_factory=list)
+    stored_host: BlockHashes = Field(default_factory=list)
 
 
 class KvSnapshot(Message):
-    """Worker -> a gateway: every block hash its cache index holds as of event `seq`
+    """Worker -> a gateway: every block hash its cache index holds, by tier, as of event `seq`
     (0: none yet), and the block size its prompts are hashed with. Sent after Ready
     and on request."""
 
@@ -81,7 +84,8 @@ class KvSnapshot(Message):
     incarnation: Incarnation
     seq: int = Field(ge=0)
     block_size: int = Field(ge=1)
-    hashes: BlockHashes = Field(default_factory=list)
+    hashes: BlockHashes = Field(default_factory=list)  # in device memory
+    host_hashes: BlockHashes = Field(default_factory=list)  # in the host tier
 
 
 class KvSnapshotRequest(Message):

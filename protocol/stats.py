@@ -32,6 +32,13 @@ class IterationStats:
     free_num_blocks: int = option(REQUIRED, "KV cache blocks free", ge=0)
     used_num_blocks: int = option(REQUIRED, "KV cache blocks held by requests", ge=0)
     reused_blocks: int = option(REQUIRED, "cumulative prefix-cache hits, in blocks", ge=0)
+    # The host tier (KvCacheConfig.host_cache_size): full prefix blocks evicted from the
+    # device pool are copied there and loaded back on a hit; all 0 without one.
+    reused_host_blocks: int = option(0, "of the cumulative prefix-cache hits, those loaded from the host tier",
+                                     ge=0)
+    offloaded_blocks: int = option(0, "cumulative blocks copied from the device pool to the host tier", ge=0)
+    max_num_host_blocks: int = option(0, "host tier blocks in all", ge=0)
+    cached_num_host_blocks: int = option(0, "host tier blocks holding a cached block", ge=0)
     num_draft_tokens: int = option(0, "speculative decoding: draft tokens proposed this iteration", ge=0)
     num_accepted_draft_tokens: int = option(0, "speculative decoding: draft tokens accepted this iteration", ge=0)
     # MAX_UTILIZATION: their KV was dropped to make room, and they recompute their tokens
@@ -58,6 +65,7 @@ class RequestStats:
                                                   ge=0.0)
     allocated_blocks: int = option(REQUIRED, "KV cache blocks it holds", ge=0)
     reused_blocks: int = option(REQUIRED, "prompt blocks found in the prefix cache", ge=0)
+    reused_host_blocks: int = option(0, "of those, the blocks loaded from the host tier", ge=0)
     num_draft_tokens: int = option(0, "speculative decoding: draft tokens verified", ge=0)
     num_accepted_draft_tokens: int = option(0, "speculative decoding: draft tokens accepted", ge=0)
     speculation_off_reason: str | None = option(

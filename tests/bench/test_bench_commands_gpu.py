@@ -59,3 +59,10 @@ def test_quantized_gpu_bench_runs_on_cuda(tmp_path: Path, quantization: str) -> 
 def test_lora_bench_runs_on_cuda(tmp_path: Path) -> None:
     stdout = bench("bench.lora_bench", "--tiny", out=tmp_path)
     assert "adapters" in stdout
+
+
+def test_kv_tier_bench_runs_on_cuda(tmp_path: Path) -> None:
+    stdout = bench("bench.kv_tier_bench", "--tiny", out=tmp_path)
+    assert "device + host tier" in stdout
+    runs = json.loads((tmp_path / "kv_tier_bench.json").read_text())["runs"]
+    assert runs[0]["host_tokens"] == 0 and runs[1]["host_tokens"] > 0

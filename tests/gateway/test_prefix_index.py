@@ -77,5 +77,16 @@ def test_a_new_incarnation_empties_the_entry() -> None:
 def test_matched_counts_the_leading_blocks_held() -> None:
     index = PrefixIndex()
     index.apply_snapshot(snapshot(1, [10, 11, 13]))
-    assert index.matched([10, 11, 12, 13]) == 2
-    assert index.matched([12, 10]) == 0 and index.matched([]) == 0
+    assert index.matched([10, 11, 12, 13]) == (2, 0)
+    assert index.matched([12, 10]) == (0, 0) and index.matched([]) == (0, 0)
+
+
+def test_a_block_moving_between_tiers_is_held_in_the_one_its_event_names() -> None:
+    index = PrefixIndex()
+    index.apply_snapshot(protocol.KvSnapshot(sender_id="w", incarnation="a", seq=1, block_size=16, hashes=[10, 11],
+                                             host_hashes=[12]))  # fmt: skip
+    assert index.matched([10, 11, 12, 13]) == (3, 1)  # both tiers count, the host's reported apart
+    index.apply_events(protocol.KvEvents(sender_id="w", incarnation="a", seq=2, stored=[12], stored_host=[11]))
+    assert index.hashes == {10, 12} and index.host_hashes == {11}
+    index.apply_events(protocol.KvEvents(sender_id="w", incarnation="a", seq=3, removed=[11]))
+    assert index.host_hashes == set() and index.matched([10, 11, 12]) == (1, 0)

@@ -54,6 +54,18 @@ def test_cost_weighs_prefill_against_decode_blocks() -> None:
     assert cost(prefill_blocks=10, decode_blocks=5.0, overlap_weight=2.0) == 25.0
 
 
+def test_a_prefix_in_the_host_tier_costs_less_than_a_miss_and_more_than_the_device(ctx: zmq.Context) -> None:
+    assert cost(prefill_blocks=2, decode_blocks=0.0, overlap_weight=4.0, host_blocks=8) == 4.0 * (2 + 8 * 0.25)
+    on_device = link(ctx, "device", CHAIN[:8], active=1, used_blocks=4)
+    on_host = link(ctx, "host", [], active=1, used_blocks=4)
+    on_host.kv.apply_snapshot(protocol.KvSnapshot(sender_id="host", incarnation="i", seq=0, block_size=BLOCK,
+                                                  host_hashes=CHAIN[:8]))  # fmt: skip
+    cold = link(ctx, "cold", [], active=1, used_blocks=4)
+    router = PrefixRouter("gw", GatewayMetrics())
+    assert router.pick([on_device, on_host, cold], "m", submit()) is on_device
+    assert router.pick([on_host, cold], "m", submit()) is on_host
+
+
 def test_the_worker_holding_the_prefix_wins_while_it_has_room(ctx: zmq.Context) -> None:
     router = PrefixRouter("gw", GatewayMetrics(), overlap_weight=1.0)
     holder = link(ctx, "holder", CHAIN[:8], active=3, used_blocks=6)  # busier, but holds 8 of 10 blocks
@@ -125,7 +137,7 @@ def test_a_gap_in_the_events_asks_the_worker_for_a_snapshot(ctx: zmq.Context) ->
         assert protocol.decode(data) == protocol.KvSnapshotRequest(sender_id="gw")
         router.kv_message(w, protocol.KvSnapshot(sender_id="w", incarnation="i", seq=3, block_size=BLOCK,
                                                  hashes=CHAIN[:6]))  # fmt: skip
-        assert w.kv.matched(CHAIN) == 6
+        assert w.kv.matched(CHAIN) == (6, 0)
         assert metrics.registry.get_sample_value("tokenwire_gateway_prefix_index_blocks", {"worker": "w"}) == 6
         router.forget(w)
         assert metrics.registry.get_sample_value("tokenwire_gateway_prefix_index_blocks", {"worker": "w"}) is None

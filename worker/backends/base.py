@@ -164,6 +164,27 @@ class LoraBackend(Backend, Protocol):
 
 
 @runtime_checkable
+class HostKvBackend(Backend, Protocol):
+    """A backend whose KV pool has a host tier: slots in host memory (pinned on CUDA)
+    that each hold one block's K and V of every layer, in the pool's dtype. The copies
+    are queued like steps: each is ordered after the steps and copies issued before it
+    and before those issued after it (on CUDA they run on a side stream, and the next
+    step waits on their event; the host does not wait)."""
+
+    def allocate_host_kv_cache(self, num_blocks: int) -> None:
+        """The host slots; after allocate_kv_cache."""
+        ...
+
+    def offload_kv_blocks(self, device_blocks: np.ndarray, host_slots: np.ndarray) -> None:
+        """Copy device blocks (int64 [N]) into host slots (int64 [N])."""
+        ...
+
+    def load_kv_blocks(self, host_slots: np.ndarray, device_blocks: np.ndarray) -> None:
+        """Copy host slots (int64 [N]) into device blocks (int64 [N])."""
+        ...
+
+
+@runtime_checkable
 class AsyncBackend(Backend, Protocol):
     """A backend that queues a step on its device and returns at once, so the
     executor can prepare the next step meanwhile. In `batch.token_ids`, an id

@@ -62,6 +62,17 @@ class NumpyBackend:
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.ops.copy_blocks(src, dst)
 
+    # --- the KV pool's host tier (HostKvBackend): host arrays too, copied at once ------
+
+    def allocate_host_kv_cache(self, num_blocks: int) -> None:
+        self.ops.allocate_host_kv_cache(num_blocks)
+
+    def offload_kv_blocks(self, device_blocks: np.ndarray, host_slots: np.ndarray) -> None:
+        self.ops.offload_kv_blocks(device_blocks, host_slots)
+
+    def load_kv_blocks(self, host_slots: np.ndarray, device_blocks: np.ndarray) -> None:
+        self.ops.load_kv_blocks(host_slots, device_blocks)
+
     # --- LoRA (LoraBackend) -----------------------------------------------------------
 
     def enable_lora(self, num_slots: int, max_rank: int) -> None:

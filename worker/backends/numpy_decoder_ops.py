@@ -88,6 +88,8 @@ class NumpyDecoderOps:
         self.softmax_scale = config.softmax_scale
         self.k_cache: list[np.ndarray] = []
         self.v_cache: list[np.ndarray] = []
+        self.host_k: list[np.ndarray] = []  # the host tier: [slots, block_size, kv_heads, head_dim] per layer
+        self.host_v: list[np.ndarray] = []
         self.block_size = 0
         self.lora_slots: list[LoraAdapter | None] = []  # the adapter in each slot
         # Router statistics: the rows each layer's experts took since the last read.
@@ -105,6 +107,19 @@ class NumpyDecoderOps:
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         for cache in (*self.k_cache, *self.v_cache):
             cache[dst] = cache[src]
+
+    def allocate_host_kv_cache(self, num_blocks: int) -> None:
+        shape = (num_blocks, *self.k_cache[0].shape[1:])
+        self.host_k = [np.zeros(shape, dtype=np.float32) for _ in self.k_cache]
+        self.host_v = [np.zeros(shape, dtype=np.float32) for _ in self.v_cache]
+
+    def offload_kv_blocks(self, device_blocks: np.ndarray, host_slots: np.ndarray) -> None:
+        for pool, host in zip((*self.k_cache, *self.v_cache), (*self.host_k, *self.host_v), strict=True):
+            host[host_slots] = pool[device_blocks]
+
+    def load_kv_blocks(self, host_slots: np.ndarray, device_blocks: np.ndarray) -> None:
+        for pool, host in zip((*self.k_cache, *self.v_cache), (*self.host_k, *self.host_v), strict=True):
+            pool[device_blocks] = host[host_slots]
 
     # -- weights ----------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from worker.backends.cuda_graphs import MAX_QUERY, DecodeGraphs
 from worker.backends.memory_plan import WorkingMemory, gib, plan_working_memory
 from worker.backends.quant_linear import Fp8Linear, QuantLinear
 from worker.backends.torch_decoder_ops import TorchDecoderOps, TorchLinear
+from worker.backends.torch_host_kv import TorchHostKv
 from worker.backends.torch_sampler import sample_all, warm_up_batch
 from worker.backends.torch_step import PinnedStaging, StepInputs
 from worker.models import llama
@@ -167,6 +168,7 @@ class TorchBackend:
         )
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_cuda else 1
         self.block_size = 0
+        self.host_kv: TorchHostKv | None = None  # the KV pool's host tier, when allocated
         self.scratch_slot = 0
         self.staging = PinnedStaging(self.device)
         self._graphs: DecodeGraphs | None = None
@@ -307,6 +309,21 @@ class TorchBackend:
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.ops.copy_blocks(src, dst)
 
+    # -- the KV pool's host tier (HostKvBackend) ---------------------------------------------
+
+    def allocate_host_kv_cache(self, num_blocks: int) -> None:
+        self.host_kv = TorchHostKv(self.ops.k_cache, self.ops.v_cache, num_blocks)
+
+    def offload_kv_blocks(self, device_blocks: np.ndarray, host_slots: np.ndarray) -> None:
+        assert self.host_kv is not None, "allocate_host_kv_cache() must run first"
+        with torch.inference_mode():
+            self.host_kv.offload(device_blocks, host_slots)
+
+    def load_kv_blocks(self, host_slots: np.ndarray, device_blocks: np.ndarray) -> None:
+        assert self.host_kv is not None, "allocate_host_kv_cache() must run first"
+        with torch.inference_mode():
+            self.host_kv.load(host_slots, device_blocks)
+
     # -- LoRA (LoraBackend) ------------------------------------------------------------------
 
     def enable_lora(self, num_slots: int, max_rank: int) -> None:
@@ -346,6 +363,8 @@ class TorchBackend:
         pipeline stage before the last returns an empty tensor (the logits are the last's)."""
         if not self.ops.k_cache:
             raise RuntimeError("allocate_kv_cache() must run before forward()")
+        if self.host_kv is not None:
+            self.host_kv.launching(batch.block_tables)
         with torch.inference_mode():
             if self.stage is not None:
                 return self.stage.run(batch, self._upload, self.run_model)

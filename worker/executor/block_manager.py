@@ -5,9 +5,16 @@ sequences with the same prefix map it to the same physical block. Freed blocks
 keep their hash and contents until the allocator needs them: those are the
 "cached" blocks, reused on a hash hit and evicted least-recently-freed first.
 
-With the event log on (`record_events`), every hash that enters or leaves the
-cache index is logged in order, for whoever drives the core to publish: a
-gateway mirrors each worker's index from it to route prompts to their prefix.
+With a host tier (`host_blocks`, host_blocks.py), a cached block the allocator
+takes is not dropped: its hash moves to a host slot and its KV is copied there;
+a later prefix hit on it takes a free device block and copies the KV back before
+the step that reads it. A hash lives in one tier at a time. The copies are only
+decided here: `take_transfers` hands each step's to the engine, which has the
+backend issue them (offloads first, then loads) before the step's forward.
+
+With the event log on (`record_events`), every hash that enters, changes tier or
+leaves the cache index is logged in order, for whoever drives the core to publish:
+a gateway mirrors each worker's index from it to route prompts to their prefix.
 """
 
 from __future__ import annotations
@@ -15,11 +22,25 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+import numpy as np
 
 from protocol.block_hash import NO_HASH, chain_hash, first_hash
+from worker.executor.host_blocks import HostBlocks
+from worker.executor.kv_transfers import KvTransfers
 
-# An entry of the event log: (True, hash) the hash entered the cache index, (False, hash) it left.
-BlockEvent = tuple[bool, int]
+Tier = Literal["device", "host"]
+# An entry of the event log: (tier, hash) the hash is now held in that tier (it entered
+# the index or moved), (None, hash) it left the index.
+BlockEvent = tuple[Tier | None, int]
+
+
+class Hit(NamedTuple):
+    """One block of a cached prefix: a device block id, or a host slot when on_host."""
+
+    on_host: bool
+    where: int
 
 
 @dataclass(slots=True)
@@ -36,6 +57,7 @@ class BlockTable:
 
     block_ids: list[int] = field(default_factory=list)
     num_hashed: int = 0
+    num_from_host: int = 0  # of the prefix found cached at allocation, the blocks the host tier held
 
 
 class OutOfBlocksError(RuntimeError):
@@ -43,7 +65,8 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_reuse: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_reuse: bool = True, host_blocks: int = 0) -> None:
+        """`host_blocks`: slots of the host tier (0: none, evicted blocks are dropped)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -54,7 +77,12 @@ class BlockManager:
         # hash go to the front (nothing to lose), cached ones to the back (LRU).
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[int, int] = {}
-        self.reused_blocks = 0  # cumulative prefix-cache hits
+        self.reused_blocks = 0  # cumulative prefix-cache hits, both tiers
+        self.host = HostBlocks(host_blocks) if host_blocks and enable_reuse else None
+        self.reused_host_blocks = 0  # of those, the blocks loaded from the host tier
+        self.offloaded_blocks = 0  # cumulative: blocks copied to the host tier
+        self._offloads: list[tuple[int, int]] = []  # (device block, host slot), not handed over yet
+        self._loads: dict[int, int] = {}  # device block -> host slot, not handed over yet
         self._events: list[BlockEvent] | None = None  # off: nobody drains it
 
     def record_events(self) -> None:
@@ -78,42 +106,58 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def cached_prefix(self, token_ids: Seq[int], salt: int | None = None) -> list[int]:
-        """Block ids that hold a prefix of token_ids, never the whole sequence:
-        the last token is always recomputed, since its logits are needed."""
+    def cached_prefix(self, token_ids: Seq[int], salt: int | None = None) -> list[Hit]:
+        """The blocks, in either tier, that hold a prefix of token_ids, never the whole
+        sequence: the last token is always recomputed, since its logits are needed."""
         if not self.enable_reuse:
             return []
-        hits: list[int] = []
+        hits: list[Hit] = []
         prev = first_hash(salt)
         bs = self.block_size
         for start in range(0, len(token_ids) - 1 - bs + 1, bs):
-            chunk = token_ids[start : start + bs]
+            chunk = tuple(token_ids[start : start + bs])
             h = chain_hash(prev, chunk)
             block_id = self._by_hash.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(chunk):
+            if block_id is not None and self.blocks[block_id].token_ids == chunk:
+                hits.append(Hit(False, block_id))
+            elif self.host is not None and (slot := self.host.lookup(h, chunk)) is not None:
+                hits.append(Hit(True, slot))
+            else:
                 break
-            hits.append(block_id)
             prev = h
         return hits
+
+    def free_blocks_needed(self, hits: Seq[Hit], num_tokens: int) -> int:
+        """Free device blocks an allocation of num_tokens with these cached blocks takes:
+        the new ones, a cached device block revived, a block loaded from the host."""
+        device = sum(1 for hit in hits if not hit.on_host)
+        revived = sum(1 for hit in hits if not hit.on_host and self.blocks[hit.where].ref_count == 0)
+        return self.blocks_for(num_tokens) - device + revived
 
     # -- allocation ------------------------------------------------------------
 
     def allocate_prompt(self, table: BlockTable, token_ids: Seq[int], num_tokens: int,
                         salt: int | None = None) -> int:
         """Give an empty table blocks for num_tokens tokens, reusing cached prefix
-        blocks. Returns how many leading tokens are already in the cache."""
+        blocks (those on the host are loaded into free device blocks). Returns how
+        many leading tokens are already in the cache."""
         assert not table.block_ids, "allocate_prompt needs an empty block table"
         hits = self.cached_prefix(token_ids, salt)
-        need_new = self.blocks_for(num_tokens) - len(hits)
-        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        if need_new > self.num_free - revived:
-            raise OutOfBlocksError(f"need {need_new} blocks, {self.num_free - revived} free")
-        for b in hits:
-            self._ref(b)
+        need = self.free_blocks_needed(hits, num_tokens)
+        if need > self.num_free:
+            raise OutOfBlocksError(f"need {need} blocks, {self.num_free} free")
+        # Every hit is held before any block is taken, so taking one never evicts another.
+        loaded = {hit.where: self.host.take(hit.where) for hit in hits if hit.on_host and self.host is not None}
+        for hit in hits:
+            if not hit.on_host:
+                self._ref(hit.where)
+        for hit in hits:
+            table.block_ids.append(self._load(hit.where, *loaded[hit.where]) if hit.on_host else hit.where)
         self.reused_blocks += len(hits)
-        table.block_ids.extend(hits)
+        self.reused_host_blocks += len(loaded)
         table.num_hashed = len(hits)
-        for _ in range(need_new):
+        table.num_from_host = len(loaded)
+        for _ in range(self.blocks_for(num_tokens) - len(hits)):
             table.block_ids.append(self._take_free())
         return len(hits) * self.block_size
 
@@ -174,6 +218,7 @@ class BlockManager:
                     self._free.move_to_end(b, last=False)
         table.block_ids.clear()
         table.num_hashed = 0
+        table.num_from_host = 0
 
     def register_full_blocks(self, table: BlockTable, token_ids: Seq[int], num_computed: int,
                              salt: int | None = None) -> None:
@@ -190,10 +235,11 @@ class BlockManager:
             h = chain_hash(prev, chunk)
             block = self.blocks[table.block_ids[i]]
             if block.hash == NO_HASH and h not in self._by_hash:
+                if self.host is not None:
+                    self.host.drop(h)  # computed again on the device: one tier holds it
                 block.hash, block.token_ids = h, chunk
                 self._by_hash[h] = block.block_id
-                if self._events is not None:
-                    self._events.append((True, h))
+                self._log("device", h)
             prev = h
         table.num_hashed = max(table.num_hashed, full)
 
@@ -210,11 +256,54 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash != NO_HASH:
             del self._by_hash[block.hash]
-            if self._events is not None:
-                self._events.append((False, block.hash))
+            self._evict(block_id, block.hash, block.token_ids)
             block.hash, block.token_ids = NO_HASH, ()
         block.ref_count = 1
         return block_id
+
+    def _evict(self, block_id: int, h: int, token_ids: tuple[int, ...]) -> None:
+        """A cached block's device copy is about to be overwritten: keep it on the host
+        if there is a tier (and its load into this block is not still pending)."""
+        slot = None
+        if self.host is not None and self._loads.pop(block_id, None) is None:
+            slot, dropped = self.host.store(h, token_ids)
+            if dropped is not None:
+                self._log(None, dropped)
+        if slot is None:
+            self._log(None, h)
+            return
+        self._offloads.append((block_id, slot))
+        self.offloaded_blocks += 1
+        self._log("host", h)
+
+    def _load(self, slot: int, h: int, token_ids: tuple[int, ...]) -> int:
+        """A free device block for a block the host tier held; its copy is pending."""
+        block_id = self._take_free()
+        block = self.blocks[block_id]
+        block.hash, block.token_ids = h, token_ids
+        self._by_hash[h] = block_id
+        self._loads[block_id] = slot
+        self._log("device", h)
+        return block_id
+
+    def _log(self, tier: Tier | None, h: int) -> None:
+        if self._events is not None:
+            self._events.append((tier, h))
+
+    def take_transfers(self) -> KvTransfers | None:
+        """The copies between tiers decided since the last call (None: none), for the
+        backend to issue before the next forward. Host slots the loads read may be
+        stored into from now on: the backend orders those writes after the reads."""
+        if not self._offloads and not self._loads:
+            return None
+        off, loads = self._offloads, self._loads
+        self._offloads, self._loads = [], {}
+        assert self.host is not None
+        self.host.release_loading()
+        return KvTransfers(
+            np.array([b for b, _ in off], dtype=np.int64), np.array([s for _, s in off], dtype=np.int64),
+            np.array(list(loads.values()), dtype=np.int64), np.array(list(loads), dtype=np.int64),
+        )  # fmt: skip
 
     def check_invariants(self, tables: Seq[BlockTable]) -> None:
         """Reference counts equal the tables' references; every other block is free."""
@@ -230,7 +319,14 @@ class BlockManager:
             assert (block.ref_count == 0) == free, f"block {block.block_id} free-list mismatch"
         for h, b in self._by_hash.items():
             assert self.blocks[b].hash == h, f"hash index points at block {b} with another hash"
+        if self.host is not None:
+            self.host.check_invariants()
+            assert not self.host.hashes() & set(self._by_hash), "a hash held in both tiers"
 
     def cached_hashes(self) -> set[int]:
-        """Every hash the index holds (what replaying the event log from the start gives)."""
+        """Every hash the device tier holds (what replaying the event log from the start gives)."""
         return set(self._by_hash)
+
+    def host_hashes(self) -> set[int]:
+        """Every hash the host tier holds."""
+        return set() if self.host is None else self.host.hashes()

@@ -28,6 +28,7 @@ import numpy as np
 
 from protocol.model_fit import token_outside_vocabulary
 from worker.backends.base import Backend, ForwardBatch, HiddenStateBackend
+from worker.executor import kv_transfers
 from worker.executor.block_manager import BlockManager, BlockTable
 from worker.executor.request_table import RequestTable
 from worker.executor.types import ExecutorConfig, FinishReason, Request, Response, Result
@@ -161,6 +162,7 @@ class Embeddings:
             chunks.append((entry, entry.computed, n))
             budget -= n
         forward, rows = self._forward_batch(chunks)
+        kv_transfers.issue(self.blocks.take_transfers(), self.backend)  # the blocks it took may be evicted ones
         assert self.hidden is not None  # admit refused every request otherwise
         hidden = self.hidden.hidden_states(forward)
         for (entry, start, n), (lo, hi) in zip(chunks, rows, strict=True):

@@ -41,7 +41,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from worker.backends.base import Backend
+from worker.backends.base import Backend, HostKvBackend
 from worker.executor.block_manager import BlockManager
 from worker.executor.completion import Completion
 from worker.executor.draft_model import DraftModel
@@ -95,7 +95,8 @@ class EngineCore:
         backend.allocate_kv_cache(num_blocks, kv.tokens_per_block)
         if draft is not None:
             draft.allocate(num_blocks, kv.tokens_per_block)
-        self.blocks = BlockManager(num_blocks, kv.tokens_per_block, kv.enable_block_reuse)
+        host_blocks = self._num_host_kv_blocks()
+        self.blocks = BlockManager(num_blocks, kv.tokens_per_block, kv.enable_block_reuse, host_blocks)
         self.scheduler = Scheduler(config, self.blocks)
         self.lora = lora.attach(self.scheduler)
         self.table = RequestTable(self.scheduler)
@@ -111,8 +112,8 @@ class EngineCore:
         self._held: ScheduledBatch | None = None  # scheduled, launched once the step in flight has completed
         self.stalled = False  # the last step found requests waiting, none fitting and none in flight
         log.info("engine core: backend=%s kv_blocks=%d x %d tokens (max_batch_size=%d sequences of up to %d "
-                 "tokens each)", backend.name, num_blocks, kv.tokens_per_block, config.max_batch_size,
-                 num_blocks * kv.tokens_per_block // config.max_batch_size)
+                 "tokens each), host kv_blocks=%d", backend.name, num_blocks, kv.tokens_per_block,
+                 config.max_batch_size, num_blocks * kv.tokens_per_block // config.max_batch_size, host_blocks)
         # The configured adapters are read here, as the model is by from_model: a core is
         # ready to serve them once built.
         for name, path in config.lora_adapters.items():
@@ -159,6 +160,23 @@ class EngineCore:
                     "memory of one step grows with both; the backend's log line says by how much)"
                 )
         return max(1, tokens // kv.tokens_per_block)
+
+    def _num_host_kv_blocks(self) -> int:
+        """The host tier's blocks (KvCacheConfig.host_cache_size), allocated on the backend."""
+        kv = self.config.kv_cache_config
+        if not kv.host_cache_size:
+            return 0
+        if not isinstance(self.backend, HostKvBackend):
+            raise ValueError(f"host_cache_size: the {self.backend.name} backend has no host KV cache tier")
+        if not kv.enable_block_reuse:
+            raise ValueError("host_cache_size needs enable_block_reuse: the host tier keeps reusable prefix blocks")
+        block_bytes = self.backend.kv_bytes_per_token() * kv.tokens_per_block
+        if kv.host_cache_size < block_bytes:
+            raise ValueError(f"host_cache_size {kv.host_cache_size} bytes is less than one KV block "
+                             f"({block_bytes} bytes)")
+        blocks = kv.host_cache_size // block_bytes
+        self.backend.allocate_host_kv_cache(blocks)
+        return blocks
 
     # -- LoRA adapters (called by the driver between steps) -------------------------------
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from worker.backends.base import AsyncBackend, Backend, ForwardBatch, SampleOutput, SamplingBatch, StepHandle
-from worker.executor import host_logits
+from worker.executor import host_logits, kv_transfers
 from worker.executor.block_manager import BlockManager
 from worker.executor.inputs import build_forward_batch, build_sampling_batch, with_peft_inputs
 from worker.executor.lora_registry import LoraRegistry
@@ -158,6 +158,7 @@ class Launcher:
             seq.num_pending += 1
             positions.append(len(seq.token_ids) - 1)
             drafts_follow = drafts_follow or seq.spec is not None
+        kv_transfers.issue(self.blocks.take_transfers(), self.backend)  # before anything writes those blocks
         if batch.copies:
             src, dst = zip(*batch.copies, strict=True)
             self.backend.copy_blocks(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64))

@@ -183,8 +183,7 @@ class Scheduler:
             prompt_log_probs.rows_collected(seq) < seq.num_prompt_tokens)
         lookup = seq.token_ids[:1] if wants_logits else seq.token_ids
         hits = self.blocks.cached_prefix(lookup, seq.cache_salt)
-        revived = sum(1 for b in hits if self.blocks.blocks[b].ref_count == 0)
-        need_now = self.blocks.blocks_for(seq.num_tokens) - len(hits) + revived
+        need_now = self.blocks.free_blocks_needed(hits, seq.num_tokens)
         if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
             # A request that forks (beams, returned sequences) reserves as if none
             # of its sequences shared a block: never too little, whatever they share.
@@ -198,6 +197,7 @@ class Scheduler:
         seq.num_computed = cached
         if seq.state is RequestState.QUEUED:
             seq.num_cached_prompt = cached
+            seq.num_host_cached_prompt = seq.blocks.num_from_host * self.blocks.block_size
         return True
 
     def _reserved(self) -> int:

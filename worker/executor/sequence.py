@@ -41,6 +41,7 @@ class Sequence:
     blocks: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt: int = 0  # prompt tokens found in the prefix cache
+    num_host_cached_prompt: int = 0  # of those, the tokens its host tier held
     num_emitted: int = 0  # generated tokens already sent in a streaming response
     # Trailing entries of token_ids that are placeholders for tokens a launched
     # step is still sampling (see AsyncBackend.launch).

@@ -49,6 +49,7 @@ class Siblings:
                 sib.num_computed = leader.num_computed + n
                 sib.first_scheduled_time = leader.first_scheduled_time
                 sib.num_cached_prompt = leader.num_cached_prompt
+                sib.num_host_cached_prompt = leader.num_host_cached_prompt
                 self.scheduler.add_running(sib)
                 family.members.append(sib)
         return forks

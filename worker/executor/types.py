@@ -200,6 +200,9 @@ class KvCacheConfig:
     # "fp8": K and V stored as float8 e4m3 (half the bytes, twice the tokens); None: the
     # compute dtype. Torch backend on CUDA only.
     dtype: str | None = None
+    # Bytes of host memory (per rank) for the host tier: full prefix blocks evicted from
+    # the device pool are copied there, LRU, and copied back on a prefix hit. 0: off.
+    host_cache_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)

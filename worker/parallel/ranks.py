@@ -99,6 +99,18 @@ class DistributedBackend:
         self._send(("copy_blocks", (src, dst)))
         self.inner.copy_blocks(src, dst)
 
+    def allocate_host_kv_cache(self, num_blocks: int) -> None:
+        self._send(("allocate_host", num_blocks))
+        self.inner.allocate_host_kv_cache(num_blocks)
+
+    def offload_kv_blocks(self, device_blocks: np.ndarray, host_slots: np.ndarray) -> None:
+        self._send(("offload", (device_blocks, host_slots)))
+        self.inner.offload_kv_blocks(device_blocks, host_slots)
+
+    def load_kv_blocks(self, host_slots: np.ndarray, device_blocks: np.ndarray) -> None:
+        self._send(("load", (host_slots, device_blocks)))
+        self.inner.load_kv_blocks(host_slots, device_blocks)
+
     def enable_lora(self, num_slots: int, max_rank: int) -> None:
         self._send(("enable_lora", (num_slots, max_rank)))
         self.inner.enable_lora(num_slots, max_rank)
@@ -291,6 +303,12 @@ def serve(backend: TorchBackend, world: World, inbox: Connection) -> None:
             backend.allocate_kv_cache(*body)
         elif kind == "copy_blocks":
             backend.copy_blocks(*body)
+        elif kind == "allocate_host":
+            backend.allocate_host_kv_cache(body)
+        elif kind == "offload":
+            backend.offload_kv_blocks(*body)
+        elif kind == "load":
+            backend.load_kv_blocks(*body)
         elif kind == "enable_lora":
             backend.enable_lora(*body)
         elif kind == "load_lora_slot":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -102,6 +103,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "samples the same tokens whatever the load; costs throughput; float weights, one device")
     p.add_argument("--max-beam-width", type=POSITIVE_INT, default=4, help="widest beam search accepted")
     p.add_argument("--kv-tokens", type=POSITIVE_INT, default=None, help="KV cache size in tokens (default: by memory)")
+    p.add_argument("--host-kv-cache-gb", type=NON_NEGATIVE_FLOAT, default=0.0, metavar="GB",
+                   help="GiB of host memory (per GPU rank; pinned on CUDA) for a second KV cache tier: prefix blocks "
+                   "evicted from the device are kept there and copied back on a hit, instead of recomputed "
+                   "(default 0: off)")  # fmt: skip
     p.add_argument(
         "--logits-post-processor",
         action="append",
@@ -143,6 +148,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics listens on")
     add_insecure_option(p)
     add_config_options(p, "worker")
+
+
+def host_kv_cache_bytes(gib: float) -> int:
+    """--host-kv-cache-gb in bytes; more than the host's memory is refused here, before
+    the model loads, rather than by the pinned allocation failing minutes later."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if gib * (1 << 30) > total:
+        raise SystemExit(f"tokenwire worker: --host-kv-cache-gb {gib:g} is more than this host's memory "
+                         f"({total / (1 << 30):.1f} GiB)")
+    return int(gib * (1 << 30))
 
 
 def model_name_of(path: Path) -> str:
@@ -200,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
     from worker.service.server import Listener, ListenError, ServiceConfig, WorkerService
 
     apply_config(args)
+    host_kv_bytes = host_kv_cache_bytes(args.host_kv_cache_gb)
     args.redis = redis_url(args.redis, DEFAULT_REDIS, args.redis_password_file)
     curve = curve_config(args)
     binds = [Bind("--bind", args.bind, is_local_endpoint(args.bind), curve is not None, "--curve-secret-key-file")]
@@ -227,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
         max_beam_width=args.max_beam_width,
         scheduler_policy=args.scheduler_policy,
         kv_tokens=args.kv_tokens,
+        host_kv_cache_bytes=host_kv_bytes,
         logits_post_processors=tuple(args.logits_post_processor),
         backend=args.backend,
         device=args.device,

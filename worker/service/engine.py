@@ -90,6 +90,7 @@ class EngineConfig:
     peft_cache_config: ex.PeftCacheConfig | None = None
     scheduler_policy: str = "guaranteed_no_evict"  # a CapacitySchedulerPolicy's value
     deterministic: bool = False  # logits independent of batch-mates (ExecutorConfig.deterministic)
+    host_kv_cache_bytes: int = 0  # the KV cache's host tier (KvCacheConfig.host_cache_size); 0: off
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,7 +271,8 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
         max_batch_size=config.max_batch_size,
         max_num_tokens=config.max_num_tokens,
         max_beam_width=config.max_beam_width,
-        kv_cache_config=KvCacheConfig(max_tokens=config.kv_tokens, dtype=config.kv_cache_dtype),
+        kv_cache_config=KvCacheConfig(max_tokens=config.kv_tokens, dtype=config.kv_cache_dtype,
+                                      host_cache_size=config.host_kv_cache_bytes),
         logits_post_processors=config.logits_post_processors,
         backend="auto" if config.backend == "echo" else config.backend,
         device=config.device,

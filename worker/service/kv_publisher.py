@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterable
 
 import protocol
-from worker.executor.block_manager import BlockEvent
+from worker.executor.block_manager import BlockEvent, Tier
 
 
 class KvPublisher:
@@ -22,24 +22,30 @@ class KvPublisher:
         self.block_size = block_size
         self.incarnation = uuid.uuid4().hex
         self.seq = 0  # of the last KvEvents made
-        self.held: set[int] = set()
+        self.held: dict[int, Tier] = {}  # hash -> the tier holding it
 
     def fold(self, batches: Iterable[list[BlockEvent]]) -> protocol.KvEvents | None:
         """One message for the engine's event lists, in order; None when they change nothing."""
-        net: dict[int, bool] = {}  # hash -> stored (True) or removed (False), as of the last event
+        net: dict[int, Tier | None] = {}  # hash -> its tier (None: removed), as of the last event
         for events in batches:
-            for is_stored, h in events:
-                net[h] = is_stored
-        stored = [h for h, s in net.items() if s and h not in self.held]
-        removed = [h for h, s in net.items() if not s and h in self.held]
-        if not stored and not removed:
+            for tier, h in events:
+                net[h] = tier
+        changed = {h: tier for h, tier in net.items() if self.held.get(h) != tier}
+        if not changed:
             return None
-        self.held.update(stored)
-        self.held.difference_update(removed)
+        for h, tier in changed.items():
+            if tier is None:
+                del self.held[h]
+            else:
+                self.held[h] = tier
         self.seq += 1
         return protocol.KvEvents(sender_id=self.sender_id, incarnation=self.incarnation, seq=self.seq,
-                                 stored=stored, removed=removed)  # fmt: skip
+                                 stored=[h for h, t in changed.items() if t == "device"],
+                                 stored_host=[h for h, t in changed.items() if t == "host"],
+                                 removed=[h for h, t in changed.items() if t is None])  # fmt: skip
 
     def snapshot(self) -> protocol.KvSnapshot:
         return protocol.KvSnapshot(sender_id=self.sender_id, incarnation=self.incarnation, seq=self.seq,
-                                   block_size=self.block_size, hashes=list(self.held))  # fmt: skip
+                                   block_size=self.block_size,
+                                   hashes=[h for h, t in self.held.items() if t == "device"],
+                                   host_hashes=[h for h, t in self.held.items() if t == "host"])  # fmt: skip

@@ -661,6 +661,8 @@ class WorkerService:
             exec_stats[s.request_id] = s
             self.metrics.speculated(s.num_draft_tokens, s.num_accepted_draft_tokens)
         self.metrics.preempted(sum(it.num_preempted for it in step.iteration_stats))
+        if step.iteration_stats:
+            self.metrics.kv_cache(step.iteration_stats[-1])
         if finished:
             for entry, wire in finished:
                 self._record_finished(entry, wire, exec_stats.pop(entry.exec_id, None))

@@ -3,7 +3,7 @@ import random
 import pytest
 
 from protocol.block_hash import prompt_hashes
-from worker.executor.block_manager import BlockManager, BlockTable, OutOfBlocksError
+from worker.executor.block_manager import BlockEvent, BlockManager, BlockTable, OutOfBlocksError
 
 
 def test_allocate_and_free_returns_every_block() -> None:
@@ -55,7 +55,7 @@ def test_blocks_hashed_under_one_salt_are_never_found_under_another() -> None:
     t = BlockTable()
     bm.allocate_prompt(t, tokens, 9, salt=11)
     bm.register_full_blocks(t, tokens, 9, salt=11)
-    assert bm.cached_prefix(tokens, salt=11) == t.block_ids[:2]
+    assert [hit.where for hit in bm.cached_prefix(tokens, salt=11)] == t.block_ids[:2]
     assert bm.cached_prefix(tokens) == [] and bm.cached_prefix(tokens, salt=12) == []
     u = BlockTable()
     assert bm.allocate_prompt(u, tokens, 9, salt=12) == 0
@@ -153,12 +153,12 @@ def test_copy_on_write_with_no_free_block_is_out_of_blocks() -> None:
     assert child.block_ids == leader.block_ids
 
 
-def _replay(events: list[tuple[bool, int]], held: set[int] | None = None) -> set[int]:
+def _replay(events: list[BlockEvent], held: set[int] | None = None) -> set[int]:
     """What a subscriber holds after applying `events` in order; a removal of a hash
     it does not hold means the log was out of order."""
     held = set() if held is None else held
-    for stored, h in events:
-        if stored:
+    for tier, h in events:
+        if tier == "device":
             assert h not in held, f"hash {h} stored twice without a removal between"
             held.add(h)
         else:
@@ -178,15 +178,15 @@ def test_event_log_records_stored_then_evicted_hashes_in_order() -> None:
         bm.register_full_blocks(t, prompt, 3)
         stored.append(prompt_hashes(prompt, 2))
         bm.free(t)
-    assert bm.take_events() == [(True, stored[0][0]), (True, stored[1][0])]
+    assert bm.take_events() == [("device", stored[0][0]), ("device", stored[1][0])]
     assert bm.take_events() == []  # drained
     # Three new blocks: the two unhashed ones, then old's, the least recently freed.
     t = BlockTable()
     bm.allocate_prompt(t, [50, 51, 52, 53, 54, 55], 6)
     bm.register_full_blocks(t, [50, 51, 52, 53, 54, 55], 6)
     events = bm.take_events()
-    assert events[0] == (False, stored[0][0])
-    assert events[1:] == [(True, h) for h in prompt_hashes([50, 51, 52, 53, 54, 55, 0], 2)]
+    assert events[0] == (None, stored[0][0])
+    assert events[1:] == [("device", h) for h in prompt_hashes([50, 51, 52, 53, 54, 55, 0], 2)]
     bm.check_invariants([t])
 
 
@@ -233,3 +233,137 @@ def test_a_gateway_hashes_a_prompt_as_the_cache_does() -> None:
     bm.register_full_blocks(t, prompt, len(prompt))
     assert bm.cached_hashes() == set(prompt_hashes(prompt, 4))
     assert prompt_hashes(prompt, 4, salt=3) != prompt_hashes(prompt, 4)
+
+
+# -- the host tier ------------------------------------------------------------------------
+
+
+def _cache(bm: BlockManager, prompt: list[int]) -> BlockTable:
+    """Run a prompt through the cache: allocated, hashed, freed (its full blocks stay cached)."""
+    t = BlockTable()
+    bm.allocate_prompt(t, prompt, len(prompt))
+    bm.register_full_blocks(t, prompt, len(prompt))
+    bm.free(t)
+    return t
+
+
+def test_an_evicted_block_moves_to_the_host_and_a_hit_loads_it_back() -> None:
+    bm = BlockManager(num_blocks=2, block_size=2, host_blocks=4)
+    bm.record_events()
+    old = [1, 2, 3]
+    first = _cache(bm, old)
+    (h,) = prompt_hashes(old, 2)
+    device_block = bm.cached_prefix(old)[0].where
+    assert bm.take_events() == [("device", h)]
+    t = BlockTable()
+    bm.allocate_prompt(t, [50, 51, 52, 53], 4)  # takes both blocks: old's is evicted
+    transfers = bm.take_transfers()
+    assert transfers is not None and transfers.offload_src.tolist() == [device_block]
+    assert transfers.load_src.size == 0
+    assert bm.take_events() == [("host", h)]
+    assert bm.cached_prefix(old) == [(True, transfers.offload_dst[0])] and bm.host_hashes() == {h}
+    bm.check_invariants([t])
+    bm.free(t)
+
+    back = BlockTable()
+    assert bm.allocate_prompt(back, old, 3) == 2  # the host block counts as cached
+    loads = bm.take_transfers()
+    assert loads is not None and loads.offload_src.size == 0
+    assert loads.load_src.tolist() == transfers.offload_dst.tolist() and loads.load_dst.tolist() == back.block_ids[:1]
+    assert back.num_from_host == 1 and bm.reused_host_blocks == 1 and bm.reused_blocks == 1
+    assert bm.cached_hashes() == {h} and bm.host_hashes() == set()
+    assert bm.take_events() == [("device", h)]
+    assert first.block_ids == []
+    bm.check_invariants([back])
+    bm.free(back)
+    bm.check_invariants([])
+    assert bm.num_free == 2
+
+
+def test_a_full_host_tier_evicts_its_least_recently_stored_block() -> None:
+    bm = BlockManager(num_blocks=2, block_size=2, host_blocks=2)
+    bm.record_events()
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]
+    hashes = [prompt_hashes(p, 2)[0] for p in prompts]
+    for p in prompts:  # each prompt takes both blocks: the one before's full block goes to the host
+        _cache(bm, p)
+    bm.take_transfers()
+    # the host holds 2 of the 3 evicted: the first was dropped when the third arrived
+    assert bm.cached_hashes() == {hashes[3]} and bm.host_hashes() == {hashes[1], hashes[2]}
+    assert bm.cached_prefix(prompts[0]) == []
+    assert (None, hashes[0]) in bm.take_events()
+    assert bm.offloaded_blocks == 3
+    bm.check_invariants([])
+
+
+def test_a_block_computed_again_on_the_device_leaves_the_host() -> None:
+    """A hash lives in one tier: the device copy wins, the host slot is freed."""
+    bm = BlockManager(num_blocks=3, block_size=2, host_blocks=4)
+    prompt = [1, 2, 3, 4, 5]
+    _cache(bm, prompt)
+    _cache(bm, [9, 9, 9, 9, 9])  # evicts both of prompt's blocks to the host
+    bm.take_transfers()
+    assert bm.host_hashes() == set(prompt_hashes(prompt, 2))
+    t = BlockTable()
+    bm.allocate_prompt(t, prompt[:1], 5)  # no lookup (a prompt wanting its logits): recomputed
+    assert bm.host_hashes() >= set(prompt_hashes(prompt, 2))
+    bm.register_full_blocks(t, prompt, 5)
+    assert bm.cached_hashes() == set(prompt_hashes(prompt, 2))
+    assert not bm.host_hashes() & set(prompt_hashes(prompt, 2))
+    bm.check_invariants([t])
+
+
+def _replay_tiers(events: list[BlockEvent], held: dict[int, str]) -> None:
+    """Apply events as a gateway does: a hash is held in the tier its last event names."""
+    for tier, h in events:
+        if tier is None:
+            assert h in held, f"hash {h} removed before it was stored"
+            del held[h]
+        else:
+            assert held.get(h) != tier, f"hash {h} stored in {tier} twice"
+            held[h] = tier
+
+
+def test_random_workloads_over_both_tiers_keep_every_block_in_one_state() -> None:
+    rng = random.Random(2)
+    bm = BlockManager(num_blocks=24, block_size=4, host_blocks=16)
+    bm.record_events()
+    held: dict[int, str] = {}
+    live: list[BlockTable] = []
+    prefixes = [[rng.randrange(50) for _ in range(24)] for _ in range(6)]  # together 36 blocks: more than the pool
+    for _ in range(1500):
+        if live and (rng.random() < 0.45 or bm.num_free < 8):
+            bm.free(live.pop(rng.randrange(len(live))))
+        else:
+            prompt = rng.choice(prefixes)[: rng.randrange(1, 25)] + [rng.randrange(50) for _ in range(rng.randrange(6))]
+            t = BlockTable()
+            try:
+                bm.allocate_prompt(t, prompt, len(prompt))
+                bm.ensure_capacity(t, len(prompt) + rng.randrange(6))
+            except OutOfBlocksError:
+                bm.free(t)
+                continue
+            bm.register_full_blocks(t, prompt, len(prompt))
+            live.append(t)
+            if rng.random() < 0.2:  # beams: a fork whose write into the shared block copies it
+                child = bm.fork(t)
+                try:
+                    bm.make_writable(child, len(prompt) - 1)
+                    live.append(child)
+                except OutOfBlocksError:
+                    bm.free(child)
+        if rng.random() < 0.5:  # handed to the backend once per engine step
+            bm.take_transfers()
+        bm.check_invariants(live)
+        if rng.random() < 0.3:
+            _replay_tiers(bm.take_events(), held)
+            assert {h for h, tier in held.items() if tier == "device"} == bm.cached_hashes()
+            assert {h for h, tier in held.items() if tier == "host"} == bm.host_hashes()
+    for t in live:
+        bm.free(t)
+    bm.take_transfers()
+    _replay_tiers(bm.take_events(), held)
+    assert bm.reused_host_blocks > 0 and bm.offloaded_blocks > 0
+    assert bm.num_free == 24 and bm.host is not None and bm.host.num_cached == len(bm.host_hashes())
+    assert set(held) == bm.cached_hashes() | bm.host_hashes()
+    bm.check_invariants([])

@@ -14,15 +14,27 @@ from worker.service.kv_publisher import KvPublisher
 
 def test_folding_keeps_the_net_change_and_numbers_each_message() -> None:
     kv = KvPublisher("w", 16)
-    first = kv.fold([[(True, 1), (True, 2)], [(False, 1), (True, 3)]])
+    first = kv.fold([[("device", 1), ("device", 2)], [(None, 1), ("device", 3)]])
     assert first is not None and first.seq == 1
     assert sorted(first.stored) == [2, 3] and first.removed == []  # 1 came and went
-    second = kv.fold([[(False, 2), (True, 2), (False, 3)]])
+    second = kv.fold([[(None, 2), ("device", 2), (None, 3)]])
     assert second is not None and second.seq == 2 and second.stored == [] and second.removed == [3]
-    assert kv.fold([[(True, 4), (False, 4)]]) is None  # nothing changed: no message, no number
+    assert kv.fold([[("device", 4), (None, 4)]]) is None  # nothing changed: no message, no number
     snap = kv.snapshot()
     assert (snap.seq, sorted(snap.hashes), snap.incarnation) == (2, [2], first.incarnation)
     assert KvPublisher("w", 16).incarnation != kv.incarnation
+
+
+def test_a_block_moving_to_the_host_tier_is_published_under_its_tier() -> None:
+    kv = KvPublisher("w", 16)
+    kv.fold([[("device", 1), ("device", 2)]])
+    moved = kv.fold([[("host", 1), ("host", 2), ("device", 2)]])  # 2 went to the host and came back
+    assert moved is not None and moved.stored_host == [1] and moved.stored == [] and moved.removed == []
+    dropped = kv.fold([[(None, 1)]])
+    assert dropped is not None and dropped.removed == [1]
+    kv.fold([[("host", 2)]])
+    snap = kv.snapshot()
+    assert snap.hashes == [] and snap.host_hashes == [2]
 
 
 @pytest.fixture(scope="module")
