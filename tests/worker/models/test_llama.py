@@ -73,6 +73,7 @@ def test_weights_are_fused_once(tiny_checkpoints: dict[str, Path]) -> None:
     assert layer.qkv.bias is not None
     np.testing.assert_array_equal(layer.qkv.bias, bias)
     gate_up = np.concatenate([w["model.layers.1.mlp.gate_proj.weight"], w["model.layers.1.mlp.up_proj.weight"]])
+    assert layer.gate_up is not None  # a dense layer
     np.testing.assert_array_equal(layer.gate_up.weight, gate_up.T)
     assert layer.o.bias is None and layer.gate_up.bias is None
     assert not cfg.tie_word_embeddings
