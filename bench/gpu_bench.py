@@ -123,9 +123,10 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
         roof = roofline_of(cfg, None, dtype.itemsize, bandwidth, flops, kv_cache_dtype=args.kv_cache_dtype)
         if device.type == "cuda":
             roof.sustained_flops = measure_gemm(device, SUSTAINED_S)
-        floor_ms = roof.weight_bytes / bandwidth * 1e3
+        floor_ms = roof.decode_floor(0) * 1e3
         log(f"roofline: {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s{sustained_note(roof.sustained_flops)}; "
-            f"weights {roof.weight_bytes / 1e9:.2f} GB -> batch-1 TPOT floor {floor_ms:.2f} ms")  # fmt: skip
+            f"weights {roof.weight_bytes / 1e9:.2f} GB{roof.experts_note()} -> "
+            f"batch-1 TPOT floor {floor_ms:.2f} ms")  # fmt: skip
         t0 = time.perf_counter()
         weights = random_weights(cfg, device, dtype)
         sync(device)
@@ -139,6 +140,7 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
             "gemm_TFLOPps": flops / 1e12,
             "gemm_sustained_TFLOPps": roof.sustained_flops / 1e12,
             "weight_GB": roof.weight_bytes / 1e9,
+            "expert_GB": roof.expert_bytes * roof.experts / 1e9,
             "model_shape": shape_name(args.model_shape, args.tiny),
             "tensor_parallel_size": args.tensor_parallel_size,
             "pipeline_parallel_size": args.pipeline_parallel_size,
@@ -167,8 +169,10 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
     gemm = "fp8" if args.quantization == "fp8" and device.type == "cuda" else "bf16"
     print(f"roofline inputs: HBM {bandwidth / 1e12:.2f} TB/s (D2D copy, read+write), {gemm} GEMM {flops / 1e12:.0f} "
           f"TFLOP/s (8192^3, 20 products{sustained_note(roof.sustained_flops)}), summed over {gpus} GPU(s); "
-          f"{args.quantization or args.dtype} weights {roof.weight_bytes / 1e9:.2f} GB read per step")  # fmt: skip
+          f"{args.quantization or args.dtype} weights {roof.weight_bytes / 1e9:.2f} GB read per step"
+          f"{roof.experts_note()}")  # fmt: skip
     return header, table
+
 
 
 def table_from_json(path: str) -> tuple[list[str], list[list[str]]]:

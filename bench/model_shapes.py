@@ -1,6 +1,7 @@
 """The model shapes the GPU benches build with random weights, as their Hugging Face
-configs: Llama-3.1-8B and -70B, Qwen3-8B and Gemma-3-12B (text), and a tiny one of each
-architecture for smoke runs (Llama's two shapes share one)."""
+configs: Llama-3.1-8B and -70B, Qwen3-8B, Gemma-3-12B (text), and the mixtures of experts
+Qwen3-30B-A3B and gpt-oss-20b (its experts in bf16), and a tiny one of each architecture
+for smoke runs (Llama's two shapes share one)."""
 
 from __future__ import annotations
 
@@ -99,8 +100,77 @@ TINY_GEMMA3 = {**GEMMA3_12B, "vocab_size": 512, "hidden_size": 128, "intermediat
                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "query_pre_attn_scalar": 32,
                "sliding_window": 16, "max_position_embeddings": 4096}  # fmt: skip
 
-SHAPES = {"8b": LLAMA_8B, "70b": LLAMA_70B, "qwen3-8b": QWEN3_8B, "gemma3-12b": GEMMA3_12B}
-TINY_SHAPES = {"tiny": TINY, "qwen3-8b-tiny": TINY_QWEN3, "gemma3-12b-tiny": TINY_GEMMA3}
+# Qwen3-30B-A3B's published config.json: 128 experts of width 768, 8 a token, on every layer.
+QWEN3_30B_A3B: dict[str, Any] = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+TINY_QWEN3_MOE = {**QWEN3_30B_A3B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+                  "moe_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 4096,
+                  "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+
+# gpt-oss-20b's published config.json, its experts held in bf16 (the checkpoint ships them in
+# MXFP4): 32 experts of width 2880, 4 a token; attention sinks and biases; sliding-window
+# (128) and global layers alternating; YaRN.
+GPT_OSS_20B: dict[str, Any] = {
+    "model_type": "gpt_oss",
+    "vocab_size": 201088,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "experts_per_token": 4,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "attention_bias": True,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "sliding_window": 128,
+    "max_position_embeddings": 131072,
+    "initial_context_length": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 150000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "original_max_position_embeddings": 4096, "truncate": False},
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "eos_token_id": 200002,
+    "pad_token_id": 199999,
+}  # fmt: skip
+TINY_GPT_OSS = {**GPT_OSS_20B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 64,
+                "num_local_experts": 8, "num_experts_per_tok": 2, "experts_per_token": 2, "num_hidden_layers": 4,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "sliding_window": 16,
+                "layer_types": ["sliding_attention", "full_attention"] * 2, "max_position_embeddings": 4096,
+                "eos_token_id": 2, "pad_token_id": 0}  # fmt: skip
+
+SHAPES = {"8b": LLAMA_8B, "70b": LLAMA_70B, "qwen3-8b": QWEN3_8B, "gemma3-12b": GEMMA3_12B,
+          "qwen3-30b-a3b": QWEN3_30B_A3B, "gpt-oss-20b": GPT_OSS_20B}  # fmt: skip
+TINY_SHAPES = {"tiny": TINY, "qwen3-8b-tiny": TINY_QWEN3, "gemma3-12b-tiny": TINY_GEMMA3,
+               "qwen3-30b-a3b-tiny": TINY_QWEN3_MOE, "gpt-oss-20b-tiny": TINY_GPT_OSS}  # fmt: skip
 
 
 def shape_name(model_shape: str, tiny: bool) -> str:

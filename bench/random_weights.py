@@ -20,7 +20,8 @@ def fused_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
     shapes: dict[str, tuple[int, ...]] = {}
     for name, shape in expected_shapes(cfg).items():
-        match = re.fullmatch(r"(.*\.)(?:([qkv])_proj|(gate|up)_proj)\.(weight|bias)", name)
+        # Attention's and the dense MLP's projections; an expert's stay apart (the loader stacks them).
+        match = re.fullmatch(r"(.*\.(?:self_attn|mlp)\.)(?:([qkv])_proj|(gate|up)_proj)\.(weight|bias)", name)
         if match is None:
             shapes[name] = shape
             continue

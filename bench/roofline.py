@@ -45,6 +45,13 @@ class Roofline:
             return 0.0
         return self.experts * (1 - (1 - self.experts_per_token / self.experts) ** tokens)
 
+    def experts_note(self) -> str:
+        """For the logs: a mixture's expert weights, all of them, and how many a token reads."""
+        if not self.experts:
+            return ""
+        return (f" + experts {self.expert_bytes * self.experts / 1e9:.2f} GB ({self.experts_per_token} of "
+                f"{self.experts} a token; a step reads those its tokens chose)")
+
     def clipped(self, context: float) -> float:
         """Of a query's `context` keys, those a sliding-window layer reads."""
         return context if self.window is None else min(context, self.window)

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace, workloads: list[tuple[int, int, int, int]],
     log(f"{size} ranks up in {time.perf_counter() - t0:.1f} s; rank 0 runs {backend.quantization or args.dtype} "
         f"weights, a {args.kv_cache_dtype or args.dtype} KV cache; roofline of {size} GPUs: "
         f"{bandwidth / 1e12:.2f} TB/s, "
-        f"{flops / 1e12:.0f} TFLOP/s; weights {roof.weight_bytes / 1e9:.1f} GB -> "
+        f"{flops / 1e12:.0f} TFLOP/s; weights {roof.weight_bytes / 1e9:.1f} GB{roof.experts_note()} -> "
         "batch-1 TPOT floor "
         f"{roof.decode_floor(0) * 1e3:.2f} ms")  # fmt: skip
     try:

@@ -126,3 +126,33 @@ def test_gemma3_sliding_layers_read_only_the_window_at_decode() -> None:
     # the offline floor of long sequences beats the same model with every layer global
     every_layer_global = roofline_for(ModelConfig.from_hf({**GEMMA3_12B, "sliding_window": None}), 1.0, 1e30, 2)
     assert roof.offline_tok_s(2048, 64, 8, 8) > every_layer_global.offline_tok_s(2048, 64, 8, 8)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "gpt-oss-20b"])
+def test_moe_shapes_count_the_parameters_transformers_builds(shape: str) -> None:
+    # transformers' model on the meta device: the linear layers (attention, routers, head) every
+    # step reads, and the experts' stacked parameters, k of E of which a token computes.
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = dict(SHAPES[shape])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf))
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    # transformers' routers are modules of their own, not Linear
+    routers = sum(p.numel() for n, p in model.named_parameters() if n.endswith(("mlp.gate.weight", "router.weight")))
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and "bias" not in n)
+    roof = roofline_for(ModelConfig.from_hf(hf), 1.0, 1.0, 2)
+    assert routers > 0
+    assert roof.matmul_params + roof.lm_head_params == linear + routers
+    assert roof.expert_params * roof.experts == experts
+    assert roof.weight_bytes == 2 * (linear + routers) and roof.expert_bytes == 2 * roof.expert_params
+
+
+def test_a_moe_step_reads_the_experts_its_tokens_chose() -> None:
+    roof = roofline_for(ModelConfig.from_hf(SHAPES["qwen3-30b-a3b"]), 1.0, 1e30, 2)
+    assert (roof.experts, roof.experts_per_token) == (128, 8)
+    assert roof.experts_read(1) == pytest.approx(8)  # one token: its own k
+    assert roof.experts_read(4096) == pytest.approx(128)  # a large batch: all of them
+    assert 8 < roof.experts_read(16) < 16 * 8  # some chosen twice
+    assert roof.decode_floor(0) == pytest.approx(roof.weight_bytes + 8 * roof.expert_bytes)
