@@ -23,7 +23,13 @@ def transformers_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+# transformers 5 holds a mixture's experts stacked in memory and writes them one by one (the
+# hub's layout, which the family lists and its parity tests load): only the dense shapes'
+# state dicts name what a checkpoint holds.
+DENSE = [name for name, hf in SHAPES.items() if hf["model_type"] not in ("qwen3_moe", "gpt_oss")]
+
+
+@pytest.mark.parametrize("shape", DENSE)
 def test_random_tensors_are_transformers_tensors(shape: str) -> None:
     hf = SHAPES[shape]
     tensors = RandomTensors(ModelConfig.from_hf(hf), torch.device("meta"), torch.bfloat16)

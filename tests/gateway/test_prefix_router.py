@@ -58,8 +58,10 @@ def test_a_prefix_in_the_host_tier_costs_less_than_a_miss_and_more_than_the_devi
     assert cost(prefill_blocks=2, decode_blocks=0.0, overlap_weight=4.0, host_blocks=8) == 4.0 * (2 + 8 * 0.25)
     on_device = link(ctx, "device", CHAIN[:8], active=1, used_blocks=4)
     on_host = link(ctx, "host", [], active=1, used_blocks=4)
-    on_host.kv.apply_snapshot(protocol.KvSnapshot(sender_id="host", incarnation="i", seq=0, block_size=BLOCK,
+    # A later snapshot (seq 1) than link()'s: the worker's blocks have since moved to its host tier.
+    on_host.kv.apply_snapshot(protocol.KvSnapshot(sender_id="host", incarnation="i", seq=1, block_size=BLOCK,
                                                   host_hashes=CHAIN[:8]))  # fmt: skip
+    assert on_host.kv.matched(CHAIN[:8]) == (8, 8)
     cold = link(ctx, "cold", [], active=1, used_blocks=4)
     router = PrefixRouter("gw", GatewayMetrics())
     assert router.pick([on_device, on_host, cold], "m", submit()) is on_device
