@@ -117,7 +117,8 @@ def experts_from_float(gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: 
 
 def experts_from_mxfp4(gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, down_blocks: torch.Tensor,
                        down_scales: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
-                       down_bias: torch.Tensor | None = None, gate_up_interleaved: bool = False) -> ExpertWeights:  # fmt: skip
+                       down_bias: torch.Tensor | None = None,
+                       gate_up_interleaved: bool = False) -> ExpertWeights:  # fmt: skip
     """A layer's experts from MXFP4 tensors as checkpoints ship them: blocks uint8 [E, out,
     in / 32, 16], scales uint8 [E, out, in / 32], for gate_up (out 2I) and down (out H).
     gpt-oss interleaves gate_up's rows (gate, up, gate, up, ...) and its bias likewise:
@@ -138,6 +139,30 @@ def experts_from_mxfp4(gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tenso
         gate_up_bias = None if gate_up_bias is None else gate_up_bias[:, order.to(gate_up_bias.device)]
     return ExpertWeights("mxfp4", gate_up.contiguous(), down.contiguous(), gate_up_scales.contiguous(),
                          down_scales.contiguous(), gate_up_bias, down_bias)  # fmt: skip
+
+
+def dequantize_expert(experts: ExpertWeights, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's float32 (gate_up [2I, H], down [H, I]) by its format's definition, on the
+    weights' device: references and fallbacks, not the kernel's path."""
+    return tuple(  # type: ignore[return-value]
+        _dequantize(experts.format, w[expert], None if s is None else s[expert])
+        for w, s in ((experts.gate_up, experts.gate_up_scale), (experts.down, experts.down_scale))
+    )
+
+
+def _dequantize(fmt: Format, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    if fmt == "bf16" or scale is None:
+        return w.float()
+    if fmt == "fp8":
+        return w.float() * scale[:, None]
+    if fmt == "fp8_block":
+        n, k = w.shape
+        return w.float() * scale.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+    e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=w.device)
+    e2m1 = torch.cat([e2m1, -e2m1])
+    values = torch.stack([e2m1[(w & 15).long()], e2m1[(w >> 4).long()]], dim=-1).view(w.shape[0], -1)
+    factor = torch.exp2(scale.float() - 127.0).repeat_interleave(MXFP4_BLOCK, 1)
+    return values * factor
 
 
 def _check_shapes(gate_up: tuple[int, ...] | torch.Size, down: tuple[int, ...] | torch.Size,
@@ -341,7 +366,7 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(  # type: ignore[no-untyped-def]
-        x_ptr, w_ptr, s_ptr, b_ptr, sorted_ptr, block_expert_ptr, out_ptr, num_pairs, I, K, stride_x, num_blocks,
+        x_ptr, w_ptr, s_ptr, b_ptr, sorted_ptr, block_expert_ptr, out_ptr, num_pairs, INTER, K, stride_x, num_blocks,
         TOP_K: tl.constexpr, FORMAT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr,
         LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
@@ -356,24 +381,26 @@ if triton is not None:
         m_ok = pair < num_pairs
         token = (pair // TOP_K).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < I
+        n_ok = offs_n < INTER
         gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + token[:, None] * stride_x + offs_k[None, :], mask=m_ok[:, None] & (offs_k[None, :] < K),
                         other=0.0).to(_DOT)  # fmt: skip
-            gate = _dot_expert(gate, a, w_ptr, s_ptr, expert, offs_n, n_ok, k0, 2 * I, K, FORMAT, BLOCK_N, BLOCK_K)
-            up = _dot_expert(up, a, w_ptr, s_ptr, expert, offs_n + I, n_ok, k0, 2 * I, K, FORMAT, BLOCK_N, BLOCK_K)
-        gate = _epilogue(gate, s_ptr, b_ptr, expert, offs_n, n_ok, 2 * I, FORMAT, HAS_BIAS)
-        up = _epilogue(up, s_ptr, b_ptr, expert, offs_n + I, n_ok, 2 * I, FORMAT, HAS_BIAS)
+            gate = _dot_expert(gate, a, w_ptr, s_ptr, expert, offs_n, n_ok, k0, 2 * INTER, K, FORMAT, BLOCK_N, BLOCK_K)
+            up = _dot_expert(
+                up, a, w_ptr, s_ptr, expert, offs_n + INTER, n_ok, k0, 2 * INTER, K, FORMAT, BLOCK_N, BLOCK_K
+            )
+        gate = _epilogue(gate, s_ptr, b_ptr, expert, offs_n, n_ok, 2 * INTER, FORMAT, HAS_BIAS)
+        up = _epilogue(up, s_ptr, b_ptr, expert, offs_n + INTER, n_ok, 2 * INTER, FORMAT, HAS_BIAS)
         if ACT == _SILU:
             act = gate * tl.sigmoid(gate) * up
         else:
             gate = tl.minimum(gate, LIMIT)
             up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
             act = (up + 1.0) * gate * tl.sigmoid(ALPHA * gate)
-        o_ptrs = out_ptr + pair.to(tl.int64)[:, None] * I + offs_n[None, :]
+        o_ptrs = out_ptr + pair.to(tl.int64)[:, None] * INTER + offs_n[None, :]
         tl.store(o_ptrs, act.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
