@@ -29,6 +29,7 @@ SECTIONS: dict[str, str] = {
     "attention": "bench.attention_bench",
     "serving": "bench.serving_bench",
     "lora": "bench.lora_bench",
+    "moe_kernel": "bench.moe_kernel_bench",
     "fleet": "bench.fleet_bench",
     "migration": "bench.migration_bench",
     "openai": "bench.openai_bench",

@@ -1,0 +1,100 @@
+"""The fused MoE kernel (worker/backends/fused_moe.py) run by Triton's interpreter on the
+CPU, on a layer small enough for seconds, against a float32 reference: every format, both
+activations, with biases, at T=1 and T=5 (neither a multiple of the 16-row block), with
+experts that get no token. Run with TRITON_INTERPRET=1 set before Triton is imported
+(test_fused_moe_interpreted.py starts this module in a process of its own).
+
+    TRITON_INTERPRET=1 python -m tests.worker.backends.interpreted_fused_moe
+
+Tolerance: the weights reach tl.dot exactly (bf16, e4m3 and e2m1 values), the products
+accumulate in float32; the activation and the output are rounded to bf16 (2^-9 relative
+each): ~3e-3 in relative L2; bound 1e-2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from worker.backends.fused_moe import (
+    ACTIVATIONS,
+    ExpertWeights,
+    Tile,
+    dequantize_expert,
+    experts_from_float,
+    experts_from_mxfp4,
+    fused_moe,
+)
+from worker.models import mxfp4
+
+# H not a multiple of BLOCK_K (the last K step masked) nor of BLOCK_N (the last columns masked)
+E, H, INTER = 4, 96, 64
+TILE = Tile(16, 64, 64, 4, 1)
+
+
+def make_experts(fmt: str) -> ExpertWeights:
+    gu_bias, d_bias = torch.randn(E, 2 * INTER), torch.randn(E, H).to(torch.bfloat16)
+    if fmt == "mxfp4":
+        gu_blocks = torch.randint(0, 256, (E, 2 * INTER, H // 32, 16), dtype=torch.uint8)
+        d_blocks = torch.randint(0, 256, (E, H, INTER // 32, 16), dtype=torch.uint8)
+        gu_scales = torch.randint(121, 125, (E, 2 * INTER, H // 32), dtype=torch.uint8)
+        d_scales = torch.randint(121, 125, (E, H, INTER // 32), dtype=torch.uint8)
+        experts = experts_from_mxfp4(gu_blocks, gu_scales, d_blocks, d_scales, gu_bias, d_bias)
+        # the kernel's reference dequantization is the format's definition, exactly
+        assert torch.equal(dequantize_expert(experts, 2)[0],
+                           torch.from_numpy(mxfp4.dequantize(gu_blocks[2].numpy(), gu_scales[2].numpy())))  # fmt: skip
+        return experts
+    w_gu, w_d = torch.randn(E, 2 * INTER, H) / H**0.5, torch.randn(E, H, INTER) / INTER**0.5
+    return experts_from_float(w_gu, w_d, gu_bias, d_bias, format=fmt)  # type: ignore[arg-type]
+
+
+def reference(x: torch.Tensor, experts: ExpertWeights, ids: torch.Tensor, weights: torch.Tensor,
+              activation: str) -> torch.Tensor:  # fmt: skip
+    """float32, token by token and expert by expert."""
+    assert experts.gate_up_bias is not None and experts.down_bias is not None
+    out = torch.zeros(x.shape[0], H)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate_up, down = dequantize_expert(experts, e)
+            h = gate_up @ x[t].float() + experts.gate_up_bias[e].float()
+            gate, up = h[:INTER], h[INTER:]
+            if activation == "silu":
+                act = F.silu(gate) * up
+            else:
+                gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+                act = (up + 1) * gate * torch.sigmoid(1.702 * gate)
+            out[t] += weights[t, j] * (down @ act + experts.down_bias[e].float())
+    return out
+
+
+def check_fused_moe() -> None:
+    # T=1; T=5 over experts 0, 1, 3 only (expert 2 gets no token)
+    routings = (torch.tensor([[2, 0]]), torch.tensor([[0, 1], [1, 3], [3, 0], [1, 0], [0, 3]]))
+    for fmt in ("bf16", "fp8", "fp8_block", "mxfp4"):
+        experts = make_experts(fmt)
+        for ids in routings:
+            x = torch.randn(ids.shape[0], H).to(torch.bfloat16)
+            weights = torch.softmax(torch.randn(ids.shape), dim=1)
+            for activation in ACTIVATIONS:
+                got = fused_moe(x, experts, ids.to(torch.int32), weights, activation, tile=TILE)
+                want = reference(x, experts, ids, weights, activation)
+                err = float((got.float() - want).norm() / want.norm())
+                assert got.dtype == torch.bfloat16 and err < 1e-2, f"{fmt} {activation} T={ids.shape[0]}: {err:.2e}"
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("set TRITON_INTERPRET=1: the kernels must run in Triton's interpreter", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    check_fused_moe()
+    print("check_fused_moe: ok", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
