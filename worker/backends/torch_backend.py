@@ -172,9 +172,10 @@ class TorchBackend:
         self.scratch_slot = 0
         self.staging = PinnedStaging(self.device)
         self._graphs: DecodeGraphs | None = None
-        # The MoE layers' expert loop reads its per-expert row counts on the host: no graph captures it.
+        # The MoE layers' expert loop reads its per-expert row counts on the host: no graph captures
+        # it; the fused expert kernel reads nothing there.
         self._use_cuda_graphs = (use_cuda_graphs and self.on_cuda and self.stage is None and not deterministic
-                                 and not self.config.is_moe)  # fmt: skip
+                                 and (not self.config.is_moe or self.ops.fused_experts))  # fmt: skip
         self._world = world  # tensor-parallel ranks agree on the decode graphs' timings
         self.lora_enabled = False  # LoRA slots allocated: decode graphs take each row's slot
         self._max_graph_batch = max_graph_batch

@@ -22,10 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from worker.backends import gemv, invariant_matmul, paged_attention, quant_linear, torch_ops
+from worker.backends.fused_moe import experts_from_float
 from worker.backends.gelu_mul import gelu_tanh_mul_torch, gelu_tanh_mul_triton
 from worker.backends.head_norm import head_norm_torch, head_norm_triton
 from worker.backends.lora_kernel import add_lora
-from worker.backends.torch_moe import TorchExperts, route, run_experts
+from worker.backends.torch_moe import TorchExperts, experts_out, route
 from worker.backends.torch_step import StepInputs
 from worker.models.config import CheckpointError, ModelConfig
 from worker.models.llama import LinearRole
@@ -69,9 +70,12 @@ class TorchDecoderOps:
             for rope in layer_ropes(config)
         ]
         self.use_triton = device.type == "cuda" and paged_attention.triton is not None
-        if config.is_moe and quantize is not None:
+        # bf16 on CUDA: the fused expert kernel (worker/backends/fused_moe.py), which also
+        # reads FP8 expert weights; the loop elsewhere computes with float ones only.
+        self.fused_experts = device.type == "cuda" and dtype == torch.bfloat16 and paged_attention.triton is not None
+        if config.is_moe and quantize is not None and not (quantize == "fp8" and self.fused_experts):
             raise CheckpointError(f"model_type {config.model_type!r}: quantization {quantize!r} of expert weights "
-                                  "is not supported")  # fmt: skip
+                                  "is not supported here (FP8 experts: bf16 on CUDA)")  # fmt: skip
         # Router statistics: the rows each layer's experts took since the last read, on the device.
         self.expert_tokens = torch.zeros((config.num_layers, config.num_experts), dtype=torch.int64, device=device)
 
@@ -196,13 +200,23 @@ class TorchDecoderOps:
         bias = None
         if tensors.gate_bias is not None and tensors.up_bias is not None:
             bias = torch.cat([self._tensor(tensors.gate_bias), self._tensor(tensors.up_bias)], dim=1)
+        gate_up: torch.Tensor | None = torch.cat([stacked(tensors.gate), stacked(tensors.up)], dim=1).contiguous()
+        down: torch.Tensor | None = stacked(tensors.down).contiguous()
+        down_bias = None if tensors.down_bias is None else self._tensor(tensors.down_bias)
+        fused = None
+        if self.fused_experts:
+            assert gate_up is not None and down is not None
+            fused = experts_from_float(gate_up, down, bias, down_bias, "fp8" if self.quantize == "fp8" else "bf16")
+            if fused.format != "bf16":  # the float copies are the kernel's own in bf16; drop them otherwise
+                gate_up = down = None
         return TorchExperts(
             router=self._tensor(tensors.router),
             router_bias=None if tensors.router_bias is None else self._tensor(tensors.router_bias),
-            gate_up=torch.cat([stacked(tensors.gate), stacked(tensors.up)], dim=1).contiguous(),
-            down=stacked(tensors.down).contiguous(),
+            gate_up=gate_up,
+            down=down,
             gate_up_bias=bias,
-            down_bias=None if tensors.down_bias is None else self._tensor(tensors.down_bias),
+            down_bias=down_bias,
+            fused=fused,
         )
 
     # -- one step ---------------------------------------------------------------------------
@@ -301,7 +315,7 @@ class TorchDecoderOps:
         chosen, weights = route(F.linear(x, experts.router, experts.router_bias), self.config)
         ones = torch.ones(chosen.numel(), dtype=torch.int64, device=chosen.device)
         self.expert_tokens[layer].index_add_(0, chosen.flatten(), ones)
-        return run_experts(x, experts, chosen, weights, self.config.expert_act)
+        return experts_out(x, experts, chosen, weights, self.config.expert_act)
 
     def scale(self, x: torch.Tensor, factor: float) -> torch.Tensor:
         return x.mul_(float(torch.tensor(factor, dtype=x.dtype)))

@@ -1,9 +1,11 @@
 """A mixture-of-experts layer in torch: routing (worker/models/moe_routing.py's
-definition, step by step) and the experts as a loop over those that took rows: gather
-the rows, gate_up, activation, down, add back weighted (index_add_). Correct on the CPU
-and on CUDA; the expert weights are stacked per layer in the layout a fused kernel reads
-(`gate_up` [experts, 2 * intermediate, hidden], gate rows then up rows; `down`
-[experts, hidden, intermediate]), so such a kernel replaces `run_experts` alone.
+definition, step by step), then the experts. On CUDA in bf16 the fused kernel
+(worker/backends/fused_moe.py: tokens sorted by expert on the device, two grouped-GEMM
+launches, no host read, so decode steps are captured in CUDA graphs) computes them, from
+bf16 or FP8 expert weights. Elsewhere (the CPU, float32 on CUDA) `run_experts` is a loop
+over the experts that took rows: gather the rows, gate_up, activation, down, add back
+weighted (index_add_). The expert weights are stacked per layer (`gate_up` [experts,
+2 * intermediate, hidden], gate rows then up rows; `down` [experts, hidden, intermediate]).
 
 The router statistics are a device tensor the layer adds to (no host sync here); the
 backend reads it once per step, where the step already waits for its results.
@@ -16,18 +18,25 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from worker.backends.fused_moe import ExpertWeights, fused_moe
 from worker.models.config import ModelConfig
 from worker.models.expert_act import SWIGLU_ALPHA, SWIGLU_LIMIT
+
+# The model's activation names (ModelConfig.expert_act) as the fused kernel's.
+KERNEL_ACT = {"silu": "silu", "swiglu_clamped": "clamped_swiglu"}
 
 
 @dataclass(frozen=True, slots=True)
 class TorchExperts:
     router: torch.Tensor  # [experts, hidden]
     router_bias: torch.Tensor | None  # [experts]
-    gate_up: torch.Tensor  # [experts, 2 * intermediate, hidden]: gate rows, then up rows
-    down: torch.Tensor  # [experts, hidden, intermediate]
+    # [experts, 2 * intermediate, hidden]: gate rows, then up rows; and [experts, hidden,
+    # intermediate]. None where `fused` holds them quantized (FP8) and nothing else reads them.
+    gate_up: torch.Tensor | None
+    down: torch.Tensor | None
     gate_up_bias: torch.Tensor | None  # [experts, 2 * intermediate]
     down_bias: torch.Tensor | None  # [experts, hidden]
+    fused: ExpertWeights | None = None  # what the fused kernel reads (CUDA, bf16 activations)
 
 
 def route(logits: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,9 +62,19 @@ def expert_act(gate_up: torch.Tensor, kind: str) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def experts_out(x: torch.Tensor, experts: TorchExperts, chosen: torch.Tensor, weights: torch.Tensor,
+                act: str) -> torch.Tensor:  # fmt: skip
+    """x [N, hidden] -> the routed sum [N, hidden]; chosen, weights [N, k]: the fused
+    kernel where the layer has its weights, else the loop."""
+    if experts.fused is not None:
+        return fused_moe(x, experts.fused, chosen.to(torch.int32), weights, KERNEL_ACT[act])  # type: ignore[arg-type]
+    return run_experts(x, experts, chosen, weights, act)
+
+
 def run_experts(x: torch.Tensor, experts: TorchExperts, chosen: torch.Tensor, weights: torch.Tensor,
                 act: str) -> torch.Tensor:  # fmt: skip
     """x [N, hidden] -> the routed sum [N, hidden]; chosen, weights [N, k]."""
+    assert experts.gate_up is not None and experts.down is not None
     out = torch.zeros_like(x)
     flat = chosen.flatten()
     order = torch.argsort(flat, stable=True)
