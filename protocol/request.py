@@ -13,6 +13,7 @@ from protocol import options
 from protocol.base import Message, Name, Uint64, WireModel
 from protocol.continuation import continuation_problem
 from protocol.derive import wire_model
+from protocol.kv_transfer import KvHandoff
 from protocol.packed import Floats, TokenIds
 from protocol.results import Logits
 
@@ -136,6 +137,11 @@ class Submit(Message):
     resumed_token_ids: TokenIds | None = Field(None, min_length=1)
     # Set: the request answers with its prompt's embedding, and generates nothing.
     embedding_config: EmbeddingConfig | None = None
+    # Disaggregated serving (protocol/kv_transfer.py). Toward a prefill worker: it computes the
+    # first token only, then hands the request's KV blocks on. Toward the decode worker: the
+    # continuation names the transfer whose blocks it waits for.
+    kv_handoff: KvHandoff | None = None
+    kv_transfer_id: Name | None = None
 
     @property
     def lora(self) -> str | None:

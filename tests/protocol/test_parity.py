@@ -46,7 +46,8 @@ def as_plain(value: Any) -> Any:
         (p.GuidedDecodingParams, ex.GuidedDecodingParams, set()),
         (p.SpeculativeConfig, ex.SpeculativeConfig, set()),
         (p.LoraConfig, ex.LoraConfig, set()),
-        (p.Submit, ex.Request, {"request_id", "model", "prompt", "messages", "stop", "client_request_id"}),
+        (p.Submit, ex.Request, {"request_id", "model", "prompt", "messages", "stop", "client_request_id",
+                                  "kv_handoff", "kv_transfer_id"}),
         (p.Result, ex.Result, {"text"}),
         (p.Response, ex.Response, set()),
     ],
@@ -69,7 +70,8 @@ def test_a_submit_converts_to_an_executor_request_by_name():
         sampling_config=p.SamplingConfig(temperature=0.5, top_k=4, seed=9),
         guided_decoding_params=p.GuidedDecodingParams(guide_type="regex", guide="a+"),
     )
-    fields = msg.model_dump(exclude={"request_id", "model", "prompt", "messages", "stop", "client_request_id"})
+    fields = msg.model_dump(exclude={"request_id", "model", "prompt", "messages", "stop", "client_request_id",
+                                     "kv_handoff", "kv_transfer_id"})
     request = ex.Request(
         **{
             **fields,
