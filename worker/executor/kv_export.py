@@ -15,14 +15,11 @@ simply recomputed: a transfer saves work, it never decides what is generated.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from worker.executor.block_manager import BlockManager, BlockTable
-
-if TYPE_CHECKING:
-    from worker.executor.engine_core import EngineCore
 
 
 class KvLayoutError(ValueError):
@@ -106,46 +103,38 @@ class CacheStore:
             _write_block(cache, block_id, data)
 
 
-def store_of(core: EngineCore) -> CacheStore:
-    ops = getattr(core.backend, "ops", None)
+def store_of(backend: Any) -> CacheStore:
+    """The KV cache of a backend (an engine core's `backend`)."""
+    ops = getattr(backend, "ops", None)
     if ops is None or not hasattr(ops, "k_cache"):
-        raise KvLayoutError(f"the {core.backend.name} backend keeps no KV cache to export or import")
+        raise KvLayoutError(f"the {backend.name} backend keeps no KV cache to export or import")
     return CacheStore(ops)
 
 
-def layout_of(core: EngineCore, model: str) -> KvLayout:
-    store = store_of(core)
+def layout_of(blocks: BlockManager, store: CacheStore, model: str, tensor_parallel_size: int) -> KvLayout:
     k = store.k_cache[0]
     return KvLayout(
         model=model,
         num_layers=len(store.k_cache),
-        block_size=core.blocks.block_size,
+        block_size=blocks.block_size,
         num_kv_heads=int(k.shape[2]),
         head_dim=int(k.shape[3]),
         dtype=store.dtype(),
-        tensor_parallel_size=core.config.parallel_config.tensor_parallel_size,
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 
-def export_prefix(core: EngineCore, model: str, token_ids: list[int]) -> KvBlocks:
+def read_blocks(blocks: BlockManager, store: KvBlockStore, layout: KvLayout, token_ids: list[int]) -> KvBlocks:
     """The cached full blocks of `token_ids` but its last token (which a continuation
     computes for its logits): for a finished prefill, its prompt and first token."""
-    return read_blocks(core.blocks, store_of(core), layout_of(core, model), token_ids)
-
-
-def import_blocks(core: EngineCore, model: str, kv: KvBlocks) -> int:
-    """Write `kv` into the core's prefix cache; the blocks written (those not cached
-    already). Raises KvLayoutError on a layout that is not this core's."""
-    return write_blocks(core.blocks, store_of(core), layout_of(core, model), kv)
-
-
-def read_blocks(blocks: BlockManager, store: KvBlockStore, layout: KvLayout, token_ids: list[int]) -> KvBlocks:
     block_ids = blocks.cached_prefix(token_ids)
     covered = tuple(token_ids[: len(block_ids) * blocks.block_size])
     return KvBlocks(layout, covered, [store.read(b) for b in block_ids])
 
 
 def write_blocks(blocks: BlockManager, store: KvBlockStore, layout: KvLayout, kv: KvBlocks) -> int:
+    """Write `kv` into the prefix cache of `blocks`; the blocks written (those not cached
+    already). Raises KvLayoutError on a layout that is not `layout`."""
     check_layout(kv.layout, layout)
     num_tokens = len(kv.token_ids)
     if num_tokens != len(kv.frames) * layout.block_size:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from protocol.status import FinishReason
-from worker.executor.kv_export import KvBlocks, KvLayoutError, export_prefix, import_blocks
+from worker.executor.kv_export import KvBlocks, KvLayout, KvLayoutError, layout_of, read_blocks, store_of, write_blocks
 from worker.executor.step_output import StepOutput
 
 if TYPE_CHECKING:
@@ -53,6 +53,11 @@ class EngineKv:
         self.core = core
         self._watched: dict[int, _Watched] = {}
 
+    def layout(self, model: str) -> KvLayout:
+        core = self.core
+        tp = core.config.parallel_config.tensor_parallel_size
+        return layout_of(core.blocks, store_of(core.backend), model, tp)
+
     def watch(self, exec_id: int, prompt: list[int], model: str) -> None:
         """Export this request's blocks when it ends after its first token."""
         self._watched[exec_id] = _Watched(prompt, model)
@@ -80,14 +85,14 @@ class EngineKv:
                 continue
             began = time.perf_counter()
             tokens = watched.prompt + watched.tokens + list(r.result.output_token_ids[0])
-            kv = export_prefix(self.core, watched.model, tokens)
+            kv = read_blocks(self.core.blocks, store_of(self.core.backend), self.layout(watched.model), tokens)
             done.append(KvExported(r.request_id, kv, time.perf_counter() - began))
         return done
 
     def import_(self, transfer_id: str, model: str, kv: KvBlocks) -> KvImported:
         began = time.perf_counter()
         try:
-            written = import_blocks(self.core, model, kv)
+            written = write_blocks(self.core.blocks, store_of(self.core.backend), self.layout(model), kv)
         except KvLayoutError as e:
             return KvImported(transfer_id, 0, 0, 0.0, str(e))
         return KvImported(transfer_id, written, kv.num_bytes, time.perf_counter() - began)

@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from worker.executor import EngineCore, ExecutorConfig, KvCacheConfig, Request, SamplingConfig, StepOutput
-from worker.executor.kv_export import KvLayoutError, export_prefix, import_blocks, layout_of
+from worker.executor.kv_export import (
+    KvBlocks,
+    KvLayout,
+    KvLayoutError,
+    layout_of,
+    read_blocks,
+    store_of,
+    write_blocks,
+)
 
 PROMPT = [11, 52, 7, 300, 41, 9, 18, 77, 5, 123, 64, 12, 3, 99]  # 3 full blocks of 4 and 2 tokens
 SAMPLING = {"greedy": SamplingConfig(), "seeded": SamplingConfig(temperature=1.0, top_p=0.9, seed=8005)}
@@ -33,6 +41,18 @@ def tokens_of(core: EngineCore, request: Request) -> list[int]:
         outputs.append(core.step())
     return [t for out in outputs for r in out.all_responses() if r.result is not None
             for t in r.result.output_token_ids[0]]  # fmt: skip
+
+
+def layout(core: EngineCore, model: str) -> KvLayout:
+    return layout_of(core.blocks, store_of(core.backend), model, tensor_parallel_size=1)
+
+
+def export_prefix(core: EngineCore, model: str, token_ids: list[int]) -> KvBlocks:
+    return read_blocks(core.blocks, store_of(core.backend), layout(core, model), token_ids)
+
+
+def import_blocks(core: EngineCore, model: str, kv: KvBlocks) -> int:
+    return write_blocks(core.blocks, store_of(core.backend), layout(core, model), kv)
 
 
 @pytest.fixture
@@ -89,7 +109,7 @@ def test_a_layout_that_differs_is_refused_naming_the_field(
     with pytest.raises(KvLayoutError, match=r"block_size 4 \(here 8\)"):
         import_blocks(eights, "tiny", kv)
     wider = dataclasses.replace(
-        kv, layout=dataclasses.replace(layout_of(decode, "tiny"), dtype="bfloat16", tensor_parallel_size=2)
+        kv, layout=dataclasses.replace(layout(decode, "tiny"), dtype="bfloat16", tensor_parallel_size=2)
     )
     with pytest.raises(KvLayoutError, match=r"dtype 'bfloat16' \(here 'float32'\), tensor_parallel_size 2"):
         import_blocks(decode, "tiny", wider)
