@@ -745,12 +745,12 @@ class WorkerService:
                 entry.output_tokens += n
                 chunks.append((exec_id, n))
             for r in step.responses:
+                final = r.result is None or r.result.is_final
+                handoff = self._handing_off.pop(r.request_id, None) if final else None
                 entry = self.table.get(r.request_id)
                 if entry is None:
                     continue
                 batch = batches.get(entry.gateway) or batches.setdefault(entry.gateway, WireBatch())
-                final = r.result is None or r.result.is_final
-                handoff = self._handing_off.pop(entry.exec_id, None) if final else None
                 if handoff is not None and entry.exec_id in exports and r.result is not None:
                     # Its first token streams as usual; its end is the decode worker's to send.
                     tokens = r.result.output_token_ids[0]
