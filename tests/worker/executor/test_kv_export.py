@@ -25,9 +25,9 @@ PROMPT = [11, 52, 7, 300, 41, 9, 18, 77, 5, 123, 64, 12, 3, 99]  # 3 full blocks
 SAMPLING = {"greedy": SamplingConfig(), "seeded": SamplingConfig(temperature=1.0, top_p=0.9, seed=8005)}
 
 
-def config(block: int = 4) -> ExecutorConfig:
+def config(block: int = 4, backend: str = "numpy") -> ExecutorConfig:
     return ExecutorConfig(
-        backend="numpy",
+        backend=backend,
         deterministic=True,
         max_num_tokens=16,
         kv_cache_config=KvCacheConfig(tokens_per_block=block, max_tokens=256),
@@ -115,3 +115,17 @@ def test_a_layout_that_differs_is_refused_naming_the_field(
         import_blocks(decode, "tiny", wider)
     assert decode.blocks.num_free == decode.blocks.num_blocks
     eights.blocks.check_invariants([])
+
+
+def test_the_torch_backends_cache_exports_and_imports_the_same_way(tiny_llama: Path) -> None:
+    pytest.importorskip("torch")
+    whole = Request(PROMPT, 8, streaming=True, end_id=-1)
+    one_core = tokens_of(EngineCore.from_model(tiny_llama, config(backend="torch")), whole)
+    prefill, decode = (EngineCore.from_model(tiny_llama, config(backend="torch")) for _ in range(2))
+    first = tokens_of(prefill, dataclasses.replace(whole, max_tokens=1))
+    kv = export_prefix(prefill, "tiny", PROMPT + first)
+    assert import_blocks(decode, "tiny", kv) == 3
+    rest = tokens_of(decode, dataclasses.replace(whole, resumed_token_ids=first))
+    assert first + rest == one_core
+    assert export_prefix(decode, "tiny", PROMPT + first).frames == kv.frames  # the bytes written are the bytes read
+    decode.blocks.check_invariants([])
