@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from protocol.status import FinishReason
 from worker.executor.kv_export import KvBlocks, KvLayout, KvLayoutError, layout_of, read_blocks, store_of, write_blocks
 from worker.executor.step_output import StepOutput
+from worker.executor.types import Response
 
 if TYPE_CHECKING:
     from worker.executor import EngineCore
@@ -22,8 +23,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class KvExported:
-    """A handed-off request's blocks (None where it ended otherwise: its first token was
-    its last, or it failed or was cancelled), and how long reading them took."""
+    """A handed-off request's blocks, and how long reading them took (None where none can
+    be exported: the backend keeps no cache to read)."""
 
     exec_id: int
     kv: KvBlocks | None
@@ -46,6 +47,13 @@ class _Watched:
     prompt: list[int]
     model: str
     tokens: list[int] = field(default_factory=list)
+
+
+def ends_for_hand_off(response: Response) -> bool:
+    """Whether a hand-off's final response leaves the rest to the decode worker: it ended
+    for its one-token bound, not for an end token, a stop word, an error or a cancel."""
+    result = response.result
+    return result is not None and result.is_final and result.finish_reasons[0] == FinishReason.LENGTH
 
 
 class EngineKv:
@@ -80,12 +88,15 @@ class EngineKv:
             if watched is None or (r.result is not None and not r.result.is_final):
                 continue
             del self._watched[r.request_id]
-            if r.result is None or r.result.finish_reasons[0] != FinishReason.LENGTH:
-                done.append(KvExported(r.request_id, None))
+            if r.result is None or not ends_for_hand_off(r):
                 continue
             began = time.perf_counter()
             tokens = watched.prompt + watched.tokens + list(r.result.output_token_ids[0])
-            kv = read_blocks(self.core.blocks, store_of(self.core.backend), self.layout(watched.model), tokens)
+            try:
+                kv = read_blocks(self.core.blocks, store_of(self.core.backend), self.layout(watched.model), tokens)
+            except KvLayoutError as e:  # the decode worker computes the prompt instead
+                log.warning("request %d: its KV blocks cannot be exported: %s", r.request_id, e)
+                kv = None
             done.append(KvExported(r.request_id, kv, time.perf_counter() - began))
         return done
 

@@ -37,7 +37,7 @@ from worker.service.active import Active, ActiveTable
 from worker.service.admission import too_large
 from worker.service.convert import WireBatch, to_request, to_wire_response
 from worker.service.engine import EngineFailed, EngineProcess, LoraReply
-from worker.service.engine_kv import KvExported, KvImported
+from worker.service.engine_kv import KvExported, KvImported, ends_for_hand_off
 from worker.service.kv_publisher import KvPublisher
 from worker.service.kv_transfer import KvPushers, KvTransferError, from_frames, to_frames
 from worker.service.lora_dir import LoraDir, PendingLoads, Taken
@@ -714,23 +714,23 @@ class WorkerService:
     def _hand_off(self, entry: Active, handoff: protocol.KvHandoff, exported: KvExported, out: zmq.Socket) -> None:
         """A prefill's blocks to its decode worker, then the gateway told to continue it there."""
         kv = exported.kv
-        assert kv is not None
-        sent = bool(kv.frames) and self._kv_out.send(handoff.kv_address, to_frames(handoff.transfer_id, kv))
-        if sent:
+        frames = to_frames(handoff.transfer_id, kv) if kv is not None and kv.frames else None
+        sent = frames is not None and self._kv_out.send(handoff.kv_address, frames)
+        if kv is not None and sent:
             self.metrics.kv_transferred("out", "ok", kv.num_bytes, exported.seconds)
-        elif kv.frames:
+        elif frames is not None:
             log.warning("request %s: the KV blocks for %s could not be queued; it is decoded without them",
                         entry.name, handoff.kv_address)  # fmt: skip
             self.metrics.kv_transferred("out", "dropped")
-        done = protocol.HandedOff(request_id=entry.request_id, transfer_id=handoff.transfer_id,
-                                  num_blocks=len(kv.frames) if sent else 0)  # fmt: skip
+        blocks = len(kv.frames) if kv is not None and sent else 0
+        done = protocol.HandedOff(request_id=entry.request_id, transfer_id=handoff.transfer_id, num_blocks=blocks)
         out.send_multipart([entry.gateway, protocol.encode(done, self.limits)])
 
     def _deliver(self, step: StepOutput, out: zmq.Socket, exec_stats: dict[int, ex.RequestStats]) -> None:
         """One result batch per gateway for one message of the engine."""
         batches: dict[bytes, WireBatch] = {}
         finished: list[tuple[Active, protocol.Response]] = []
-        exports = {e.exec_id: e for e in self.engine.kv_exports if e.kv is not None}
+        exports = {e.exec_id: e for e in self.engine.kv_exports}
         handed: list[tuple[Active, protocol.KvHandoff, KvExported]] = []
         chunks: list[tuple[object, int]] = []
         with self.table.lock:
@@ -751,7 +751,7 @@ class WorkerService:
                 if entry is None:
                     continue
                 batch = batches.get(entry.gateway) or batches.setdefault(entry.gateway, WireBatch())
-                if handoff is not None and entry.exec_id in exports and r.result is not None:
+                if handoff is not None and ends_for_hand_off(r) and r.result is not None:
                     # Its first token streams as usual; its end is the decode worker's to send.
                     tokens = r.result.output_token_ids[0]
                     if tokens:
@@ -759,7 +759,7 @@ class WorkerService:
                     entry.output_tokens += len(tokens)
                     chunks.append((entry.exec_id, len(tokens)))
                     self.table.remove(entry)
-                    handed.append((entry, handoff, exports[entry.exec_id]))
+                    handed.append((entry, handoff, exports.get(entry.exec_id, KvExported(entry.exec_id, None))))
                     continue
                 batch.add(entry.request_id, r)
                 result = r.result
