@@ -12,6 +12,7 @@ has it already.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import queue
@@ -538,7 +539,9 @@ class Gateway:
                                      "stop": None}
         decode = self.workers.get(req.decode_worker) if req.decode_worker is not None else None
         if decode is not None and decode.info.kv_address is not None and link is not decode:
-            update["kv_handoff"] = protocol.KvHandoff(transfer_id=req.wire_id, kv_address=decode.info.kv_address)
+            # Named by this gateway too (decode workers take transfers from every gateway), in a bounded length.
+            transfer = hashlib.blake2b(f"{self.gateway_id}\0{req.wire_id}".encode(), digest_size=16).hexdigest()
+            update["kv_handoff"] = protocol.KvHandoff(transfer_id=transfer, kv_address=decode.info.kv_address)
         update["kv_transfer_id"], req.kv_transfer = req.kv_transfer, None
         link.socket.send(protocol.encode(req.submit.model_copy(update=update), self.limits))
 

@@ -23,7 +23,7 @@ from protocol.packed import TokenIds
 class KvHandoff(WireModel):
     """On a Submit to a prefill worker: where its KV blocks go once its first token is out."""
 
-    transfer_id: Name  # unique among the gateway's requests in flight (its wire id for the request)
+    transfer_id: Name  # unique among every gateway's requests in flight (a hash of the gateway's id and its wire id)
     kv_address: Name  # the decode worker's KV endpoint (its registry entry's `kv_address`)
 
 

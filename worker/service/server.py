@@ -541,7 +541,8 @@ class WorkerService:
                 self._handoffs[gateway, msg.request_id] = msg.kv_handoff
             taken = ((gateway, msg.request_id), (request, msg.client_request_id or msg.request_id))
             transfer = msg.kv_transfer_id
-            if transfer is not None and transfer not in self._kv_arrived and self._kv_in is not None:
+            if (transfer is not None and transfer not in self._kv_arrived and transfer not in self._awaiting_kv
+                    and self._kv_in is not None):  # fmt: skip
                 self._awaiting_kv[transfer] = (time.monotonic() + KV_WAIT_S, *taken)
             elif not self._load_on_demand(msg.lora, taken):
                 self._taken[gateway, msg.request_id] = taken[1]
