@@ -12,6 +12,7 @@ has it already.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import queue
@@ -32,6 +33,7 @@ from gateway.api_keys import ApiKeys, HelloKeys
 from gateway.client_batch import ClientBatch
 from gateway.client_limits import ClientLimits
 from gateway.client_pipes import ClientPipes
+from gateway.disagg import pick_pair, splits, whole_request_workers
 from gateway.discovery import Discovery
 from gateway.migration import Ended, next_run, tracks_tokens
 from gateway.prefix_router import PrefixRouter, RouterName
@@ -124,6 +126,11 @@ class _Request:
     cancelled: bool = False  # its client cancelled it: its worker's final ends it, and it is never moved
     api_key: ApiKeyRecord | None = None  # the client's, where its limits apply
     lease: str = ""  # its place in its key's limits
+    # Disaggregated serving (gateway/disagg.py): the decode worker its prefill worker hands it to,
+    # the transfer its continuation waits for there, and whether it was handed off (no move).
+    decode_worker: str | None = None
+    kv_transfer: str | None = None
+    handed_off: bool = False
 
 
 @dataclass(slots=True)
@@ -496,8 +503,18 @@ class Gateway:
 
     # -- routing -----------------------------------------------------------------------------
 
-    def _dispatch(self, req: _Request) -> None:
-        link = self.router.pick(list(self.workers.values()), req.model, req.submit)
+    def _route(self, req: _Request) -> WorkerLink | None:
+        """The worker for a request: a prefill worker where it is split (gateway/disagg.py)."""
+        workers = list(self.workers.values())
+        new = not req.dispatches
+        pair = pick_pair(self.router, workers, req.model, req.submit) if new and splits(req.submit) else None
+        req.decode_worker = None if pair is None else pair[1].worker_id
+        if pair is not None:
+            return pair[0]
+        return self.router.pick(whole_request_workers(workers) if new else workers, req.model, req.submit)
+
+    def _dispatch(self, req: _Request, to: WorkerLink | None = None) -> None:
+        link = to or self._route(req)
         if link is None:
             self.waiting.append(req)
             return
@@ -509,7 +526,7 @@ class Gateway:
                 self._set_prompt_ids(req, self._prompt_ids(req, link.max_seq_len))
             except (PromptError, ChatTemplateError) as e:
                 return self._fail(req, ErrorCode.INVALID_REQUEST, str(e))
-            link = self.router.pick(list(self.workers.values()), req.model, req.submit) or link  # now by its tokens
+            link = self._route(req) or link  # now by its tokens
         problem = self._check_fits(req.submit, link)
         if problem:
             self._fail(req, ErrorCode.INVALID_REQUEST, problem)
@@ -526,8 +543,14 @@ class Gateway:
         link.sent_since_load += 1
         # A client's own client_request_id is not passed on: the worker names the request by it.
         named = None if req.wire_id == req.request_id else req.request_id
-        update = {"request_id": req.wire_id, "client_request_id": named, "model": req.model, "stop": None,
-                  "tools": None, "tool_choice": None}  # fmt: skip
+        update: dict[str, object] = {"request_id": req.wire_id, "client_request_id": named, "model": req.model,
+                                     "stop": None, "tools": None, "tool_choice": None}
+        decode = self.workers.get(req.decode_worker) if req.decode_worker is not None else None
+        if decode is not None and decode.info.kv_address is not None and link is not decode:
+            # Named by this gateway too (decode workers take transfers from every gateway), in a bounded length.
+            transfer = hashlib.blake2b(f"{self.gateway_id}\0{req.wire_id}".encode(), digest_size=16).hexdigest()
+            update["kv_handoff"] = protocol.KvHandoff(transfer_id=transfer, kv_address=decode.info.kv_address)
+        update["kv_transfer_id"], req.kv_transfer = req.kv_transfer, None
         link.socket.send(protocol.encode(req.submit.model_copy(update=update), self.limits))
 
     def _prompt_ids(self, req: _Request, max_seq_len: int | None) -> list[int]:
@@ -694,6 +717,8 @@ class Gateway:
                 link.update_load(msg.load)
             elif isinstance(msg, protocol.ErrorReply):
                 self._worker_error(link, msg)
+            elif isinstance(msg, protocol.HandedOff):
+                self._handed_off(link, msg)
             elif isinstance(msg, protocol.KvEvents | protocol.KvSnapshot):
                 self.router.kv_message(link, msg)
             elif isinstance(msg, protocol.LoraAdapters):
@@ -821,6 +846,27 @@ class Gateway:
         self._reply(req.client, msg.model_copy(update={"request_id": req.request_id}))
         self._forget(req)
 
+    def _handed_off(self, link: WorkerLink, msg: protocol.HandedOff) -> None:
+        """A prefill worker sent the first token and the KV blocks: the rest is the decode
+        worker's, as a continuation (any worker's, if that one is gone meanwhile)."""
+        req = self.requests.get(msg.request_id)
+        if req is None or req.worker is not link:
+            return  # ended here meanwhile (a stop string), or its client went away
+        link.requests.discard(req.wire_id)
+        req.worker = None
+        if req.cancelled:
+            self._finish_with_result(req, protocol.FinishReason.CANCELLED)
+            return
+        decode = self.workers.get(req.decode_worker) if req.decode_worker is not None else None
+        req.decode_worker = None
+        req.handed_off = True
+        req.submit = req.submit.model_copy(update={"resumed_token_ids": list(req.received or [])})
+        if decode is None or not decode.ready or decode.draining:
+            self._dispatch(req)
+            return
+        req.kv_transfer = msg.transfer_id if msg.num_blocks else None
+        self._dispatch(req, to=decode)
+
     def _disconnected(self, link: WorkerLink) -> None:
         """Its connection closed: a worker that was ready is gone (a process that dies closes
         its connections at once); before that, ZeroMQ keeps trying and the heartbeat bound applies."""
@@ -864,7 +910,8 @@ class Gateway:
             self._finish_with_result(req, protocol.FinishReason.CANCELLED)
             return
         received = req.received or []
-        run = next_run(req.submit, req.started, received, req.dispatches - 1, self.config.migration_limit)
+        moves = req.dispatches - 1 - req.handed_off  # a hand-off to the decode worker is no move
+        run = next_run(req.submit, req.started, received, moves, self.config.migration_limit)
         if isinstance(run, Ended):
             self.metrics.migrated(req, run.outcome)
             self._fail(req, ErrorCode.UNAVAILABLE, f"worker {link.worker_id} dropped this request after "

@@ -17,7 +17,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import HistogramMetricFamily
 
 import protocol
@@ -26,6 +26,8 @@ from protocol import stats
 # Seconds. TTFT spans a queue wait and a prefill; inter-token latency is one decoding step.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+# One transfer's KV blocks read or written: a short prompt's in a millisecond, a long one's on a slow link in seconds.
+KV_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -184,6 +186,14 @@ class WorkerMetrics(_Metrics):
         self.preemptions = Counter("tokenwire_worker_preemptions",
                                    "Sequences preempted to make room in the KV cache (recomputed later)",
                                    registry=self.registry)  # fmt: skip
+        # Disaggregated serving: KV transfers out (prefill workers) and in (decode workers).
+        self.kv_transfers = Counter("tokenwire_worker_kv_transfers", "KV block transfers, by direction and outcome",
+                                    ["direction", "outcome"], registry=self.registry)  # fmt: skip
+        self.kv_transfer_bytes = Counter("tokenwire_worker_kv_transfer_bytes", "Bytes of KV blocks transferred",
+                                         ["direction"], registry=self.registry)  # fmt: skip
+        self.kv_transfer_time = Histogram("tokenwire_worker_kv_transfer_seconds",
+                                          "Time to read (out) or write (in) one transfer's KV blocks", ["direction"],
+                                          buckets=KV_TRANSFER_BUCKETS, registry=self.registry)  # fmt: skip
 
         # Prefix-cache hits by the tier that held the block (a host hit is a block copied back
         # to the device: a reload); the host tier's offloads, size and fill (--host-kv-cache-gb).
@@ -230,6 +240,13 @@ class WorkerMetrics(_Metrics):
     def finished(self, key: object, how: str) -> None:
         self.requests.labels(self.model, how).inc()
         self.streams.end(key)
+
+    def kv_transferred(self, direction: str, how: str, num_bytes: int = 0, seconds: float | None = None) -> None:
+        self.kv_transfers.labels(direction, how).inc()
+        if num_bytes:
+            self.kv_transfer_bytes.labels(direction).inc(num_bytes)
+        if seconds is not None:
+            self.kv_transfer_time.labels(direction).observe(seconds)
 
     def preempted(self, sequences: int) -> None:
         if sequences:

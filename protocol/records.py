@@ -40,6 +40,10 @@ class WorkerInfo(Message):
     curve_public_key: Name | None = None  # z85; a gateway with CURVE on connects only to pinned keys
     lora_adapters: list[Name] = Field(default_factory=list)  # the LoRA adapters it holds
     lora_loadable: list[Name] = Field(default_factory=list)  # those it loads when a request names one
+    # Disaggregated serving (protocol/kv_transfer.py): what gateways send it, and where a prefill
+    # worker pushes KV blocks to it (None: it takes none).
+    role: Literal["prefill", "decode", "both"] = "both"
+    kv_address: Name | None = None
 
 
 class _IterationStatsMessage(Message):

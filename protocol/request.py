@@ -13,6 +13,7 @@ from protocol import options
 from protocol.base import Message, Name, Uint64, WireModel
 from protocol.continuation import continuation_problem
 from protocol.derive import wire_model
+from protocol.kv_transfer import KvHandoff
 from protocol.packed import Floats, TokenIds
 from protocol.results import FunctionCall, Logits
 
@@ -158,6 +159,11 @@ class Submit(Message):
     tools: list[ToolSpec] | None = Field(None, min_length=1, max_length=128)
     tool_choice: Name | None = None
     parallel_tool_calls: bool = True
+    # Disaggregated serving (protocol/kv_transfer.py). Toward a prefill worker: it computes the
+    # first token only, then hands the request's KV blocks on. Toward the decode worker: the
+    # continuation names the transfer whose blocks it waits for.
+    kv_handoff: KvHandoff | None = None
+    kv_transfer_id: Name | None = None
 
     @property
     def lora(self) -> str | None:

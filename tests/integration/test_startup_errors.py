@@ -148,3 +148,15 @@ def test_worker_lora_adapter_that_cannot_load(service_model, redis_url, tmp_path
     # One the model must check: after it loads, still one line of error.
     lines = _worker(service_model, redis_url, "--lora", f"sql={tmp_path}")
     assert lines[-1].endswith(f"CheckpointError: LoRA adapter {tmp_path}: adapter_config.json is missing")
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--role", "decode"], "--role decode needs --kv-bind"),
+        (["--role", "prefill", "--tensor-parallel-size", "2"], "tensor and pipeline parallel workers run whole"),
+    ],
+)
+def test_worker_disaggregation_options_that_cannot_serve(service_model, redis_url, args, says):
+    (line,) = _worker(service_model, redis_url, *args)
+    assert says in line

@@ -91,6 +91,8 @@ def submits(draw: st.DrawFn) -> p.Submit:
         client_request_id=draw(_maybe(names)),
         lora_config=draw(_maybe(st.builds(p.LoraConfig, name=names))),
         prompt_tuning_config=None if by_prompt else draw(_maybe(prompt_tables())),
+        kv_handoff=draw(_maybe(st.builds(p.KvHandoff, transfer_id=names, kv_address=names))),
+        kv_transfer_id=draw(_maybe(names)),
     )
 
 
@@ -216,6 +218,11 @@ MESSAGES: dict[str, st.SearchStrategy[p.Message]] = {
                              seq=st.integers(0, 1 << 62), block_size=st.integers(1, 1 << 10),
                              hashes=st.lists(block_hashes, max_size=16)),
     "kv_snapshot_request": st.builds(p.KvSnapshotRequest, sender_id=names),
+    "kv_transfer": st.builds(p.KvTransfer, transfer_id=names, model=names, num_layers=st.integers(1, 1 << 10),
+                             block_size=st.integers(1, 1 << 10), num_kv_heads=st.integers(1, 1 << 10),
+                             head_dim=st.integers(1, 1 << 10), dtype=names, tensor_parallel_size=st.integers(1, 64),
+                             token_ids=st.lists(st.integers(0, INT32_MAX), max_size=50), sent_at=timestamps),
+    "handed_off": st.builds(p.HandedOff, request_id=names, transfer_id=names, num_blocks=st.integers(0, 1 << 20)),
     "drain": st.builds(p.Drain, sender_id=names, deadline_s=_maybe(st.floats(0.0, 1e6))),
     "worker_info": st.builds(
         p.WorkerInfo,
@@ -228,6 +235,8 @@ MESSAGES: dict[str, st.SearchStrategy[p.Message]] = {
         started_at=timestamps,
         lora_adapters=st.lists(names, max_size=3),
         lora_loadable=st.lists(names, max_size=3),
+        role=st.sampled_from(["prefill", "decode", "both"]),
+        kv_address=_maybe(names),
     ),
     "iteration_stats": st.builds(
         p.IterationStats,

@@ -40,9 +40,10 @@ def as_plain(value: Any) -> Any:
     return value
 
 
-# What a gateway reads and strips (a chat's messages and tools, stop strings) or names.
+# What a gateway reads and strips (a chat's messages and tools, stop strings) or names, and the
+# hand-off between prefill and decode workers (their service layers', not the executor's).
 SUBMIT_WIRE_ONLY = {"request_id", "model", "prompt", "messages", "stop", "client_request_id", "tools", "tool_choice",
-                    "parallel_tool_calls"}  # fmt: skip
+                    "parallel_tool_calls", "kv_handoff", "kv_transfer_id"}  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", default=None, help="name gateways route on (default: the checkpoint's name)")
     p.add_argument("--bind", default=DEFAULT_BIND, help=f"ZeroMQ endpoint to bind (default {DEFAULT_BIND})")
     p.add_argument("--advertise", default="", help="address gateways connect to (default: the bound one)")
+    p.add_argument("--role", choices=["prefill", "decode", "both"], default="both",
+                   help="disaggregated serving: prefill workers compute prompts and first tokens, decode workers "
+                   "take the rest with the prompts' KV blocks; both (the default) does whole requests")  # fmt: skip
+    p.add_argument("--kv-bind", default=None, metavar="ENDPOINT",
+                   help="ZeroMQ endpoint where this worker takes KV blocks from prefill workers "
+                   "(needed by --role decode or both to decode what prefill workers computed)")  # fmt: skip
     p.add_argument("--redis", default=DEFAULT_REDIS, help=f"Redis URL (default {DEFAULT_REDIS})")
     add_redis_password_option(p)
     add_curve_options(p, "worker")
@@ -181,6 +187,19 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     return SpeculativeConfig(DraftSource(source), args.num_draft_tokens)
 
 
+def disaggregation_problem(args: argparse.Namespace, curve: bool) -> str | None:
+    """Why --role and --kv-bind cannot be served as given (None: they can)."""
+    if args.role == "decode" and args.kv_bind is None:
+        return "--role decode needs --kv-bind: a decode worker takes its prompts' KV blocks there"
+    if args.kv_bind is not None and curve:
+        return "--kv-bind: KV transfers are not encrypted (CURVE) yet; run disaggregated workers without CURVE"
+    ranks = args.tensor_parallel_size * args.pipeline_parallel_size
+    if (args.role != "both" or args.kv_bind is not None) and ranks > 1:
+        return ("--role and --kv-bind: KV transfers move one rank's KV cache; tensor and pipeline parallel "
+                "workers run whole requests (--role both, no --kv-bind)")
+    return None
+
+
 def lora_options(args: argparse.Namespace) -> tuple[tuple[tuple[str, str], ...], PeftCacheConfig | None]:
     """The adapters of --lora NAME=DIR, and the adapter cache's bounds (None: LoRA off; --lora-dir turns it on)."""
     from worker.executor.types import PeftCacheConfig
@@ -221,6 +240,11 @@ def run(args: argparse.Namespace) -> int:
     binds = [Bind("--bind", args.bind, is_local_endpoint(args.bind), curve is not None, "--curve-secret-key-file")]
     if args.metrics_port:
         binds.append(metrics_bind(args.metrics_host))
+    if problem := disaggregation_problem(args, curve is not None):
+        raise SystemExit(problem)
+    if args.kv_bind is not None:
+        binds.append(Bind("--kv-bind", args.kv_bind, is_local_endpoint(args.kv_bind), False,
+                          "a private network between workers"))  # fmt: skip
     open_binds = check_binds("worker", binds, args.insecure)
     setup_logging("worker", args.log_level, args.log_format)
     for warning in open_binds:
@@ -285,6 +309,8 @@ def run(args: argparse.Namespace) -> int:
                 drain_timeout_s=args.drain_timeout,
                 curve=curve,
                 lora_dir=args.lora_dir,
+                role=args.role,
+                kv_bind=args.kv_bind,
             ),
             notifier,
             listener,

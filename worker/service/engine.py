@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 from worker.executor import types as ex
 from worker.executor.block_manager import BlockEvent
 from worker.executor.engine_core import StepOutput
+from worker.executor.kv_export import KvBlocks
+from worker.service.engine_kv import EngineKv, KvExported, KvImported
 
 if TYPE_CHECKING:
     from worker.executor import EngineCore
@@ -154,6 +156,8 @@ class EngineProcess:
         self._iterations: collections.deque[ex.IterationStats] = collections.deque(maxlen=self.info.iteration_stats_max)
         # The block manager's index changes, one list per engine message, for the worker to publish.
         self.kv_events: collections.deque[list[BlockEvent]] = collections.deque()
+        # The blocks of handed-off requests that ended with the step `await_step` returned last.
+        self.kv_exports: list[KvExported] = []
 
     def _wait_ready(self) -> EngineInfo:
         while not self._from.poll(0.5):
@@ -165,13 +169,17 @@ class EngineProcess:
             raise EngineFailed(body)
         return body
 
-    def enqueue_requests(self, requests: Sequence[ex.Request]) -> list[int]:
+    def enqueue_requests(self, requests: Sequence[ex.Request], hand_offs: Sequence[int] = (),
+                         model: str = "") -> list[int]:  # fmt: skip
         """Ids for the requests, at once; a request the executor refuses ends with an
-        error response, as in process."""
+        error response, as in process. `hand_offs`: the indexes of requests whose KV
+        blocks (of model `model`) are exported when they end after their first token
+        (`kv_exports`): watched from before they run, however fast they end."""
         with self._send_lock:
             ids = list(range(self._ids + 1, self._ids + 1 + len(requests)))
             self._ids += len(requests)
-            self._send(("submit", list(zip(ids, requests, strict=True))))
+            watched = [(ids[i], requests[i].input_token_ids, model) for i in hand_offs]
+            self._send(("submit", (list(zip(ids, requests, strict=True)), watched)))
         return ids
 
     def cancel_request(self, request_id: int) -> None:
@@ -188,16 +196,22 @@ class EngineProcess:
         with self._send_lock:
             self._send(("lora_unload", (token, name)))
 
-    def await_step(self, timeout: float) -> StepOutput | LoraReply | None:
-        """The engine's next step output (or answer to a LoRA load or unload), or None
-        after `timeout` seconds."""
+    def import_kv(self, transfer_id: str, model: str, kv: KvBlocks) -> None:
+        """Write another worker's KV blocks into the prefix cache before whatever is sent
+        after this call; the engine answers with a KvImported (from `await_step`)."""
+        with self._send_lock:
+            self._send(("kv_import", (transfer_id, model, kv)))
+
+    def await_step(self, timeout: float) -> StepOutput | LoraReply | KvImported | None:
+        """The engine's next step output (or answer to a LoRA load or unload, or to a KV
+        import), or None after `timeout` seconds."""
         if not self._from.poll(timeout):
             return None
         message = pickle.loads(self._recv())
-        if isinstance(message, LoraReply):
+        if isinstance(message, LoraReply | KvImported):
             return message
         step: StepOutput
-        step, self._load, kv_events = message
+        step, self._load, kv_events, self.kv_exports = message
         if kv_events:
             self.kv_events.append(kv_events)
         if step.iteration_stats:
@@ -353,7 +367,8 @@ def _serve(core: EngineCore, inbox: Connection, outbox: Connection, turned: ctyp
     stats cross in batches; an idle engine still reports its load now and then."""
     stats: list[ex.IterationStats] = []
     last_sent = last_stats = time.monotonic()
-    asked = _Asked(core, outbox)
+    kv = EngineKv(core)
+    asked = _Asked(core, outbox, kv)
     while True:
         # A stalled core (requests wait, none fits, none in flight) waits here for the
         # worker's cancels and requests instead of stepping in a spin.
@@ -373,9 +388,10 @@ def _serve(core: EngineCore, inbox: Connection, outbox: Connection, turned: ctyp
         out.iteration_stats = []
         if now - last_stats >= _ITERATION_STATS_S:
             out.iteration_stats, stats, last_stats = stats, [], now
+        exports = kv.exports(out)
         kv_events = core.blocks.take_events()
-        if out or kv_events or now - last_sent >= _IDLE_LOAD_S:
-            _send(outbox, (out, core.load(), kv_events))
+        if out or kv_events or exports or now - last_sent >= _IDLE_LOAD_S:
+            _send(outbox, (out, core.load(), kv_events, exports))
             last_sent = now
 
 
@@ -385,9 +401,10 @@ class _Asked:
     what came after the load waits until it is registered, so a request sent after it can
     run under the new adapter."""
 
-    def __init__(self, core: EngineCore, outbox: Connection) -> None:
+    def __init__(self, core: EngineCore, outbox: Connection, kv: EngineKv) -> None:
         self.core = core
         self.outbox = outbox
+        self.kv = kv
         self.waiting: collections.deque[tuple[str, Any]] = collections.deque()
         self.reading: tuple[int, str, str, Future[LoraAdapter]] | None = None  # token, name, path, the read
         self._reader: ThreadPoolExecutor | None = None
@@ -403,9 +420,14 @@ class _Asked:
         while self.waiting and self.reading is None:
             kind, body = self.waiting.popleft()
             if kind == "submit":
-                self.core.add_requests(body)
+                requests, watched = body
+                for exec_id, prompt, model in watched:
+                    self.kv.watch(exec_id, prompt, model)
+                self.core.add_requests(requests)
             elif kind == "cancel":
                 self.core.abort(body)
+            elif kind == "kv_import":
+                _send(self.outbox, self.kv.import_(*body))
             elif kind == "lora_load" and self.core.config.lora_enabled:
                 token, name, path = body
                 self._reader = self._reader or ThreadPoolExecutor(1, thread_name_prefix="lora-read")

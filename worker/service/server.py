@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import zmq
 
@@ -36,13 +37,20 @@ from worker.service.active import Active, ActiveTable
 from worker.service.admission import too_large
 from worker.service.convert import WireBatch, to_request, to_wire_response
 from worker.service.engine import EngineFailed, EngineProcess, LoraReply
+from worker.service.engine_kv import KvExported, KvImported, ends_for_hand_off
 from worker.service.kv_publisher import KvPublisher
+from worker.service.kv_transfer import KvPushers, KvTransferError, from_frames, to_frames
 from worker.service.lora_dir import LoraDir, PendingLoads, Taken
 from worker.service.redis_link import WorkerRedis
 
 log = logging.getLogger(__name__)
 
 _PUMP_ENDPOINT = "inproc://worker-results"
+# How long a decode worker holds a continuation for the KV blocks it names before computing
+# its prompt itself: the blocks and the gateway's continuation leave the prefill worker's
+# host at the same time, so they arrive close together unless the prefill worker died.
+KV_WAIT_S = 2.0
+_KV_ARRIVED_KEPT = 10_000  # transfer ids remembered, for continuations that come after their blocks
 
 
 @dataclass(slots=True)
@@ -67,6 +75,10 @@ class ServiceConfig:
     curve: CurveConfig | None = None
     # LoRA adapters loaded when a request names one: the subdirectories of this directory (lora_dir.py).
     lora_dir: str | None = None
+    # Disaggregated serving (protocol/kv_transfer.py): which requests gateways send this worker,
+    # and where it takes KV blocks from prefill workers (None: it takes none).
+    role: Literal["prefill", "decode", "both"] = "both"
+    kv_bind: str | None = None
 
 
 @dataclass(slots=True)
@@ -180,6 +192,7 @@ class WorkerService:
             curve_public_key=config.curve.keypair.public.decode() if config.curve is not None else None,
             lora_adapters=self.lora_adapters,
             lora_loadable=self.lora_loadable,
+            role=config.role,
         )
         self.redis = WorkerRedis(
             config.redis_url,
@@ -197,6 +210,19 @@ class WorkerService:
         self._pump_out = self.ctx.socket(zmq.PAIR)
         self._pump_out.bind(_PUMP_ENDPOINT)
         self._pump = threading.Thread(target=self._pump_results, name="worker-pump", daemon=True)
+        # Disaggregated serving: KV blocks in (the I/O thread) and out (the pump).
+        self._kv_in: zmq.Socket | None = None
+        if config.kv_bind is not None:
+            self._kv_in = self.ctx.socket(zmq.PULL)
+            self._kv_in.setsockopt(zmq.LINGER, 0)
+            self._kv_in.bind(config.kv_bind)
+            kv_address = self._kv_in.getsockopt_string(zmq.LAST_ENDPOINT).replace("0.0.0.0", socket.gethostname())
+            self.redis.info = self.redis.info.model_copy(update={"kv_address": kv_address})
+        self._kv_out = KvPushers(self.ctx)
+        self._handoffs: dict[tuple[bytes, str], protocol.KvHandoff] = {}  # of this turn's submits
+        self._handing_off: dict[int, protocol.KvHandoff] = {}  # by executor id, until the first token is out
+        self._kv_arrived: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._awaiting_kv: dict[str, tuple[float, tuple[bytes, str], tuple[ex.Request, str]]] = {}
         self.metrics.watch(self.load, lambda: self.redis.connected, lambda: len(self.gateways), lambda: self.draining)
 
     def load(self) -> protocol.WorkerLoad:
@@ -226,6 +252,8 @@ class WorkerService:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self._pump_out, zmq.POLLIN)
+        if self._kv_in is not None:
+            poller.register(self._kv_in, zmq.POLLIN)
         interval = self.config.heartbeat_interval_s
         next_tick = time.monotonic() + interval
         try:
@@ -235,8 +263,12 @@ class WorkerService:
                 if self._pump_out in events:
                     self._forward_results()
                 self._publish_kv()
+                if self._kv_in is not None and self._kv_in in events:
+                    self._receive_kv(self._kv_in)
                 if self.router in events:
                     self._receive()
+                if self._awaiting_kv:
+                    self._stop_waiting_for_kv(time.monotonic())
                 while self._lora_replies:
                     self._answer_lora(self._lora_replies.popleft())
                 if time.monotonic() >= next_tick:
@@ -260,6 +292,8 @@ class WorkerService:
             # A drained worker's last results and errors must leave before the socket goes.
             self.router.close(2000 if self.drain.draining else 0)
             self._pump_out.close(0)
+            if self._kv_in is not None:
+                self._kv_in.close(0)
             if self._curve is not None:
                 self._curve.stop()
             self.ctx.term()
@@ -283,7 +317,7 @@ class WorkerService:
     def _drained(self) -> bool:
         """True when nothing is left to wait for: every request finished, or the bound
         passed (or a second SIGTERM came) and the rest were ended with an error."""
-        if not len(self.table) and not self._lora_pending:
+        if not len(self.table) and not self._lora_pending and not self._awaiting_kv:
             log.info("drained: every request finished")
             return True
         why = self.drain.cut()
@@ -332,6 +366,44 @@ class WorkerService:
         data = protocol.encode(msg, self.limits)
         for gateway in self.gateways:
             self.router.send_multipart([gateway, data])
+
+    # -- disaggregated serving: KV blocks in --------------------------------------------
+
+    def _receive_kv(self, sock: zmq.Socket) -> None:
+        """Transfers from prefill workers: each to the engine, ahead of the continuation
+        that waits for it (the engine's pipe keeps the order)."""
+        for _ in socket_turn():
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                header, kv = from_frames(frames, self.limits)
+            except KvTransferError as e:
+                log.warning("refused a KV transfer: %s", e)
+                self.metrics.kv_transferred("in", "refused")
+                continue
+            self.engine.import_kv(header.transfer_id, self.config.model_name, kv)
+            self._kv_arrived[header.transfer_id] = None
+            if len(self._kv_arrived) > _KV_ARRIVED_KEPT:
+                self._kv_arrived.popitem(last=False)
+            if header.transfer_id in self._awaiting_kv:
+                self._stop_waiting_for_kv(None, header.transfer_id)
+
+    def _stop_waiting_for_kv(self, now: float | None, transfer: str | None = None) -> None:
+        """Enqueue the continuation waiting for `transfer`, or (given `now`) those whose
+        wait ran out: their blocks are not coming, so they compute their prompts."""
+        if transfer is not None:
+            waiting = [transfer]
+        else:
+            waiting = [t for t, (deadline, _, _) in self._awaiting_kv.items() if now is not None and now >= deadline]
+        for t in waiting:
+            _, key, taken = self._awaiting_kv.pop(t)
+            if now is not None:
+                log.warning("request %s: its KV blocks did not come within %.1f s; computing its prompt", taken[1],
+                            KV_WAIT_S)  # fmt: skip
+            self._taken[key] = taken
+        self._enqueue_taken()
 
     def _receive(self) -> None:
         try:
@@ -406,6 +478,9 @@ class WorkerService:
             self._enqueue_taken()  # it may cancel a submit of this same turn
             if (waiting := self._lora_pending.release((gateway, msg.request_id))) is not None:
                 self._enqueue_taken([waiting])  # it ends cancelled behind the load it waited for
+            for transfer, (_, key, _) in list(self._awaiting_kv.items()):
+                if key == (gateway, msg.request_id):  # it ends cancelled without its blocks
+                    self._stop_waiting_for_kv(None, transfer)
             entry = self.table.find(gateway, msg.request_id)
             if entry is not None:
                 self.engine.cancel_request(entry.exec_id)
@@ -456,11 +531,20 @@ class WorkerService:
         elif problem := too_large(msg, self.engine.info.vocab_size, self.limits):
             refuse(ErrorCode.INVALID_REQUEST, problem)
         elif (self.table.has(gateway, msg.request_id) or (gateway, msg.request_id) in self._taken
-              or self._lora_pending.has((gateway, msg.request_id))):  # fmt: skip
+              or self._lora_pending.has((gateway, msg.request_id))
+              or any(key == (gateway, msg.request_id) for _, key, _ in self._awaiting_kv.values())):  # fmt: skip
             refuse(ErrorCode.INVALID_REQUEST, f"request_id {msg.request_id!r} is already running")
         else:
-            taken = ((gateway, msg.request_id), (to_request(msg), msg.client_request_id or msg.request_id))
-            if not self._load_on_demand(msg.lora, taken):
+            request = to_request(msg)
+            if msg.kv_handoff is not None:  # a prefill: the first token here, the rest where its blocks go
+                request.max_tokens = 1
+                self._handoffs[gateway, msg.request_id] = msg.kv_handoff
+            taken = ((gateway, msg.request_id), (request, msg.client_request_id or msg.request_id))
+            transfer = msg.kv_transfer_id
+            if (transfer is not None and transfer not in self._kv_arrived and transfer not in self._awaiting_kv
+                    and self._kv_in is not None):  # fmt: skip
+                self._awaiting_kv[transfer] = (time.monotonic() + KV_WAIT_S, *taken)
+            elif not self._load_on_demand(msg.lora, taken):
                 self._taken[gateway, msg.request_id] = taken[1]
 
     def _load_on_demand(self, name: str | None, taken: Taken) -> bool:
@@ -495,11 +579,14 @@ class WorkerService:
             return
         with self.table.lock:
             try:
-                exec_ids = self.engine.enqueue_requests([request for request, _ in taken.values()])
+                hand_offs = [i for i, key in enumerate(taken) if key in self._handoffs]
+                exec_ids = self.engine.enqueue_requests([request for request, _ in taken.values()], hand_offs,
+                                                        self.config.model_name)  # fmt: skip
             except Exception as e:  # a bug here must not stop the worker
                 log.exception("could not enqueue %d requests", len(taken))
                 text = f"worker failed to start the request: {e}"
                 for gateway, request_id in taken:
+                    self._handoffs.pop((gateway, request_id), None)
                     error = protocol.ErrorReply(code=ErrorCode.INTERNAL, message=text, request_id=request_id)
                     self._send(gateway, error)
                 return
@@ -507,6 +594,9 @@ class WorkerService:
                 entry = Active(exec_id, gateway, request_id, name, len(request.input_token_ids))
                 self.table.add(entry)
                 self.metrics.started(exec_id, entry.prompt_tokens, entry.received)
+                handoff = self._handoffs.pop((gateway, request_id), None)
+                if handoff is not None:
+                    self._handing_off[exec_id] = handoff
 
     def _answer_lora(self, reply: LoraReply) -> None:
         """The engine's answer to a LoRA load or unload: to the peer that asked, and
@@ -559,6 +649,7 @@ class WorkerService:
         for entry in orphans:
             self.engine.cancel_request(entry.exec_id)
         self._lora_pending.drop_gateway(gateway)
+        self._awaiting_kv = {t: w for t, w in self._awaiting_kv.items() if w[1][0] != gateway}
         del self.gateways[gateway]
 
     def _send(self, gateway: bytes, msg: protocol.Message) -> None:
@@ -602,6 +693,8 @@ class WorkerService:
                     return
                 if isinstance(step, LoraReply):
                     self._lora_replies.append(step)  # answered by the I/O thread, which owns the socket
+                elif isinstance(step, KvImported):
+                    self._imported(step)
                 elif step is not None:
                     try:
                         self._deliver(step, out, exec_stats)
@@ -609,11 +702,37 @@ class WorkerService:
                         log.exception("result pump: could not deliver a step of %d streams", len(step.ids))
         finally:
             out.close(0)
+            self._kv_out.close()
+
+    def _imported(self, done: KvImported) -> None:
+        if done.error is not None:
+            log.warning("refused the KV blocks of transfer %s: %s", done.transfer_id, done.error)
+            self.metrics.kv_transferred("in", "refused")
+            return
+        self.metrics.kv_transferred("in", "ok", done.num_bytes, done.seconds)
+        log.debug("transfer %s: %d KV blocks imported in %.3f s", done.transfer_id, done.num_blocks, done.seconds)
+
+    def _hand_off(self, entry: Active, handoff: protocol.KvHandoff, exported: KvExported, out: zmq.Socket) -> None:
+        """A prefill's blocks to its decode worker, then the gateway told to continue it there."""
+        kv = exported.kv
+        frames = to_frames(handoff.transfer_id, kv) if kv is not None and kv.frames else None
+        sent = frames is not None and self._kv_out.send(handoff.kv_address, frames)
+        if kv is not None and sent:
+            self.metrics.kv_transferred("out", "ok", kv.num_bytes, exported.seconds)
+        elif frames is not None:
+            log.warning("request %s: the KV blocks for %s could not be queued; it is decoded without them",
+                        entry.name, handoff.kv_address)  # fmt: skip
+            self.metrics.kv_transferred("out", "dropped")
+        blocks = len(kv.frames) if kv is not None and sent else 0
+        done = protocol.HandedOff(request_id=entry.request_id, transfer_id=handoff.transfer_id, num_blocks=blocks)
+        out.send_multipart([entry.gateway, protocol.encode(done, self.limits)])
 
     def _deliver(self, step: StepOutput, out: zmq.Socket, exec_stats: dict[int, ex.RequestStats]) -> None:
         """One result batch per gateway for one message of the engine."""
         batches: dict[bytes, WireBatch] = {}
         finished: list[tuple[Active, protocol.Response]] = []
+        exports = {e.exec_id: e for e in self.engine.kv_exports}
+        handed: list[tuple[Active, protocol.KvHandoff, KvExported]] = []
         chunks: list[tuple[object, int]] = []
         with self.table.lock:
             end = 0
@@ -627,10 +746,22 @@ class WorkerService:
                 entry.output_tokens += n
                 chunks.append((exec_id, n))
             for r in step.responses:
+                final = r.result is None or r.result.is_final
+                handoff = self._handing_off.pop(r.request_id, None) if final else None
                 entry = self.table.get(r.request_id)
                 if entry is None:
                     continue
                 batch = batches.get(entry.gateway) or batches.setdefault(entry.gateway, WireBatch())
+                if handoff is not None and ends_for_hand_off(r) and r.result is not None:
+                    # Its first token streams as usual; its end is the decode worker's to send.
+                    tokens = r.result.output_token_ids[0]
+                    if tokens:
+                        batch.add_streamed(entry.request_id, tokens)
+                    entry.output_tokens += len(tokens)
+                    chunks.append((entry.exec_id, len(tokens)))
+                    self.table.remove(entry)
+                    handed.append((entry, handoff, exports.get(entry.exec_id, KvExported(entry.exec_id, None))))
+                    continue
                 batch.add(entry.request_id, r)
                 result = r.result
                 if result is not None:
@@ -648,6 +779,9 @@ class WorkerService:
             for data in messages:
                 out.send_multipart([gateway, data])
             unsent.update(((gateway, request_id), error) for request_id, error in errors.items())
+        for entry, handoff, exported in handed:
+            self._hand_off(entry, handoff, exported, out)
+            self.metrics.finished(entry.exec_id, "handed_off")
         if unsent:
             finished = [(e, unsent.get((e.gateway, e.request_id), w)) for e, w in finished]
             for (gateway, request_id), error in unsent.items():

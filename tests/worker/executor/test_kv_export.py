@@ -1,0 +1,131 @@
+"""A prompt's KV blocks out of one engine core and into another (worker/executor/kv_export.py):
+the decode core continues token for token as one core doing both, reusing the imported
+blocks instead of recomputing them; every block is back in its pool afterwards; a
+layout that differs is refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from worker.executor import EngineCore, ExecutorConfig, KvCacheConfig, Request, SamplingConfig, StepOutput
+from worker.executor.kv_export import (
+    KvBlocks,
+    KvLayout,
+    KvLayoutError,
+    layout_of,
+    read_blocks,
+    store_of,
+    write_blocks,
+)
+
+PROMPT = [11, 52, 7, 300, 41, 9, 18, 77, 5, 123, 64, 12, 3, 99]  # 3 full blocks of 4 and 2 tokens
+SAMPLING = {"greedy": SamplingConfig(), "seeded": SamplingConfig(temperature=1.0, top_p=0.9, seed=8005)}
+
+
+def config(block: int = 4, backend: str = "numpy") -> ExecutorConfig:
+    return ExecutorConfig(
+        backend=backend,
+        deterministic=True,
+        max_num_tokens=16,
+        kv_cache_config=KvCacheConfig(tokens_per_block=block, max_tokens=256),
+    )
+
+
+def tokens_of(core: EngineCore, request: Request) -> list[int]:
+    core.add_requests([(1, request)])
+    outputs: list[StepOutput] = []
+    while core.has_work:
+        outputs.append(core.step())
+    return [t for out in outputs for r in out.all_responses() if r.result is not None
+            for t in r.result.output_token_ids[0]]  # fmt: skip
+
+
+def layout(core: EngineCore, model: str) -> KvLayout:
+    return layout_of(core.blocks, store_of(core.backend), model, tensor_parallel_size=1)
+
+
+def export_prefix(core: EngineCore, model: str, token_ids: list[int]) -> KvBlocks:
+    return read_blocks(core.blocks, store_of(core.backend), layout(core, model), token_ids)
+
+
+def import_blocks(core: EngineCore, model: str, kv: KvBlocks) -> int:
+    return write_blocks(core.blocks, store_of(core.backend), layout(core, model), kv)
+
+
+@pytest.fixture
+def cores(tiny_llama: Path) -> tuple[EngineCore, EngineCore]:
+    return EngineCore.from_model(tiny_llama, config()), EngineCore.from_model(tiny_llama, config())
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+def test_decode_core_continues_from_imported_blocks_as_one_core_would(
+    tiny_llama: Path, cores: tuple[EngineCore, EngineCore], sampling: str
+) -> None:
+    whole = Request(PROMPT, 12, streaming=True, end_id=-1, sampling_config=SAMPLING[sampling])
+    one_core = tokens_of(EngineCore.from_model(tiny_llama, config()), whole)
+
+    prefill, decode = cores
+    first = tokens_of(prefill, dataclasses.replace(whole, max_tokens=1))
+    assert first == one_core[:1]
+    kv = export_prefix(prefill, "tiny", PROMPT + first)
+    assert len(kv.frames) == 3  # every full block of the prompt
+    assert kv.token_ids == tuple(PROMPT[:12])
+    assert all(len(frame) == kv.layout.bytes_per_block // (2 * kv.layout.num_layers)
+               for block in kv.frames for frame in block)  # fmt: skip
+
+    reused_before = decode.blocks.reused_blocks
+    assert import_blocks(decode, "tiny", kv) == 3
+    decode.blocks.check_invariants([])  # imported blocks wait in the prefix cache, held by no request
+    assert decode.blocks.num_free == decode.blocks.num_blocks
+
+    rest = tokens_of(decode, dataclasses.replace(whole, resumed_token_ids=first))
+    assert first + rest == one_core
+    assert decode.blocks.reused_blocks - reused_before == 3  # the prompt's blocks were not recomputed
+    decode.blocks.check_invariants([])
+    prefill.blocks.check_invariants([])
+
+
+def test_blocks_already_cached_are_not_written_again(cores: tuple[EngineCore, EngineCore]) -> None:
+    prefill, decode = cores
+    first = tokens_of(prefill, Request(PROMPT[:9], 1, end_id=-1))
+    kv = export_prefix(prefill, "tiny", PROMPT[:9] + first)
+    import_blocks(decode, "tiny", kv)
+    assert import_blocks(decode, "tiny", kv) == 0
+    decode.blocks.check_invariants([])
+
+
+def test_a_layout_that_differs_is_refused_naming_the_field(
+    tiny_llama: Path, cores: tuple[EngineCore, EngineCore]
+) -> None:
+    prefill, decode = cores
+    first = tokens_of(prefill, Request(PROMPT, 1, end_id=-1))
+    kv = export_prefix(prefill, "tiny", PROMPT + first)
+    with pytest.raises(KvLayoutError, match=r"model 'tiny' \(here 'other'\)"):
+        import_blocks(decode, "other", kv)
+    eights = EngineCore.from_model(tiny_llama, config(block=8))
+    with pytest.raises(KvLayoutError, match=r"block_size 4 \(here 8\)"):
+        import_blocks(eights, "tiny", kv)
+    wider = dataclasses.replace(
+        kv, layout=dataclasses.replace(layout(decode, "tiny"), dtype="bfloat16", tensor_parallel_size=2)
+    )
+    with pytest.raises(KvLayoutError, match=r"dtype 'bfloat16' \(here 'float32'\), tensor_parallel_size 2"):
+        import_blocks(decode, "tiny", wider)
+    assert decode.blocks.num_free == decode.blocks.num_blocks
+    eights.blocks.check_invariants([])
+
+
+def test_the_torch_backends_cache_exports_and_imports_the_same_way(tiny_llama: Path) -> None:
+    pytest.importorskip("torch")
+    whole = Request(PROMPT, 8, streaming=True, end_id=-1)
+    one_core = tokens_of(EngineCore.from_model(tiny_llama, config(backend="torch")), whole)
+    prefill, decode = (EngineCore.from_model(tiny_llama, config(backend="torch")) for _ in range(2))
+    first = tokens_of(prefill, dataclasses.replace(whole, max_tokens=1))
+    kv = export_prefix(prefill, "tiny", PROMPT + first)
+    assert import_blocks(decode, "tiny", kv) == 3
+    rest = tokens_of(decode, dataclasses.replace(whole, resumed_token_ids=first))
+    assert first + rest == one_core
+    assert export_prefix(decode, "tiny", PROMPT + first).frames == kv.frames  # the bytes written are the bytes read
+    decode.blocks.check_invariants([])
