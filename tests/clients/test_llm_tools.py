@@ -14,15 +14,11 @@ import pytest
 
 from clients.llm import LLM
 from tests.checkpoints import make_checkpoint
+from tests.tool_schemas import ASK, LLAMA_CALL, PARAMS, WEATHER
 from worker.executor import ExecutorConfig, KvCacheConfig
 
 pytest.importorskip("xgrammar")
 
-PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
-          "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 # A template that renders the tools and the turns that call or answer, as tool-calling templates do.
 TOOLS_TEMPLATE = (
     "{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
@@ -31,8 +27,6 @@ TOOLS_TEMPLATE = (
     "{% endfor %}"
     "</{{ m.role }}>\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 )
-LLAMA_CALL = {"type": "object", "properties": {"name": {"const": "get_weather"}, "parameters": PARAMS},
-              "required": ["name", "parameters"], "additionalProperties": False}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +41,7 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
 
 
 def test_a_forced_call_is_guided_to_its_schema(llm: LLM):
-    out = llm.chat(ASK, tools=[WEATHER, TIME], tool_choice="get_weather", max_tokens=120, temperature=0.0)
+    out = llm.chat(ASK, tools=[WEATHER], tool_choice="get_weather", max_tokens=120, temperature=0.0)
     (call,) = out.outputs[0].tool_calls or []
     assert call.name == "get_weather"
     jsonschema.validate(json.loads(call.arguments), PARAMS)

@@ -14,24 +14,14 @@ import jsonschema
 import pytest
 
 from tests.procs import free_port, stack
+from tests.tool_schemas import ASK, LLAMA_CALL, SCHEMAS, TIME, WEATHER
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("xgrammar")
 
 MODEL = "tiny-llama-long"
-PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
-          "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the forecast",
-                                            "parameters": PARAMS}}  # fmt: skip
-TIME_PARAMS = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
-               "additionalProperties": False}  # fmt: skip
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMS}}
-SCHEMAS = {"get_weather": PARAMS, "get_time": TIME_PARAMS}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-# The random model writes Llama 3's call format when its output is held to this schema.
-LLAMA_CALL = {"type": "json_schema", "json_schema": {"name": "call", "schema": {
-    "type": "object", "properties": {"name": {"const": "get_weather"}, "parameters": PARAMS},
-    "required": ["name", "parameters"], "additionalProperties": False}}}  # fmt: skip
+# A JSON-schema response format holding the random model to Llama 3's call format.
+LLAMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "call", "schema": LLAMA_CALL}}
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +107,7 @@ def test_required_calls_are_forced_and_validate(client, parallel):
 
 def test_calls_the_model_writes_are_read_streamed_or_not(llama_client):
     kw = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "max_tokens": 200, "temperature": 0.0,
-          "response_format": LLAMA_CALL}  # fmt: skip
+          "response_format": LLAMA_FORMAT}  # fmt: skip
     r = llama_client.chat.completions.create(**kw)
     message = r.choices[0].message
     (call,) = message.tool_calls

@@ -19,21 +19,10 @@ from clients.client import Client
 from clients.connection import RequestError
 from clients.jobs import JobQueue, JobStatus
 from tests.procs import CLIENT_OPTIONS, Proc, stack
+from tests.tool_schemas import ASK, LLAMA_CALL, PARAMS, SCHEMAS, TIME, WEATHER
 
 pytest.importorskip("xgrammar")
 
-PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
-          "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the forecast",
-                                            "parameters": PARAMS}}  # fmt: skip
-TIME_PARAMS = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
-               "additionalProperties": False}  # fmt: skip
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMS}}
-SCHEMAS = {"get_weather": PARAMS, "get_time": TIME_PARAMS}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-# The random model writes Llama 3's call format when its output is held to this schema.
-LLAMA_CALL = {"type": "object", "properties": {"name": {"const": "get_weather"}, "parameters": PARAMS},
-              "required": ["name", "parameters"], "additionalProperties": False}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -170,36 +171,65 @@ def check_rope_and_cache() -> None:
         assert torch.equal(caches[1], caches[3])
 
 
-def check_paged_attention() -> None:
-    rng = np.random.default_rng(0)
-    heads, kv_heads, dim, block = 4, 2, 32, 16
-    for decode, splits in ((True, 1), (True, 2), (False, 1)):
-        ctx = rng.integers(1, 70, 3)
-        q_lens = np.ones(3, dtype=np.int64) if decode else np.minimum(ctx, rng.integers(1, 20, 3))
+@dataclass(frozen=True, slots=True)
+class PagedCase:
+    """Three sequences' queries and their paged KV (blocks in a random order), as the
+    Triton kernel and the torch reference take them."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    tables: np.ndarray
+    query_start: np.ndarray
+    ctx: np.ndarray
+    block_q: int
+
+    @classmethod
+    def make(cls, rng: np.random.Generator, ctx: np.ndarray, q_lens: np.ndarray, heads: int, kv_heads: int,
+             dim: int, block: int, decode: bool, scale_qk: float = 1.0) -> PagedCase:  # fmt: skip
         per_seq = -(-ctx // block)
-        num_blocks = int(per_seq.sum()) + 2
+        num_blocks = int(per_seq.sum()) + 1
         perm = rng.permutation(num_blocks)
-        tables = np.zeros((3, int(per_seq.max())), dtype=np.int32)
+        tables = np.zeros((len(ctx), int(per_seq.max())), dtype=np.int32)
         start = 0
         for i, nb in enumerate(per_seq):
             tables[i, :nb] = perm[start : start + nb]
             start += nb
-        k, v = torch.randn(num_blocks, block, kv_heads, dim), torch.randn(num_blocks, block, kv_heads, dim)
+        k, v = torch.randn(num_blocks, block, kv_heads, dim) * scale_qk, torch.randn(num_blocks, block, kv_heads, dim)
         query_start = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int64)
-        q = torch.randn(int(query_start[-1]), heads, dim)
-        block_q = 1 if decode else PREFILL_BLOCK_Q
-        tile_seq, tile_q0 = tile_map(query_start, block_q)
+        q = torch.randn(int(query_start[-1]), heads, dim) * scale_qk
+        return cls(q, k, v, tables, query_start, ctx, 1 if decode else PREFILL_BLOCK_Q)
+
+    def triton(self, scale: float, window: int | None, splits: int, **variant: Any) -> torch.Tensor:
+        """The Triton kernel's output (`variant`: softcap, sinks)."""
+        tile_seq, tile_q0 = tile_map(self.query_start, self.block_q)
         i32: dict[str, Any] = {"dtype": torch.int32}
-        out = torch.full_like(q, float("nan"))
+        out = torch.full_like(self.q, float("nan"))
         paged_attention_triton(
-            q, k, v, torch.tensor(tables, **i32), torch.tensor(query_start, **i32), torch.tensor(ctx, **i32),
-            torch.tensor(tile_seq, **i32), torch.tensor(tile_q0, **i32), block_q, dim**-0.5, None, out=out,
-            splits=splits,
+            self.q, self.k, self.v, torch.tensor(self.tables, **i32), torch.tensor(self.query_start, **i32),
+            torch.tensor(self.ctx, **i32), torch.tensor(tile_seq, **i32), torch.tensor(tile_q0, **i32), self.block_q,
+            scale, window, out=out, splits=splits, **variant,
         )  # fmt: skip
-        tables64 = torch.tensor(tables, dtype=torch.int64)
-        ref = paged_attention_torch(q, k, v, tables64, query_start, ctx, dim**-0.5)
-        spread = paged_attention_torch(q, k, v.abs(), tables64, query_start, ctx, dim**-0.5)
-        assert_close_attention(out, ref, spread, q, k, dim**-0.5, int(ctx.max()))
+        return out
+
+    def reference(self, scale: float, *args: Any, abs_v: bool = False, **kwargs: Any) -> torch.Tensor:
+        """The torch reference (with `abs_v`: over |v|, the spread assert_close_attention takes)."""
+        tables = torch.tensor(self.tables, dtype=torch.int64)
+        v = self.v.abs() if abs_v else self.v
+        return paged_attention_torch(self.q, self.k, v, tables, self.query_start, self.ctx, scale, *args, **kwargs)
+
+
+def check_paged_attention() -> None:
+    rng = np.random.default_rng(0)
+    heads, kv_heads, dim, block = 4, 2, 32, 16
+    scale = dim**-0.5
+    for decode, splits in ((True, 1), (True, 2), (False, 1)):
+        ctx = rng.integers(1, 70, 3)
+        q_lens = np.ones(3, dtype=np.int64) if decode else np.minimum(ctx, rng.integers(1, 20, 3))
+        case = PagedCase.make(rng, ctx, q_lens, heads, kv_heads, dim, block, decode)
+        out = case.triton(scale, None, splits)
+        ref, spread = case.reference(scale), case.reference(scale, abs_v=True)
+        assert_close_attention(out, ref, spread, case.q, case.k, scale, int(ctx.max()))
 
 
 def assert_close_attention(out: torch.Tensor, ref: torch.Tensor, spread: torch.Tensor, q: torch.Tensor,
@@ -225,31 +255,11 @@ def check_paged_attention_softcap_window() -> None:
     ctx = np.array([9, 23, 14])
     for decode, splits in ((True, 1), (True, 2), (False, 1)):
         q_lens = np.ones(3, dtype=np.int64) if decode else np.array([9, 7, 5])
-        num_blocks = int((-(-ctx // block)).sum()) + 1
-        perm = rng.permutation(num_blocks)
-        tables = np.zeros((3, int((-(-ctx // block)).max())), dtype=np.int32)
-        start = 0
-        for i, nb in enumerate(-(-ctx // block)):
-            tables[i, :nb] = perm[start : start + nb]
-            start += nb
-        k, v = torch.randn(num_blocks, block, kv_heads, dim) * 2, torch.randn(num_blocks, block, kv_heads, dim)
-        query_start = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int64)
-        q = torch.randn(int(query_start[-1]), heads, dim) * 2
-        block_q = 1 if decode else PREFILL_BLOCK_Q
-        tile_seq, tile_q0 = tile_map(query_start, block_q)
-        i32: dict[str, Any] = {"dtype": torch.int32}
-        out = torch.full_like(q, float("nan"))
-        paged_attention_triton(
-            q, k, v, torch.tensor(tables, **i32), torch.tensor(query_start, **i32), torch.tensor(ctx, **i32),
-            torch.tensor(tile_seq, **i32), torch.tensor(tile_q0, **i32), block_q, 0.3, window, out=out,
-            splits=splits, softcap=cap,
-        )  # fmt: skip
-        tables64 = torch.tensor(tables, dtype=torch.int64)
-        ref = paged_attention_torch(q, k, v, tables64, query_start, ctx, 0.3, window, cap)
-        spread = paged_attention_torch(q, k, v.abs(), tables64, query_start, ctx, 0.3, window, cap)
-        assert_close_attention(out, ref, spread, q, k, 0.3, window)
-        uncapped = paged_attention_torch(q, k, v, tables64, query_start, ctx, 0.3, window)
-        assert not torch.allclose(out, uncapped, atol=1e-3), "the cap changed nothing"
+        case = PagedCase.make(rng, ctx, q_lens, heads, kv_heads, dim, block, decode, scale_qk=2.0)
+        out = case.triton(0.3, window, splits, softcap=cap)
+        ref, spread = case.reference(0.3, window, cap), case.reference(0.3, window, cap, abs_v=True)
+        assert_close_attention(out, ref, spread, case.q, case.k, 0.3, window)
+        assert not torch.allclose(out, case.reference(0.3, window), atol=1e-3), "the cap changed nothing"
 
 
 def check_paged_attention_sinks() -> None:
@@ -261,32 +271,12 @@ def check_paged_attention_sinks() -> None:
     sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0])
     for decode, splits in ((True, 1), (True, 2), (False, 1)):
         q_lens = np.ones(3, dtype=np.int64) if decode else np.array([9, 7, 5])
-        per_seq = -(-ctx // block)
-        num_blocks = int(per_seq.sum()) + 1
-        perm = rng.permutation(num_blocks)
-        tables = np.zeros((3, int(per_seq.max())), dtype=np.int32)
-        start = 0
-        for i, nb in enumerate(per_seq):
-            tables[i, :nb] = perm[start : start + nb]
-            start += nb
-        k, v = torch.randn(num_blocks, block, kv_heads, dim), torch.randn(num_blocks, block, kv_heads, dim)
-        query_start = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int64)
-        q = torch.randn(int(query_start[-1]), heads, dim)
-        block_q = 1 if decode else PREFILL_BLOCK_Q
-        tile_seq, tile_q0 = tile_map(query_start, block_q)
-        i32: dict[str, Any] = {"dtype": torch.int32}
-        out = torch.full_like(q, float("nan"))
-        paged_attention_triton(
-            q, k, v, torch.tensor(tables, **i32), torch.tensor(query_start, **i32), torch.tensor(ctx, **i32),
-            torch.tensor(tile_seq, **i32), torch.tensor(tile_q0, **i32), block_q, 0.3, window, out=out,
-            splits=splits, sinks=sinks,
-        )  # fmt: skip
-        tables64 = torch.tensor(tables, dtype=torch.int64)
-        ref = paged_attention_torch(q, k, v, tables64, query_start, ctx, 0.3, window, sinks=sinks)
-        spread = paged_attention_torch(q, k, v.abs(), tables64, query_start, ctx, 0.3, window, sinks=sinks)
-        assert_close_attention(out, ref, spread, q, k, 0.3, window)
-        sinkless = paged_attention_torch(q, k, v, tables64, query_start, ctx, 0.3, window)
-        assert not torch.allclose(out, sinkless, atol=1e-3), "the sinks changed nothing"
+        case = PagedCase.make(rng, ctx, q_lens, heads, kv_heads, dim, block, decode)
+        out = case.triton(0.3, window, splits, sinks=sinks)
+        ref = case.reference(0.3, window, sinks=sinks)
+        spread = case.reference(0.3, window, sinks=sinks, abs_v=True)
+        assert_close_attention(out, ref, spread, case.q, case.k, 0.3, window)
+        assert not torch.allclose(out, case.reference(0.3, window), atol=1e-3), "the sinks changed nothing"
 
 
 CHECKS: list[Callable[[], None]] = [
