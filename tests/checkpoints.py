@@ -239,6 +239,8 @@ _GGUF_LAYER_NAMES = {
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -246,15 +248,16 @@ _GGUF_LAYER_NAMES = {
 
 
 def write_gguf(checkpoint: Path, path: Path) -> Path:
-    """Write a tiny llama or qwen2 checkpoint as a GGUF file the way llama.cpp's converter
-    lays it out: its tensor names, permuted Llama q/k rows, the tokenizer as metadata,
-    and the token embedding quantized to Q8_0 (everything else float32)."""
+    """Write a tiny llama, qwen2 or qwen3 checkpoint as a GGUF file the way llama.cpp's
+    converter lays it out: its tensor names, permuted Llama q/k rows, the head size where
+    it is not hidden / heads, the tokenizer as metadata, and the token embedding quantized
+    to Q8_0 (everything else float32)."""
     import gguf
     from safetensors.numpy import load_file
 
     cfg = json.loads((checkpoint / "config.json").read_text())
     arch = cfg["model_type"]
-    assert arch in ("llama", "qwen2"), arch
+    assert arch in ("llama", "qwen2", "qwen3"), arch
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     rope = cfg.get("rope_parameters") or {}
     writer = gguf.GGUFWriter(path, arch)
@@ -264,6 +267,9 @@ def write_gguf(checkpoint: Path, path: Path) -> Path:
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
+    if cfg.get("head_dim") is not None:
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
     writer.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])

@@ -21,7 +21,8 @@ from worker.models.config import CheckpointError, ModelConfig
 from worker.models.loaded_model import LoadedModel, check_shapes
 
 # general.architecture -> Hugging Face model_type. llama.cpp files Mistral under "llama".
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # Architectures whose q/k rows llama.cpp permutes on conversion.
 _PERMUTED = {"llama"}
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
@@ -56,6 +57,8 @@ _LAYER_TENSORS = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's per-head norms
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -110,7 +113,7 @@ def _hf_config(meta: dict[str, Any], path: Path, has_output: bool, has_bias: boo
     if vocab is None:
         raise CheckpointError(f"{path}: metadata gives no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens)")
     cfg: dict[str, Any] = {
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]],
+        "architectures": [_HF_CLASSES[arch]],
         "model_type": _ARCHITECTURES[arch],
         "vocab_size": int(vocab),
         "hidden_size": hidden,

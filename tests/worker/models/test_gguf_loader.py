@@ -97,17 +97,22 @@ def test_logits_match_transformers_gguf(default_gguf: Path, gguf_model: Any, hf_
     assert (got.argmax(axis=1) == want.argmax(axis=1)).all()
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_bias"])
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_bias", "qwen3_head_dim"])
 def test_tiny_gguf_matches_its_checkpoint_and_transformers(
     name: str, tiny_checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.checkpoints import write_gguf
+    from tests.checkpoints import make_checkpoint, write_gguf
 
-    path = write_gguf(tiny_checkpoints[name], tmp_path / f"{name}.gguf")
-    ours, original = load_model(path), load_model(tiny_checkpoints[name])
+    checkpoint = tiny_checkpoints.get(name)
+    if checkpoint is None:
+        # Qwen3 at head_dim 128, not hidden / heads: transformers' GGUF reader takes the
+        # head size from Qwen3's default, not from the file (our reader takes key_length).
+        checkpoint = make_checkpoint(name, tmp_path / name, head_dim=128)
+    path = write_gguf(checkpoint, tmp_path / f"{name}.gguf")
+    ours, original = load_model(path), load_model(checkpoint)
     assert ours.config.attention_bias == original.config.attention_bias
     assert ours.config.tie_word_embeddings == original.config.tie_word_embeddings
     for key, value in original.weights.items():
