@@ -12,6 +12,7 @@ from ops.binds import add_insecure_option
 from ops.config import NON_NEGATIVE_INT, PORT, POSITIVE_FLOAT, POSITIVE_INT, add_config_options
 from ops.curve_options import add_curve_options, curve_config
 from ops.secrets import add_redis_password_option
+from protocol.keys import RESPONSE_TTL_S
 
 DEFAULT_BIND = "tcp://127.0.0.1:5550"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -51,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--http-port", type=PORT, default=0, help="serve the OpenAI-compatible HTTP API on this port (0: off)"
     )
     p.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API listens on")
+    p.add_argument("--response-ttl", type=POSITIVE_INT, default=RESPONSE_TTL_S, metavar="SECONDS",
+                   help="how long stored Responses API responses are kept in Redis (default 30 days)")
     p.add_argument("--http-reuse-port", action="store_true",
                    help="share the HTTP port with the other gateway processes of this host that set it too "
                         "(SO_REUSEPORT): the kernel spreads new connections over them")  # fmt: skip
@@ -126,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
             open_paths = frozenset(p.strip() for p in args.auth_open_paths.split(",") if p.strip())
             http = HttpFront(gw, args.http_host, args.http_port, open_paths, reasoning_parser=args.reasoning_parser,
-                             reuse_port=args.http_reuse_port)  # fmt: skip
+                             reuse_port=args.http_reuse_port, response_ttl_s=args.response_ttl)  # fmt: skip
         if args.metrics_port:
             gw.metrics.serve(args.metrics_host, args.metrics_port)
     except (zmq.ZMQError, OSError) as e:

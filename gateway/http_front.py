@@ -59,6 +59,7 @@ from gateway.tokenize_api import DetokenizeRequest, TokenizeRequest
 from gateway.workers import adapter_models
 from protocol import tool_calls
 from protocol.chat_template import ChatTemplateError
+from protocol.keys import RESPONSE_TTL_S
 from protocol.tool_calls import ToolUse
 
 if TYPE_CHECKING:
@@ -217,7 +218,8 @@ class HttpFront:
     """The HTTP server of one gateway: `start()` serves on a thread, `stop()` ends it."""
 
     def __init__(self, gateway: Gateway, host: str, port: int, open_paths: frozenset[str] = frozenset(),
-                 reasoning_parser: str | None = None, reuse_port: bool = False) -> None:  # fmt: skip
+                 reasoning_parser: str | None = None, reuse_port: bool = False,
+                 response_ttl_s: int = RESPONSE_TTL_S) -> None:  # fmt: skip
         self.gateway = gateway
         # None: the format each model's chat template teaches (tool calls: the gateway's --tool-parser).
         self.reasoning_parser = reasoning_parser
@@ -228,7 +230,7 @@ class HttpFront:
         self.port: int = self.socket.getsockname()[1]
         self.host = host
         self.bridge: Bridge | None = None
-        self.store = ResponseStore(gateway.discovery.redis, gateway.keys)
+        self.store = ResponseStore(gateway.discovery.redis, gateway.keys, response_ttl_s)
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),

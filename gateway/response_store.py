@@ -13,13 +13,14 @@ from protocol.keys import RESPONSE_TTL_S, Keys
 
 
 class ResponseStore:
-    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, ttl_s: int = RESPONSE_TTL_S) -> None:
         self.redis = client
         self.keys = keys
+        self.ttl_s = ttl_s  # how long a stored response (and its conversation) is kept
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         blob = json.dumps({"response": response, "conversation": conversation}, separators=(",", ":"))
-        self.redis.set(self.keys.response(response["id"]), blob, ex=RESPONSE_TTL_S)
+        self.redis.set(self.keys.response(response["id"]), blob, ex=self.ttl_s)
 
     def get(self, response_id: str) -> dict[str, Any] | None:
         """{"response": ..., "conversation": [...]}, or None if there is none (or it expired)."""

@@ -1,11 +1,13 @@
 """The Responses API (/v1/responses) through the official `openai` SDK against real
 gateways and a worker (processes, Redis, the tiny checkpoint): a conversation
 continued across two gateways from Redis, streaming events, stored responses read
-and deleted, function calls and their outputs."""
+and deleted, outliving a gateway restart and expiring at --response-ttl, function calls
+and their outputs."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import pytest
@@ -109,3 +111,25 @@ def test_structured_output(clients):
                              text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})  # fmt: skip
     jsonschema.validate(json.loads(r.output_text), schema)
     assert r.text.format.type == "json_schema"
+
+
+def test_stored_responses_outlive_their_gateway_and_expire(long_model, redis_server, tmp_path):
+    port = free_port()
+    with stack(long_model, redis_server.url, tmp_path, workers=0, gateways=0) as s:
+        s.worker()
+        first = s.gateway("--http-port", str(port), "--response-ttl", "3")
+        first.wait_workers(1)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+            stored = c.responses.create(model=MODEL, input="My name is Ada.", **FIXED)
+        first.stop()
+        again = s.gateway("--http-port", str(port), "--response-ttl", "3")  # a restart, on the same port
+        again.wait_workers(1)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+            assert c.responses.retrieve(stored.id).output_text == stored.output_text
+            follow_up = c.responses.create(model=MODEL, previous_response_id=stored.id, input="And?", **FIXED)
+            assert follow_up.usage.input_tokens > stored.usage.input_tokens + stored.usage.output_tokens
+            ttl = s.redis.ttl(s.keys.response(stored.id))
+            assert 0 < ttl <= 3  # Redis drops it at the gateway's --response-ttl
+            time.sleep(ttl + 0.5)
+            with pytest.raises(openai.NotFoundError):
+                c.responses.retrieve(stored.id)
