@@ -68,6 +68,8 @@ NOT_OPTIONS = {
     "tools",  # a chat's tools and how they are used: Client.chat's, LLM.chat's and a chat job's arguments
     "tool_choice",
     "parallel_tool_calls",
+    "kv_handoff",  # set by a gateway toward a prefill worker (disaggregated serving)
+    "kv_transfer_id",  # and toward the decode worker that continues it
     "input_token_ids",
     "streaming",  # how the output is delivered: Client.stream, LLM.generate_async(streaming=True)
     "client_id",  # a transport tag
