@@ -117,19 +117,20 @@ def test_stored_responses_outlive_their_gateway_and_expire(long_model, redis_ser
     port = free_port()
     with stack(long_model, redis_server.url, tmp_path, workers=0, gateways=0) as s:
         s.worker()
-        first = s.gateway("--http-port", str(port), "--response-ttl", "3")
+        first = s.gateway("--http-port", str(port))  # the default: kept 30 days
         first.wait_workers(1)
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120) as c:
             stored = c.responses.create(model=MODEL, input="My name is Ada.", **FIXED)
         first.stop()
-        again = s.gateway("--http-port", str(port), "--response-ttl", "3")  # a restart, on the same port
+        again = s.gateway("--http-port", str(port), "--response-ttl", "1")  # a restart, on the same port
         again.wait_workers(1)
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120) as c:
             assert c.responses.retrieve(stored.id).output_text == stored.output_text
             follow_up = c.responses.create(model=MODEL, previous_response_id=stored.id, input="And?", **FIXED)
             assert follow_up.usage.input_tokens > stored.usage.input_tokens + stored.usage.output_tokens
-            ttl = s.redis.ttl(s.keys.response(stored.id))
-            assert 0 < ttl <= 3  # Redis drops it at the gateway's --response-ttl
-            time.sleep(ttl + 0.5)
+            assert s.redis.ttl(s.keys.response(follow_up.id)) <= 1  # this gateway's --response-ttl
+            assert s.redis.ttl(s.keys.response(stored.id)) > 3600  # the first one's
+            time.sleep(1.5)
             with pytest.raises(openai.NotFoundError):
-                c.responses.retrieve(stored.id)
+                c.responses.retrieve(follow_up.id)
+            assert c.responses.retrieve(stored.id).id == stored.id
