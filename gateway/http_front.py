@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from json.encoder import encode_basestring_ascii
 from typing import TYPE_CHECKING, Any
@@ -361,17 +361,13 @@ class HttpFront:
                            rules)  # fmt: skip
         return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _answer_whole(self, request: Request, body: api.CompletionRequest | api.ChatRequest,
-                            prepared: list[_Prepared], text: api.TokenText) -> dict[str, Any] | Response:  # fmt: skip
-        """A whole (not streamed) response: one request, or one for each of a completion's
-        prompts, run side by side; choice k * n + i is prompt k's i-th, as OpenAI numbers
-        them, and one failure fails the whole. Awaited here, not in a body iterator that
-        ASGI would end: a client that goes away meanwhile is watched for, and its requests
-        cancelled."""
+    async def _all_answers(self, request: Request, ids: list[str],
+                           answers: list[Awaitable[Any]]) -> list[Any] | Response:  # fmt: skip
+        """Requests `ids` answered side by side, all or none: their answers, or the response
+        that ends them all, 499 when the client goes away meanwhile, the first failure's
+        error otherwise (each time the rest are cancelled at the workers)."""
         assert self.bridge is not None
-        calls = [(await self.bridge.submit(submit), submit) for _, submit, _, _ in prepared]
-        ids = [submit.request_id for _, submit in calls]
-        each = [asyncio.ensure_future(self._whole(call, submit)) for call, submit in calls]
+        each = [asyncio.ensure_future(a) for a in answers]
         whole = asyncio.gather(*each)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -387,7 +383,7 @@ class HttpFront:
             await self._cancel_all(ids)
             return Response(status_code=499)  # nobody reads it: the client is gone
         try:
-            answers = whole.result()
+            return list(whole.result())
         except api.ApiError as e:
             for task in each:  # the others wait on requests stopped here
                 task.cancel()
@@ -396,6 +392,20 @@ class HttpFront:
         finally:
             for request_id in ids:
                 self.bridge.forget(request_id)
+
+    async def _answer_whole(self, request: Request, body: api.CompletionRequest | api.ChatRequest,
+                            prepared: list[_Prepared], text: api.TokenText) -> dict[str, Any] | Response:  # fmt: skip
+        """A whole (not streamed) response: one request, or one for each of a completion's
+        prompts, run side by side; choice k * n + i is prompt k's i-th, as OpenAI numbers
+        them, and one failure fails the whole. Awaited here, not in a body iterator that
+        ASGI would end: a client that goes away meanwhile is watched for, and its requests
+        cancelled."""
+        assert self.bridge is not None
+        calls = [(await self.bridge.submit(submit), submit) for _, submit, _, _ in prepared]
+        ids = [submit.request_id for _, submit in calls]
+        answers = await self._all_answers(request, ids, [self._whole(call, submit) for call, submit in calls])
+        if isinstance(answers, Response):
+            return answers
         n = calls[0][1].num_return_sequences
         choices = []
         echoes: list[api.Echo | None] = []
@@ -421,7 +431,8 @@ class HttpFront:
 
     async def embeddings(self, request: Request) -> Response:
         """One request to the workers per input, run side by side and answered together;
-        one failure fails the whole, as for a completion's several prompts."""
+        one failure fails the whole, and a client gone cancels them, as for a completion's
+        several prompts."""
         try:
             body = _validated(embeddings_api.EmbeddingRequest, await self._json(request))
             inputs = body.inputs()
@@ -436,19 +447,13 @@ class HttpFront:
         assert self.bridge is not None
         submits = [embeddings_api.submit_for(f"embd-{uuid.uuid4().hex}", model, ids, body.pooling) for ids in token_ids]
         calls = [await self.bridge.submit(submit) for submit in submits]
-        request_ids = [submit.request_id for submit in submits]
-        each = [asyncio.ensure_future(_final(call)) for call in calls]
+        results = await self._all_answers(request, [s.request_id for s in submits], [_final(call) for call in calls])
+        if isinstance(results, Response):
+            return results
         try:
-            results = await asyncio.gather(*each)
             vectors = [embeddings_api.vector_of(result, body.dimensions) for result in results]
         except api.ApiError as e:
-            for task in each:  # the others wait on requests stopped here
-                task.cancel()
-            await self._cancel_all(request_ids)
             return JSONResponse(e.body(), e.status)
-        finally:
-            for request_id in request_ids:
-                self.bridge.forget(request_id)
         prompt_tokens = sum(len(t) for t in token_ids)
         usage_of(request.scope).prompt_tokens = prompt_tokens  # counted for the API key
         return JSONResponse(embeddings_api.response(model, vectors, body.encoding_format, prompt_tokens))
