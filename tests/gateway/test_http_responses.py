@@ -113,9 +113,10 @@ def test_structured_output(clients):
     assert r.text.format.type == "json_schema"
 
 
-def test_stored_responses_outlive_their_gateway_and_expire(long_model, redis_server, tmp_path):
+def test_stored_responses_outlive_their_gateway_and_expire(long_model, redis_server_factory, tmp_path):
     port = free_port()
-    with stack(long_model, redis_server.url, tmp_path, workers=0, gateways=0) as s:
+    # A Redis of its own: the module's stack registers its worker under the same name in the shared one.
+    with stack(long_model, redis_server_factory().url, tmp_path, workers=0, gateways=0) as s:
         s.worker()
         first = s.gateway("--http-port", str(port))  # the default: kept 30 days
         first.wait_workers(1)
