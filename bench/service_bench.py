@@ -98,6 +98,8 @@ KEYS_BUDGET_S = float(os.environ.get("TOKENWIRE_BENCH_SERVICE_KEYS_BUDGET_S", "9
 ECHO_CLIENTS = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_ECHO_CLIENTS", "1"))
 # And echo workers behind the one gateway for a second pair of them (1: none).
 ECHO_WORKERS = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_ECHO_WORKERS", "1"))
+# Gateway processes behind the several echo workers (the client processes spread over their ports).
+ECHO_GATEWAYS = int(os.environ.get("TOKENWIRE_BENCH_SERVICE_ECHO_GATEWAYS", "1"))
 ECHO_WORKLOADS = tuple(
     (int(n), int(t)) for n, t in
     (w.split("x") for w in os.environ.get("TOKENWIRE_BENCH_SERVICE_ECHO", "64x1024,256x512").split(","))
@@ -393,7 +395,7 @@ def keys_sets(model: Path, prompt_sets: list[list[list[int]]]) -> list[dict[str,
             s.close()
 
 
-def _echo_stack(model: Path, curve: bool = False, workers: int = 1) -> Stack:
+def _echo_stack(model: Path, curve: bool = False, workers: int = 1, gateways: int = 1) -> Stack:
     from worker.executor.types import KvCacheConfig
 
     most = max(n for n, _ in ECHO_WORKLOADS)
@@ -402,7 +404,7 @@ def _echo_stack(model: Path, curve: bool = False, workers: int = 1) -> Stack:
     block = KvCacheConfig().tokens_per_block
     kv_tokens = most * -(-(3 + max(t for _, t in ECHO_WORKLOADS)) // block) * block + 1024
     return Stack(model, "--backend", "echo", "--max-batch-size", str(most), "--max-num-tokens", "65536",
-                  "--kv-tokens", str(kv_tokens), curve=curve, workers=workers,
+                  "--kv-tokens", str(kv_tokens), curve=curve, workers=workers, gateways=gateways,
                   gateway_args=["--max-inflight", "65536"])  # fmt: skip
 
 
@@ -439,7 +441,7 @@ def echo_transport(model: Path) -> list[Run]:
     finally:
         stack.close()
     if ECHO_CLIENTS > 1 and ECHO_WORKERS > 1:  # the gateway's own ceiling: more echo workers than one gateway needs
-        stack = _echo_stack(model, workers=ECHO_WORKERS)
+        stack = _echo_stack(model, workers=ECHO_WORKERS, gateways=ECHO_GATEWAYS)
         try:
             runs += [_echo_spread(stack, streams, tokens)
                      for streams, tokens in ((max(n for n, _ in ECHO_WORKLOADS), 512), (1024 * ECHO_CLIENTS, 16))]
@@ -457,8 +459,9 @@ def _echo_spread(stack: Stack, streams: int, tokens: int) -> Run:
     before = stack.cpu_seconds()
     with ProcessPoolExecutor(ECHO_CLIENTS, mp_context=get_context("spawn")) as pool:
         start_at = time.perf_counter() + 5.0  # every client process up and connected by then
-        shares = [pool.submit(client_process, stack.gateway, part, [0.0] * len(part), tokens, start_at)
-                  for part in (prompts[k::ECHO_CLIENTS] for k in range(ECHO_CLIENTS))]  # fmt: skip
+        shares = [pool.submit(client_process, stack.gateways[k % len(stack.gateways)], prompts[k::ECHO_CLIENTS],
+                              [0.0] * len(prompts[k::ECHO_CLIENTS]), tokens, start_at)
+                  for k in range(ECHO_CLIENTS)]  # fmt: skip
         results = [share.result() for share in shares]
     after = stack.cpu_seconds()
     lines = [line for got, _ in results for line in got]
@@ -466,6 +469,8 @@ def _echo_spread(stack: Stack, streams: int, tokens: int) -> Run:
     us = {p: (after[p] - before[p]) * 1e6 / (streams * tokens) for p in after}
     clients_us = sum(cpu for _, cpu in results) * 1e6 / (streams * tokens)
     workers = f"{len(stack.workers)} echo workers" if len(stack.workers) > 1 else "echo worker"
+    if len(stack.gateways) > 1:
+        workers += f", {len(stack.gateways)} gateway processes"
     name = (f"TRANSPORT TEST {workers}, {ECHO_CLIENTS} client processes, {streams} streams x {tokens}: "
             f"{streams / (end - start):,.0f} req/s (CPU µs/token: gateway {us['gateway']:.1f}, worker "
             f"{us['worker']:.1f}, engine {us['engine']:.1f}, clients {clients_us:.1f})")  # fmt: skip
