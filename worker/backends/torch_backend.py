@@ -539,7 +539,7 @@ def _weights_of(
     (no float32 detour for big checkpoints), else its float32 arrays; and its quantized
     linear weights and packed MXFP4 experts, as the loader holds them."""
     refs = getattr(model, "tensor_refs", None) or {}
-    quantized = getattr(model, "quantized", None) or {}
+    quantized = {**(getattr(model, "quantized", None) or {}), **(getattr(model, "mxfp4_experts", None) or {})}
     if not refs or (model.weights and device.type != "cuda"):
         return {**model.weights, **quantized}
     return _DeviceTensors({name: Path(ref.file) for name, ref in refs.items()}, device, dtype, quantized)

@@ -13,8 +13,7 @@ from tokenizers import Tokenizer
 from worker.models.config import CheckpointError
 from worker.models.families import family_of
 from worker.models.loaded_model import LoadedModel, check_shapes
-from worker.models.mxfp4_checkpoint import Mxfp4File, is_mxfp4, mxfp4_experts
-from worker.models.quantization import QuantizedWeight
+from worker.models.mxfp4_checkpoint import is_mxfp4, mxfp4_experts
 from worker.models.quantized_checkpoint import recognise
 from worker.models.safetensors_io import TensorRef, read_float32, read_header
 
@@ -105,11 +104,7 @@ def load_hf_checkpoint(directory: Path, load_weights: bool = True) -> LoadedMode
             )
     refs = {name: ref for name, ref in refs.items() if name in needed and name not in quant_layers}
     weights = {name: read_float32(ref) for name, ref in refs.items()} if load_weights else {}
-    quantized: dict[str, QuantizedWeight | Mxfp4File] = (
-        {name: read() for name, (_, read) in quant_layers.items()} if load_weights else {}
-    )
-    if experts is not None:  # references, not bytes: with or without load_weights
-        quantized |= experts.packed
+    quantized = {name: read() for name, (_, read) in quant_layers.items()} if load_weights else {}
 
     tokenizer_path = directory / "tokenizer.json"
     if not tokenizer_path.exists():
@@ -138,6 +133,7 @@ def load_hf_checkpoint(directory: Path, load_weights: bool = True) -> LoadedMode
         tensor_refs=refs,
         tokenizer_config=tok_cfg,
         quantized=quantized,
+        mxfp4_experts={} if experts is None else experts.packed,
         quantization="mxfp4 experts" if experts is not None else None if quant is None else quant.scheme,
     )
 

@@ -34,9 +34,11 @@ class LoadedModel:
     # tokenizer_config.json as a dict (special tokens, add_bos_token, ...).
     tokenizer_config: dict[str, Any] = field(default_factory=dict)
     # A quantized checkpoint's linear weights under their float names ("...q_proj.weight"),
-    # which are then not in `weights` (nor in `tensor_refs`); and gpt-oss's packed MXFP4
-    # expert projections ("...mlp.experts.gate_up_proj"), read as the model is built.
-    quantized: dict[str, QuantizedWeight | Mxfp4File] = field(default_factory=dict)
+    # which are then not in `weights` (nor in `tensor_refs`).
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+    # gpt-oss's MXFP4 expert projections under their float names ("...mlp.experts.gate_up_proj"),
+    # packed and still on disk: read as the model builds each layer (with or without load_weights).
+    mxfp4_experts: dict[str, Mxfp4File] = field(default_factory=dict)
     # Float weights the backends quantize as they build the model: "fp8" | "int4" | None.
     quantize: str | None = None
     # What the model runs as, for logs and the worker's Ready: the checkpoint's scheme or

@@ -109,7 +109,7 @@ def check_gpt_oss_packed_layers() -> None:
         cfg = packed.config
         ops = TorchDecoderOps(cfg, torch.device("cpu"), torch.float32, 64)
         for layer in cfg.moe_layers:
-            tensors = expert_tensors(cfg, {**packed.weights, **packed.quantized}.__getitem__, layer)
+            tensors = expert_tensors(cfg, {**packed.weights, **packed.mxfp4_experts}.__getitem__, layer)
             assert isinstance(tensors.gate, Mxfp4Tensor) and isinstance(tensors.up, Mxfp4Tensor)
             assert isinstance(tensors.down, Mxfp4Tensor)
             bias = torch.cat([torch.as_tensor(tensors.gate_bias), torch.as_tensor(tensors.up_bias)], dim=1)

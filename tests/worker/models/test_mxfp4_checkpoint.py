@@ -30,12 +30,12 @@ def test_mxfp4_experts_give_transformers_tokens_of_their_values(tmp_path: Path) 
             want[s] = hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None)[0, len(p):]
     loaded = load_model(packed)
     assert loaded.quantization == "mxfp4 experts"
-    experts = [name for name in loaded.quantized if ".mlp.experts." in name]
+    experts = loaded.mxfp4_experts
     assert len(experts) == 2 * loaded.config.num_layers  # gate_up_proj and down_proj of every layer
-    assert all(isinstance(loaded.quantized[name], Mxfp4File) and name not in loaded.weights for name in experts)
+    assert all(isinstance(f, Mxfp4File) and name not in loaded.weights for name, f in experts.items())
     # and as the CUDA backend reads a checkpoint: each tensor from its file as the model is built
     from_files = load_model(packed, load_weights=False)
-    assert not from_files.weights and all(isinstance(from_files.quantized[name], Mxfp4File) for name in experts)
+    assert not from_files.weights and from_files.mxfp4_experts.keys() == experts.keys()
     for backend in (NumpyBackend(loaded), TorchBackend(loaded, device="cpu", max_model_len=64),
                     TorchBackend(from_files, device="cpu", max_model_len=64)):  # fmt: skip
         backend.allocate_kv_cache(num_blocks=96, block_size=4)
