@@ -56,7 +56,7 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return values.reshape((*blocks.shape[:-2], blocks.shape[-2] * BLOCK))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # arrays: compared and hashed by identity
 class Mxfp4Tensor(Sequence[np.ndarray]):
     """A layer's expert weights [experts, out, in], packed: `blocks` uint8 [experts, out,
     in / 32, 16] and `scales` uint8 [experts, out, in / 32], numpy arrays or torch tensors on
