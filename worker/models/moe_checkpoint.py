@@ -77,15 +77,18 @@ def expert_tensors(config: ModelConfig, need: Callable[[str], Any], layer: int) 
     layout = _layout(config)
     if layout == "gpt_oss":
         gate_up, down = _packed(need(p + "mlp.experts.gate_up_proj")), _packed(need(p + "mlp.experts.down_proj"))
-        if not isinstance(gate_up, Mxfp4Tensor):
+        if isinstance(gate_up, Mxfp4Tensor):  # packed rows first: [experts, 2I, hidden]
+            gate_rows, up_rows = gate_up.rows(_EVEN), gate_up.rows(_ODD)
+        else:
             # [experts, hidden, 2I] with gate and up interleaved -> [experts, 2I, hidden], then split.
             gate_up, down = gate_up.swapaxes(1, 2), down.swapaxes(1, 2)
+            gate_rows, up_rows = gate_up[:, _EVEN], gate_up[:, _ODD]
         gate_up_bias = need(p + "mlp.experts.gate_up_proj_bias")
         return ExpertTensors(
             router=need(p + "mlp.router.weight"),
             router_bias=need(p + "mlp.router.bias"),
-            gate=gate_up.rows(_EVEN) if isinstance(gate_up, Mxfp4Tensor) else gate_up[:, _EVEN],
-            up=gate_up.rows(_ODD) if isinstance(gate_up, Mxfp4Tensor) else gate_up[:, _ODD],
+            gate=gate_rows,
+            up=up_rows,
             down=down,
             gate_bias=gate_up_bias[:, _EVEN],
             up_bias=gate_up_bias[:, _ODD],
