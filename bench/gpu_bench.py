@@ -30,7 +30,7 @@ import torch
 from bench import SkipSection, log
 from bench.device_rates import SUSTAINED_S, measure_bandwidth, measure_gemm, sustained_note, sync
 from bench.environment import environment
-from bench.model_shapes import SHAPES, hf_config, shape_name
+from bench.model_shapes import EXPERT_DTYPES, SHAPES, expert_dtype, hf_config, shape_name
 from bench.offline_runs import Row, bench_executor
 from bench.random_weights import random_weights
 from bench.roofline import Roofline, roofline_of
@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
         raise SkipSection("no CUDA device")
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     hf_cfg = hf_config(shape_name(args.model_shape, args.tiny))
+    args.expert_dtype = expert_dtype(args.model_shape, args.expert_dtype)
     workloads = TINY_WORKLOADS if args.tiny else WORKLOADS
     if args.workloads:
         keep = set(args.workloads.split(","))
@@ -146,6 +147,7 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
             "pipeline_parallel_size": args.pipeline_parallel_size,
             "quantization": args.quantization,
             "kv_cache_dtype": args.kv_cache_dtype,
+            "expert_dtype": args.expert_dtype,
             "scheduler_policy": args.scheduler_policy,
             "dtype": args.dtype,
             "rows": [asdict(r) | {"tok_s": r.tok_s, "hf_tok_s": r.hf_tok_s} for r in rows],
@@ -154,6 +156,7 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
         if out:
             split = f"tp{args.tensor_parallel_size}" + (f"_pp{pp}" if (pp := args.pipeline_parallel_size) > 1 else "")
             quant = f"_{args.quantization}" if args.quantization else ""
+            quant += "_mxfp4" if args.expert_dtype == "mxfp4" else ""
             shape = shape_name(args.model_shape, args.tiny)
             name = f"gpu_bench_{shape}_{split}{quant}.json" if over_ranks(args) else "gpu_bench.json"
             with open(os.path.join(out, name), "w") as f:
@@ -229,8 +232,11 @@ def parser() -> argparse.ArgumentParser:
                    help="an e4m3 KV cache; with --quantization fp8 on one GPU, only the FP8-cache rows of "
                         "bench/quant_bench.py (which runs both caches without it)")  # fmt: skip
     p.add_argument("--model-shape", default="8b", choices=list(SHAPES),
-                   help="Llama-3.1-8B or -70B, Qwen3-8B or Gemma-3-12B (text) shape (bench/model_shapes.py; "
-                        "70b needs enough GPUs for its shards)")  # fmt: skip
+                   help="Llama-3.1-8B or -70B, Qwen3-8B, Gemma-3-12B (text), Qwen3-30B-A3B, gpt-oss-20b or "
+                        "-120b shape (bench/model_shapes.py; 70b needs enough GPUs for its shards)")  # fmt: skip
+    p.add_argument("--expert-dtype", default=None, choices=EXPERT_DTYPES,
+                   help="the experts' weights: gpt-oss's packed MXFP4 as it ships (its default: the 120b shape "
+                        "fits one 141 GB GPU so) or bf16; the other shapes' are bf16")  # fmt: skip
     p.add_argument("--quantization", default=None, choices=["fp8", "int4"],
                    help="quantize the model at start: on one GPU at the 8B shape bench/quant_bench.py's "
                         "workloads; over several GPUs or at the 70B shape these (bench/tp_bench.py)")  # fmt: skip

@@ -1,7 +1,8 @@
 """The model shapes the GPU benches build with random weights, as their Hugging Face
 configs: Llama-3.1-8B and -70B, Qwen3-8B, Gemma-3-12B (text), and the mixtures of experts
-Qwen3-30B-A3B and gpt-oss-20b (its experts in bf16), and a tiny one of each architecture
-for smoke runs (Llama's two shapes share one)."""
+Qwen3-30B-A3B, gpt-oss-20b and gpt-oss-120b (their experts in MXFP4 as shipped, or bf16:
+`expert_dtype`), and a tiny one of each architecture for smoke runs (Llama's two shapes
+share one, and so do gpt-oss's)."""
 
 from __future__ import annotations
 
@@ -131,9 +132,8 @@ TINY_QWEN3_MOE = {**QWEN3_30B_A3B, "vocab_size": 512, "hidden_size": 128, "inter
                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 4096,
                   "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
 
-# gpt-oss-20b's published config.json, its experts held in bf16 (the checkpoint ships them in
-# MXFP4): 32 experts of width 2880, 4 a token; attention sinks and biases; sliding-window
-# (128) and global layers alternating; YaRN.
+# gpt-oss-20b's published config.json: 32 experts of width 2880, 4 a token; attention sinks
+# and biases; sliding-window (128) and global layers alternating; YaRN.
 GPT_OSS_20B: dict[str, Any] = {
     "model_type": "gpt_oss",
     "vocab_size": 201088,
@@ -167,10 +167,20 @@ TINY_GPT_OSS = {**GPT_OSS_20B, "vocab_size": 512, "hidden_size": 128, "intermedi
                 "layer_types": ["sliding_attention", "full_attention"] * 2, "max_position_embeddings": 4096,
                 "eos_token_id": 2, "pad_token_id": 0}  # fmt: skip
 
+# gpt-oss-120b's published config.json: gpt-oss-20b's with 36 layers of 128 experts.
+GPT_OSS_120B: dict[str, Any] = {
+    **GPT_OSS_20B,
+    "num_local_experts": 128,
+    "num_hidden_layers": 36,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+}
+
 SHAPES = {"8b": LLAMA_8B, "70b": LLAMA_70B, "qwen3-8b": QWEN3_8B, "gemma3-12b": GEMMA3_12B,
-          "qwen3-30b-a3b": QWEN3_30B_A3B, "gpt-oss-20b": GPT_OSS_20B}  # fmt: skip
+          "qwen3-30b-a3b": QWEN3_30B_A3B, "gpt-oss-20b": GPT_OSS_20B, "gpt-oss-120b": GPT_OSS_120B}  # fmt: skip
 TINY_SHAPES = {"tiny": TINY, "qwen3-8b-tiny": TINY_QWEN3, "gemma3-12b-tiny": TINY_GEMMA3,
-               "qwen3-30b-a3b-tiny": TINY_QWEN3_MOE, "gpt-oss-20b-tiny": TINY_GPT_OSS}  # fmt: skip
+               "qwen3-30b-a3b-tiny": TINY_QWEN3_MOE, "gpt-oss-20b-tiny": TINY_GPT_OSS,
+               "gpt-oss-120b-tiny": TINY_GPT_OSS}  # fmt: skip
+EXPERT_DTYPES = ("bf16", "mxfp4")
 
 
 def shape_name(model_shape: str, tiny: bool) -> str:
@@ -183,3 +193,12 @@ def shape_name(model_shape: str, tiny: bool) -> str:
 def hf_config(name: str) -> dict[str, Any]:
     """The Hugging Face config of a shape or tiny variant, by the name shape_name gives."""
     return {**SHAPES, **TINY_SHAPES}[name]
+
+
+def expert_dtype(model_shape: str, asked: str | None) -> str:
+    """The experts' format a run builds: `asked`, else the checkpoint's (gpt-oss ships MXFP4,
+    which only its layout holds: one tensor per projection of all experts)."""
+    gpt_oss = SHAPES[model_shape]["model_type"] == "gpt_oss"
+    if asked == "mxfp4" and not gpt_oss:
+        raise ValueError(f"--expert-dtype mxfp4: the {model_shape} shape's experts are bf16 (MXFP4 is gpt-oss's)")
+    return asked or ("mxfp4" if gpt_oss else "bf16")

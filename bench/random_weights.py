@@ -1,5 +1,6 @@
 """Random weights for the model shapes (bench/model_shapes.py), made on the device: the whole
-model at once as our backend wants it, or one tensor at a time as a rank cuts its shard."""
+model at once as our backend wants it, or one tensor at a time as a rank cuts its shard;
+gpt-oss's experts in bf16 or packed in MXFP4 as its checkpoints ship them (`random_mxfp4`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ from typing import Any
 import torch
 
 from worker.models.config import ModelConfig
+from worker.models.mxfp4 import BLOCK, Mxfp4Tensor
+
+# E8M0 scale bytes of the random MXFP4 blocks: 2 ** -8 .. 2 ** -6. Uniform E2M1 codes have an
+# RMS of 2.9, so the weights spread about as the bf16 shapes' N(0, 0.02).
+MXFP4_SCALES = (119, 121)
+_EXPERT_PROJECTIONS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 def fused_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -50,22 +57,40 @@ def _identity_norm(cfg: ModelConfig, shape: tuple[int, ...], device: torch.devic
     return fill(shape, device=device, dtype=dtype)
 
 
-class RandomTensors(Mapping[str, torch.Tensor]):
-    """Every tensor of the model under its Hugging Face name, made on access (N(0, 0.02),
-    seeded by its name, so every rank makes the same one and keeps its own slice)."""
+def random_mxfp4(experts: int, rows: int, cols: int, device: torch.device, gen: torch.Generator) -> Mxfp4Tensor:
+    """Expert weights [experts, rows, cols] made packed, as a checkpoint holds them: random
+    bytes (two uniform E2M1 codes each) and a random scale byte in MXFP4_SCALES per 32."""
+    blocks = torch.randint(0, 256, (experts, rows, cols // BLOCK, BLOCK // 2), dtype=torch.uint8, device=device,
+                           generator=gen)  # fmt: skip
+    low, high = MXFP4_SCALES
+    scales = torch.randint(low, high + 1, (experts, rows, cols // BLOCK), dtype=torch.uint8, device=device,
+                           generator=gen)  # fmt: skip
+    return Mxfp4Tensor(blocks, scales)
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+
+class RandomTensors(Mapping[str, torch.Tensor | Mxfp4Tensor]):
+    """Every tensor of the model under its Hugging Face name, made on access (N(0, 0.02),
+    seeded by its name, so every rank makes the same one and keeps its own slice). With
+    `expert_dtype` "mxfp4" gpt-oss's expert projections come packed (random_mxfp4)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, expert_dtype: str = "bf16") -> None:
         from worker.models.loaded_model import expected_shapes
 
         self.shapes = expected_shapes(cfg)
-        self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.cfg, self.device, self.dtype, self.expert_dtype = cfg, device, dtype, expert_dtype
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def __getitem__(self, name: str) -> torch.Tensor | Mxfp4Tensor:
         shape = self.shapes[name]
         gen = torch.Generator(device=self.device).manual_seed(zlib.crc32(name.encode()))
         if name.endswith("norm.weight"):
             return _identity_norm(self.cfg, shape, self.device, self.dtype)
+        if self.expert_dtype == "mxfp4" and name.endswith(_EXPERT_PROJECTIONS):
+            experts, cols, rows = shape  # the float layout [experts, in, out]; packed rows first
+            return random_mxfp4(experts, rows, cols, self.device, gen)
         return torch.randn(shape, device=self.device, dtype=self.dtype, generator=gen) * 0.02
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.shapes  # without making the tensor, as Mapping's default would
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)

@@ -9,7 +9,11 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from worker.models.mxfp4 import BLOCK as MXFP4_BLOCK
 from worker.models.quantization import INT4_GROUP_SIZE
+
+# An MXFP4 weight's bytes: its E2M1 half byte and a share of its block's E8M0 scale byte.
+MXFP4_EXPERT_BYTES = 0.5 + 1 / MXFP4_BLOCK
 
 
 @dataclass(slots=True)
@@ -228,11 +232,16 @@ def quantized_roofline(cfg: Any, quantization: str, kv_bytes: int, bandwidth: fl
     )
 
 
-def roofline_of(cfg: Any, quantization: str | None, dtype_bytes: int, bandwidth: float, flops: float,
-                stages: int = 1, kv_cache_dtype: str | None = None) -> Roofline:  # fmt: skip
+def roofline_of(cfg: Any, quantization: str | None, dtype_bytes: int, bandwidth: float, flops: float, stages: int = 1,
+                kv_cache_dtype: str | None = None, expert_dtype: str = "bf16") -> Roofline:  # fmt: skip
     """The roofline of a float model (`dtype_bytes` a weight and a KV value) or of one
-    quantized on load (a bf16 KV cache); an FP8 KV cache reads one byte a KV value."""
+    quantized on load (a bf16 KV cache); an FP8 KV cache reads one byte a KV value.
+    `expert_dtype` "mxfp4": the experts as packed (MXFP4_EXPERT_BYTES a weight), whatever the rest."""
     kv_bytes = 1 if kv_cache_dtype == "fp8" else None
     if quantization is None:
-        return roofline_for(cfg, bandwidth, flops, dtype_bytes, stages, kv_bytes)
-    return quantized_roofline(cfg, quantization, kv_bytes or 2, bandwidth, flops, stages)
+        roof = roofline_for(cfg, bandwidth, flops, dtype_bytes, stages, kv_bytes)
+    else:
+        roof = quantized_roofline(cfg, quantization, kv_bytes or 2, bandwidth, flops, stages)
+    if expert_dtype == "mxfp4":
+        roof = replace(roof, expert_bytes=math.ceil(roof.expert_params * MXFP4_EXPERT_BYTES))
+    return roof

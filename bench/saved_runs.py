@@ -16,7 +16,7 @@ def saved_roofline(saved: dict[str, Any]) -> Roofline:
     dtype_bytes = 4 if saved.get("dtype") == "float32" else 2  # runs saved before it was recorded ran bf16
     return roofline_of(cfg, saved.get("quantization"), dtype_bytes, saved["bandwidth_TBps"] * 1e12,
                        saved["gemm_TFLOPps"] * 1e12, saved.get("pipeline_parallel_size", 1),
-                       saved.get("kv_cache_dtype"))  # fmt: skip
+                       saved.get("kv_cache_dtype"), saved.get("expert_dtype", "bf16"))  # fmt: skip
 
 
 def saved_roofline_tok_s(roof: Roofline, saved: dict[str, Any], workload: str, requests: int,

@@ -8,10 +8,14 @@ Pipeline stages run without CUDA graphs.
 
 Shapes: the Llama-3.1-8B shape of gpu_bench, or `--model-shape 70b` (Llama-3.1-70B:
 hidden 8192, 80 layers, 64 query / 8 KV heads, intermediate 28672, vocab 128256),
-`qwen3-8b` or `gemma3-12b` (bench/model_shapes.py), on one GPU or more.
+`qwen3-8b`, `gemma3-12b`, `qwen3-30b-a3b`, `gpt-oss-20b` or `gpt-oss-120b`
+(bench/model_shapes.py), on one GPU or more; gpt-oss's experts packed in MXFP4 as it
+ships them unless `--expert-dtype bf16` (bench/random_weights.py makes them packed, so
+the 120b shape fits one GPU).
 The roofline is N GPUs': each rank measures its HBM bandwidth and bf16 GEMM rate at
 start (the FP8 GEMM rate with `--quantization fp8`), and the floors use their sums
-(all-reduce traffic is not counted in them), over the quantized bytes when quantized. Under
+(all-reduce traffic is not counted in them), over the quantized bytes when quantized (the
+routed experts' at their packed size when MXFP4). Under
 pipeline parallelism a batch-1 step runs the stages one after the other, so its TPOT
 floor is the sum's P times (Roofline.stages).
 """
@@ -53,7 +57,7 @@ def _rank_setup(rank: int, args: argparse.Namespace) -> tuple[Any, Any, float, f
     cfg = ModelConfig.from_hf(_shape(args))
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     t0 = time.perf_counter()
-    backend = TorchBackend(cfg, dtype=dtype, weights=RandomTensors(cfg, world.device, dtype),
+    backend = TorchBackend(cfg, dtype=dtype, weights=RandomTensors(cfg, world.device, dtype, args.expert_dtype),
                            max_num_tokens=args.max_num_tokens, max_model_len=args.max_model_len,
                            max_graph_batch=args.max_batch, world=world,
                            micro_batch_count=args.micro_batches, quantization=args.quantization,
@@ -96,9 +100,10 @@ def run(args: argparse.Namespace, workloads: list[tuple[int, int, int, int]],
     distributed = DistributedBackend(backend, world, links, processes)
     dtype_bytes = 2 if args.dtype == "bfloat16" else 4
     roof = roofline_of(cfg, args.quantization, dtype_bytes, bandwidth, flops, args.pipeline_parallel_size,
-                       args.kv_cache_dtype)
+                       args.kv_cache_dtype, args.expert_dtype)
+    experts = ", MXFP4 experts" if args.expert_dtype == "mxfp4" else ""
     log(f"{size} ranks up in {time.perf_counter() - t0:.1f} s; rank 0 runs {backend.quantization or args.dtype} "
-        f"weights, a {args.kv_cache_dtype or args.dtype} KV cache; roofline of {size} GPUs: "
+        f"weights, a {args.kv_cache_dtype or args.dtype} KV cache{experts}; roofline of {size} GPUs: "
         f"{bandwidth / 1e12:.2f} TB/s, "
         f"{flops / 1e12:.0f} TFLOP/s; weights {roof.weight_bytes / 1e9:.1f} GB{roof.experts_note()} -> "
         "batch-1 TPOT floor "

@@ -128,7 +128,7 @@ def test_gemma3_sliding_layers_read_only_the_window_at_decode() -> None:
     assert roof.offline_tok_s(2048, 64, 8, 8) > every_layer_global.offline_tok_s(2048, 64, 8, 8)
 
 
-@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "gpt-oss-20b"])
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "gpt-oss-20b", "gpt-oss-120b"])
 def test_moe_shapes_count_the_parameters_transformers_builds(shape: str) -> None:
     # transformers' model on the meta device: the linear layers (attention, routers, head) every
     # step reads, and the experts' stacked parameters, k of E of which a token computes.
@@ -156,3 +156,16 @@ def test_a_moe_step_reads_the_experts_its_tokens_chose() -> None:
     assert roof.experts_read(4096) == pytest.approx(128)  # a large batch: all of them
     assert 8 < roof.experts_read(16) < 16 * 8  # some chosen twice
     assert roof.decode_floor(0) == pytest.approx(roof.weight_bytes + 8 * roof.expert_bytes)
+
+
+def test_mxfp4_experts_are_counted_packed_and_gpt_oss_120b_fits_one_gpu() -> None:
+    # A packed weight: half a byte, and one scale byte per block of 32.
+    cfg = ModelConfig.from_hf(SHAPES["gpt-oss-120b"])
+    bf16 = roofline_of(cfg, None, 2, 1.0, 1e30)
+    mxfp4 = roofline_of(cfg, None, 2, 1.0, 1e30, expert_dtype="mxfp4")
+    assert mxfp4.expert_bytes == bf16.expert_params * 17 // 32 and mxfp4.weight_bytes == bf16.weight_bytes
+    # 36 layers x 128 experts x 3 x 2880^2 weights: 229 GB in bf16, 61 GB packed (+ 4 GB of the rest in bf16)
+    assert mxfp4.expert_params * mxfp4.experts == 36 * 128 * 3 * 2880 * 2880
+    assert bf16.expert_bytes * bf16.experts > 141e9 > mxfp4.expert_bytes * mxfp4.experts + mxfp4.weight_bytes
+    # a batch-1 step reads its 4 experts' packed bytes
+    assert mxfp4.decode_floor(0) == pytest.approx(mxfp4.weight_bytes + 4 * mxfp4.expert_bytes)

@@ -38,7 +38,7 @@ class NumpyBackend:
         self.ops = NumpyDecoderOps(model.config, model.quantize, deterministic)
         self.deterministic = deterministic
         self.model: llama.DecoderWeights[np.ndarray, NumpyLinear] = llama.build_weights(
-            model.config, {**model.weights, **model.quantized}, self.ops
+            model.config, {**model.weights, **model.quantized, **model.mxfp4_experts}, self.ops
         )
 
     # --- memory -----------------------------------------------------------------------

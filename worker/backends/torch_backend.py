@@ -36,6 +36,8 @@ from worker.backends.torch_step import PinnedStaging, StepInputs
 from worker.models import llama
 from worker.models.config import CheckpointError, ModelConfig
 from worker.models.lora import LoraAdapter
+from worker.models.mxfp4 import Mxfp4Tensor
+from worker.models.mxfp4_checkpoint import Mxfp4File
 from worker.models.quantization import QuantizedWeight, check_mode
 from worker.parallel import layout
 from worker.parallel.group import World
@@ -90,7 +92,7 @@ class TorchBackend:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         *,
-        weights: Mapping[str, torch.Tensor | np.ndarray | QuantizedWeight] | None = None,
+        weights: Mapping[str, torch.Tensor | np.ndarray | QuantizedWeight | Mxfp4Tensor | Mxfp4File] | None = None,
         max_num_tokens: int = 8192,
         max_model_len: int | None = None,
         use_cuda_graphs: bool = True,
@@ -532,30 +534,28 @@ class TorchBackend:
 
 def _weights_of(
     model: Any, device: torch.device, dtype: torch.dtype
-) -> Mapping[str, torch.Tensor | np.ndarray | QuantizedWeight]:
+) -> Mapping[str, torch.Tensor | np.ndarray | QuantizedWeight | Mxfp4File]:
     """A LoadedModel's tensors: read from disk onto the device when their files are known
     (no float32 detour for big checkpoints), else its float32 arrays; and its quantized
-    linear weights, as the loader read them."""
+    linear weights and packed MXFP4 experts, as the loader holds them."""
     refs = getattr(model, "tensor_refs", None) or {}
-    quantized = getattr(model, "quantized", None) or {}
+    quantized = {**(getattr(model, "quantized", None) or {}), **(getattr(model, "mxfp4_experts", None) or {})}
     if not refs or (model.weights and device.type != "cuda"):
         return {**model.weights, **quantized}
-    # Weights with no file of their own: made by the loader (gpt-oss's dequantized MXFP4 experts).
-    made = {name: w for name, w in model.weights.items() if name not in refs}
-    return _DeviceTensors({name: Path(ref.file) for name, ref in refs.items()}, device, dtype, {**quantized, **made})
+    return _DeviceTensors({name: Path(ref.file) for name, ref in refs.items()}, device, dtype, quantized)
 
 
-class _DeviceTensors(Mapping[str, torch.Tensor | QuantizedWeight | np.ndarray]):
+class _DeviceTensors(Mapping[str, torch.Tensor | QuantizedWeight | Mxfp4File]):
     """Safetensors read onto the device one tensor at a time, as the model's weights are
     built: a tensor-parallel rank keeps only its shard of each, so the whole checkpoint
-    is never on its GPU at once. The loader's quantized linear weights (and tensors it made) come
-    as they are."""
+    is never on its GPU at once. The loader's quantized linear weights and packed MXFP4 experts
+    come as they are."""
 
     def __init__(self, files: dict[str, Path], device: torch.device, dtype: torch.dtype,
-                 quantized: dict[str, QuantizedWeight | np.ndarray]) -> None:  # fmt: skip
+                 quantized: dict[str, QuantizedWeight | Mxfp4File]) -> None:  # fmt: skip
         self.files, self.device, self.dtype, self.quantized = files, device, dtype, quantized
 
-    def __getitem__(self, name: str) -> torch.Tensor | QuantizedWeight | np.ndarray:
+    def __getitem__(self, name: str) -> torch.Tensor | QuantizedWeight | Mxfp4File:
         from safetensors import safe_open
 
         if name in self.quantized:

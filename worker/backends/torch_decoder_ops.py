@@ -26,12 +26,13 @@ from worker.backends.fused_moe import experts_from_float
 from worker.backends.gelu_mul import gelu_tanh_mul_torch, gelu_tanh_mul_triton
 from worker.backends.head_norm import head_norm_torch, head_norm_triton
 from worker.backends.lora_kernel import add_lora
-from worker.backends.torch_moe import TorchExperts, experts_out, route
+from worker.backends.torch_moe import TorchExperts, experts_out, mxfp4_experts, route
 from worker.backends.torch_step import StepInputs
 from worker.models.config import CheckpointError, ModelConfig
 from worker.models.llama import LinearRole
 from worker.models.lora import ROLES, LoraAdapter, role_shape
 from worker.models.moe_checkpoint import ExpertTensors
+from worker.models.mxfp4 import Mxfp4Tensor
 from worker.models.quantization import Fp8Weight, Int4Weight, QuantizedWeight, fp8_inputs, reference_parts
 from worker.models.rope import layer_ropes
 
@@ -71,7 +72,7 @@ class TorchDecoderOps:
         ]
         self.use_triton = device.type == "cuda" and paged_attention.triton is not None
         # bf16 on CUDA: the fused expert kernel (worker/backends/fused_moe.py), which also
-        # reads FP8 expert weights; the loop elsewhere computes with float ones only.
+        # reads FP8 and packed MXFP4 expert weights; the loop elsewhere computes with float ones only.
         self.fused_experts = device.type == "cuda" and dtype == torch.bfloat16 and paged_attention.triton is not None
         if config.is_moe and quantize is not None and not (quantize == "fp8" and self.fused_experts):
             raise CheckpointError(f"model_type {config.model_type!r}: quantization {quantize!r} of expert weights "
@@ -200,15 +201,21 @@ class TorchDecoderOps:
         bias = None
         if tensors.gate_bias is not None and tensors.up_bias is not None:
             bias = torch.cat([self._tensor(tensors.gate_bias), self._tensor(tensors.up_bias)], dim=1)
-        gate_up: torch.Tensor | None = torch.cat([stacked(tensors.gate), stacked(tensors.up)], dim=1).contiguous()
-        down: torch.Tensor | None = stacked(tensors.down).contiguous()
         down_bias = None if tensors.down_bias is None else self._tensor(tensors.down_bias)
+        gate_up: torch.Tensor | None = None
+        down: torch.Tensor | None = None
         fused = None
-        if self.fused_experts:
-            assert gate_up is not None and down is not None
-            fused = experts_from_float(gate_up, down, bias, down_bias, "fp8" if self.quantize == "fp8" else "bf16")
-            if fused.format != "bf16":  # the float copies are the kernel's own in bf16; drop them otherwise
-                gate_up = down = None
+        if self.fused_experts and isinstance(tensors.gate, Mxfp4Tensor):
+            # Packed MXFP4 (gpt-oss) goes to the kernel as it is; elsewhere it reads as float experts.
+            assert isinstance(tensors.up, Mxfp4Tensor) and isinstance(tensors.down, Mxfp4Tensor)
+            fused = mxfp4_experts(tensors.gate, tensors.up, tensors.down, bias, down_bias, self.device)
+        else:
+            gate_up = torch.cat([stacked(tensors.gate), stacked(tensors.up)], dim=1).contiguous()
+            down = stacked(tensors.down).contiguous()
+            if self.fused_experts:
+                fused = experts_from_float(gate_up, down, bias, down_bias, "fp8" if self.quantize == "fp8" else "bf16")
+                if fused.format != "bf16":  # the float copies are the kernel's own in bf16; drop them otherwise
+                    gate_up = down = None
         return TorchExperts(
             router=self._tensor(tensors.router),
             router_bias=None if tensors.router_bias is None else self._tensor(tensors.router_bias),

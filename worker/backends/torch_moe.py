@@ -2,7 +2,8 @@
 definition, step by step), then the experts. On CUDA in bf16 the fused kernel
 (worker/backends/fused_moe.py: tokens sorted by expert on the device, two grouped-GEMM
 launches, no host read, so decode steps are captured in CUDA graphs) computes them, from
-bf16 or FP8 expert weights. Elsewhere (the CPU, float32 on CUDA) `run_experts` is a loop
+bf16, FP8 or MXFP4 expert weights (gpt-oss's, as its checkpoint packs them:
+`mxfp4_experts`). Elsewhere (the CPU, float32 on CUDA) `run_experts` is a loop
 over the experts that took rows: gather the rows, gate_up, activation, down, add back
 weighted (index_add_). The expert weights are stacked per layer (`gate_up` [experts,
 2 * intermediate, hidden], gate rows then up rows; `down` [experts, hidden, intermediate]).
@@ -18,9 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.backends.fused_moe import ExpertWeights, fused_moe
+from worker.backends.fused_moe import ExpertWeights, experts_from_mxfp4, fused_moe
 from worker.models.config import ModelConfig
 from worker.models.expert_act import SWIGLU_ALPHA, SWIGLU_LIMIT
+from worker.models.mxfp4 import Mxfp4Tensor
 
 # The model's activation names (ModelConfig.expert_act) as the fused kernel's.
 KERNEL_ACT = {"silu": "silu", "swiglu_clamped": "clamped_swiglu"}
@@ -31,12 +33,28 @@ class TorchExperts:
     router: torch.Tensor  # [experts, hidden]
     router_bias: torch.Tensor | None  # [experts]
     # [experts, 2 * intermediate, hidden]: gate rows, then up rows; and [experts, hidden,
-    # intermediate]. None where `fused` holds them quantized (FP8) and nothing else reads them.
+    # intermediate]. None where `fused` holds them quantized (FP8, MXFP4) and nothing else reads them.
     gate_up: torch.Tensor | None
     down: torch.Tensor | None
     gate_up_bias: torch.Tensor | None  # [experts, 2 * intermediate]
     down_bias: torch.Tensor | None  # [experts, hidden]
     fused: ExpertWeights | None = None  # what the fused kernel reads (CUDA, bf16 activations)
+
+
+def mxfp4_experts(gate: Mxfp4Tensor, up: Mxfp4Tensor, down: Mxfp4Tensor, gate_up_bias: torch.Tensor | None,
+                  down_bias: torch.Tensor | None, device: torch.device) -> ExpertWeights:  # fmt: skip
+    """The fused kernel's MXFP4 experts from a layer's packed projections ([experts, out,
+    in] each), gate rows then up rows, copied to `device` as they are: a weight keeps its
+    half byte (and its block's scale byte), nothing is dequantized."""
+
+    def on_device(array: object) -> torch.Tensor:
+        return torch.as_tensor(array, device=device)
+
+    return experts_from_mxfp4(
+        torch.cat([on_device(gate.blocks), on_device(up.blocks)], dim=1),
+        torch.cat([on_device(gate.scales), on_device(up.scales)], dim=1),
+        on_device(down.blocks), on_device(down.scales), gate_up_bias, down_bias,
+    )  # fmt: skip
 
 
 def route(logits: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -87,16 +87,15 @@ def load_hf_checkpoint(directory: Path, load_weights: bool = True) -> LoadedMode
 
     refs = tensor_refs(directory)
     needed = family.tensors(config)
-    # gpt-oss's MXFP4 experts are dequantized on load; the rest of such a checkpoint is float.
+    # gpt-oss's MXFP4 experts stay packed (read as the model is built); the rest of such a checkpoint is float.
     experts = mxfp4_experts(directory, refs, needed) if is_mxfp4(hf_config) else None
     if experts is not None:
         refs = {name: ref for name, ref in refs.items() if name not in experts.tensors}
     quant = None if experts is not None else recognise(directory, hf_config, refs, needed)
     quant_layers = {} if quant is None else quant.layers
     found = {name: ref.shape for name, ref in refs.items() if quant is None or name not in quant.tensors}
-    dequantized = {} if experts is None else experts.floats
     check_shapes(directory, config, found | {name: shape for name, (shape, _) in quant_layers.items()}
-                 | {name: shape for name, (shape, _) in dequantized.items()})  # fmt: skip
+                 | ({} if experts is None else experts.shapes))  # fmt: skip
     for name in found:
         if name not in needed and not family.ignores(name, config):
             raise CheckpointError(
@@ -105,8 +104,6 @@ def load_hf_checkpoint(directory: Path, load_weights: bool = True) -> LoadedMode
             )
     refs = {name: ref for name, ref in refs.items() if name in needed and name not in quant_layers}
     weights = {name: read_float32(ref) for name, ref in refs.items()} if load_weights else {}
-    if load_weights:
-        weights |= {name: read() for name, (_, read) in dequantized.items()}
     quantized = {name: read() for name, (_, read) in quant_layers.items()} if load_weights else {}
 
     tokenizer_path = directory / "tokenizer.json"
@@ -136,8 +133,8 @@ def load_hf_checkpoint(directory: Path, load_weights: bool = True) -> LoadedMode
         tensor_refs=refs,
         tokenizer_config=tok_cfg,
         quantized=quantized,
-        quantization="mxfp4 experts (dequantized on load)" if experts is not None else None if quant is None
-        else quant.scheme,
+        mxfp4_experts={} if experts is None else experts.packed,
+        quantization="mxfp4 experts" if experts is not None else None if quant is None else quant.scheme,
     )
 
 

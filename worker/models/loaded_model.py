@@ -11,6 +11,7 @@ from tokenizers import Tokenizer
 
 from worker.models.config import CheckpointError, ModelConfig
 from worker.models.families import family_of
+from worker.models.mxfp4_checkpoint import Mxfp4File
 from worker.models.quantization import QuantizedWeight
 from worker.models.safetensors_io import TensorRef
 
@@ -35,6 +36,9 @@ class LoadedModel:
     # A quantized checkpoint's linear weights under their float names ("...q_proj.weight"),
     # which are then not in `weights` (nor in `tensor_refs`).
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+    # gpt-oss's MXFP4 expert projections under their float names ("...mlp.experts.gate_up_proj"),
+    # packed and still on disk: read as the model builds each layer (with or without load_weights).
+    mxfp4_experts: dict[str, Mxfp4File] = field(default_factory=dict)
     # Float weights the backends quantize as they build the model: "fp8" | "int4" | None.
     quantize: str | None = None
     # What the model runs as, for logs and the worker's Ready: the checkpoint's scheme or

@@ -8,7 +8,9 @@ and as the published checkpoints ship:
 - "qwen": `mlp.gate` and `mlp.experts.E.gate_proj | up_proj | down_proj`;
 - "gpt_oss": `mlp.router` (with a bias) and every expert in one tensor, gate_up_proj
   [experts, hidden, 2 * intermediate] with gate and up interleaved column by column, and
-  down_proj [experts, intermediate, hidden] (each with a bias).
+  down_proj [experts, intermediate, hidden] (each with a bias). Its MXFP4 checkpoints'
+  projections come packed (an `Mxfp4File` or an `Mxfp4Tensor`, rows first): gate, up and
+  down are then `Mxfp4Tensor`s, which a backend takes packed or as float experts.
 Tensors may be numpy arrays or torch tensors; only indexing, slicing and swapaxes are used.
 """
 
@@ -19,10 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.models.config import CheckpointError, ModelConfig
+from worker.models.mxfp4 import Mxfp4Tensor
+from worker.models.mxfp4_checkpoint import Mxfp4File
 
 LAYOUTS = ("mixtral", "qwen", "gpt_oss")
 _PER_EXPERT = {"mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
                "qwen": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))}  # fmt: skip
+_EVEN, _ODD = slice(0, None, 2), slice(1, None, 2)  # gpt-oss's gate and up rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,17 +76,22 @@ def expert_tensors(config: ModelConfig, need: Callable[[str], Any], layer: int) 
     p = f"model.layers.{layer}."
     layout = _layout(config)
     if layout == "gpt_oss":
-        # [experts, hidden, 2I] with gate and up interleaved -> [experts, 2I, hidden], then split.
-        gate_up = need(p + "mlp.experts.gate_up_proj").swapaxes(1, 2)
+        gate_up, down = _packed(need(p + "mlp.experts.gate_up_proj")), _packed(need(p + "mlp.experts.down_proj"))
+        if isinstance(gate_up, Mxfp4Tensor):  # packed rows first: [experts, 2I, hidden]
+            gate_rows, up_rows = gate_up.rows(_EVEN), gate_up.rows(_ODD)
+        else:
+            # [experts, hidden, 2I] with gate and up interleaved -> [experts, 2I, hidden], then split.
+            gate_up, down = gate_up.swapaxes(1, 2), down.swapaxes(1, 2)
+            gate_rows, up_rows = gate_up[:, _EVEN], gate_up[:, _ODD]
         gate_up_bias = need(p + "mlp.experts.gate_up_proj_bias")
         return ExpertTensors(
             router=need(p + "mlp.router.weight"),
             router_bias=need(p + "mlp.router.bias"),
-            gate=gate_up[:, 0::2],
-            up=gate_up[:, 1::2],
-            down=need(p + "mlp.experts.down_proj").swapaxes(1, 2),
-            gate_bias=gate_up_bias[:, 0::2],
-            up_bias=gate_up_bias[:, 1::2],
+            gate=gate_rows,
+            up=up_rows,
+            down=down,
+            gate_bias=gate_up_bias[:, _EVEN],
+            up_bias=gate_up_bias[:, _ODD],
             down_bias=need(p + "mlp.experts.down_proj_bias"),
         )
     block, router, (gate, up, down) = _PER_EXPERT[layout]
@@ -93,3 +103,8 @@ def expert_tensors(config: ModelConfig, need: Callable[[str], Any], layer: int) 
         up=[need(e + f"{up}.weight") for e in experts],
         down=[need(e + f"{down}.weight") for e in experts],
     )
+
+
+def _packed(tensor: Any) -> Any:
+    """An MXFP4 projection still on disk, read (packed); anything else as it is."""
+    return tensor.read() if isinstance(tensor, Mxfp4File) else tensor

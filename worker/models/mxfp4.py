@@ -4,13 +4,19 @@ A block of 32 values shares one E8M0 scale (a byte s: 2 ** (s - 127); 255 is NaN
 each value is an E2M1 number (a sign bit, two exponent bits with bias 1, one mantissa
 bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives). Checkpoints pack two values per
 byte, the even-indexed element in the low nibble: `blocks` [..., G, 16] uint8 with
-`scales` [..., G] uint8 hold a [..., G * 32] matrix.
+`scales` [..., G] uint8 hold a [..., G * 32] matrix. `Mxfp4Tensor` holds a layer's experts
+packed so (the CUDA expert kernel reads them so), and dequantizes one expert at a time for
+the backends that compute in float.
 
 Written here because the format is a dozen lines of bit arithmetic and no maintained
 library reads it without pulling in a GPU kernel package.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -48,3 +54,32 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     factor[nan] = np.nan
     values *= factor[..., None]
     return values.reshape((*blocks.shape[:-2], blocks.shape[-2] * BLOCK))
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # arrays: compared and hashed by identity
+class Mxfp4Tensor(Sequence[np.ndarray]):
+    """A layer's expert weights [experts, out, in], packed: `blocks` uint8 [experts, out,
+    in / 32, 16] and `scales` uint8 [experts, out, in / 32], numpy arrays or torch tensors on
+    any device. As a sequence it is the experts' float32 [out, in] matrices, each dequantized
+    when taken, so a backend that computes in float reads it as it reads float experts."""
+
+    blocks: Any
+    scales: Any
+
+    def __len__(self) -> int:
+        return int(self.scales.shape[0])
+
+    def __getitem__(self, expert: int) -> np.ndarray:  # type: ignore[override]
+        return dequantize(_host(self.blocks[expert]), _host(self.scales[expert]))
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[e] for e in range(len(self)))
+
+    def rows(self, index: slice) -> Mxfp4Tensor:
+        """The output rows `index` of every expert (a view where the arrays allow one)."""
+        return Mxfp4Tensor(self.blocks[:, index], self.scales[:, index])
+
+
+def _host(array: Any) -> np.ndarray:
+    """A numpy array of a numpy array or a torch tensor (copied to the host if on a device)."""
+    return array.cpu().numpy() if hasattr(array, "cpu") else np.asarray(array)

@@ -2,19 +2,20 @@
 (worker/models/mxfp4.py), `mlp.experts.gate_up_proj_blocks` [experts, 2I, hidden / 32, 16]
 with `..._scales` [experts, 2I, hidden / 32] (rows of gate and up interleaved), and
 `down_proj_blocks` / `_scales` likewise for [experts, hidden, I]; config.json says
-`quantization_config: {"quant_method": "mxfp4"}`. The experts are dequantized on load to
-float32 under the names and layout of a float checkpoint (`gate_up_proj` [experts,
-hidden, 2I], `down_proj` [experts, I, hidden]), so the model is built as from one.
+`quantization_config: {"quant_method": "mxfp4"}`.
+
+The experts stay packed: the loader hands each projection over under its float name
+(`...mlp.experts.gate_up_proj`) as an `Mxfp4File`, read when the model builds that layer
+(worker/models/moe_checkpoint.py makes it an `Mxfp4Tensor`). The CUDA backend copies the
+packed bytes to the device for the fused expert kernel; the numpy and torch-CPU backends,
+the reference, dequantize them to float32 layer by layer as they build the model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from worker.models import mxfp4
 from worker.models.config import CheckpointError
@@ -24,10 +25,22 @@ _PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True, slots=True)
+class Mxfp4File:
+    """One layer's expert projection as the checkpoint packs it, rows first ([experts, out, in])."""
+
+    blocks: TensorRef  # uint8 [experts, out, in / 32, 16]
+    scales: TensorRef  # uint8 [experts, out, in / 32]
+
+    def read(self) -> mxfp4.Mxfp4Tensor:
+        return mxfp4.Mxfp4Tensor(read_array(self.blocks), read_array(self.scales))
+
+
+@dataclass(frozen=True, slots=True)
 class Mxfp4Experts:
-    # float name ("...mlp.experts.gate_up_proj") -> its float shape and a reader (float32)
-    floats: dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]]
-    tensors: frozenset[str]  # the checkpoint's blocks and scales they are read from
+    # float name ("...mlp.experts.gate_up_proj") -> its float shape ([experts, in, out])
+    shapes: dict[str, tuple[int, ...]]
+    packed: dict[str, Mxfp4File]  # float name -> where its blocks and scales are
+    tensors: frozenset[str]  # the checkpoint's blocks and scales
 
 
 def is_mxfp4(hf_config: dict[str, Any]) -> bool:
@@ -36,10 +49,11 @@ def is_mxfp4(hf_config: dict[str, Any]) -> bool:
 
 
 def mxfp4_experts(source: Path, refs: dict[str, TensorRef], expected: dict[str, tuple[int, ...]]) -> Mxfp4Experts:
-    """The experts' float tensors that `expected` names, each from its blocks and scales
-    (checked for dtype and shape first); CheckpointError names a missing or wrong one."""
-    floats: dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]] = {}
-    used: set[str] = set()
+    """The expert projections that `expected` names, each from its blocks and scales
+    (checked for dtype and shape here, read later); CheckpointError names a missing or
+    wrong one."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    packed: dict[str, Mxfp4File] = {}
     for name, shape in expected.items():
         if not name.endswith(_PROJECTIONS) or ".mlp.experts." not in name:
             continue
@@ -51,9 +65,9 @@ def mxfp4_experts(source: Path, refs: dict[str, TensorRef], expected: dict[str, 
                 f"{source}: MXFP4 tensors {name}_blocks {blocks.shape} / _scales {scales.shape} do not hold the "
                 f"{list(shape)} the config implies (want {[*want, mxfp4.BLOCK // 2]} and {list(want)})"
             )
-        floats[name] = (shape, _reader(blocks, scales))
-        used |= {name + "_blocks", name + "_scales"}
-    return Mxfp4Experts(floats, frozenset(used))
+        shapes[name], packed[name] = shape, Mxfp4File(blocks, scales)
+    used = frozenset(n for name in packed for n in (name + "_blocks", name + "_scales"))
+    return Mxfp4Experts(shapes, packed, used)
 
 
 def _ref(source: Path, refs: dict[str, TensorRef], name: str) -> TensorRef:
@@ -63,11 +77,3 @@ def _ref(source: Path, refs: dict[str, TensorRef], name: str) -> TensorRef:
     if ref.dtype != "U8":
         raise CheckpointError(f"{source}: tensor {name!r} has dtype {ref.dtype}, expected U8 (MXFP4)")
     return ref
-
-
-def _reader(blocks: TensorRef, scales: TensorRef) -> Callable[[], np.ndarray]:
-    def read() -> np.ndarray:
-        rows_first = mxfp4.dequantize(read_array(blocks), read_array(scales))  # [experts, out, in]
-        return np.ascontiguousarray(rows_first.transpose(0, 2, 1))
-
-    return read

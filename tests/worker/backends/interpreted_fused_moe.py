@@ -6,6 +6,9 @@ experts that get no token. Run with TRITON_INTERPRET=1 set before Triton is impo
 
     TRITON_INTERPRET=1 python -m tests.worker.backends.interpreted_fused_moe
 
+Also a gpt-oss MXFP4 checkpoint's layers as the CUDA backend builds them from the packed
+bytes, against the loop over its float twin.
+
 Tolerance: the weights reach tl.dot exactly (bf16, e4m3 and e2m1 values), the products
 accumulate in float32; the activation and the output are rounded to bf16 (2^-9 relative
 each): ~3e-3 in relative L2; bound 1e-2.
@@ -86,6 +89,42 @@ def check_fused_moe() -> None:
                 assert got.dtype == torch.bfloat16 and err < 1e-2, f"{fmt} {activation} T={ids.shape[0]}: {err:.2e}"
 
 
+def check_gpt_oss_packed_layers() -> None:
+    """A gpt-oss MXFP4 checkpoint's layers as the CUDA backend builds them (the packed bytes,
+    gate rows then up rows: torch_moe.mxfp4_experts) against the expert loop over its float
+    twin's weights, routed alike: the same bound."""
+    import tempfile
+    from pathlib import Path
+
+    from tests.worker.models.mxfp4_checkpoints import mxfp4_and_float_twins
+    from worker.backends.torch_decoder_ops import TorchDecoderOps
+    from worker.backends.torch_moe import KERNEL_ACT, mxfp4_experts, route, run_experts
+    from worker.models.loader import load_model
+    from worker.models.moe_checkpoint import expert_tensors
+    from worker.models.mxfp4 import Mxfp4Tensor
+
+    with tempfile.TemporaryDirectory() as tmp:
+        packed_dir, exact_dir = mxfp4_and_float_twins(Path(tmp))
+        packed, exact = load_model(packed_dir), load_model(exact_dir)  # the experts are read from here
+        cfg = packed.config
+        ops = TorchDecoderOps(cfg, torch.device("cpu"), torch.float32, 64)
+        for layer in cfg.moe_layers:
+            tensors = expert_tensors(cfg, {**packed.weights, **packed.mxfp4_experts}.__getitem__, layer)
+            assert isinstance(tensors.gate, Mxfp4Tensor) and isinstance(tensors.up, Mxfp4Tensor)
+            assert isinstance(tensors.down, Mxfp4Tensor)
+            bias = torch.cat([torch.as_tensor(tensors.gate_bias), torch.as_tensor(tensors.up_bias)], dim=1)
+            fused = mxfp4_experts(tensors.gate, tensors.up, tensors.down, bias, torch.as_tensor(tensors.down_bias),
+                                  torch.device("cpu"))  # fmt: skip
+            assert fused.format == "mxfp4"
+            floats = ops.expert_weights(expert_tensors(cfg, exact.weights.__getitem__, layer))
+            x = torch.randn(5, cfg.hidden_size).to(torch.bfloat16)
+            chosen, weights = route(F.linear(x.float(), floats.router, floats.router_bias), cfg)
+            want = run_experts(x.float(), floats, chosen, weights, cfg.expert_act)
+            got = fused_moe(x, fused, chosen.to(torch.int32), weights, KERNEL_ACT[cfg.expert_act], tile=TILE)  # type: ignore[arg-type]
+            err = float((got.float() - want).norm() / want.norm())
+            assert err < 1e-2, f"gpt-oss layer {layer}: {err:.2e}"
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1: the kernels must run in Triton's interpreter", file=sys.stderr)
@@ -93,6 +132,8 @@ def main() -> int:
     torch.manual_seed(0)
     check_fused_moe()
     print("check_fused_moe: ok", flush=True)
+    check_gpt_oss_packed_layers()
+    print("check_gpt_oss_packed_layers: ok", flush=True)
     return 0
 
 

@@ -1,76 +1,42 @@
 """A gpt-oss checkpoint with its experts in MXFP4, as published (`*_blocks`, `*_scales`,
-quant_method "mxfp4"), loads with the experts dequantized and gives transformers' greedy
-tokens for the float checkpoint holding exactly the values the MXFP4 codes stand for."""
+quant_method "mxfp4"), loads with the experts kept packed (the CPU backends dequantize
+them as they build each layer) and gives transformers' greedy tokens for the float
+checkpoint holding exactly the values the MXFP4 codes stand for."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from tests.checkpoints import make_checkpoint
 from tests.worker.backends.greedy_driver import greedy_run
+from tests.worker.models.mxfp4_checkpoints import mxfp4_and_float_twins
 from worker.backends.numpy_backend import NumpyBackend
 from worker.backends.torch_backend import TorchBackend
-from worker.models import mxfp4
 from worker.models.loader import load_model
+from worker.models.mxfp4_checkpoint import Mxfp4File
 
 PROMPTS = {"p": [5, 17, 42, 99, 3, 250, 7, 8, 11], "q": list(range(30, 52))}
-
-
-def _quantize(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[..., n] float -> MXFP4 (blocks [..., n / 32, 16], scales [..., n / 32]): each block
-    scaled by the power of two that brings its largest magnitude to at most 6, each value
-    rounded to the nearest E2M1 code."""
-    x = rows.reshape(*rows.shape[:-1], -1, mxfp4.BLOCK)
-    exponent = np.ceil(np.log2(np.maximum(np.abs(x).max(-1), 1e-30) / 6.0)).astype(np.int32)
-    codes = np.abs(x[..., None] / np.ldexp(1.0, exponent)[..., None, None] - mxfp4.E2M1).argmin(-1).astype(np.uint8)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    # C order: safetensors writes an array's buffer as it lies in memory
-    return np.ascontiguousarray(blocks), np.ascontiguousarray(exponent + 127, np.uint8)
-
-
-def _mxfp4_and_float_twins(tmp_path: Path) -> tuple[Path, Path]:
-    from safetensors.numpy import load_file, save_file
-
-    source = make_checkpoint("gpt_oss_sinks", tmp_path / "source")
-    tensors = load_file(str(source / "model.safetensors"))
-    packed, exact = dict(tensors), dict(tensors)
-    for name, value in tensors.items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            blocks, scales = _quantize(value.transpose(0, 2, 1))  # stored [experts, out, in]
-            del packed[name]
-            packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
-            exact[name] = np.ascontiguousarray(mxfp4.dequantize(blocks, scales).transpose(0, 2, 1))
-            assert not np.array_equal(exact[name], value)  # the codes are not the float weights
-    twins = []
-    for label, weights in (("mxfp4", packed), ("float", exact)):
-        directory = tmp_path / label
-        directory.mkdir()
-        for file in source.iterdir():
-            if file.name != "model.safetensors":
-                (directory / file.name).write_bytes(file.read_bytes())
-        save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
-        twins.append(directory)
-    config = json.loads((twins[0] / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (twins[0] / "config.json").write_text(json.dumps(config))
-    return twins[0], twins[1]
 
 
 def test_mxfp4_experts_give_transformers_tokens_of_their_values(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    packed, exact = _mxfp4_and_float_twins(tmp_path)
+    packed, exact = mxfp4_and_float_twins(tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(exact, dtype=torch.float32, attn_implementation="eager").eval()
     want = {}
     with torch.no_grad():
         for s, p in PROMPTS.items():
             want[s] = hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None)[0, len(p):]
     loaded = load_model(packed)
-    assert loaded.quantization == "mxfp4 experts (dequantized on load)"
-    for backend in (NumpyBackend(loaded), TorchBackend(loaded, device="cpu", max_model_len=64)):
+    assert loaded.quantization == "mxfp4 experts"
+    experts = loaded.mxfp4_experts
+    assert len(experts) == 2 * loaded.config.num_layers  # gate_up_proj and down_proj of every layer
+    assert all(isinstance(f, Mxfp4File) and name not in loaded.weights for name, f in experts.items())
+    # and as the CUDA backend reads a checkpoint: each tensor from its file as the model is built
+    from_files = load_model(packed, load_weights=False)
+    assert not from_files.weights and from_files.mxfp4_experts.keys() == experts.keys()
+    for backend in (NumpyBackend(loaded), TorchBackend(loaded, device="cpu", max_model_len=64),
+                    TorchBackend(from_files, device="cpu", max_model_len=64)):  # fmt: skip
         backend.allocate_kv_cache(num_blocks=96, block_size=4)
         assert greedy_run(backend, PROMPTS, 8, seed=5) == {s: t.tolist() for s, t in want.items()}, backend.name
