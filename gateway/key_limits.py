@@ -9,12 +9,14 @@ SYNC_S: it writes this gateway's leases of the requests in flight and the
 requests and tokens counted since its last sync, and reads back each key's
 totals over every gateway.
 
-Consistency across gateways: a gateway sees the others' requests and tokens as
-of its last sync, so a limit holds to within what the gateways admit in one
-sync interval: with G gateways, a key can be over its limit by what G - 1 of
-them admit for it in SYNC_S (one gateway alone holds its limits exactly). While
-Redis does not answer, each gateway holds the limits on its own counts and the
-totals it read last, and writes its counts at the next sync that succeeds.
+Consistency across gateways: a gateway sees another's admissions once that
+one's sync has written them and its own next sync has read them, at most two
+sync intervals (and a round trip) later. A limit therefore holds to within what
+the other gateways admit for the key in that time, 2 * SYNC_S: with G gateways,
+a key's count can exceed its limit by up to what G - 1 of them admit for it in
+that time; on one gateway a limit holds exactly. While Redis does not answer, each
+gateway holds the limits on its own counts and the totals it read last, and
+writes its counts at the next sync that succeeds.
 
 The per-minute counts are a sliding window: this minute's count plus the last
 minute's weighted by the part of it still inside the window (60 s back). A
