@@ -199,9 +199,15 @@ async def _stream_all(
 async def _http_stream_all(
     port: int, model: str, prompts: list[list[int]], output: int, greedy: bool, key: str | None = None
 ) -> tuple[float, float, list[Timeline]]:
-    """Every prompt as one streamed /v1/completions request, concurrently (bench/http_stream.py).
-    With `key`, each request sends it as its bearer token."""
+    """Every prompt as one streamed /v1/completions request, concurrently (bench/http_stream.py),
+    after one warm-up request. With `key`, each request sends it as its bearer token."""
     await stream_completion(port, model, [100, 101, 102], output, None, greedy=greedy, key=key)  # warm-up
+    return await _http_timed(port, model, prompts, output, greedy, key)
+
+
+async def _http_timed(
+    port: int, model: str, prompts: list[list[int]], output: int, greedy: bool, key: str | None
+) -> tuple[float, float, list[Timeline]]:
     start = time.perf_counter()
     lines = [Timeline(start) for _ in prompts]
     await asyncio.gather(*(stream_completion(port, model, p, output, t, greedy=greedy, key=key)
@@ -398,10 +404,10 @@ def keys_sets(model: Path, prompt_sets: list[list[list[int]]]) -> list[dict[str,
         worker = stack.workers[0].pid
 
         def sample(front: Front, prompts: list[list[int]]) -> Sample:
-            before = (cpu_seconds(front.proc.pid), cpu_seconds(worker), time.process_time())
+            # No warm-up request (the first run on each gateway is one): the CPU time is the run's alone.
             own = _other_start(prompts, shift[front.http_port])
-            run = _http_stream_all(front.http_port, model.name, own, KEYS_OUTPUT, greedy=True, key=BENCH_KEY)
-            start, end, lines = asyncio.run(run)
+            before = (cpu_seconds(front.proc.pid), cpu_seconds(worker), time.process_time())
+            start, end, lines = asyncio.run(_http_timed(front.http_port, model.name, own, KEYS_OUTPUT, True, BENCH_KEY))
             after = (cpu_seconds(front.proc.pid), cpu_seconds(worker), time.process_time())
             return Sample(_collect("", start, end, lines), *(x - y for x, y in zip(after, before, strict=True)))
 
