@@ -11,6 +11,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,15 @@ if TYPE_CHECKING:
     from ops.curve import ClientCurve
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True, slots=True)
+class Front:
+    """One more gateway of a stack (`Stack.add_gateway`): its own ZeroMQ and HTTP ports."""
+
+    endpoint: str
+    http_port: int
+    proc: subprocess.Popen[bytes]
 
 
 class Stack:
@@ -44,7 +54,8 @@ class Stack:
         self.gateway = self.gateways[0]
         self.http_port = free_port()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        log = open(Path(self.dir.name) / "log", "wb")  # noqa: SIM115 - closed with the directory
+        self._env = env
+        log = self._log = open(Path(self.dir.name) / "log", "wb")  # noqa: SIM115 - closed with the directory
         redis_args = [redis_server, "--port", str(ports[0]), "--save", "", "--appendonly", "no"]
         self.procs = [subprocess.Popen(redis_args, stdout=subprocess.DEVNULL)]
         time.sleep(0.3)
@@ -67,6 +78,27 @@ class Stack:
         self.gateway_proc = self.gateway_procs[0]
         self.procs += [*self.workers, *self.gateway_procs]
         self._wait_healthy(300.0, workers * gateways)
+
+    def add_gateway(self, *gateway_args: str) -> Front:
+        """Another gateway on this stack's Redis, in front of the same workers (no CURVE), with
+        ports of its own; once its /health says a worker is ready. Stopped with the stack."""
+        endpoint, http_port = f"tcp://127.0.0.1:{free_port()}", free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "--bind", endpoint, "--redis", self.redis, "--no-worker-timeout", "300",
+             "--http-port", str(http_port), *gateway_args],
+            env=self._env, stdout=self._log, stderr=subprocess.STDOUT)  # fmt: skip
+        self.procs.append(proc)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        return Front(endpoint, http_port, proc)
+            except OSError:  # not listening yet, or 503 until a worker is ready
+                pass
+            time.sleep(0.5)
+        tail = (Path(self.dir.name) / "log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"the added gateway did not become healthy:\n{tail}")
 
     def _wait_healthy(self, timeout_s: float, workers: int) -> None:
         """Until /health says 200 (Redis answers and a worker is ready) and the gateways have

@@ -1,6 +1,7 @@
 """ASGI middleware of the HTTP front: `Authorization: Bearer KEY` on every path
 but the open ones (by default /health and /metrics), answered as OpenAI answers
-a missing or wrong key (401); then the key's limits (gateway/rate_limits.py),
+a missing or wrong key (401); then the key's limits (gateway/key_limits.py,
+checked and counted in memory: no Redis round trip on a request's path),
 answered as OpenAI answers a rate limit (429, `retry-after`, `x-ratelimit-*`).
 The handlers report the tokens they served in the request's `usage`."""
 
@@ -14,7 +15,7 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.api_keys import ApiKeys
-from gateway.rate_limits import RateLimits
+from gateway.key_limits import KeyLimiter
 
 
 @dataclass(slots=True)
@@ -52,7 +53,7 @@ def bearer(scope: Scope) -> str | None:
 
 
 class ApiKeyAuth:
-    def __init__(self, app: ASGIApp, keys: ApiKeys, open_paths: frozenset[str], limits: RateLimits) -> None:
+    def __init__(self, app: ASGIApp, keys: ApiKeys, open_paths: frozenset[str], limits: KeyLimiter) -> None:
         self.app = app
         self.keys = keys
         self.open_paths = open_paths
@@ -69,7 +70,7 @@ class ApiKeyAuth:
             body = error(why, "invalid_request_error", "invalid_api_key")
             return await send_json(send, 401, body, {"www-authenticate": "Bearer"})
         lease = uuid.uuid4().hex
-        refusal = await self.limits.admit(record, lease)
+        refusal = self.limits.admit(record, lease)
         if refusal is not None:
             body = error(refusal.message, "requests", "rate_limit_exceeded")
             return await send_json(send, 429, body, refusal.headers)
@@ -78,4 +79,4 @@ class ApiKeyAuth:
         try:
             await self.app(scope, receive, send)
         finally:
-            await self.limits.done(record, lease, usage.prompt_tokens, usage.completion_tokens)
+            self.limits.done(record, lease, usage.prompt_tokens, usage.completion_tokens)

@@ -46,13 +46,13 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 import protocol
 from gateway import embeddings_api, reasoning, responses_api
 from gateway import openai_api as api
 from gateway.chat_output import ChatStream, OutputRules
 from gateway.http_auth import ApiKeyAuth, Usage, usage_of
-from gateway.rate_limits import RateLimits
 from gateway.response_store import ResponseStore
 from gateway.responses_api import ResponsesRequest
 from gateway.tokenize_api import DetokenizeRequest, TokenizeRequest
@@ -246,9 +246,9 @@ class HttpFront:
         ]
         handlers = {HTTPException: _http_error, Exception: _server_error}
         self.app = Starlette(routes=routes, lifespan=self._lifespan, exception_handlers=handlers)
-        self.limits = RateLimits(gateway.config.redis_url, gateway.keys, gateway.metrics)
-        asgi = self.app if gateway.api_keys is None else ApiKeyAuth(self.app, gateway.api_keys, open_paths,
-                                                                    self.limits)  # fmt: skip
+        asgi: ASGIApp = self.app
+        if gateway.api_keys is not None and gateway.key_limits is not None:  # one per gateway, for both fronts
+            asgi = ApiKeyAuth(self.app, gateway.api_keys, open_paths, gateway.key_limits)
         config = uvicorn.Config(asgi, log_level="warning", access_log=False, http="auto", loop="asyncio",
                                 lifespan="on", timeout_graceful_shutdown=2)  # fmt: skip
         self.server = uvicorn.Server(config)
@@ -277,7 +277,6 @@ class HttpFront:
         finally:
             watch.cancel()
             await self.bridge.stop()
-            await self.limits.close()
 
     async def _watch_gateway(self) -> None:
         """Close the bridge as soon as the gateway stops: it terminates the ZeroMQ

@@ -31,10 +31,10 @@ from zmq.utils.monitor import recv_monitor_message
 import protocol
 from gateway.api_keys import ApiKeys, HelloKeys
 from gateway.client_batch import ClientBatch
-from gateway.client_limits import ClientLimits
 from gateway.client_pipes import ClientPipes
 from gateway.disagg import pick_pair, splits, whole_request_workers
 from gateway.discovery import Discovery
+from gateway.key_limits import KeyLimiter
 from gateway.migration import Ended, next_run, tracks_tokens
 from gateway.prefix_router import PrefixRouter, RouterName
 from gateway.tokenizer_store import PromptError, Tokenizers
@@ -204,9 +204,10 @@ class Gateway:
         self.notifier = Notifier(address="")  # the process's own under systemd (gateway/__main__.py)
         self.metrics = GatewayMetrics()
         self.router = PrefixRouter(self.gateway_id, self.metrics, config.router, config.overlap_weight)
-        self.client_limits: ClientLimits | None = None  # a ZeroMQ client's key's limits and usage
-        if self.client_keys is not None:
-            self.client_limits = ClientLimits(config.redis_url, self.keys, self.metrics, self.gateway_id)
+        # An API key's limits and usage, for ZeroMQ clients and the HTTP front alike.
+        self.key_limits: KeyLimiter | None = None
+        if self.api_keys is not None:
+            self.key_limits = KeyLimiter(config.redis_url, self.keys, self.metrics, self.gateway_id)
         self.metrics.watch(
             lambda: len(self.requests),
             lambda: len(self.waiting),
@@ -228,8 +229,8 @@ class Gateway:
         self.discovery.start()
         if self.api_keys is not None:
             self.api_keys.start()
-        if self.client_limits is not None:
-            self.client_limits.start()
+        if self.key_limits is not None:
+            self.key_limits.start()
         log.info("gateway %s listening at %s", self.gateway_id, self.address)
         interval = self.config.heartbeat_interval_s
         next_tick = 0.0
@@ -279,8 +280,8 @@ class Gateway:
                 self._curve.stop()
             if self.api_keys is not None:
                 self.api_keys.stop()
-            if self.client_limits is not None:
-                self.client_limits.stop()
+            if self.key_limits is not None:
+                self.key_limits.stop()
             self.ctx.term()
 
     # -- drain -------------------------------------------------------------------------------
@@ -443,11 +444,11 @@ class Gateway:
             except ValueError as e:
                 return refuse(ErrorCode.INVALID_REQUEST, str(e))
         lease = ""
-        if state.api_key is not None and self.client_limits is not None:
+        if state.api_key is not None and self.key_limits is not None:
             lease = uuid.uuid4().hex
-            over = self.client_limits.admit(state.api_key, lease)
+            over = self.key_limits.admit(state.api_key, lease)
             if over is not None:
-                return refuse(ErrorCode.RATE_LIMITED, over)
+                return refuse(ErrorCode.RATE_LIMITED, over.message)
         # Its tokenizer comes with the worker it is dispatched to.
         stream = OutputStream(None, msg.stop or [], msg.num_return_sequences, msg.sampling_config.beam_width > 1)
         req = _Request(msg.request_id, self._wire_id(msg.request_id), client, msg, stream, model,
@@ -966,9 +967,9 @@ class Gateway:
             del self.requests[req.wire_id]
             if req.worker is not None:
                 req.worker.requests.discard(req.wire_id)
-            if req.api_key is not None and self.client_limits is not None:
+            if req.api_key is not None and self.key_limits is not None:
                 prompt = len(req.submit.input_token_ids or [])
-                self.client_limits.done(req.api_key, req.lease, prompt, req.stream.num_tokens)
+                self.key_limits.done(req.api_key, req.lease, prompt, req.stream.num_tokens)
         client = self.clients.get(req.client)
         if client is not None and client.requests.get(req.request_id) is req:
             del client.requests[req.request_id]

@@ -1,5 +1,5 @@
-"""The CURVE comparison's arithmetic in the service benchmark: the order the stacks take
-their turns in, and the ratios, interval and quartiles made of known samples."""
+"""The CURVE and API key comparisons' arithmetic in the service benchmark: the order the
+stacks take their turns in, and the ratios, intervals and quartiles made of known samples."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def test_versus_a_constant_ratio_is_the_total_the_interval_and_every_quartile() 
     assert abs(v.total - 0.9) < 1e-9
     assert all(abs(x - 0.9) < 1e-9 for x in (*v.ci95, *v.quartiles))
     assert v.cpu_us_per_token["gateway"] == (2.0, 1.0)
+    assert all(abs(x - 2.0) < 1e-9 for x in v.gateway_cpu_ci95)  # the same in every resample
 
 
 def test_versus_one_stalled_run_moves_the_total_not_the_median() -> None:

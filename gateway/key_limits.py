@@ -1,13 +1,27 @@
-"""Per-API-key limits and usage for the ZeroMQ clients, checked on the gateway's
-socket loop without waiting on Redis.
+"""Per-API-key limits and usage for both fronts, the HTTP front's middleware
+(gateway/http_auth.py, on its own event loop's thread) and the ZeroMQ clients
+(on the gateway's socket loop): requests in flight, requests per minute and
+tokens (prompt and output) per minute; each key's usage in Redis and on /metrics.
 
-The loop checks and counts in memory only (`admit`, `done`). A thread of its own
-syncs with Redis every SYNC_S, on the keys the HTTP front uses
-(gateway/rate_limits.py), so one key's limits hold over both fronts and every
-gateway: it writes this gateway's leases of the requests in flight and the
+Neither front waits on Redis: `admit` and `done` check and count in memory under
+a lock held for those updates alone. A thread of its own syncs with Redis every
+SYNC_S: it writes this gateway's leases of the requests in flight and the
 requests and tokens counted since its last sync, and reads back each key's
-totals. Over several gateways a limit therefore holds to within what they admit
-in one sync interval.
+totals over every gateway.
+
+Consistency across gateways: a gateway sees another's admissions once that
+one's sync has written them and its own next sync has read them, at most two
+sync intervals (and a round trip) later. A limit therefore holds to within what
+the other gateways admit for the key in that time, 2 * SYNC_S: with G gateways,
+a key's count can exceed its limit by up to what G - 1 of them admit for it in
+that time; on one gateway a limit holds exactly. While Redis does not answer, each
+gateway holds the limits on its own counts and the totals it read last, and
+writes its counts at the next sync that succeeds.
+
+The per-minute counts are a sliding window: this minute's count plus the last
+minute's weighted by the part of it still inside the window (60 s back). A
+request in flight holds a lease in a sorted set, renewed while it runs: a
+gateway that dies leaves nothing counted longer than LEASE_S.
 """
 
 from __future__ import annotations
@@ -28,12 +42,24 @@ from protocol.keys import RATE_WINDOW_TTL_S
 log = logging.getLogger(__name__)
 
 SYNC_S = 0.1
-LEASE_S = 60.0  # as the HTTP front's: a gateway that dies leaves nothing counted longer
+LEASE_S = 60.0
+# Only the sync thread waits on Redis, so it may wait long: a sync that timed out after
+# Redis received it is applied once Redis answers, and would be counted again at the next.
+SYNC_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a request is over its key's limits, as OpenAI's 429 says it."""
+
+    message: str
+    limit: str  # which: concurrent requests, requests per minute, tokens per minute
+    retry_after_s: int
+    headers: dict[str, str]  # retry-after and x-ratelimit-*
 
 
 @dataclass(slots=True)
 class _KeyState:
-    record: ApiKeyRecord
     in_flight: set[str] = field(default_factory=set)  # lease ids of this gateway's requests
     leased: set[str] = field(default_factory=set)  # those written to Redis at the last sync
     requests: int = 0  # started since the last sync
@@ -46,8 +72,8 @@ class _KeyState:
     window_tokens: int = 0
 
 
-class ClientLimits:
-    """`admit` and `done` from the socket loop; the rest on the sync thread."""
+class KeyLimiter:
+    """`admit` and `done` from either front's thread; the rest on the sync thread."""
 
     def __init__(self, redis_url: str, keys: protocol.Keys, metrics: GatewayMetrics, gateway_id: str) -> None:
         self._redis_url = redis_url
@@ -67,34 +93,28 @@ class ClientLimits:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    def admit(self, record: ApiKeyRecord, lease: str) -> str | None:
+    def admit(self, record: ApiKeyRecord, lease: str) -> Refusal | None:
         """None: go on (then call `done` with the same lease); else why it is refused."""
         now = time.time()
         limits = record.limits
         with self._lock:
             s = self._states.get(record.name)
             if s is None:
-                s = self._states[record.name] = _KeyState(record)
-            s.record = record  # its limits as last refreshed
+                s = self._states[record.name] = _KeyState()
             in_flight = len(s.in_flight) + s.others_in_flight
             requests = s.window_requests + s.requests
             tokens = s.window_tokens + s.tokens
-            reset_s = max(1, math.ceil(60 - now % 60))
-            over: tuple[str, int, int, int] | None = None
-            if limits.max_concurrent is not None and in_flight >= limits.max_concurrent:
-                over = ("concurrent requests", limits.max_concurrent, in_flight, 1)
-            elif limits.requests_per_minute is not None and requests >= limits.requests_per_minute:
-                over = ("requests per minute", limits.requests_per_minute, requests, reset_s)
-            elif limits.tokens_per_minute is not None and tokens >= limits.tokens_per_minute:
-                over = ("tokens per minute", limits.tokens_per_minute, tokens, reset_s)
-            if over is None:
+            if not (
+                (limits.max_concurrent is not None and in_flight >= limits.max_concurrent)
+                or (limits.requests_per_minute is not None and requests >= limits.requests_per_minute)
+                or (limits.tokens_per_minute is not None and tokens >= limits.tokens_per_minute)
+            ):
                 s.in_flight.add(lease)
                 s.requests += 1
                 return None
-        what, limit, used, retry = over
-        self._metrics.api_key_refused.labels(record.name, what).inc()
-        return (f"rate limit reached for API key {record.name!r} on {what}: limit {limit}, used {used}; "
-                f"retry after {retry} s")  # fmt: skip
+        refusal = _refusal(record, now, in_flight, requests, tokens)
+        self._metrics.api_key_refused.labels(record.name, refusal.limit).inc()
+        return refusal
 
     def done(self, record: ApiKeyRecord, lease: str, prompt_tokens: int, completion_tokens: int) -> None:
         """An admitted request ended with these tokens served: counted here, in Redis at the next sync."""
@@ -111,7 +131,7 @@ class ClientLimits:
     # -- the sync thread -------------------------------------------------------------------
 
     def _run(self) -> None:
-        client = redis.Redis.from_url(self._redis_url, socket_timeout=2.0)
+        client = redis.Redis.from_url(self._redis_url, socket_timeout=SYNC_TIMEOUT_S)
         try:
             while not self._stop.wait(SYNC_S):
                 try:
@@ -129,7 +149,7 @@ class ClientLimits:
     def _sync(self, client: redis.Redis) -> None:
         now = time.time()
         renew = now - self._renewed > LEASE_S / 3
-        with self._lock:  # take the deltas; the loop counts anew meanwhile
+        with self._lock:  # take the deltas; the fronts count anew meanwhile
             taken = []
             for name, s in self._states.items():
                 taken.append((name, set(s.in_flight), s.leased, s.requests, s.tokens, s.usage))
@@ -187,3 +207,28 @@ class ClientLimits:
                 req_now, req_last, tok_now, tok_last = (int(v or 0) for v in window)
                 s.window_requests = req_now + math.floor(req_last * weight)
                 s.window_tokens = tok_now + math.floor(tok_last * weight)
+
+
+def _refusal(record: ApiKeyRecord, now: float, in_flight: int, requests: int, tokens: int) -> Refusal:
+    """The first of `record`'s limits these counts reach, with OpenAI's headers."""
+    limits = record.limits
+    reset_s = max(1, math.ceil(60 - now % 60))
+    if limits.max_concurrent is not None and in_flight >= limits.max_concurrent:
+        what, limit, used, retry = "concurrent requests", limits.max_concurrent, in_flight, 1
+    elif limits.requests_per_minute is not None and requests >= limits.requests_per_minute:
+        what, limit, used, retry = "requests per minute", limits.requests_per_minute, requests, reset_s
+    else:
+        assert limits.tokens_per_minute is not None
+        what, limit, used, retry = "tokens per minute", limits.tokens_per_minute, tokens, reset_s
+    headers = {"retry-after": str(retry)}
+    if limits.requests_per_minute is not None:
+        headers |= {"x-ratelimit-limit-requests": str(limits.requests_per_minute),
+                    "x-ratelimit-remaining-requests": str(max(0, limits.requests_per_minute - requests)),
+                    "x-ratelimit-reset-requests": f"{reset_s}s"}  # fmt: skip
+    if limits.tokens_per_minute is not None:
+        headers |= {"x-ratelimit-limit-tokens": str(limits.tokens_per_minute),
+                    "x-ratelimit-remaining-tokens": str(max(0, limits.tokens_per_minute - tokens)),
+                    "x-ratelimit-reset-tokens": f"{reset_s}s"}  # fmt: skip
+    message = (f"Rate limit reached for API key {record.name!r} on {what}: limit {limit}, used {used}; "
+               f"retry after {retry} s.")  # fmt: skip
+    return Refusal(message, what, retry, headers)

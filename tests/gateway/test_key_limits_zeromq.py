@@ -12,17 +12,21 @@ import pytest
 
 from clients.client import Client
 from clients.connection import RequestError
+from gateway.key_limits import SYNC_S
 from tests.gateway.keys_cli import tokenwire
 from tests.integration.test_metrics import scrape, value
 from tests.procs import CLIENT_OPTIONS, free_port, stack
 
 PROMPT = [5, 6, 7, 8]
+# A gateway sees another's count once that one's next sync has written it and its own
+# next sync has read it: two sync intervals, and time for the syncs themselves.
+SEEN_S = 2 * SYNC_S + 0.5
 
 
 @pytest.fixture(scope="module")
 def service(long_model, redis_server, tmp_path_factory):
     ports = [free_port(), free_port()]
-    with stack(long_model, redis_server.url, tmp_path_factory.mktemp("client_limits"), workers=1, gateways=0) as s:
+    with stack(long_model, redis_server.url, tmp_path_factory.mktemp("key_limits_zeromq"), workers=1, gateways=0) as s:
         for port in ports:
             s.gateway("--api-keys-redis", "--metrics-port", str(port))
         for g in s.gateways:
@@ -64,7 +68,7 @@ def test_concurrency_holds_for_zeromq_clients_across_gateways(service) -> None:
         long = a.stream(PROMPT, max_tokens=4000, min_tokens=4000)
         chunks = long.chunks(timeout=60)
         next(chunks)
-        time.sleep(0.5)  # the other gateway has synced the lease with Redis
+        time.sleep(SEEN_S)  # the other gateway has read the lease
         for client in (a, b):  # the same gateway and the other one
             with pytest.raises(RequestError, match="concurrent requests: limit 1") as excinfo:
                 client.generate(PROMPT, max_tokens=4, timeout=30)
@@ -74,7 +78,7 @@ def test_concurrency_holds_for_zeromq_clients_across_gateways(service) -> None:
         assert not long.done()
         long.cancel()
         long.result(timeout=30)
-        time.sleep(0.5)  # its lease's end synced
+        time.sleep(SEEN_S)  # its lease's end read by the other gateway
         assert _served(b, 4) == 4
 
 
@@ -85,7 +89,7 @@ def test_requests_per_minute_hold_for_zeromq_clients_across_gateways(service) ->
     for gateway in (0, 1):
         with _client(service, gateway, tight) as c:
             assert _served(c, 2) == 2
-    time.sleep(0.5)  # each gateway has read the other's count
+    time.sleep(SEEN_S)  # each gateway has read the other's count
     for gateway in (0, 1):
         with _client(service, gateway, tight) as c, pytest.raises(RequestError, match="requests per minute") as e:
             c.generate(PROMPT, max_tokens=2, timeout=30)
