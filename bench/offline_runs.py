@@ -143,6 +143,7 @@ def bench_executor(args: argparse.Namespace, cfg: Any, backend: Any, workloads: 
         row = Row(name, n, seconds, tokens, ttft_ms=ttft, tpot_ms=tpot, mean_batch=batch, batch_cap=plan.batch_cap,
                   batch_bound=plan.bound, published_tok_s=published_figure(args, backend, name))  # fmt: skip
         row.extra = {**summary, **host, "kv_tokens": kv_tokens, "max_batch": args.max_batch,
+                     "expected_batch": round(plan.expected_batch, 1),
                      "preemptions": preemptions(executor) - preempted}  # fmt: skip
         row.roofline_tok_s = roof.for_schedule(prompt, output, n, args.max_batch, kv_tokens, args.scheduler_policy)
         if (sustained := roof.at_sustained()) is not None:

@@ -137,6 +137,7 @@ def _offline(args: argparse.Namespace, executor: Any, cfg: Any, prompt: int, out
         "sustained_roofline_tok_s": round(sustained.for_schedule(prompt, output, n, args.max_batch, kv_tokens, policy))
         if (sustained := roof.at_sustained()) is not None else None,
         "mean_batch": round(mean_decode_batch(stats), 1), "batch_cap": plan.batch_cap, "batch_bound": plan.bound,
+        "expected_batch": round(plan.expected_batch, 1),
         "decode_bound": decode_resource(roof, prompt, output, plan.batch_cap), "kv_tokens": kv_tokens,
         "preemptions": preemptions(executor) - preempted, "wall_s": round(seconds, 2), **iteration_summary(stats),
     }  # fmt: skip

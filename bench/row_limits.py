@@ -24,6 +24,8 @@ FILL = 0.9
 # Waves a row may take before the time budget alone decides: a row bound by the token
 # budget (long prompts, short outputs) ramps up and drains over one request's lifetime.
 MAX_WAVES = 64
+# What another wave must add to the mean decode batch, as a share of the cap, to be worth running.
+PLATEAU = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,13 +71,13 @@ def mean_decode_batch(prompt: int, output: int, requests: int, limits: BatchLimi
     """The mean decode batch over the steps that decode, in a model of the scheduler under
     GUARANTEED_NO_EVICT with chunked prefill: each step decodes every sequence past its
     prefill, then continues the one prompt left part-done, then admits waiting requests
-    while the budget, the batch cap and the cache allow; a sequence leaves after the step
-    that decodes its last token. Identical requests move in cohorts (those whose prefill
-    ends in the same step), so a step costs O(1)."""
+    while the budget, the batch cap and the cache allow; a sequence leaves the step after
+    the one that decodes its last token. Identical requests move in cohorts (those whose
+    prefill ends in the same step), so a step costs O(1)."""
     running_cap = min(limits.max_batch, kv_batch(prompt, output, limits))
     if running_cap < 1:
         raise ValueError(f"a request of {prompt}+{output} tokens does not fit a {limits.kv_tokens}-token KV cache")
-    waiting, running, partial = requests, 0, 0
+    waiting, running, partial, leaving = requests, 0, 0, 0
     cohorts: deque[list[int]] = deque()  # [the step that decodes its last token, sequences]
     decoding = step = decode_steps = decoded = 0
     while waiting or running:
@@ -95,11 +97,14 @@ def mean_decode_batch(prompt: int, output: int, requests: int, limits: BatchLimi
             budget -= whole * prompt
             if budget and waiting and running < running_cap:  # a prompt that starts now and ends in a later step
                 running, waiting, partial = running + 1, waiting - 1, prompt - budget
+        # The engine completes a step after launching the next (worker/executor/engine_core.py):
+        # a sequence leaves the batch one step after the one that sampled its last token.
+        running, leaving = running - leaving, 0
         while cohorts and cohorts[0][0] == step:
             finished = cohorts.popleft()[1]
-            running, decoding = running - finished, decoding - finished
+            decoding, leaving = decoding - finished, leaving + finished
         if prefilled and output == 1:
-            running -= prefilled  # its prefill sampled its only token
+            leaving += prefilled  # its prefill sampled its only token
         elif prefilled:  # they decode from the next step on
             cohorts.append([step + output - 1, prefilled])
             decoding += prefilled
@@ -112,17 +117,22 @@ def plan_requests(prompt: int, output: int, limits: BatchLimits, roof: Roofline,
     of the cap and whose roofline time (the guaranteed schedule's) is at least `min_seconds`
     (a short run times its ramp and drain as much as its steady state). Where that would
     pass `row_seconds`, the most whole waves within it (or, short of one wave, the requests
-    that fit it), and the bound is "row time" unless the batch is filled all the same."""
+    that fit it), and the bound is "row time" unless the batch is filled all the same. Where
+    another wave adds less than PLATEAU of the cap, the waves stay in step, each refilling
+    the batch at the token budget's pace: more would not fill it, and the bound is "token budget"."""
     cap = max(batch_cap(prompt, output, limits)[0], 1)
-    chosen = 0
+    chosen, batch, previous = 0, 0.0, 0.0
     for waves in range(1, MAX_WAVES + 1):
         n = waves * cap
         if seconds(roof, prompt, output, n, limits) > row_seconds:
             break
-        chosen = n
-        if (seconds(roof, prompt, output, n, limits) >= min_seconds
-                and mean_decode_batch(prompt, output, n, limits) >= FILL * cap):  # fmt: skip
+        chosen, batch = n, mean_decode_batch(prompt, output, n, limits)
+        filled = batch >= FILL * cap
+        if filled and seconds(roof, prompt, output, n, limits) >= min_seconds:
             break
+        if not filled and waves > 1 and batch - previous < PLATEAU * cap:
+            return replace(plan_at(prompt, output, n - cap, limits, roof, ""), bound="token budget")
+        previous = batch
     if not chosen:
         chosen = max(1, min(cap, int(row_seconds / (seconds(roof, prompt, output, cap, limits) / cap))))
     return plan_at(prompt, output, chosen, limits, roof, "row time")
