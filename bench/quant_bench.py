@@ -99,7 +99,10 @@ def int4_gemv_rows(cfg: Any, bandwidth: float, device: torch.device) -> list[dic
 
 
 def _engine(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.Tensor], device: torch.device,
-            kv_cache_dtype: str | None) -> Any:  # fmt: skip
+            kv_cache_dtype: str | None, last: bool) -> Any:  # fmt: skip
+    """The executor over `weights` quantized on the GPU. The `last` engine takes the bf16
+    source weights out of `weights` before its KV cache is sized, so the cache gets the
+    memory a quantized checkpoint would leave it (the engines before need them again)."""
     from worker.backends.torch_backend import TorchBackend
     from worker.executor import EngineCore, Executor
 
@@ -110,6 +113,11 @@ def _engine(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.Tensor]
     sync(device)
     log(f"{args.quantization} model built (quantized on the GPU) in {time.perf_counter() - t0:.1f} s, "
         f"{torch.cuda.memory_allocated(device) / 1e9 if device.type == 'cuda' else 0:.1f} GB allocated")  # fmt: skip
+    if last:
+        weights.clear()  # what the backend kept (the bf16 embedding and lm head) stays alive through it
+        gc.collect()
+        if device.type == "cuda":
+            log(f"bf16 source weights released: {torch.cuda.memory_allocated(device) / 1e9:.1f} GB allocated")
     executor = Executor(EngineCore(backend, executor_config(args, kv_cache_dtype)))
     log_fp8_gemm_choices(backend)
     log_decode_graphs(backend)
@@ -180,7 +188,7 @@ def run_quantized(args: argparse.Namespace) -> list[dict[str, Any]]:
     for kv in kv_runs:
         roof = quantized_roofline(cfg, args.quantization, 1 if kv == "fp8" else 2, bandwidth, flops)
         roof.sustained_flops = sustained
-        executor = _engine(args, cfg, weights, device, kv)
+        executor = _engine(args, cfg, weights, device, kv, last=kv == kv_runs[-1])
         first = kv == kv_runs[0]  # the engine that also runs the batch-1 row
         if first:
             log(f"roofline: weights {roof.weight_bytes / 1e9:.2f} GB read per step -> batch-1 TPOT floor "
