@@ -42,7 +42,9 @@ class BatchLimits:
 class RequestPlan:
     requests: int
     batch_cap: int  # the decode batch the limits allow
-    bound: str  # which limit that is: "--max-batch", "KV cache", "token budget"; "row time" when it cut the requests
+    # which limit that is: "--max-batch", "KV cache", "token budget"; or what kept the batch
+    # short of it: "row time" (the time budget), "wave refill" (waves in step: plan_requests)
+    bound: str
     expected_batch: float  # the modelled mean decode batch at `requests`
     roofline_seconds: float  # the row's time at its roofline (it takes longer by 1 / its share of it)
 
@@ -118,8 +120,9 @@ def plan_requests(prompt: int, output: int, limits: BatchLimits, roof: Roofline,
     (a short run times its ramp and drain as much as its steady state). Where that would
     pass `row_seconds`, the most whole waves within it (or, short of one wave, the requests
     that fit it), and the bound is "row time" unless the batch is filled all the same. Where
-    another wave adds less than PLATEAU of the cap, the waves stay in step, each refilling
-    the batch at the token budget's pace: more would not fill it, and the bound is "token budget"."""
+    another wave adds less than PLATEAU of the cap, the waves run in step, each refilling the
+    batch only after the one before has drained: more would not fill it, and the bound is
+    "wave refill"."""
     cap = max(batch_cap(prompt, output, limits)[0], 1)
     chosen, batch, previous = 0, 0.0, 0.0
     for waves in range(1, MAX_WAVES + 1):
@@ -131,7 +134,7 @@ def plan_requests(prompt: int, output: int, limits: BatchLimits, roof: Roofline,
         if filled and seconds(roof, prompt, output, n, limits) >= min_seconds:
             break
         if not filled and waves > 1 and batch - previous < PLATEAU * cap:
-            return replace(plan_at(prompt, output, n - cap, limits, roof, ""), bound="token budget")
+            return replace(plan_at(prompt, output, n - cap, limits, roof, ""), bound="wave refill")
         previous = batch
     if not chosen:
         chosen = max(1, min(cap, int(row_seconds / (seconds(roof, prompt, output, cap, limits) / cap))))
@@ -157,14 +160,8 @@ def decode_resource(roof: Roofline, prompt: int, output: int, batch: int) -> str
     """What bounds a decode step of `batch` sequences at mid-generation on the roofline:
     "HBM" (weights and KV bytes at the copy bandwidth) or "GEMM" (its FLOPs at the GEMM rate)."""
     context = prompt + output // 2
-    step = (
-        batch,
-        batch,
-        batch * context,
-        batch * context,
-        batch * roof.clipped(context),
-        batch * roof.clipped(context),
-    )
+    keys, window_keys = batch * context, batch * roof.clipped(context)
+    step = (batch, batch, keys, keys, window_keys, window_keys)
     compute = replace(roof, bandwidth=math.inf).step_floor(*step)
     memory = replace(roof, flops=math.inf).step_floor(*step)
     return "GEMM" if compute > memory else "HBM"

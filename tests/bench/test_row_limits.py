@@ -112,6 +112,15 @@ def test_the_row_time_cuts_the_requests_and_says_so() -> None:
     assert (short.requests, short.bound) == (4, "row time")
 
 
+def test_waves_in_step_stop_adding_waves_and_say_why() -> None:
+    # 8 prompts of 16 take two 64-token steps to refill, after every wave has drained: each
+    # wave decodes the same mean batch, short of the cap however many there are
+    limits = BatchLimits(max_batch=8, kv_tokens=4096, block_size=16, max_num_tokens=64)
+    assert mean_decode_batch(16, 16, 8, limits) == mean_decode_batch(16, 16, 80, limits) < FILL * 8
+    plan = plan_requests(16, 16, limits, one_second_steps(), row_seconds=1e9)
+    assert (plan.requests, plan.batch_cap, plan.bound) == (8, 8, "wave refill")
+
+
 def test_a_request_the_cache_cannot_hold_is_refused() -> None:
     with pytest.raises(ValueError, match="a request of 100\\+28 tokens does not fit a 64-token KV cache"):
         mean_decode_batch(100, 28, 4, BatchLimits(8, 64, 16, 256))
