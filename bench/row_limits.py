@@ -120,10 +120,12 @@ def plan_requests(prompt: int, output: int, limits: BatchLimits, roof: Roofline,
     (a short run times its ramp and drain as much as its steady state). Where that would
     pass `row_seconds`, the most whole waves within it (or, short of one wave, the requests
     that fit it), and the bound is "row time" unless the batch is filled all the same. Where
-    another wave adds less than PLATEAU of the cap, the waves run in step, each refilling the
-    batch only after the one before has drained: more would not fill it, and the bound is
-    "wave refill"."""
-    cap = max(batch_cap(prompt, output, limits)[0], 1)
+    another wave adds less than PLATEAU of the cap to a batch the cap or the cache bounds,
+    the waves run in step, each refilling the batch only after the one before has drained:
+    more would not fill it, and the bound is "wave refill". (Under the token budget the
+    batch nears its cap slowly, as ramp and drain become a smaller share of the run.)"""
+    cap, bound = batch_cap(prompt, output, limits)
+    cap = max(cap, 1)
     chosen, batch, previous = 0, 0.0, 0.0
     for waves in range(1, MAX_WAVES + 1):
         n = waves * cap
@@ -133,7 +135,7 @@ def plan_requests(prompt: int, output: int, limits: BatchLimits, roof: Roofline,
         filled = batch >= FILL * cap
         if filled and seconds(roof, prompt, output, n, limits) >= min_seconds:
             break
-        if not filled and waves > 1 and batch - previous < PLATEAU * cap:
+        if not filled and waves > 1 and bound != "token budget" and batch - previous < PLATEAU * cap:
             return replace(plan_at(prompt, output, n - cap, limits, roof, ""), bound="wave refill")
         previous = batch
     if not chosen:

@@ -24,25 +24,27 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_tiny_rows_fill_their_batch_and_name_its_bound(tmp_path: Path) -> None:
-    # 16/16 is bound by the batch cap of 8; 64/8 by the token budget: a step of 80 tokens
-    # sustains 7 decoding sequences while it prefills the next prompts
+    # At 12 sequences and 96 tokens a step: 16/64 fills the batch cap; 64/8 is bound by the token
+    # budget (a step of 96 tokens sustains 9 decoding sequences while it prefills the next
+    # prompts); 16/16's waves run in step, each refilling the batch over two steps after the last drained.
     command = [sys.executable, "-m", "bench.gpu_bench", "--tiny", "--device", "cpu", "--dtype", "float32",
-               "--skip-hf", "--max-batch", "8", "--max-num-tokens", "80", "--max-model-len", "128",
-               "--workloads", "16/16,64/8"]  # fmt: skip
+               "--skip-hf", "--max-batch", "12", "--max-num-tokens", "96", "--max-model-len", "128"]  # fmt: skip
     run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OUT": str(tmp_path)})  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {r["workload"]: r for r in json.loads((tmp_path / "gpu_bench.json").read_text())["rows"]}
-    assert (rows["16/16"]["batch_cap"], rows["16/16"]["batch_bound"]) == (8, "--max-batch")
-    assert (rows["64/8"]["batch_cap"], rows["64/8"]["batch_bound"]) == (7, "token budget")
+    assert {w: (r["batch_cap"], r["batch_bound"]) for w, r in rows.items()} == {
+        "16/16": (12, "wave refill"), "16/64": (12, "--max-batch"), "64/8": (9, "token budget")}  # fmt: skip
     for row in rows.values():
         assert row["requests"] % row["batch_cap"] == 0
         # the engine decodes the batches its scheduler's model said it would
         assert row["mean_batch"] == pytest.approx(row["extra"]["expected_batch"], abs=0.1)
         assert row["extra"]["kv_tokens"] > 0
         assert math.isnan(row["published_tok_s"])  # no published figure for the tiny shape on the CPU
-    assert rows["16/16"]["mean_batch"] >= FILL * 8
-    assert "mean batch (cap: bound)" in run.stdout and " (8: --max-batch) " in run.stdout
+    assert rows["16/64"]["extra"]["expected_batch"] >= FILL * 12 and rows["64/8"]["extra"]["expected_batch"] >= FILL * 9
+    assert rows["16/16"]["extra"]["expected_batch"] < FILL * 12
+    assert rows["64/8"]["requests"] > 9  # ramp and drain take several waves to amortize
+    assert "mean batch (cap: bound)" in run.stdout and " (9: token budget) " in run.stdout
 
 
 def test_a_published_row_shows_its_share_of_the_published_figure() -> None:
