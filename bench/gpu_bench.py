@@ -6,10 +6,16 @@ Workloads: fixed prompt / output lengths, EOS ignored. Offline throughput (all
 requests enqueued at once) in output tokens/s; TTFT and time per output token
 (TPOT) for one request alone. The roofline comes from the HBM bandwidth (a large
 device-to-device copy, bytes read + written) and bf16 GEMM FLOP/s (8192^3 on random
-data) measured in the same run.
+data) measured in the same run. A row runs as many requests as fill the decode batch
+its limits allow (the batch cap, the KV cache, the token budget: bench/row_limits.py)
+within --row-seconds of roofline time, unless --requests says how many; it states
+that batch, what bounds it, and TensorRT-LLM's published figure where there is one
+(bench/published.py).
 
-    python -m bench.gpu_bench                 # everything (about 8 minutes on an H100)
+    python -m bench.gpu_bench                 # everything
     python -m bench.gpu_bench --skip-hf       # tokenwire only
+    python -m bench.gpu_bench --quantization fp8 --kv-cache-dtype fp8 --published
+                                              # TensorRT-LLM's published 8B FP8 rows
     python -m bench.gpu_bench --tiny --device cpu   # a smoke run of the code paths
 
 Needs only torch, triton, numpy, safetensors, tokenizers and transformers.
@@ -34,16 +40,25 @@ from bench.model_shapes import EXPERT_DTYPES, SHAPES, expert_dtype, hf_config, s
 from bench.offline_runs import Row, bench_executor
 from bench.random_weights import random_weights
 from bench.roofline import Roofline, roofline_of
+from bench.row_limits import decode_resource
 from bench.saved_runs import saved_roofline, saved_roofline_tok_s
 from bench.transformers_peer import bench_transformers, transformers_model
+from bench.workloads import select_workloads
 
 TITLE = "GPU: tokenwire (torch backend) vs transformers generate_batch, Llama-3.1-8B shape, random bf16"
 
 
-# (prompt, output, requests for tokenwire, requests for transformers)
-# transformers gets fewer requests: it runs at a few hundred tokens/s here (see the table).
-WORKLOADS = [(128, 128, 1024, 32), (128, 2048, 256, 16), (2048, 128, 256, 32), (1000, 1000, 256, 16)]
-TINY_WORKLOADS = [(16, 16, 8, 4), (16, 64, 4, 2), (64, 8, 4, 2)]
+# (prompt, output, requests for tokenwire, requests for transformers); tokenwire's 0: as
+# many as fill the batch (bench/row_limits.py). transformers gets a few: it runs at a few
+# hundred tokens/s here (see the table).
+WORKLOADS = [(128, 128, 0, 32), (128, 2048, 0, 16), (2048, 128, 0, 32), (1000, 1000, 0, 16), (2048, 2048, 0, 8)]
+TINY_WORKLOADS = [(16, 16, 0, 4), (16, 64, 0, 2), (64, 8, 0, 2)]
+# The engine's limits under --published, where not given: the KV memory fraction of
+# TensorRT-LLM's published runs; a batch cap above the sequences an H200's FP8 KV cache
+# holds at the published rows of 1,000 tokens and more (about 400-800), where 128/128's
+# decode steps are GEMM-bound long before it; a token budget at which 2048/128's
+# prefills leave room for that batch (row_limits.budget_batch) rather than bound it.
+PUBLISHED_LIMITS = {"free_memory_fraction": 0.95, "max_batch": 1024, "max_num_tokens": 16384}
 
 
 def bench_tokenwire(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.Tensor], device: torch.device,
@@ -66,24 +81,29 @@ def bench_tokenwire(args: argparse.Namespace, cfg: Any, weights: dict[str, torch
 
 
 def format_rows(rows: list[Row], roof: Roofline) -> tuple[list[str], list[list[str]]]:
-    header = ["workload", "reqs", "tokenwire tok/s", "HF reqs", "HF CB tok/s", "vs HF", "roofline tok/s",
-              "of roofline", "at sustained GEMM rate (of it)", "mean batch", "backend alone tok/s", "TTFT b1 ms",
-              "TPOT b1 ms", "TPOT floor ms", "TPOT/floor"]  # fmt: skip
+    header = ["workload", "reqs", "tokenwire tok/s", "TensorRT-LLM published (share)", "HF reqs", "HF CB tok/s",
+              "vs HF", "roofline tok/s", "of roofline", "at sustained GEMM rate (of it)", "decode bound",
+              "mean batch (cap: bound)", "KV tokens", "backend alone tok/s", "TTFT b1 ms", "TPOT b1 ms",
+              "TPOT floor ms", "TPOT/floor"]  # fmt: skip
     profiled = any("host_ms" in r.extra for r in rows)
     if profiled:  # --profile: is the host on the critical path?
         header += ["step ms", "host ms/step", "GPU wait ms/step", "steps host-bound"]
     out = []
     for r in rows:
         floor_ms = r.extra.get("tpot_floor_ms", roof.decode_floor(0) * 1e3)
+        prompt, output = (int(x) for x in r.workload.split("/"))
         out.append([
             r.workload, str(r.requests), f"{r.tok_s:,.0f}",
+            f"{r.published_tok_s:,.0f} ({r.tok_s / r.published_tok_s:.2f})" if r.published_tok_s > 0 else "-",
             str(r.hf_requests) if r.hf_requests else "-",
             f"{r.hf_tok_s:,.0f}" if r.hf_output_tokens else (r.hf_error or "-"),
             f"{r.tok_s / r.hf_tok_s:.1f}x" if r.hf_output_tokens else "-",
             f"{r.roofline_tok_s:,.0f}", f"{r.tok_s / r.roofline_tok_s:.0%}",
             f"{sustained:,.0f} ({r.tok_s / sustained:.0%})" if (sustained := r.extra.get("sustained_roofline_tok_s"))
             else "-",
-            f"{r.mean_batch:.0f}",
+            decode_resource(roof, prompt, output, r.batch_cap) if r.batch_cap else "-",
+            f"{r.mean_batch:.0f} ({r.batch_cap}: {r.batch_bound})" if r.batch_cap else f"{r.mean_batch:.0f}",
+            f"{r.extra['kv_tokens']:,.0f}" if "kv_tokens" in r.extra else "-",
             f"{r.extra['direct_tok_s']:,.0f}" if "direct_tok_s" in r.extra else "-",
             f"{r.ttft_ms:.1f}", f"{r.tpot_ms:.2f}", f"{floor_ms:.2f}", f"{r.tpot_ms / floor_ms:.2f}",
         ])  # fmt: skip
@@ -103,12 +123,9 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     hf_cfg = hf_config(shape_name(args.model_shape, args.tiny))
     args.expert_dtype = expert_dtype(args.model_shape, args.expert_dtype)
-    workloads = TINY_WORKLOADS if args.tiny else WORKLOADS
-    if args.workloads:
-        keep = set(args.workloads.split(","))
-        workloads = [w for w in workloads if f"{w[0]}/{w[1]}" in keep]
-    if args.scale != 1.0:
-        workloads = [(p, o, max(1, int(n * args.scale)), max(1, int(m * args.scale))) for p, o, n, m in workloads]
+    workloads = select_workloads(TINY_WORKLOADS if args.tiny else WORKLOADS, args)
+    if args.scale != 1.0:  # tokenwire's counts: where they are planned (offline_runs.row_plan)
+        workloads = [(p, o, n, max(1, int(m * args.scale))) for p, o, n, m in workloads]
     cfg = ModelConfig.from_hf(hf_cfg)
     env = environment(device)
     log("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
@@ -150,6 +167,9 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
             "expert_dtype": args.expert_dtype,
             "scheduler_policy": args.scheduler_policy,
             "dtype": args.dtype,
+            "max_batch": args.max_batch,
+            "max_num_tokens": args.max_num_tokens,
+            "free_memory_fraction": args.free_memory_fraction,
             "rows": [asdict(r) | {"tok_s": r.tok_s, "hf_tok_s": r.hf_tok_s} for r in rows],
         }
         out = os.environ.get("OUT")
@@ -177,7 +197,6 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
     return header, table
 
 
-
 def table_from_json(path: str) -> tuple[list[str], list[list[str]]]:
     """Re-render a saved run's table (the roofline recomputed from its measured ceilings)."""
     with open(path) as f:
@@ -200,7 +219,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="a tiny model: check the code paths, not the speed")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--workloads", default="", help="comma-separated prompt/output pairs to run, e.g. 128/128")
+    p.add_argument("--published", action="store_true",
+                   help="the workloads TensorRT-LLM published figures for at this model shape, quantization and "
+                        "tensor-parallel size (bench/published.py), under PUBLISHED_LIMITS unless given")  # fmt: skip
     p.add_argument("--scale", type=float, default=1.0, help="multiply every request count")
+    p.add_argument("--requests", type=int, default=0,
+                   help="requests per row (0: as many as fill the batch the engine's limits allow, within "
+                        "--row-seconds: bench/row_limits.py)")  # fmt: skip
+    p.add_argument("--row-seconds", type=float, default=60.0,
+                   help="the most roofline time (at the sustained GEMM rate) a row's planned requests take; "
+                        "a row runs longer by 1 / its share of the roofline")  # fmt: skip
+    p.add_argument("--min-row-seconds", type=float, default=10.0,
+                   help="the least roofline time a row's planned requests take, so ramp and drain are a small "
+                        "part of what is timed (0 with --tiny)")  # fmt: skip
     p.add_argument("--max-batch", type=int, default=512)
     p.add_argument("--scheduler-policy", default="guaranteed_no_evict",
                    choices=["guaranteed_no_evict", "max_utilization"],
@@ -243,6 +274,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with PUBLISHED_LIMITS under --published and no least row time under
+    --tiny (a flag given wins over either)."""
+    args = parser().parse_args(argv)
+    defaults: dict[str, float] = {**(PUBLISHED_LIMITS if args.published else {}),
+                                  **({"min_row_seconds": 0.0} if args.tiny else {})}  # fmt: skip
+    if not defaults:
+        return args
+    p = parser()
+    p.set_defaults(**defaults)
+    return p.parse_args(argv)
+
+
 def over_ranks(args: argparse.Namespace) -> bool:
     """Whether the model runs over rank processes (bench/tp_bench.py): several GPUs, or a
     shape other than Llama-3.1-8B (each rank makes its tensors from the family's list);
@@ -254,13 +298,13 @@ def table() -> tuple[list[str], list[list[str]]]:
     """`make bench` section: the full run, on CUDA only."""
     if not torch.cuda.is_available():
         raise SkipSection("no CUDA device")
-    return run(parser().parse_args([]))
+    return run(parse_args([]))
 
 
 def main() -> None:
     from bench.run import format_table
 
-    args = parser().parse_args()
+    args = parse_args()
     if args.no_pdl:
         from worker.backends import pdl
 

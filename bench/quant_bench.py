@@ -5,7 +5,9 @@ quantized bytes and the FP8 GEMM FLOP/s measured in the same run.
 - fp8: 128/128 and 1000/1000 offline throughput with the bf16 KV cache, then both again
   with the FP8 (e4m3) KV cache (its KV tokens reported beside the bf16 cache's).
   `--profile` adds each engine's kernel breakdown of decode steps and a prefill;
-  `--workloads` and `--kv-cache-dtype fp8` narrow the runs to those named.
+  `--workloads` and `--kv-cache-dtype fp8` narrow the runs to those named; `--published`
+  runs TensorRT-LLM's published 8B FP8 rows instead. Each row runs as many requests as
+  fill its decode batch (bench/row_limits.py) and states that batch and what bounds it.
   Goals: 128/128 >= 28,312 output tok/s (TensorRT-LLM's published H100 FP8 figure for
   Llama-3.1-8B), 1000/1000 >= 15,220; the FP8 cache holds twice the tokens and is not slower.
 - int4 (W4A16, RTN: asymmetric groups of 32, as quantizing on load makes them): batch-1
@@ -43,8 +45,10 @@ from bench.device_rates import (
 )
 from bench.environment import environment
 from bench.model_shapes import LLAMA_8B, TINY
+from bench.offline_runs import published_figure, row_plan
 from bench.random_weights import random_weights
 from bench.roofline import Roofline, quantized_roofline
+from bench.row_limits import BatchLimits, decode_resource
 from bench.runner import (
     executor_config,
     iteration_summary,
@@ -56,13 +60,15 @@ from bench.runner import (
     run_executor_single,
 )
 from bench.step_profile import profile_steps
-from bench.workloads import prompts_for
+from bench.workloads import prompts_for, select_workloads
 from worker.models.quantization import INT4_GROUP_SIZE
 
 GOALS_TOK_S = {"128/128": 28_312, "1000/1000": 15_220}
 INT4_TPOT_GOAL = 1.3  # x the floor
-FP8_WORKLOADS = [(128, 128, 1024), (1000, 1000, 256)]
-TINY_WORKLOADS = [(16, 16, 8)]
+# (prompt, output, requests: 0 as many as fill the batch); the goals' two rows unless named
+FP8_WORKLOADS = [(128, 128, 0), (128, 2048, 0), (2048, 128, 0), (1000, 1000, 0), (2048, 2048, 0)]
+FP8_DEFAULT = ("128/128", "1000/1000")
+TINY_WORKLOADS = [(16, 16, 0)]
 
 
 def int4_gemv_rows(cfg: Any, bandwidth: float, device: torch.device) -> list[dict[str, Any]]:
@@ -93,7 +99,10 @@ def int4_gemv_rows(cfg: Any, bandwidth: float, device: torch.device) -> list[dic
 
 
 def _engine(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.Tensor], device: torch.device,
-            kv_cache_dtype: str | None) -> Any:  # fmt: skip
+            kv_cache_dtype: str | None, last: bool) -> Any:  # fmt: skip
+    """The executor over `weights` quantized on the GPU. The `last` engine takes the bf16
+    source weights out of `weights` before its KV cache is sized, so the cache gets the
+    memory a quantized checkpoint would leave it (the engines before need them again)."""
     from worker.backends.torch_backend import TorchBackend
     from worker.executor import EngineCore, Executor
 
@@ -104,6 +113,11 @@ def _engine(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.Tensor]
     sync(device)
     log(f"{args.quantization} model built (quantized on the GPU) in {time.perf_counter() - t0:.1f} s, "
         f"{torch.cuda.memory_allocated(device) / 1e9 if device.type == 'cuda' else 0:.1f} GB allocated")  # fmt: skip
+    if last:
+        weights.clear()  # what the backend kept (the bf16 embedding and lm head) stays alive through it
+        gc.collect()
+        if device.type == "cuda":
+            log(f"bf16 source weights released: {torch.cuda.memory_allocated(device) / 1e9:.1f} GB allocated")
     executor = Executor(EngineCore(backend, executor_config(args, kv_cache_dtype)))
     log_fp8_gemm_choices(backend)
     log_decode_graphs(backend)
@@ -111,23 +125,34 @@ def _engine(args: argparse.Namespace, cfg: Any, weights: dict[str, torch.Tensor]
     return executor
 
 
-def _offline(executor: Any, cfg: Any, prompt: int, output: int, n: int, roof: Roofline, batch_limit: int,
-             block_size: int, policy: str) -> dict[str, Any]:  # fmt: skip
+def _offline(args: argparse.Namespace, executor: Any, cfg: Any, prompt: int, output: int, given: int,
+             roof: Roofline) -> dict[str, Any]:  # fmt: skip
+    kv_tokens = executor.core.blocks.num_blocks * args.block_size
+    limits = BatchLimits(args.max_batch, kv_tokens, args.block_size, args.max_num_tokens)
+    plan = row_plan(args, prompt, output, given, limits, roof)
+    n, policy = plan.requests, args.scheduler_policy
+    log(f"{prompt}/{output}: {n} requests; decode batch up to {plan.batch_cap} ({plan.bound}), "
+        f"{plan.expected_batch:.0f} expected; {plan.roofline_seconds:.0f} s at the roofline")  # fmt: skip
     executor.get_latest_iteration_stats()
     preempted = preemptions(executor)
     seconds, tokens = run_executor_offline(executor, prompts_for(n, prompt, cfg.vocab_size, 1), output)
     if tokens != n * output:
         raise RuntimeError(f"{prompt}/{output}: {tokens} output tokens, expected {n * output}")
-    kv_tokens = executor.core.blocks.num_blocks * block_size
     stats = executor.get_latest_iteration_stats()
     row = {
         "workload": f"{prompt}/{output}", "requests": n, "tok_s": round(tokens / seconds),
-        "roofline_tok_s": round(roof.for_schedule(prompt, output, n, batch_limit, kv_tokens, policy)),
-        "sustained_roofline_tok_s": round(sustained.for_schedule(prompt, output, n, batch_limit, kv_tokens, policy))
+        "roofline_tok_s": round(roof.for_schedule(prompt, output, n, args.max_batch, kv_tokens, policy)),
+        "sustained_roofline_tok_s": round(sustained.for_schedule(prompt, output, n, args.max_batch, kv_tokens, policy))
         if (sustained := roof.at_sustained()) is not None else None,
-        "mean_batch": round(mean_decode_batch(stats), 1), "kv_tokens": kv_tokens,
+        "mean_batch": round(mean_decode_batch(stats), 1), "batch_cap": plan.batch_cap, "batch_bound": plan.bound,
+        "expected_batch": round(plan.expected_batch, 1),
+        "decode_bound": decode_resource(roof, prompt, output, plan.batch_cap), "kv_tokens": kv_tokens,
         "preemptions": preemptions(executor) - preempted, "wall_s": round(seconds, 2), **iteration_summary(stats),
     }  # fmt: skip
+    published = published_figure(args, executor.core.backend, row["workload"])
+    if published > 0:
+        row["published_tok_s"] = round(published)
+        row["of_published"] = round(row["tok_s"] / published, 3)
     goal = GOALS_TOK_S.get(row["workload"])
     if goal:
         row["goal_tok_s"] = goal
@@ -154,23 +179,22 @@ def run_quantized(args: argparse.Namespace) -> list[dict[str, Any]]:
     gemv = int4_gemv_rows(cfg, bandwidth, device) if args.quantization == "int4" and device.type == "cuda" else []
     weights = random_weights(cfg, device, torch.bfloat16)
     rows: list[dict[str, Any]] = []
-    workloads = TINY_WORKLOADS if args.tiny else FP8_WORKLOADS
-    if args.workloads:
-        workloads = [w for w in workloads if f"{w[0]}/{w[1]}" in args.workloads.split(",")]
+    workloads = (
+        select_workloads(TINY_WORKLOADS, args) if args.tiny else select_workloads(FP8_WORKLOADS, args, FP8_DEFAULT)
+    )
     kv_runs: list[str | None] = [None, "fp8"] if args.quantization == "fp8" else [None]
     if args.kv_cache_dtype == "fp8" and args.quantization == "fp8":  # the FP8 cache's rows alone
         kv_runs = ["fp8"]
     for kv in kv_runs:
         roof = quantized_roofline(cfg, args.quantization, 1 if kv == "fp8" else 2, bandwidth, flops)
         roof.sustained_flops = sustained
-        executor = _engine(args, cfg, weights, device, kv)
+        executor = _engine(args, cfg, weights, device, kv, last=kv == kv_runs[-1])
         first = kv == kv_runs[0]  # the engine that also runs the batch-1 row
         if first:
             log(f"roofline: weights {roof.weight_bytes / 1e9:.2f} GB read per step -> batch-1 TPOT floor "
                 f"{roof.decode_floor(0) * 1e3:.2f} ms")  # fmt: skip
         for prompt, output, n in workloads if args.quantization == "fp8" else []:
-            row = _offline(executor, cfg, prompt, output, max(1, int(n * args.scale)), roof, args.max_batch,
-                           args.block_size, args.scheduler_policy)  # fmt: skip
+            row = _offline(args, executor, cfg, prompt, output, n, roof)
             row["kv_cache"] = kv or "bf16"
             rows.append(row)
             log(f"{args.quantization} weights, {row['kv_cache']} KV: {row}")
@@ -197,6 +221,8 @@ def run_quantized(args: argparse.Namespace) -> list[dict[str, Any]]:
         torch.cuda.empty_cache()
     summary = {
         "environment": env, "quantization": args.quantization, "bandwidth_TBps": bandwidth / 1e12,
+        "max_batch": args.max_batch, "max_num_tokens": args.max_num_tokens,
+        "free_memory_fraction": args.free_memory_fraction,
         "gemm_bf16_TFLOPps": bf16_flops / 1e12, "gemm_fp8_TFLOPps": fp8_flops / 1e12,
         "gemm_sustained_TFLOPps": sustained / 1e12, "rows": rows,
         "int4_batch1_gemv": gemv,
@@ -214,10 +240,15 @@ def run_quantized(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def table_rows(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    header = ["workload", "KV cache", "tok/s", "goal", "roofline tok/s", "at sustained GEMM rate", "TPOT ms",
-              "TPOT floor ms", "KV tokens"]  # fmt: skip
-    body = [[str(r.get("workload")), str(r.get("kv_cache", "bf16")), f"{r.get('tok_s', np.nan):,}",
+    header = ["workload", "KV cache", "reqs", "tok/s", "TensorRT-LLM published (share)", "goal", "roofline tok/s",
+              "at sustained GEMM rate", "decode bound", "mean batch (cap: bound)", "TPOT ms", "TPOT floor ms",
+              "KV tokens"]  # fmt: skip
+    body = [[str(r.get("workload")), str(r.get("kv_cache", "bf16")), f"{r.get('requests', '')}",
+             f"{r.get('tok_s', np.nan):,}",
+             f"{r['published_tok_s']:,} ({r['of_published']:.2f})" if "published_tok_s" in r else "",
              f"{r.get('goal_tok_s', '')}", f"{r.get('roofline_tok_s', '')}",
-             f"{r.get('sustained_roofline_tok_s') or ''}", f"{r.get('tpot_ms', '')}",
-             f"{r.get('tpot_floor_ms', '')}", f"{r.get('kv_tokens', '')}"] for r in rows]  # fmt: skip
+             f"{r.get('sustained_roofline_tok_s') or ''}", f"{r.get('decode_bound', '')}",
+             f"{r['mean_batch']:.0f} ({r['batch_cap']}: {r['batch_bound']})" if "batch_cap" in r else "",
+             f"{r.get('tpot_ms', '')}", f"{r.get('tpot_floor_ms', '')}", f"{r.get('kv_tokens', '')}"]
+            for r in rows]  # fmt: skip
     return header, body

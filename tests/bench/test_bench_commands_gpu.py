@@ -52,6 +52,8 @@ def test_quantized_gpu_bench_runs_on_cuda(tmp_path: Path, quantization: str) -> 
     assert any(r["workload"].startswith("batch 1") for r in saved["rows"])
     if quantization == "fp8":
         assert saved["gemm_fp8_TFLOPps"] > 0 and {r.get("kv_cache") for r in saved["rows"]} == {"bf16", "fp8"}
+        offline = [r for r in saved["rows"] if not r["workload"].startswith("batch 1")]
+        assert all(r["batch_cap"] == 8 and r["requests"] % 8 == 0 for r in offline)  # --max-batch 8 fills them
     else:
         assert saved["int4_batch1_gemv"]  # the GEMV rows, replayed from CUDA graphs
 
