@@ -130,6 +130,13 @@ FAMILY_CHECKPOINTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         {"rope_parameters": _LONGROPE, "original_max_position_embeddings": 64, "tie_word_embeddings": True},
         {},
     ),
+    # SmolLM3: layers 1 and 3 without RoPE, and (use_sliding_window) those layers slide.
+    "smollm3_nope_window": (
+        "SmolLM3Config",
+        {"num_hidden_layers": 4, "no_rope_layers": [1, 0, 1, 0], "use_sliding_window": True, "sliding_window": 6,
+         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "tie_word_embeddings": False},
+        {},
+    ),
     # Mixtures of experts: top-1, 2 and 4 of 4 to 8 experts, renormalised or not, a window,
     # and dense MLP layers among the MoE ones.
     "mixtral_top2_window": (
