@@ -303,8 +303,10 @@ def _write_gguf_metadata(writer: Any, cfg: dict[str, Any], arch: str) -> None:
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
-    if arch in ("gemma2", "gemma3") or (arch == "phi3" and cfg.get("sliding_window") is not None):
+    if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(cfg["sliding_window"])
+    if arch == "phi3":  # 0: no window
+        writer.add_sliding_window(cfg.get("sliding_window") or 0)
     if arch == "gemma3" and rope.get("rope_type", "default") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])

@@ -101,7 +101,7 @@ class Metadata:
 class FileTensors:
     """What the config reads from the file's tensors rather than its metadata."""
 
-    names: frozenset[str]
+    shapes: dict[str, tuple[int, ...]]  # by GGUF name, slowest dimension first as in numpy
     read: Callable[[str], np.ndarray]  # a tensor by GGUF name, as float32
 
 
@@ -156,7 +156,7 @@ def shape_fields(m: Metadata, tensors: FileTensors) -> dict[str, Any]:
         "head_dim": head_dim,
         "rms_norm_eps": float(m.need("attention.layer_norm_rms_epsilon")),
         "max_position_embeddings": int(m.need("context_length")),
-        "tie_word_embeddings": "output.weight" not in tensors.names,
+        "tie_word_embeddings": "output.weight" not in tensors.shapes,
     }
 
 
@@ -175,7 +175,7 @@ def _llama(m: Metadata, tensors: FileTensors, shape: dict[str, Any]) -> dict[str
     return {
         "rope_theta": float(m.get("rope.freq_base", 10000.0)),
         "rope_scaling": _rope_scaling(m),
-        "attention_bias": "blk.0.attn_q.bias" in tensors.names,
+        "attention_bias": "blk.0.attn_q.bias" in tensors.shapes,
         "hidden_act": "silu",
     }
 
@@ -207,19 +207,22 @@ def _gemma3(m: Metadata, tensors: FileTensors, shape: dict[str, Any]) -> dict[st
         "rope_scaling": _rope_scaling(m),
         # llama.cpp rotates the local layers with base 10000 unless the file says otherwise.
         "rope_local_base_freq": float(m.get("rope.freq_base_swa", 10000.0)),
-        "sliding_window": int(m.need("attention.sliding_window")),
+        # Absent where every layer is global (the converter writes none then).
+        "sliding_window": m.get("attention.sliding_window"),
+        "final_logit_softcapping": m.get("final_logit_softcapping"),
         "query_pre_attn_scalar": _query_pre_attn_scalar(shape, layers_of_27b=62),
     }
 
 
 def _phi3(m: Metadata, tensors: FileTensors, shape: dict[str, Any]) -> dict[str, Any]:
     fields: dict[str, Any] = {"rope_theta": float(m.get("rope.freq_base", 10000.0)), "hidden_act": "silu"}
-    window = m.get("attention.sliding_window")
-    fields["sliding_window"] = None if window is None else int(window)
+    # The converter writes 0 for no window (Phi-4).
+    window = int(m.get("attention.sliding_window", 0))
+    fields["sliding_window"] = window or None
     original = m.get("rope.scaling.original_context_length")
     if original is not None:
         fields["original_max_position_embeddings"] = int(original)
-    present = [name for name in _ROPE_FACTORS if name in tensors.names]
+    present = [name for name in _ROPE_FACTORS if name in tensors.shapes]
     attn_factor = m.get("rope.scaling.attn_factor")
     if not present:
         if attn_factor is not None and float(attn_factor) != 1.0:

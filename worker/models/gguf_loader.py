@@ -71,10 +71,12 @@ def _hf_config(meta: dict[str, Any], path: Path, arch: str, tensors: FileTensors
     m = Metadata(meta, arch, path)
     architecture = ARCHITECTURES[arch]
     shape = shape_fields(m, tensors)
-    token_list = meta.get("tokenizer.ggml.tokens")
-    vocab = m.get("vocab_size", len(token_list) if token_list is not None else None)
-    if vocab is None:
-        raise CheckpointError(f"{path}: metadata gives no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens)")
+    # The embedding's rows: Gemma 3's converter drops those past the tokenizer's
+    # vocabulary, which {arch}.vocab_size may still count.
+    m.get("vocab_size")
+    if "token_embd.weight" not in tensors.shapes:
+        raise CheckpointError(f"{path}: tensor 'token_embd.weight' is missing")
+    vocab = tensors.shapes["token_embd.weight"][0]
     cfg: dict[str, Any] = {
         "architectures": [architecture.hf_class],
         "model_type": architecture.model_type,
@@ -183,14 +185,14 @@ def load_gguf(path: Path, progress: Callable[[int, int], None] | None = None) ->
     meta = _metadata(reader)
     arch, architecture = architecture_of(meta, path)
     by_name = {t.name: t for t in reader.tensors}
-
-    def dequantized(t: Any) -> np.ndarray:
-        shape = tuple(int(n) for n in reversed(t.shape))  # GGML lists dims fastest first
-        return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-
     if "rope_freqs.weight" in by_name:
         raise CheckpointError(f"{path}: tensor 'rope_freqs.weight' (per-dimension RoPE factors) is not supported")
-    tensors = FileTensors(frozenset(by_name), lambda name: dequantized(by_name[name]))
+    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}  # GGML: fastest dim first
+
+    def dequantized(t: Any) -> np.ndarray:
+        return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shapes[t.name])
+
+    tensors = FileTensors(shapes, lambda name: dequantized(by_name[name]))
     hf_config = _hf_config(meta, path, arch, tensors)
     config = ModelConfig.from_hf(hf_config)
 
@@ -203,7 +205,7 @@ def load_gguf(path: Path, progress: Callable[[int, int], None] | None = None) ->
         if name is None or name not in expected:
             raise CheckpointError(f"{path}: tensor {t.name!r} is not understood for architecture {arch!r}")
         names[t.name] = name
-    check_shapes(path, config, {name: tuple(int(n) for n in reversed(by_name[g].shape)) for g, name in names.items()})
+    check_shapes(path, config, {name: shapes[g] for g, name in names.items()})
 
     weights: dict[str, np.ndarray] = {}
     for done, t in enumerate(reader.tensors, 1):
