@@ -207,8 +207,8 @@ def _gemma3(m: Metadata, tensors: FileTensors, shape: dict[str, Any]) -> dict[st
         "rope_scaling": _rope_scaling(m),
         # llama.cpp rotates the local layers with base 10000 unless the file says otherwise.
         "rope_local_base_freq": float(m.get("rope.freq_base_swa", 10000.0)),
-        # Absent where every layer is global (the converter writes none then).
-        "sliding_window": m.get("attention.sliding_window"),
+        # Absent or 0 where every layer is global (llama.cpp then slides none).
+        "sliding_window": int(m.get("attention.sliding_window", 0)) or None,
         "final_logit_softcapping": m.get("final_logit_softcapping"),
         "query_pre_attn_scalar": _query_pre_attn_scalar(shape, layers_of_27b=62),
     }
