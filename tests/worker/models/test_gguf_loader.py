@@ -217,3 +217,15 @@ def test_a_field_or_tensor_the_architecture_lacks_fails_the_load_naming_it(tmp_p
     tensor = write_gguf(checkpoint, tmp_path / "tensor.gguf", extra_tensors={"blk.0.attn_qkv.weight": fused})
     with pytest.raises(CheckpointError, match=r"tensor 'blk\.0\.attn_qkv\.weight' is not understood"):
         load_model(tensor)
+
+
+def test_gemma2_of_27b_layers_takes_hidden_over_heads_as_its_attention_scale(tmp_path: Path) -> None:
+    """The file carries no attention scale: llama.cpp takes hidden / heads for Gemma 2 27B
+    (46 layers), which is its checkpoint's query_pre_attn_scalar, and head_dim otherwise."""
+    from tests.checkpoints import make_checkpoint, write_gguf
+
+    checkpoint = make_checkpoint(
+        "gemma2_capped", tmp_path / "g27", num_hidden_layers=46, head_dim=24, query_pre_attn_scalar=16
+    )
+    ours = load_model(write_gguf(checkpoint, tmp_path / "g27.gguf"), load_weights=False).config
+    assert ours.softmax_scale == load_model(checkpoint, load_weights=False).config.softmax_scale == 16**-0.5
