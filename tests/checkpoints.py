@@ -9,8 +9,11 @@ gibberish, but they are deterministic (fixed seed) and transformers is the oracl
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 VOCAB_SIZE = 320
 CHAT_TEMPLATE = (
@@ -127,6 +130,13 @@ FAMILY_CHECKPOINTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         {"rope_parameters": _LONGROPE, "original_max_position_embeddings": 64, "tie_word_embeddings": True},
         {},
     ),
+    # SmolLM3: layers 1 and 3 without RoPE, and (use_sliding_window) those layers slide.
+    "smollm3_nope_window": (
+        "SmolLM3Config",
+        {"num_hidden_layers": 4, "no_rope_layers": [1, 0, 1, 0], "use_sliding_window": True, "sliding_window": 6,
+         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "tie_word_embeddings": False},
+        {},
+    ),
     # Mixtures of experts: top-1, 2 and 4 of 4 to 8 experts, renormalised or not, a window,
     # and dense MLP layers among the MoE ones.
     "mixtral_top2_window": (
@@ -229,15 +239,10 @@ def _llama_cpp_permute(weight: Any, num_heads: int) -> Any:
     return weight.reshape(num_heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-_GGUF_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
+_GGUF_ATTENTION = {
     "self_attn.q_proj.weight": "attn_q.weight",
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
@@ -245,34 +250,103 @@ _GGUF_LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+_GGUF_LLAMA_LAYER = {
+    **_GGUF_ATTENTION,
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+}
+_GGUF_GEMMA_LAYER = {
+    **_GGUF_ATTENTION,
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+_GGUF_PHI3_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",  # gate and up, fused as in the checkpoint
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+# Hugging Face layer tensor -> llama.cpp's name, per architecture.
+_GGUF_LAYER_NAMES = {"llama": _GGUF_LLAMA_LAYER, "qwen2": _GGUF_LLAMA_LAYER, "qwen3": _GGUF_LLAMA_LAYER,
+                     "gemma2": _GGUF_GEMMA_LAYER, "gemma3": _GGUF_GEMMA_LAYER, "phi3": _GGUF_PHI3_LAYER}  # fmt: skip
+_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                       "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}  # fmt: skip
 
 
-def write_gguf(checkpoint: Path, path: Path) -> Path:
-    """Write a tiny llama, qwen2 or qwen3 checkpoint as a GGUF file the way llama.cpp's
-    converter lays it out: its tensor names, permuted Llama q/k rows, the head size where
-    it is not hidden / heads, the tokenizer as metadata, and the token embedding quantized
-    to Q8_0 (everything else float32)."""
+def _write_gguf_metadata(writer: Any, cfg: dict[str, Any], arch: str) -> None:
+    """The {arch}.* fields llama.cpp's converter writes for these architectures."""
     import gguf
-    from safetensors.numpy import load_file
 
-    cfg = json.loads((checkpoint / "config.json").read_text())
-    arch = cfg["model_type"]
-    assert arch in ("llama", "qwen2", "qwen3"), arch
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     rope = cfg.get("rope_parameters") or {}
-    writer = gguf.GGUFWriter(path, arch)
+    if arch == "gemma3":  # transformers 5: one entry per layer type; llama.cpp keeps the global one
+        rope = rope.get("full_attention", rope)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
     if cfg.get("head_dim") is not None:
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
-    writer.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_vocab_size(cfg["vocab_size"])
+    if arch != "gemma2":  # Gemma 2's converter leaves the base out (llama.cpp's default, 10000)
+        writer.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(cfg["sliding_window"])
+    if arch == "phi3":  # 0: no window
+        writer.add_sliding_window(cfg.get("sliding_window") or 0)
+    if arch == "gemma3" and rope.get("rope_type", "default") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if arch == "phi3":
+        head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+        writer.add_rope_dimension_count(head_dim)
+        original = cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        if rope.get("rope_type") == "longrope":
+            scale = cfg["max_position_embeddings"] / original
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+            writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+
+
+def write_gguf(
+    checkpoint: Path,
+    path: Path,
+    embedding_q8: bool = True,
+    extra_fields: dict[str, int] | None = None,
+    extra_tensors: dict[str, Any] | None = None,
+) -> Path:
+    """Write a tiny llama, qwen2, qwen3, gemma2, gemma3_text or phi3 checkpoint as a GGUF
+    file the way llama.cpp's converter lays it out: its tensor names, permuted Llama q/k
+    rows, Gemma's norms as 1 + weight and no head (Gemma is tied), Phi-3's fused
+    projections as they are and its LongRoPE factors as tensors, the head size where it is
+    not hidden / heads, the tokenizer as metadata, and the token embedding quantized to
+    Q8_0 unless `embedding_q8` is False (everything else float32). `extra_fields` (uint32)
+    and `extra_tensors` are added as given, for files a loader should refuse."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    arch = _GGUF_ARCHITECTURES[cfg["model_type"]]
+    layer_names = _GGUF_LAYER_NAMES[arch]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    writer = gguf.GGUFWriter(path, arch)
+    _write_gguf_metadata(writer, cfg, arch)
+    for key, number in (extra_fields or {}).items():
+        writer.add_uint32(key, number)
 
     tok = json.loads(build_tokenizer().to_str())
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
@@ -283,6 +357,7 @@ def write_gguf(checkpoint: Path, path: Path) -> Path:
     writer.add_token_merges([" ".join(m) for m in tok["model"]["merges"]])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(4)
+    writer.add_pad_token_id(0)  # without one, transformers' Phi-3 config pads with id 32000
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
 
@@ -290,20 +365,26 @@ def write_gguf(checkpoint: Path, path: Path) -> Path:
     for file in sorted(checkpoint.glob("*.safetensors")):
         tensors.update(load_file(file))
     for name, value in tensors.items():
-        if name == "model.embed_tokens.weight":
+        if name == "model.embed_tokens.weight" and embedding_q8:
             q8 = gguf.GGMLQuantizationType.Q8_0
             writer.add_tensor("token_embd.weight", gguf.quants.quantize(value, q8), raw_dtype=q8)
             continue
-        if name == "model.norm.weight":
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
             gguf_name = "output_norm.weight"
         elif name == "lm_head.weight":
             gguf_name = "output.weight"
         else:
             _, _, layer, rest = name.split(".", 3)
-            gguf_name = f"blk.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+            gguf_name = f"blk.{layer}.{layer_names[rest]}"
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             value = _llama_cpp_permute(value, heads if "q_proj" in name else kv_heads)
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            value = value + 1.0
         writer.add_tensor(gguf_name, value.astype("float32"))
+    for gguf_name, value in (extra_tensors or {}).items():
+        writer.add_tensor(gguf_name, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,5 +1,5 @@
 """The families beyond Llama on the CUDA path (Triton attention with soft-capping,
-per-layer windows and sinks, per-layer rotary tables, q/k norms, GeGLU, the MoE expert
+per-layer windows and sinks, per-layer rotary tables and layers without RoPE, q/k norms, GeGLU, the MoE expert
 loop) token-identical to
 transformers, in float32 so that argmax ties cannot part them; and the soft-capped
 kernel against the torch reference in bf16."""
@@ -26,7 +26,8 @@ PROMPTS = {"p": [5, 17, 42, 99, 3, 250, 7, 8, 11], "q": [9, 8, 7], "r": list(ran
 
 
 @pytest.mark.parametrize("name", ["qwen3_head_dim", "gemma2_capped", "gemma3_local_global", "phi3_window",
-                                  "mixtral_top2_window", "qwen3_moe_top4_dense_layer", "gpt_oss_sinks"])
+                                  "smollm3_nope_window", "mixtral_top2_window", "qwen3_moe_top4_dense_layer",
+                                  "gpt_oss_sinks"])
 def test_greedy_tokens_equal_transformers_on_cuda(name: str, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 

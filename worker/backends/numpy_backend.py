@@ -88,11 +88,11 @@ class NumpyBackend:
         for every layer."""
         cfg = self.config
         cos, sin = self.ropes[0].step_cos_sin(batch.positions, batch.query_start, batch.context_lens)
-        local = [r.step_cos_sin(batch.positions, batch.query_start, batch.context_lens) for r in self.ropes[1:]]
+        more = tuple(r.step_cos_sin(batch.positions, batch.query_start, batch.context_lens) for r in self.ropes[1:])
         attention = plan(batch, self.ops.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                          per_token=self.deterministic)
         return NumpyStep(batch.token_ids, batch.slot_mapping, batch.logits_indices, cos, sin, attention,
-                         batch.lora_slots, batch.prompt_rows, batch.prompt_embeds, local[0] if local else None)
+                         batch.lora_slots, batch.prompt_rows, batch.prompt_embeds, more)
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         if not self.ops.k_cache:

@@ -57,8 +57,8 @@ class NumpyStep:
     lora_slots: np.ndarray | None = None  # [T] adapter slot per token, -1: none; None: no adapter
     prompt_rows: np.ndarray | None = None  # [P] rows whose embedding is given
     prompt_embeds: np.ndarray | None = None  # [P, hidden]
-    # cos and sin of the local layers' rotary table (ModelConfig.local_rope_theta), when set.
-    local_cos_sin: tuple[np.ndarray, np.ndarray] | None = None
+    # cos and sin of the model's further rotary tables, 1 on (ModelConfig.layer_rope).
+    more_cos_sin: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
 
 
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -214,7 +214,7 @@ class NumpyDecoderOps:
         n_heads, n_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_end, k_end = n_heads * d, (n_heads + n_kv) * d
         t = qkv.shape[0]
-        cos, sin = (step.cos, step.sin) if rope == 0 or step.local_cos_sin is None else step.local_cos_sin
+        cos, sin = (step.cos, step.sin) if rope == 0 else step.more_cos_sin[rope - 1]
         q = _apply_rope(qkv[:, :q_end].reshape(t, n_heads, d), cos, sin)
         k = _apply_rope(qkv[:, q_end:k_end].reshape(t, n_kv, d), cos, sin)
         v = qkv[:, k_end:].reshape(t, n_kv, d)

@@ -52,6 +52,8 @@ class ModelConfig:
     # The rotary base of the sliding layers, which then use plain RoPE while the others
     # keep rope_theta and rope_scaling (Gemma 3); None: one rotary embedding for all.
     local_rope_theta: float | None = None
+    # Layers whose attention rotates neither q nor k (SmolLM3's NoPE layers).
+    no_rope_layers: tuple[int, ...] = ()
     # The attention output projection carries a bias too (gpt-oss).
     o_bias: bool = False
     # A learned logit per head that joins each query's softmax denominator and weights no
@@ -92,5 +94,10 @@ class ModelConfig:
         return bool(self.moe_layers)
 
     def layer_rope(self, layer: int) -> int:
-        """Which rotary table a layer uses: 0 the model's, 1 the local one."""
-        return 1 if self.local_rope_theta is not None and layer in self.sliding_layers else 0
+        """Which rotary table a layer uses (worker/models/rope.py::layer_ropes): 0 the
+        model's, 1 the local one, and after those the table of zero angles that a layer
+        without RoPE reads."""
+        local = self.local_rope_theta is not None
+        if layer in self.no_rope_layers:
+            return 2 if local else 1
+        return 1 if local and layer in self.sliding_layers else 0

@@ -1,15 +1,19 @@
 """GGUF files (llama.cpp): dequantized weights under Hugging Face names, the config
 rebuilt from the metadata, and the tokenizer rebuilt from the vocabulary it stores.
 
-Two things differ from a Hugging Face checkpoint beyond the names:
+What each architecture's names, metadata and tensor layout stand for is
+worker/models/gguf_architectures.py; beyond the names, a file differs from a Hugging Face
+checkpoint in that:
 - llama.cpp's converter reorders the rows of each Llama q/k projection head from the
-  rotate-half layout to interleaved pairs; loading undoes that.
+  rotate-half layout to interleaved pairs, and stores Gemma's norms as 1 + weight;
+  loading undoes both.
 - There is no tokenizer.json: tokens, merges, token types and special ids are metadata.
+- A tensor the architecture does not have fails the load naming it, as does a
+  `{arch}.*` metadata field no reader took.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,13 +22,10 @@ import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from worker.models.config import CheckpointError, ModelConfig
+from worker.models.families import family_of
+from worker.models.gguf_architectures import ARCHITECTURES, FileTensors, Metadata, architecture_of, shape_fields
 from worker.models.loaded_model import LoadedModel, check_shapes
 
-# general.architecture -> Hugging Face model_type. llama.cpp files Mistral under "llama".
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-# Architectures whose q/k rows llama.cpp permutes on conversion.
-_PERMUTED = {"llama"}
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
 
 # tokenizer.ggml.pre -> the pre-tokenizer split regex the vocabulary was trained with.
@@ -47,38 +48,10 @@ _PRE_TOKENIZER_SPLITS: dict[str, str | None] = {
     "qwen2": _QWEN2_SPLIT,
 }
 
-_LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's per-head norms
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 
-
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor, or None for tensors the decoder does not use."""
-    if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
-    match = _LAYER_NAME.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_TENSORS:
-        return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
-    return None
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a llama.cpp tensor of `arch`, or None for tensors it does not have."""
+    return ARCHITECTURES[arch].hf_tensor_name(gguf_name)
 
 
 def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -93,50 +66,26 @@ def _metadata(reader: Any) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
-def _hf_config(meta: dict[str, Any], path: Path, has_output: bool, has_bias: bool) -> dict[str, Any]:
-    arch = meta.get("general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise CheckpointError(
-            f"{path}: general.architecture {arch!r} is not supported (supported: {', '.join(_ARCHITECTURES)})"
-        )
-
-    def need(key: str) -> Any:
-        full = f"{arch}.{key}"
-        if full not in meta:
-            raise CheckpointError(f"{path}: metadata field {full!r} is missing")
-        return meta[full]
-
-    heads = int(need("attention.head_count"))
-    hidden = int(need("embedding_length"))
-    tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = meta.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else None)
-    if vocab is None:
-        raise CheckpointError(f"{path}: metadata gives no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens)")
+def _hf_config(meta: dict[str, Any], path: Path, arch: str, tensors: FileTensors) -> dict[str, Any]:
+    """config.json as the architecture's family would have it, rebuilt from the metadata."""
+    m = Metadata(meta, arch, path)
+    architecture = ARCHITECTURES[arch]
+    shape = shape_fields(m, tensors)
+    # The embedding's rows: Gemma 3's converter drops those past the tokenizer's
+    # vocabulary, which {arch}.vocab_size may still count.
+    m.get("vocab_size")
+    if "token_embd.weight" not in tensors.shapes:
+        raise CheckpointError(f"{path}: tensor 'token_embd.weight' is missing")
+    vocab = tensors.shapes["token_embd.weight"][0]
     cfg: dict[str, Any] = {
-        "architectures": [_HF_CLASSES[arch]],
-        "model_type": _ARCHITECTURES[arch],
+        "architectures": [architecture.hf_class],
+        "model_type": architecture.model_type,
         "vocab_size": int(vocab),
-        "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(need("context_length")),
-        "tie_word_embeddings": not has_output,
-        "attention_bias": has_bias,
-        "hidden_act": "silu",
+        **shape,
+        **architecture.config(m, tensors, shape),
         "torch_dtype": "float32",
     }
-    scaling_type = meta.get(f"{arch}.rope.scaling.type")
-    if scaling_type not in (None, "none"):
-        scaling: dict[str, Any] = {"rope_type": scaling_type, "factor": float(need("rope.scaling.factor"))}
-        original = meta.get(f"{arch}.rope.scaling.original_context_length")
-        if original is not None:
-            scaling["original_max_position_embeddings"] = int(original)
-        cfg["rope_scaling"] = scaling
+    m.check_all_read()
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
         value = meta.get(f"tokenizer.ggml.{name}_token_id")
         if value is not None:
@@ -234,30 +183,42 @@ def load_gguf(path: Path, progress: Callable[[int, int], None] | None = None) ->
     except (ValueError, OSError) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file: {e}") from e
     meta = _metadata(reader)
+    arch, architecture = architecture_of(meta, path)
     by_name = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in by_name:
         raise CheckpointError(f"{path}: tensor 'rope_freqs.weight' (per-dimension RoPE factors) is not supported")
-    hf_config = _hf_config(meta, path, "output.weight" in by_name, "blk.0.attn_q.bias" in by_name)
+    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}  # GGML: fastest dim first
+
+    def dequantized(t: Any) -> np.ndarray:
+        return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shapes[t.name])
+
+    tensors = FileTensors(shapes, lambda name: dequantized(by_name[name]))
+    hf_config = _hf_config(meta, path, arch, tensors)
     config = ModelConfig.from_hf(hf_config)
 
-    shapes = {}
+    expected = family_of(config.model_type).tensors(config)
+    names: dict[str, str] = {}
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
-        if name is not None:
-            shapes[name] = tuple(int(n) for n in reversed(t.shape))  # GGML lists dims fastest first
-    check_shapes(path, config, shapes)
+        if t.name in architecture.config_tensors:
+            continue
+        name = architecture.hf_tensor_name(t.name)
+        if name is None or name not in expected:
+            raise CheckpointError(f"{path}: tensor {t.name!r} is not understood for architecture {arch!r}")
+        names[t.name] = name
+    check_shapes(path, config, {name: shapes[g] for g, name in names.items()})
 
     weights: dict[str, np.ndarray] = {}
     for done, t in enumerate(reader.tensors, 1):
-        name = hf_tensor_name(t.name)
         if progress is not None:
             progress(done, len(reader.tensors))
-        if name is None:
+        if t.name not in names:
             continue
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shapes[name])
-        if hf_config["model_type"] in _PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
+        name, w = names[t.name], dequantized(t)
+        if architecture.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if name.endswith("q_proj.weight") else config.num_kv_heads
             w = unpermute_rows(w, heads)
+        if architecture.norms_plus_one and t.name.endswith("norm.weight"):
+            w = w - 1.0
         weights[name] = np.ascontiguousarray(w)
 
     eos = meta.get("tokenizer.ggml.eos_token_id")

@@ -122,6 +122,15 @@ class Rope:
             self.original_max = int(self.scaling["original_max_position_embeddings"])
         self.inv_freq = inv_freq.astype(np.float32)
 
+    @classmethod
+    def identity(cls, config: ModelConfig) -> Rope:
+        """Zero angles at every position: cos 1 and sin 0, so rotating by it leaves q and k
+        exactly as they are. A layer without RoPE reads it through the same rope + cache
+        write as the others (one fused kernel on CUDA), so no backend needs a path of its own."""
+        rope = cls(replace(config, rope_scaling=None))
+        rope.inv_freq = np.zeros_like(rope.inv_freq)
+        return rope
+
     def _dynamic_inv_freq(self, seq_len: int) -> np.ndarray:
         # transformers grows the base once a sequence passes max_position_embeddings;
         # here each token uses the length of its own sequence in this step.
@@ -179,8 +188,11 @@ class Rope:
 
 def layer_ropes(config: ModelConfig) -> list[Rope]:
     """The rotary embeddings a model's layers use, indexed by ModelConfig.layer_rope: the
-    model's, then plain RoPE at local_rope_theta when its local layers have their own."""
+    model's, then plain RoPE at local_rope_theta when its local layers have their own, then
+    the identity when some layers have none."""
     ropes = [Rope(config)]
     if config.local_rope_theta is not None:
         ropes.append(Rope(replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)))
+    if config.no_rope_layers:
+        ropes.append(Rope.identity(config))
     return ropes

@@ -8,13 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 from worker.models.config import CheckpointError, ModelConfig
-from worker.models.families import gemma2, gemma3, llama, moe, phi3, qwen3
+from worker.models.families import gemma2, gemma3, llama, moe, phi3, qwen3, smollm3
 from worker.models.families.base import Family
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (llama.LLAMA, llama.MISTRAL, llama.QWEN2, qwen3.FAMILY, gemma2.FAMILY, gemma3.FAMILY, phi3.FAMILY,
-              moe.MIXTRAL, moe.QWEN3_MOE, moe.GPT_OSS)
+              smollm3.FAMILY, moe.MIXTRAL, moe.QWEN3_MOE, moe.GPT_OSS)
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 

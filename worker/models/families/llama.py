@@ -9,12 +9,12 @@ from worker.models.config import ModelConfig
 from worker.models.families.base import ConfigReader, Family, decoder_fields, rope_fields, sliding_fields
 
 
-def swiglu_fields(r: ConfigReader) -> dict[str, Any]:
+def swiglu_fields(r: ConfigReader, tie_default: bool = False) -> dict[str, Any]:
     r.only("hidden_act", "silu")
     r.only("mlp_bias", False)
     # transformers splits the projections by pretraining_tp only to mimic training; same sums.
     r.ignore("pretraining_tp")
-    return decoder_fields(r) | rope_fields(r)
+    return decoder_fields(r, tie_default) | rope_fields(r)
 
 
 def qwen_window(r: ConfigReader, num_layers: int) -> dict[str, Any]:

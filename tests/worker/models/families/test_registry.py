@@ -15,6 +15,7 @@ from worker.backends.numpy_backend import NumpyBackend
 from worker.models.config import CheckpointError
 from worker.models.families import SUPPORTED_MODEL_TYPES, family_of
 from worker.models.loader import load_model
+from worker.models.rope import layer_ropes
 
 
 def _copy(src: Path, tmp_path: Path, **changes: object) -> Path:
@@ -149,3 +150,27 @@ def test_unsupported_moe_setting_fails_naming_it() -> None:
         family_of("gpt_oss").config({**GPT_OSS_20B, "swiglu_limit": 5.0})
     with pytest.raises(CheckpointError, match=r"setting 'shared_expert_intermediate_size' is not understood"):
         family_of("qwen3_moe").config({**QWEN3_30B_A3B, "shared_expert_intermediate_size": 512})
+
+
+def test_smollm3_nope_layers_read_the_identity_rotary_table(family_checkpoints: dict[str, Path]) -> None:
+    loaded = load_model(family_checkpoints["smollm3_nope_window"])
+    layers = NumpyBackend(loaded).model.layers
+    assert loaded.config.no_rope_layers == (1, 3)
+    assert [layer.rope for layer in layers] == [0, 1, 0, 1]
+    assert [layer.window for layer in layers] == [None, 6, None, 6]
+    cos, sin = layer_ropes(loaded.config)[1].cos_sin(np.arange(40))
+    assert (cos == 1.0).all() and (sin == 0.0).all()
+
+
+def test_smollm3_without_no_rope_layers_takes_every_interval_th(
+    family_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """transformers derives no_rope_layers from no_rope_layer_interval when a config lacks it."""
+    source = family_checkpoints["smollm3_nope_window"]
+    directory = _copy(source, tmp_path, no_rope_layer_interval=4, use_sliding_window=False)
+    cfg = json.loads((directory / "config.json").read_text())
+    del cfg["no_rope_layers"], cfg["layer_types"]
+    (directory / "config.json").write_text(json.dumps(cfg))
+    config = load_model(directory).config
+    assert config.no_rope_layers == (3,)
+    assert config.sliding_window is None
