@@ -1,6 +1,7 @@
 """The fused MoE kernel against a float32 reference on the CPU, run by Triton's interpreter,
 in a process of its own (TRITON_INTERPRET must be set before the kernels are defined:
-interpreted_fused_moe.py)."""
+interpreted_fused_moe.py); also a layer's experts split in halves as expert-parallel ranks
+stack them."""
 
 from __future__ import annotations
 
@@ -23,3 +24,4 @@ def test_fused_moe_matches_float32_in_the_interpreter() -> None:
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "check_fused_moe: ok" in proc.stdout
+    assert "check_expert_parallel_halves: ok" in proc.stdout
