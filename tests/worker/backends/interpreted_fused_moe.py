@@ -91,9 +91,13 @@ def check_fused_moe() -> None:
 def _half(experts: ExpertWeights, start: int) -> ExpertWeights:
     """Experts start .. start + E / 2 - 1, as an expert-parallel rank stacks them."""
     cut = slice(start, start + E // 2)
-    parts = (experts.gate_up, experts.down, experts.gate_up_scale, experts.down_scale, experts.gate_up_bias,
-             experts.down_bias)  # fmt: skip
-    return ExpertWeights(experts.format, *(None if p is None else p[cut].contiguous() for p in parts))
+
+    def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[cut].contiguous()
+
+    return ExpertWeights(experts.format, experts.gate_up[cut].contiguous(), experts.down[cut].contiguous(),
+                         rows(experts.gate_up_scale), rows(experts.down_scale), rows(experts.gate_up_bias),
+                         rows(experts.down_bias))  # fmt: skip
 
 
 def check_expert_parallel_halves() -> None:
