@@ -216,7 +216,7 @@ class LLM:
                  kv_cache_config: KvCacheConfig | None = None,
                  capacity_scheduling_policy: CapacitySchedulerPolicy | None = None,
                  tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
-                 quantization: QuantAlgo | str | None = None,
+                 moe_expert_parallel_size: int | None = None, quantization: QuantAlgo | str | None = None,
                  lora: Mapping[str, str | Path] | None = None, enable_lora: bool = False,
                  max_loras: int | None = None, max_cpu_loras: int | None = None, max_lora_rank: int | None = None,
                  async_mode: bool = False) -> None:  # fmt: skip
@@ -230,6 +230,9 @@ class LLM:
         `generate_async`: `async_mode` is accepted for TensorRT-LLM's code.
         `tensor_parallel_size` / `pipeline_parallel_size`: the model split over that many
         GPUs per stage / stages, one process per GPU (worker/parallel).
+        `moe_expert_parallel_size`: equal to the tensor-parallel size, a mixture-of-experts
+        model's ranks hold whole experts instead of a slice of every expert (1 or None:
+        sliced); tokenwire places experts over all of a stage's ranks or none.
 
         LoRA: `lora` maps adapter names to PEFT directories, registered at start;
         `enable_lora` makes room for adapters loaded later (`load_lora`, `lora_request=`)
@@ -255,8 +258,13 @@ class LLM:
             cfg = replace(cfg, max_beam_width=model_config.max_beam_width)
         if kv_cache_config is not None:
             cfg = replace(cfg, kv_cache_config=replace(cfg.kv_cache_config, **kv_cache_config.executor_fields()))
+        if moe_expert_parallel_size not in (None, 1, tp):
+            raise ValueError(f"moe_expert_parallel_size {moe_expert_parallel_size}: experts are placed over all "
+                             f"{tp} tensor-parallel ranks (moe_expert_parallel_size={tp}) or sliced (1)")
+        expert_parallel = moe_expert_parallel_size == tp and tp > 1
         if tp * pp != 1:
-            cfg = replace(cfg, parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+            cfg = replace(cfg, parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                                              expert_parallel=expert_parallel))
         if capacity_scheduling_policy is not None:
             cfg = replace(cfg, scheduler_config=SchedulerConfig(capacity_scheduling_policy))
         if lora or enable_lora or max_loras or max_cpu_loras or max_lora_rank:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from clients.llm import LLM, SamplingParams
 from tests.checkpoints import make_checkpoint
 from worker.executor import ExecutorConfig, KvCacheConfig
@@ -29,3 +31,20 @@ def test_tensor_parallel_llm_decodes_as_one_process_and_stops_its_ranks(tmp_path
             got = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY)]
         assert got == want
         assert not any(p.is_alive() for p in backend.processes)
+
+
+def test_expert_parallel_llm_places_whole_experts_and_decodes_as_one_process(tmp_path: Path) -> None:
+    """TensorRT-LLM's moe_expert_parallel_size equal to the tensor-parallel size: each rank
+    holds half of the 4 experts, whole; any other size is refused before the model loads."""
+    ckpt = make_checkpoint("mixtral_top2_window", tmp_path / "mixtral")
+    with LLM(ckpt, CONFIG) as one:
+        want = [out.outputs[0].token_ids for out in one.generate(PROMPTS, GREEDY)]
+    with LLM(ckpt, CONFIG, tensor_parallel_size=2, moe_expert_parallel_size=2) as llm:
+        backend = llm.executor.core.backend
+        assert isinstance(backend, DistributedBackend) and backend.world.expert_parallel
+        experts = backend.inner.model.layers[0].experts
+        assert experts.gate_up.shape[0] == 2 and experts.first_expert == 0
+        got = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY)]
+    assert got == want
+    with pytest.raises(ValueError, match="moe_expert_parallel_size 3: experts are placed over all 2"):
+        LLM(ckpt, CONFIG, tensor_parallel_size=2, moe_expert_parallel_size=3)

@@ -51,6 +51,10 @@ def create_backend(
     A `parallel` config over several ranks starts them (torch only: worker/parallel).
     `deterministic`: a request's logits do not depend on its batch-mates (one rank only)."""
     kind = resolve_backend(choice)
+    if parallel is not None and parallel.expert_parallel:  # refused on one rank too: the flag would mean nothing
+        from worker.parallel import expert_parallel
+
+        expert_parallel.validate(model.config, parallel.tensor_parallel_size)
     if parallel is not None and parallel.world_size > 1:
         if choice == "numpy":
             raise ValueError("tensor or pipeline parallelism needs the torch backend")

@@ -36,6 +36,12 @@ Formats (`ExpertWeights.format`):
   a byte, the even element in the low nibble) with E8M0 scales uint8 [E, out, in / 32].
 
 Tiles are chosen by T from `TILES` (the first whose bound T does not exceed).
+
+Expert parallelism (worker/parallel/expert_parallel.py): a rank stacks only its own contiguous
+run of experts, from global id `expert_start`. Step 1 maps the global ids to local ones and
+files the pairs routed to other ranks' experts under one extra expert whose blocks are
+marked -1, so neither launch computes them; their rows of step 3's output are zeros, so
+they add nothing to step 4's sum.
 """
 
 from __future__ import annotations
@@ -224,11 +230,14 @@ def tile_for(tokens: int) -> Tile:
 
 
 def fused_moe(x: torch.Tensor, experts: ExpertWeights, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-              activation: Activation = "silu", tile: Tile | None = None) -> torch.Tensor:  # fmt: skip
+              activation: Activation = "silu", tile: Tile | None = None,
+              expert_start: int | None = None) -> torch.Tensor:  # fmt: skip
     """out [T, H] (x's dtype) = sum over each token's k experts of its routing weight times
     down(act(gate_up(x))). x [T, H] bf16; topk_ids [T, k] int32 (each in [0, E): not checked
     on the host, which would wait for the device); topk_weights [T, k] float32. `tile`:
-    tile_for(T) unless given (tuning)."""
+    tile_for(T) unless given (tuning). `expert_start`: `experts` are the E experts from
+    this global id on (expert parallelism); topk_ids are global, and a pair routed to an
+    expert outside them contributes nothing."""
     t, k = topk_ids.shape
     e, h, i = experts.num_experts, experts.hidden, experts.intermediate
     if x.dim() != 2 or x.shape != (t, h):
@@ -249,7 +258,7 @@ def fused_moe(x: torch.Tensor, experts: ExpertWeights, topk_ids: torch.Tensor, t
         return out
     x, topk_weights = x.contiguous(), topk_weights.to(torch.float32).contiguous()
     pairs = t * k
-    sorted_pairs, block_expert = _align(topk_ids, e, tile.block_m)
+    sorted_pairs, block_expert = _align(topk_ids, e, tile.block_m, expert_start)
     num_blocks = block_expert.numel()
     fmt = FORMATS.index(experts.format)
     hidden = torch.empty((pairs, i), dtype=torch.bfloat16, device=x.device)
@@ -261,7 +270,8 @@ def fused_moe(x: torch.Tensor, experts: ExpertWeights, topk_ids: torch.Tensor, t
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps,
         num_stages=tile.stages,
     )  # fmt: skip
-    weighted = torch.empty((pairs, h), dtype=torch.float32, device=x.device)
+    # Pairs routed to another rank's experts are never written: zeros, so they add nothing.
+    weighted = (torch.empty if expert_start is None else torch.zeros)((pairs, h), dtype=torch.float32, device=x.device)
     d_bias = experts.down_bias
     _down_kernel[(num_blocks * triton.cdiv(h, tile.block_n),)](
         hidden, experts.down, experts.down_scale, d_bias, topk_weights, sorted_pairs, block_expert, weighted,
@@ -278,11 +288,17 @@ def align_capacity(pairs: int, num_experts: int, block_m: int) -> int:
     return -(-rows // block_m) * block_m
 
 
-def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+           expert_start: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(sorted_pairs int32 [capacity], block_expert int32 [capacity / block_m]): see the
     module docstring. Fixed sizes, no host sync."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     pairs = flat.numel()
+    computed = num_experts  # the experts whose blocks the kernels run
+    if expert_start is not None:  # other ranks' pairs go to one more expert, never run
+        local = flat - expert_start
+        flat = torch.where((local >= 0) & (local < num_experts), local, num_experts)
+        num_experts += 1
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
@@ -296,7 +312,7 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
     sorted_pairs.scatter_(0, rows, order.to(torch.int32))
     block_starts = torch.arange(0, capacity, block_m, device=flat.device)
     block_expert = torch.searchsorted(padded_ends, block_starts, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    block_expert = torch.where(block_expert < computed, block_expert, -1).to(torch.int32)
     return sorted_pairs, block_expert
 
 

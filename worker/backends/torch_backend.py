@@ -161,7 +161,7 @@ class TorchBackend:
                             kv_dtype=kv_dtype, deterministic=deterministic)
             if world is None or world.tensor_parallel_size == 1
             else ShardedTorchDecoderOps(ops_config, world.tensor, self.device, self.dtype, self.max_model_len,
-                                        quantize=quantize, kv_dtype=kv_dtype)
+                                        world.expert_parallel, quantize=quantize, kv_dtype=kv_dtype)
         )  # fmt: skip
         if weights is None:
             weights = _weights_of(model, self.device, self.dtype)

@@ -7,6 +7,9 @@ bf16, FP8 or MXFP4 expert weights (gpt-oss's, as its checkpoint packs them:
 over the experts that took rows: gather the rows, gate_up, activation, down, add back
 weighted (index_add_). The expert weights are stacked per layer (`gate_up` [experts,
 2 * intermediate, hidden], gate rows then up rows; `down` [experts, hidden, intermediate]).
+Under expert parallelism (worker/parallel/expert_parallel.py) a layer stacks a contiguous
+run of the experts, from `first_expert` on: routing still picks among all of them, and
+rows routed to experts the layer does not hold get nothing from it.
 
 The router statistics are a device tensor the layer adds to (no host sync here); the
 backend reads it once per step, where the step already waits for its results.
@@ -39,6 +42,8 @@ class TorchExperts:
     gate_up_bias: torch.Tensor | None  # [experts, 2 * intermediate]
     down_bias: torch.Tensor | None  # [experts, hidden]
     fused: ExpertWeights | None = None  # what the fused kernel reads (CUDA, bf16 activations)
+    # The global id of the first stacked expert; None: every expert is stacked (no expert parallelism).
+    first_expert: int | None = None
 
 
 def mxfp4_experts(gate: Mxfp4Tensor, up: Mxfp4Tensor, down: Mxfp4Tensor, gate_up_bias: torch.Tensor | None,
@@ -85,21 +90,25 @@ def experts_out(x: torch.Tensor, experts: TorchExperts, chosen: torch.Tensor, we
     """x [N, hidden] -> the routed sum [N, hidden]; chosen, weights [N, k]: the fused
     kernel where the layer has its weights, else the loop."""
     if experts.fused is not None:
-        return fused_moe(x, experts.fused, chosen.to(torch.int32), weights, KERNEL_ACT[act])  # type: ignore[arg-type]
+        return fused_moe(x, experts.fused, chosen.to(torch.int32), weights, KERNEL_ACT[act],  # type: ignore[arg-type]
+                         expert_start=experts.first_expert)  # fmt: skip
     return run_experts(x, experts, chosen, weights, act)
 
 
 def run_experts(x: torch.Tensor, experts: TorchExperts, chosen: torch.Tensor, weights: torch.Tensor,
                 act: str) -> torch.Tensor:  # fmt: skip
-    """x [N, hidden] -> the routed sum [N, hidden]; chosen, weights [N, k]."""
+    """x [N, hidden] -> the routed sum [N, hidden] over the experts the layer holds; chosen,
+    weights [N, k] (global expert ids)."""
     assert experts.gate_up is not None and experts.down is not None
     out = torch.zeros_like(x)
     flat = chosen.flatten()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=experts.gate_up.shape[0]).tolist()  # the loop's one host read
+    first = experts.first_expert or 0
+    held = experts.gate_up.shape[0]
+    counts = torch.bincount(flat, minlength=first + held).tolist()  # the loop's one host read
     k = chosen.shape[1]
-    start = 0
-    for e, n in enumerate(counts):
+    start = sum(counts[:first])  # the picks of the experts before the held ones, sorted first
+    for e, n in enumerate(counts[first : first + held]):
         if n == 0:
             continue
         picks = order[start : start + n]

@@ -236,6 +236,9 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     # Micro-batches a step's sequences are cut into, so the stages overlap (0: one per stage).
     micro_batches: int = 0
+    # Mixture-of-experts layers: each tensor-parallel rank holds whole experts, a contiguous
+    # run of them, instead of a slice of every expert (worker/parallel/expert_parallel.py).
+    expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:

@@ -12,13 +12,15 @@ and as the published checkpoints ship:
   projections come packed (an `Mxfp4File` or an `Mxfp4Tensor`, rows first): gate, up and
   down are then `Mxfp4Tensor`s, which a backend takes packed or as float experts.
 Tensors may be numpy arrays or torch tensors; only indexing, slicing and swapaxes are used.
+Per-expert tensors are read when an expert is first indexed, so a rank that holds some of
+the experts (worker/parallel/expert_parallel.py) reads only theirs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from worker.models.config import CheckpointError, ModelConfig
 from worker.models.mxfp4 import Mxfp4Tensor
@@ -43,6 +45,26 @@ class ExpertTensors:
     gate_bias: Any | None = None  # [experts, intermediate]
     up_bias: Any | None = None  # [experts, intermediate]
     down_bias: Any | None = None  # [experts, hidden]
+
+
+class PerExpert(Sequence[Any]):
+    """One projection of every expert, each tensor read from the checkpoint when indexed;
+    a slice is the same over fewer experts, reading nothing."""
+
+    def __init__(self, need: Callable[[str], Any], names: Sequence[str]) -> None:
+        self._need, self._names = need, names
+
+    @overload
+    def __getitem__(self, index: int) -> Any: ...
+    @overload
+    def __getitem__(self, index: slice) -> PerExpert: ...
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return PerExpert(self._need, self._names[index])
+        return self._need(self._names[index])
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def _layout(config: ModelConfig) -> str:
@@ -99,9 +121,9 @@ def expert_tensors(config: ModelConfig, need: Callable[[str], Any], layer: int) 
     return ExpertTensors(
         router=need(f"{p}{block}.{router}.weight"),
         router_bias=None,
-        gate=[need(e + f"{gate}.weight") for e in experts],
-        up=[need(e + f"{up}.weight") for e in experts],
-        down=[need(e + f"{down}.weight") for e in experts],
+        gate=PerExpert(need, [e + f"{gate}.weight" for e in experts]),
+        up=PerExpert(need, [e + f"{up}.weight" for e in experts]),
+        down=PerExpert(need, [e + f"{down}.weight" for e in experts]),
     )
 
 

@@ -61,6 +61,8 @@ class World:
     pipeline_parallel_size: int
     device: torch.device
     tensor: TensorGroup
+    # MoE layers: the tensor-parallel ranks hold whole experts (expert_parallel.py).
+    expert_parallel: bool = False
 
     @property
     def size(self) -> int:
@@ -92,7 +94,8 @@ class World:
         return x
 
 
-def join(rank: int, tensor_parallel_size: int, port: int, device_type: str, pipeline_parallel_size: int = 1) -> World:
+def join(rank: int, tensor_parallel_size: int, port: int, device_type: str, pipeline_parallel_size: int = 1,
+         expert_parallel: bool = False) -> World:  # fmt: skip
     """Join the world rendezvousing on 127.0.0.1:port; on CUDA, rank r takes the r-th
     visible device (CUDA_VISIBLE_DEVICES decides which GPUs those are)."""
     os.environ.update(NO_MULTICAST_ENV)
@@ -113,7 +116,7 @@ def join(rank: int, tensor_parallel_size: int, port: int, device_type: str, pipe
             made = dist.new_group(list(range(first, first + tp)))
             if first <= rank < first + tp:
                 group = made
-    world = World(rank, tp, pp, device, TensorGroup(rank % tp, tp, device, group))
+    world = World(rank, tp, pp, device, TensorGroup(rank % tp, tp, device, group), expert_parallel)
     # Warm the communicators up now: NCCL sets a communicator up on its first collective,
     # which must not happen inside a CUDA-graph capture.
     dist.all_reduce(torch.zeros(1, device=device))

@@ -13,7 +13,8 @@ token rows, padded so every rank's range has the same length (the gather of the
 logits needs equal parts). With fewer KV heads than ranks, each KV head is held by
 the tp / kv_heads ranks whose query heads use it. Mixture-of-experts layers shard each
 expert as a dense MLP (gate and up rows, down columns, summed after the layer) and keep
-the router whole, so every rank routes alike.
+the router whole, so every rank routes alike; with expert parallelism each rank holds
+whole experts instead (expert_parallel.py).
 
 The slices are taken from the float tensors before the backend turns them into its
 weights, so any linear-weight format (quantized included) shards the same way.
@@ -37,6 +38,7 @@ from worker.models.config import ModelConfig
 from worker.models.llama import LinearRole
 from worker.models.lora import LoraAdapter, LoraWeights
 from worker.models.moe_checkpoint import ExpertTensors
+from worker.parallel import expert_parallel
 
 if TYPE_CHECKING:
     from worker.executor.types import ParallelConfig
@@ -62,7 +64,9 @@ def validate(parallel: ParallelConfig, config: ModelConfig) -> None:
     if tp > 1 and (config.attention_sinks or config.o_bias or config.expert_bias):
         raise ValueError(f"model_type {config.model_type!r}: attention sinks and biases on the o projection and "
                          "the experts do not run under tensor parallelism")
-    if config.moe_intermediate_size % tp:
+    if parallel.expert_parallel:
+        expert_parallel.validate(config, tp)
+    elif config.moe_intermediate_size % tp:
         raise ValueError(f"expert intermediate size {config.moe_intermediate_size} does not split over {tp} ranks")
     if config.intermediate_size % tp:
         raise ValueError(f"intermediate size {config.intermediate_size} does not split over {tp} ranks")
@@ -80,14 +84,15 @@ def stage_config(config: ModelConfig, layers: range) -> ModelConfig:
     return config if len(layers) == config.num_layers else replace(config, num_layers=len(layers))
 
 
-def local_config(config: ModelConfig, tp: int) -> ModelConfig:
-    """The model as one rank's ops see it: its heads, KV heads and MLP width."""
+def local_config(config: ModelConfig, tp: int, whole_experts: bool = False) -> ModelConfig:
+    """The model as one rank's ops see it: its heads, KV heads and MLP width (the experts'
+    whole under expert parallelism)."""
     return replace(
         config,
         num_heads=config.num_heads // tp,
         num_kv_heads=max(1, config.num_kv_heads // tp),
         intermediate_size=config.intermediate_size // tp,
-        moe_intermediate_size=config.moe_intermediate_size // tp,
+        moe_intermediate_size=config.moe_intermediate_size // (1 if whole_experts else tp),
     )
 
 

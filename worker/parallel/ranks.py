@@ -63,6 +63,7 @@ class RankSpec:
     port: int  # where the ranks rendezvous, on 127.0.0.1
     quantize: str | None = None  # "fp8" | "int4": every rank quantizes its shard on load
     kv_cache_dtype: str | None = None  # "fp8": every rank's KV pool
+    expert_parallel: bool = False  # MoE layers: whole experts per rank (expert_parallel.py)
 
 
 class DistributedBackend:
@@ -201,6 +202,7 @@ def start_ranks(model: Any, device: str | None, dtype: str | None, max_num_token
         port=_free_port(),
         quantize=getattr(model, "quantize", None),
         kv_cache_dtype=kv_cache_dtype,
+        expert_parallel=parallel.expert_parallel,
     )
     links, processes = spawn_ranks(parallel.world_size, _follower_main, (spec,))
     world = _join(0, spec)
@@ -228,7 +230,8 @@ def spawn_ranks(
 
 
 def _join(rank: int, spec: RankSpec) -> World:
-    return join(rank, spec.tensor_parallel_size, spec.port, spec.device_type, spec.pipeline_parallel_size)
+    return join(rank, spec.tensor_parallel_size, spec.port, spec.device_type, spec.pipeline_parallel_size,
+                spec.expert_parallel)  # fmt: skip
 
 
 def _rank_backend(model: Any, spec: RankSpec, world: World) -> TorchBackend:

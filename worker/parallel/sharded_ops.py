@@ -6,11 +6,14 @@ slices call for.
 A row-parallel projection's all-reduce is in `lora`, which the decoder calls after
 every `linear` whether or not the step runs an adapter: the rank's partial output and
 its adapter delta (from the rank's input columns) are summed across ranks in one
-all-reduce."""
+all-reduce. A mixture-of-experts layer holds a slice of every expert, or under expert
+parallelism the rank's whole experts (expert_parallel.py); either way its output is a
+partial sum, all-reduced."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -25,21 +28,24 @@ from worker.models.config import ModelConfig
 from worker.models.llama import LinearRole
 from worker.models.lora import LoraAdapter
 from worker.models.moe_checkpoint import ExpertTensors
-from worker.parallel import layout
+from worker.parallel import expert_parallel, layout
 from worker.parallel.group import TensorGroup
 
 
 class ShardedTorchDecoderOps(TorchDecoderOps):
     def __init__(
         self, config: ModelConfig, group: TensorGroup, device: torch.device, dtype: torch.dtype, max_model_len: int,
-        **kwargs: Any,
+        expert_parallel: bool = False, **kwargs: Any,
     ) -> None:
         """`config` is the whole model's; the inherited ops (KV pool, attention, rope)
-        see the rank's heads (layout.local_config). `kwargs` go to TorchDecoderOps
+        see the rank's heads (layout.local_config). `expert_parallel`: the rank holds
+        whole experts, not a slice of each. `kwargs` go to TorchDecoderOps
         (quantization, the KV cache's dtype): shards are cut from the float parts first."""
-        super().__init__(layout.local_config(config, group.size), device, dtype, max_model_len, **kwargs)
+        super().__init__(layout.local_config(config, group.size, expert_parallel), device, dtype, max_model_len,
+                         **kwargs)  # fmt: skip
         self.full_config = config
         self.group = group
+        self.expert_parallel = expert_parallel
         self.vocab_start, self.vocab_rows = layout.vocab_shard(config.vocab_size, group.rank, group.size)
         self._embed: torch.Tensor | None = None
 
@@ -66,8 +72,14 @@ class ShardedTorchDecoderOps(TorchDecoderOps):
         return super().linear_weight(parts, bias, role)
 
     def expert_weights(self, tensors: ExpertTensors) -> TorchExperts:
-        """The rank's slice of every expert's intermediate width (layout.shard_experts)."""
-        return super().expert_weights(layout.shard_experts(tensors, self.group.rank, self.group.size))
+        """The rank's slice of every expert's intermediate width (layout.shard_experts), or
+        under expert parallelism its whole experts, stacked from local id 0."""
+        g = self.group
+        if not self.expert_parallel:
+            return super().expert_weights(layout.shard_experts(tensors, g.rank, g.size))
+        held = expert_parallel.expert_range(len(tensors.gate), g.rank, g.size)
+        experts = super().expert_weights(expert_parallel.place_experts(tensors, g.rank, g.size))
+        return replace(experts, first_expert=held.start)
 
     def load_lora_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
         """The slots hold the rank's slices (allocate_lora sized them by the rank's heads)."""
@@ -92,7 +104,8 @@ class ShardedTorchDecoderOps(TorchDecoderOps):
 
     def moe(self, x: torch.Tensor, experts: TorchExperts, layer: int, step: StepInputs,
             logits_rows: bool) -> torch.Tensor:  # fmt: skip
-        """Every rank routes alike (the router is whole); the experts' partial sums all-reduced."""
+        """Every rank routes alike (the router is whole) and counts every token's choices;
+        the partial sums of its experts' slices (or of its whole experts) all-reduced."""
         return self.group.all_reduce(super().moe(x, experts, layer, step, logits_rows))
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="GPUs (processes) the model is split over: the first N visible ones",
     )
     p.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="mixture-of-experts models: each of the --tensor-parallel-size GPUs holds whole experts (a "
+        "contiguous run of them; the expert count must divide by the size) instead of a slice of every expert",
+    )
+    p.add_argument(
         "--pipeline-parallel-size",
         type=int,
         default=1,
@@ -278,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
         cpu_threads=args.cpu_threads,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        expert_parallel=args.expert_parallel,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         lora_adapters=lora_adapters,

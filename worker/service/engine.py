@@ -84,6 +84,7 @@ class EngineConfig:
     # ends when any of them does, so the worker sees one engine fail as a whole.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    expert_parallel: bool = False  # MoE layers: whole experts per tensor-parallel rank
     quantization: str | None = None  # fp8 | int4: quantize a float checkpoint on load
     kv_cache_dtype: str | None = None  # fp8: an e4m3 KV cache; None: the model's dtype
     # LoRA adapters registered at start (name, PEFT directory), and the adapter cache's bounds;
@@ -292,7 +293,8 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, Path]:
         device=config.device,
         speculative_config=config.speculative_config,
         draft_model=None if config.backend == "echo" else config.draft_model,
-        parallel_config=ParallelConfig(config.tensor_parallel_size, config.pipeline_parallel_size),
+        parallel_config=ParallelConfig(config.tensor_parallel_size, config.pipeline_parallel_size,
+                                       expert_parallel=config.expert_parallel),
         quantization=config.quantization,
         lora_adapters=dict(config.lora_adapters),
         peft_cache_config=config.peft_cache_config,

@@ -1,8 +1,10 @@
 """The fused MoE kernel (worker/backends/fused_moe.py) run by Triton's interpreter on the
 CPU, on a layer small enough for seconds, against a float32 reference: every format, both
 activations, with biases, at T=1 and T=5 (neither a multiple of the 16-row block), with
-experts that get no token. Run with TRITON_INTERPRET=1 set before Triton is imported
-(test_fused_moe_interpreted.py starts this module in a process of its own).
+experts that get no token; and a layer's experts split in two halves as expert-parallel
+ranks hold them, each half's output counting only its own experts' pairs. Run with
+TRITON_INTERPRET=1 set before Triton is imported (test_fused_moe_interpreted.py starts this
+module in a process of its own).
 
     TRITON_INTERPRET=1 python -m tests.worker.backends.interpreted_fused_moe
 
@@ -125,6 +127,39 @@ def check_gpt_oss_packed_layers() -> None:
             assert err < 1e-2, f"gpt-oss layer {layer}: {err:.2e}"
 
 
+def _half(experts: ExpertWeights, start: int) -> ExpertWeights:
+    """Experts start .. start + E / 2 - 1, as an expert-parallel rank stacks them."""
+    cut = slice(start, start + E // 2)
+
+    def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[cut].contiguous()
+
+    return ExpertWeights(experts.format, experts.gate_up[cut].contiguous(), experts.down[cut].contiguous(),
+                         rows(experts.gate_up_scale), rows(experts.down_scale), rows(experts.gate_up_bias),
+                         rows(experts.down_bias))  # fmt: skip
+
+
+def check_expert_parallel_halves() -> None:
+    """Each half's output is the reference over the pairs routed to its experts (the others
+    weighted 0); T=5 routes to both halves, T=1 to the second half only."""
+    routings = (torch.tensor([[2, 3]]), torch.tensor([[0, 1], [1, 3], [3, 0], [1, 0], [0, 2]]))
+    for fmt in ("bf16", "mxfp4"):
+        experts = make_experts(fmt)
+        for ids in routings:
+            x = torch.randn(ids.shape[0], H).to(torch.bfloat16)
+            weights = torch.softmax(torch.randn(ids.shape), dim=1)
+            for start in (0, E // 2):
+                mine = (ids >= start) & (ids < start + E // 2)
+                got = fused_moe(x, _half(experts, start), ids.to(torch.int32), weights, "silu", tile=TILE,
+                                expert_start=start)  # fmt: skip
+                want = reference(x, experts, ids, weights * mine, "silu")
+                if not mine.any():
+                    assert not got.any(), f"{fmt} T={ids.shape[0]} half {start}: pairs of the other half computed"
+                    continue
+                err = float((got.float() - want).norm() / want.norm())
+                assert err < 1e-2, f"{fmt} T={ids.shape[0]} half {start}: {err:.2e}"
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1: the kernels must run in Triton's interpreter", file=sys.stderr)
@@ -134,6 +169,8 @@ def main() -> int:
     print("check_fused_moe: ok", flush=True)
     check_gpt_oss_packed_layers()
     print("check_gpt_oss_packed_layers: ok", flush=True)
+    check_expert_parallel_halves()
+    print("check_expert_parallel_halves: ok", flush=True)
     return 0
 
 

@@ -1,6 +1,7 @@
 """The fused MoE kernel against a float32 reference on the CPU, run by Triton's interpreter
-(and gpt-oss's packed MXFP4 layers as the model path builds them), in a process of its
-own (TRITON_INTERPRET must be set before the kernels are defined: interpreted_fused_moe.py)."""
+(and gpt-oss's packed MXFP4 layers as the model path builds them, and a layer's experts
+split in halves as expert-parallel ranks stack them), in a process of its own
+(TRITON_INTERPRET must be set before the kernels are defined: interpreted_fused_moe.py)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,4 @@ def test_fused_moe_matches_float32_in_the_interpreter() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "check_fused_moe: ok" in proc.stdout
     assert "check_gpt_oss_packed_layers: ok" in proc.stdout
+    assert "check_expert_parallel_halves: ok" in proc.stdout

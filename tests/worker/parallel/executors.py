@@ -11,14 +11,14 @@ from worker.parallel.ranks import DistributedBackend
 
 
 @contextmanager
-def parallel_executor(model: Path, tp: int, pp: int = 1, micro_batches: int = 0,
+def parallel_executor(model: Path, tp: int, pp: int = 1, micro_batches: int = 0, expert_parallel: bool = False,
                       **options: object) -> Iterator[Executor]:  # fmt: skip
     """float32 on the CPU, a small KV cache of 4-token blocks and beams up to 4 unless
-    `options` (ExecutorConfig fields) say otherwise."""
+    `options` (ExecutorConfig fields) say otherwise; `expert_parallel`: MoE experts whole per rank."""
     options.setdefault("kv_cache_config", KvCacheConfig(tokens_per_block=4, max_tokens=2048))
     options.setdefault("max_beam_width", 4)
     config = ExecutorConfig(backend="torch", device="cpu", dtype="float32",
-                            parallel_config=ParallelConfig(tp, pp, micro_batches),
+                            parallel_config=ParallelConfig(tp, pp, micro_batches, expert_parallel),
                             **options)  # type: ignore[arg-type]  # fmt: skip
     ex = Executor.from_model(model, config)
     try:
