@@ -7,7 +7,7 @@ checkpoint in that:
 - llama.cpp's converter reorders the rows of each Llama q/k projection head from the
   rotate-half layout to interleaved pairs, and stores Gemma's norms as 1 + weight;
   loading undoes both.
-- There is no tokenizer.json: tokens, merges, token types and special ids are metadata.
+- There is no tokenizer.json: the vocabulary is metadata (worker/models/gguf_tokenizer.py).
 - A tensor the architecture does not have fails the load naming it, as does a
   `{arch}.*` metadata field no reader took.
 """
@@ -19,34 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from worker.models.config import CheckpointError, ModelConfig
 from worker.models.families import family_of
 from worker.models.gguf_architectures import ARCHITECTURES, FileTensors, Metadata, architecture_of, shape_fields
+from worker.models.gguf_tokenizer import build_tokenizer, tokenizer_config
 from worker.models.loaded_model import LoadedModel, check_shapes
-
-_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
-
-# tokenizer.ggml.pre -> the pre-tokenizer split regex the vocabulary was trained with.
-# None means the ByteLevel pre-tokenizer's own (GPT-2) regex.
-_GPT2_SPLIT = None
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_PRE_TOKENIZER_SPLITS: dict[str, str | None] = {
-    "default": _GPT2_SPLIT,
-    "gpt-2": _GPT2_SPLIT,
-    "smollm": _GPT2_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "llama3": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-}
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
@@ -90,87 +68,6 @@ def _hf_config(meta: dict[str, Any], path: Path, arch: str, tensors: FileTensors
         value = meta.get(f"tokenizer.ggml.{name}_token_id")
         if value is not None:
             cfg[key] = int(value)
-    return cfg
-
-
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character table that byte-level BPE vocabularies are spelled in."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-def build_tokenizer(meta: dict[str, Any], path: Path) -> Tokenizer:
-    """A byte-level BPE `tokenizers.Tokenizer` from llama.cpp's tokenizer metadata."""
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise CheckpointError(f"{path}: tokenizer.ggml.model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZER_SPLITS:
-        raise CheckpointError(
-            f"{path}: tokenizer.ggml.pre {pre!r} is not supported (supported: {', '.join(_PRE_TOKENIZER_SPLITS)})"
-        )
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
-        if key not in meta:
-            raise CheckpointError(f"{path}: metadata field {key!r} is missing")
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    alphabet = _byte_alphabet()
-    spelled = set(alphabet.values())
-    # Tokens with characters outside the byte alphabet are stored as plain text; respell them.
-    vocab = {
-        (t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))): i for i, t in enumerate(tokens)
-    }
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    tokenizer = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, fuse_unk=False, continuing_subword_prefix="", end_of_word_suffix="")
-    )
-    split = _PRE_TOKENIZER_SPLITS[pre]
-    if split is None:
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    tokenizer.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>, ...) must match whole and count as special; a
-    # "control" token spelled outside the byte alphabet is a llama.cpp mislabel, skipped.
-    control = [t for t, ty in zip(tokens, types, strict=True) if ty == _TOKEN_CONTROL and set(t) <= spelled]
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-    user = [t for t, ty in zip(tokens, types, strict=True) if ty == _TOKEN_USER_DEFINED and t in vocab]
-    if user:
-        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-        bos_text = tokens[int(bos)]
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos_text}:0 $A:0", pair=f"{bos_text}:0 $A:0 $B:1", special_tokens=[(bos_text, int(bos))]
-        )
-    else:
-        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    return tokenizer
-
-
-def _tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    cfg: dict[str, Any] = {"add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False))}
-    for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
-        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
-        if token_id is not None and 0 <= int(token_id) < len(tokens):
-            cfg[f"{name}_token"] = tokens[int(token_id)]
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     return cfg
 
 
@@ -232,5 +129,5 @@ def load_gguf(path: Path, progress: Callable[[int, int], None] | None = None) ->
         eos_token_ids=() if eos is None else (int(eos),),
         hf_config=hf_config,
         source=path,
-        tokenizer_config=_tokenizer_config(meta),
+        tokenizer_config=tokenizer_config(meta),
     )
