@@ -22,6 +22,11 @@ The per-minute counts are a sliding window: this minute's count plus the last
 minute's weighted by the part of it still inside the window (60 s back). A
 request in flight holds a lease in a sorted set, renewed while it runs: a
 gateway that dies leaves nothing counted longer than LEASE_S.
+
+A key this gateway has not served for IDLE_S (two windows), with nothing of it in
+flight or left to write, is forgotten and no longer synced: with many keys, only
+those in use cost a sync. Its next request starts from no counts until the sync
+after it reads the key's totals again, within the bound above.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ log = logging.getLogger(__name__)
 
 SYNC_S = 0.1
 LEASE_S = 60.0
+IDLE_S = 120.0
 # Only the sync thread waits on Redis, so it may wait long: a sync that timed out after
 # Redis received it is applied once Redis answers, and would be counted again at the next.
 SYNC_TIMEOUT_S = 10.0
@@ -70,13 +76,16 @@ class _KeyState:
     others_in_flight: int = 0
     window_requests: int = 0
     window_tokens: int = 0
+    last_admitted: float = 0.0  # time.time() of this gateway's last request of the key
 
 
 class KeyLimiter:
     """`admit` and `done` from either front's thread; the rest on the sync thread."""
 
-    def __init__(self, redis_url: str, keys: protocol.Keys, metrics: GatewayMetrics, gateway_id: str) -> None:
+    def __init__(self, redis_url: str, keys: protocol.Keys, metrics: GatewayMetrics, gateway_id: str,
+                 idle_s: float = IDLE_S) -> None:  # fmt: skip
         self._redis_url = redis_url
+        self._idle_s = idle_s
         self._keys = keys
         self._metrics = metrics
         self._gateway_id = gateway_id
@@ -101,6 +110,7 @@ class KeyLimiter:
             s = self._states.get(record.name)
             if s is None:
                 s = self._states[record.name] = _KeyState()
+            s.last_admitted = now
             in_flight = len(s.in_flight) + s.others_in_flight
             requests = s.window_requests + s.requests
             tokens = s.window_tokens + s.tokens
@@ -151,7 +161,10 @@ class KeyLimiter:
         renew = now - self._renewed > LEASE_S / 3
         with self._lock:  # take the deltas; the fronts count anew meanwhile
             taken = []
-            for name, s in self._states.items():
+            for name, s in list(self._states.items()):
+                if _idle(s, now - self._idle_s):
+                    del self._states[name]  # nothing of it left to write, and its windows have passed
+                    continue
                 taken.append((name, set(s.in_flight), s.leased, s.requests, s.tokens, s.usage))
                 s.requests, s.tokens, s.usage = 0, 0, (0, 0, 0)
         if not taken:
@@ -207,6 +220,11 @@ class KeyLimiter:
                 req_now, req_last, tok_now, tok_last = (int(v or 0) for v in window)
                 s.window_requests = req_now + math.floor(req_last * weight)
                 s.window_tokens = tok_now + math.floor(tok_last * weight)
+
+
+def _idle(s: _KeyState, since: float) -> bool:
+    """Nothing of this key in flight, leased or left to write, and no request since `since`."""
+    return not (s.in_flight or s.leased or s.requests or s.tokens or any(s.usage)) and s.last_admitted < since
 
 
 def _refusal(record: ApiKeyRecord, now: float, in_flight: int, requests: int, tokens: int) -> Refusal:
