@@ -39,7 +39,8 @@ def peft_model(checkpoint: Path, adapter: Path | None) -> Any:
 
     key = (checkpoint, adapter)
     if key not in _MODELS:
-        model: Any = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        # eager: transformers' SDPA path drops Gemma 2's attention soft-cap; eager is its reference.
+        model: Any = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager")
         if adapter is not None:
             model = PeftModel.from_pretrained(model, adapter)
         model.generation_config.eos_token_id = None

@@ -1,5 +1,5 @@
 """The capabilities the Llama family has, on the new families: a LoRA adapter made by
-peft on Qwen3, Gemma 3, Phi-3 (on its fused projections) and Qwen3-MoE (not on its
+peft on Qwen3, Gemma 2 and 3, SmolLM3, Phi-3 (on its fused projections) and Qwen3-MoE (not on its
 experts, which are refused) gives peft's logits on both CPU backends, and FP8 / INT4 quantization on
 load computes alike on both (the reference the CUDA kernels are held to)."""
 
@@ -40,7 +40,8 @@ def _prefill(backend: Any, lora_slot: int | None = None) -> np.ndarray:
 
 SPLIT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # peft's target modules per family: Phi-3's checkpoints hold qkv and gate_up fused.
-LORA_TARGETS = {"qwen3_head_dim": SPLIT_TARGETS, "gemma3_local_global": SPLIT_TARGETS,
+LORA_TARGETS = {"qwen3_head_dim": SPLIT_TARGETS, "gemma2_capped": SPLIT_TARGETS,
+                "gemma3_local_global": SPLIT_TARGETS, "smollm3_nope_window": SPLIT_TARGETS,
                 "phi3_window": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
                 "qwen3_moe_top4_dense_layer": ["q_proj", "k_proj", "v_proj", "o_proj"]}  # fmt: skip
 
@@ -79,7 +80,8 @@ def test_lora_on_experts_is_refused(family_checkpoints: dict[str, Path], tmp_pat
         load_lora_adapter(adapter_dir, config, max_rank=8)
 
 
-@pytest.mark.parametrize("name", ["qwen3_head_dim", "gemma2_capped", "gemma3_local_global", "phi3_window"])
+@pytest.mark.parametrize("name", ["qwen3_head_dim", "gemma2_capped", "gemma3_local_global", "phi3_window",
+                                  "smollm3_nope_window"])
 def test_both_cpu_backends_quantize_on_load_alike(name: str, family_checkpoints: dict[str, Path]) -> None:
     directory = family_checkpoints[name]
     float_logits = _prefill(_backends(directory)[0])

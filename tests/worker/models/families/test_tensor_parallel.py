@@ -17,8 +17,8 @@ import pytest
 
 from tests.worker.parallel import rank_check
 
-CHECKPOINTS = ["qwen3_head_dim", "gemma2_capped", "gemma3_local_global", "phi3_window", "mixtral_top2_window",
-               "qwen3_moe_top4_dense_layer"]
+CHECKPOINTS = ["qwen3_head_dim", "gemma2_capped", "gemma3_local_global", "phi3_window", "smollm3_nope_window",
+               "mixtral_top2_window", "qwen3_moe_top4_dense_layer"]
 
 
 def _free_port() -> int:
