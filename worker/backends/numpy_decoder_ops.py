@@ -126,6 +126,9 @@ class NumpyDecoderOps:
     def norm_weight(self, tensor: np.ndarray) -> np.ndarray:
         return tensor
 
+    def head_weight(self, tensor: np.ndarray) -> np.ndarray:
+        return tensor
+
     def embedding_weight(self, tensor: np.ndarray) -> np.ndarray:
         return tensor
 

@@ -161,6 +161,9 @@ class TorchDecoderOps:
     def norm_weight(self, tensor: torch.Tensor | np.ndarray) -> torch.Tensor:
         return self._tensor(tensor)
 
+    def head_weight(self, tensor: torch.Tensor | np.ndarray) -> torch.Tensor:
+        return self._tensor(tensor)
+
     def embedding_weight(self, tensor: torch.Tensor | np.ndarray) -> torch.Tensor:
         return self._tensor(tensor)
 

@@ -79,6 +79,9 @@ class DecoderOps(Protocol[T, L, S_contra]):
     def norm_weight(self, tensor: Any) -> T:
         """An RMSNorm weight [hidden] (or [head_dim] for q/k norms), offset already added."""
 
+    def head_weight(self, tensor: Any) -> T:
+        """A value per query head [heads] (gpt-oss's attention sinks)."""
+
     def embedding_weight(self, tensor: Any) -> T:
         """The token embedding [vocab, hidden]."""
 
@@ -250,7 +253,7 @@ def build_weights(
                 attn_out_norm=norm(layer + "post_attention_layernorm.weight") if config.sandwich_norms else None,
                 mlp_out_norm=norm(layer + "post_feedforward_layernorm.weight") if config.sandwich_norms else None,
                 experts=experts,
-                sinks=ops.norm_weight(need(attn + "sinks")) if config.attention_sinks else None,
+                sinks=ops.head_weight(need(attn + "sinks")) if config.attention_sinks else None,
             )
         )
     embed = None

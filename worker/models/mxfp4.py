@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -69,7 +69,16 @@ class Mxfp4Tensor(Sequence[np.ndarray]):
     def __len__(self) -> int:
         return int(self.scales.shape[0])
 
-    def __getitem__(self, expert: int) -> np.ndarray:  # type: ignore[override]
+    @overload
+    def __getitem__(self, expert: int) -> np.ndarray: ...
+
+    @overload
+    def __getitem__(self, expert: slice) -> Mxfp4Tensor: ...
+
+    def __getitem__(self, expert: int | slice) -> np.ndarray | Mxfp4Tensor:
+        """Expert `expert` dequantized; a slice of experts stays packed."""
+        if isinstance(expert, slice):
+            return Mxfp4Tensor(self.blocks[expert], self.scales[expert])
         return dequantize(_host(self.blocks[expert]), _host(self.scales[expert]))
 
     def __iter__(self) -> Iterator[np.ndarray]:
@@ -78,6 +87,13 @@ class Mxfp4Tensor(Sequence[np.ndarray]):
     def rows(self, index: slice) -> Mxfp4Tensor:
         """The output rows `index` of every expert (a view where the arrays allow one)."""
         return Mxfp4Tensor(self.blocks[:, index], self.scales[:, index])
+
+    def columns(self, start: int, stop: int) -> Mxfp4Tensor:
+        """The input columns start .. stop - 1 of every expert: whole blocks of 32."""
+        if start % BLOCK or stop % BLOCK:
+            raise ValueError(f"columns {start}..{stop} of MXFP4 weights do not fall on blocks of {BLOCK}")
+        cut = slice(start // BLOCK, stop // BLOCK)
+        return Mxfp4Tensor(self.blocks[:, :, cut], self.scales[:, :, cut])
 
 
 def _host(array: Any) -> np.ndarray:

@@ -38,6 +38,8 @@ from worker.models.config import ModelConfig
 from worker.models.llama import LinearRole
 from worker.models.lora import LoraAdapter, LoraWeights
 from worker.models.moe_checkpoint import ExpertTensors
+from worker.models.mxfp4 import BLOCK as MXFP4_BLOCK
+from worker.models.mxfp4 import Mxfp4Tensor
 from worker.parallel import expert_parallel
 
 if TYPE_CHECKING:
@@ -61,9 +63,6 @@ def validate(parallel: ParallelConfig, config: ModelConfig) -> None:
     kv = config.num_kv_heads
     if kv % tp and tp % kv:
         raise ValueError(f"{kv} KV heads neither split over nor replicate onto {tp} tensor-parallel ranks")
-    if tp > 1 and (config.attention_sinks or config.o_bias or config.expert_bias):
-        raise ValueError(f"model_type {config.model_type!r}: attention sinks and biases on the o projection and "
-                         "the experts do not run under tensor parallelism")
     if parallel.expert_parallel:
         expert_parallel.validate(config, tp)
     elif config.moe_intermediate_size % tp:
@@ -122,11 +121,12 @@ def shard_linear(
 ) -> tuple[list[Any], list[Any] | None]:
     """The rank's slices of a projection's parts (and biases), in the same order."""
     if role in ROW_PARALLEL:
-        if bias is not None:
-            raise ValueError(f"a bias on the row-parallel {role} projection is not supported")
         (weight,) = parts
         cols = weight.shape[1] // tp
-        return [_contiguous(weight[:, rank * cols : (rank + 1) * cols])], None
+        # The partial outputs are summed: the bias is added by the first rank alone.
+        return [_contiguous(weight[:, rank * cols : (rank + 1) * cols])], None if bias is None else [
+            b if rank == 0 else b * 0 for b in bias
+        ]
     if role == "qkv":
         d = config.head_dim
         heads, kv = config.num_heads, config.num_kv_heads
@@ -148,17 +148,29 @@ def shard_linear(
 
 
 def shard_experts(tensors: ExpertTensors, rank: int, tp: int) -> ExpertTensors:
-    """The rank's slice of every expert, as of a dense MLP: its rows of gate and up, its
-    columns of down (the partial sums all-reduced after the layer); the router whole."""
-    if tensors.down_bias is not None:
-        raise ValueError("a bias on the experts' down projection is not supported under tensor parallelism")
+    """The rank's slice of every expert, as of a dense MLP: its rows of gate and up (and
+    of their biases), its columns of down (the partial sums all-reduced after the layer,
+    so down's bias is added by the first rank alone); the router whole."""
     n = tensors.gate[0].shape[0] // tp
     rows = slice(rank * n, (rank + 1) * n)
+    gate: Sequence[Any]
+    up: Sequence[Any]
+    down: Sequence[Any]
+    if isinstance(tensors.down, Mxfp4Tensor) and n % MXFP4_BLOCK == 0:  # cut packed, kept packed
+        assert isinstance(tensors.gate, Mxfp4Tensor) and isinstance(tensors.up, Mxfp4Tensor)
+        gate, up, down = tensors.gate.rows(rows), tensors.up.rows(rows), tensors.down.columns(rows.start, rows.stop)
+    else:
+        gate = [_contiguous(g[rows]) for g in tensors.gate]
+        up = [_contiguous(u[rows]) for u in tensors.up]
+        down = [_contiguous(d[:, rows]) for d in tensors.down]
     return replace(
         tensors,
-        gate=[_contiguous(g[rows]) for g in tensors.gate],
-        up=[_contiguous(u[rows]) for u in tensors.up],
-        down=[_contiguous(d[:, rows]) for d in tensors.down],
+        gate=gate,
+        up=up,
+        down=down,
+        gate_bias=None if tensors.gate_bias is None else _contiguous(tensors.gate_bias[:, rows]),
+        up_bias=None if tensors.up_bias is None else _contiguous(tensors.up_bias[:, rows]),
+        down_bias=tensors.down_bias if tensors.down_bias is None or rank == 0 else tensors.down_bias * 0,
     )
 
 

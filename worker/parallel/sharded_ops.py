@@ -60,6 +60,11 @@ class ShardedTorchDecoderOps(TorchDecoderOps):
             return tensor
         return super().lm_head_weight(layout.shard_vocab(tensor, self.group.rank, self.group.size))
 
+    def head_weight(self, tensor: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """The rank's query heads' values."""
+        n = tensor.shape[0] // self.group.size
+        return super().head_weight(tensor[self.group.rank * n : (self.group.rank + 1) * n])
+
     def linear_weight(  # type: ignore[override]
         self,
         parts: Sequence[torch.Tensor | np.ndarray],

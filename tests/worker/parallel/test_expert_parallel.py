@@ -21,7 +21,7 @@ from worker.executor import Executor, ExecutorConfig, OutputConfig, ParallelConf
 from worker.models.loader import load_model
 from worker.parallel.group import TensorGroup, World
 
-FAMILIES = ["mixtral_top2_window", "qwen3_moe_top4_dense_layer"]  # 4 and 8 experts
+FAMILIES = ["mixtral_top2_window", "qwen3_moe_top4_dense_layer", "gpt_oss_sinks"]  # 4, 8 and 4 experts
 PROMPTS = [list(range(7, 30)), [5, 9, 200, 31], list(range(100, 140, 3))]
 NEW_TOKENS = 8
 
@@ -88,6 +88,8 @@ def test_each_rank_holds_and_reads_only_its_experts(moe_model: Path, rank: int) 
     another rank's expert tensors (building a rank's weights runs no collective)."""
     model = load_model(moe_model)
     config = model.config
+    if config.moe_checkpoint == "gpt_oss":
+        pytest.skip("gpt-oss stores every expert of a layer in one tensor: a rank reads it whole")
     tensors = _ReadLog(dict(model.weights))
     cpu = torch.device("cpu")
     world = World(rank, 2, 1, cpu, TensorGroup(rank, 2, cpu), expert_parallel=True)

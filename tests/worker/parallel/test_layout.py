@@ -121,3 +121,36 @@ def test_a_stage_keeps_its_layers_adapter_weights_counted_from_its_first() -> No
     stage = layout.stage_lora(adapter, range(2, 3))
     assert set(stage.weights) == {(0, role) for role in ROLES}
     assert stage.weights[0, "o"] is adapter.weights[2, "o"]
+
+
+def test_packed_mxfp4_experts_shard_as_their_float_values_and_stay_packed() -> None:
+    """gate / up rows and down columns of MXFP4 experts cut in whole blocks: each rank's
+    packed slice dequantizes to the slice of the dequantized experts; down's bias is the
+    first rank's, gate's and up's biases are cut with their rows."""
+    from worker.models.moe_checkpoint import ExpertTensors
+    from worker.models.mxfp4 import Mxfp4Tensor
+
+    rng = np.random.default_rng(0)
+    experts, inter, hidden, tp = 3, 64, 64, 2
+
+    def packed(out: int, cols: int) -> Mxfp4Tensor:
+        blocks = rng.integers(0, 256, (experts, out, cols // 32, 16), dtype=np.uint8)
+        return Mxfp4Tensor(blocks, rng.integers(120, 130, (experts, out, cols // 32), dtype=np.uint8))
+
+    gate_bias, up_bias = rng.standard_normal((experts, inter)), rng.standard_normal((experts, inter))
+    down_bias = rng.standard_normal((experts, hidden))
+    whole = ExpertTensors(router=np.zeros((experts, hidden)), router_bias=None, gate=packed(inter, hidden),
+                          up=packed(inter, hidden), down=packed(hidden, inter), gate_bias=gate_bias, up_bias=up_bias,
+                          down_bias=down_bias)  # fmt: skip
+    for rank in range(tp):
+        part = layout.shard_experts(whole, rank, tp)
+        rows = slice(rank * inter // tp, (rank + 1) * inter // tp)
+        assert isinstance(part.gate, Mxfp4Tensor) and isinstance(part.up, Mxfp4Tensor)
+        assert isinstance(part.down, Mxfp4Tensor)
+        for e in range(experts):
+            np.testing.assert_array_equal(part.gate[e], whole.gate[e][rows])
+            np.testing.assert_array_equal(part.up[e], whole.up[e][rows])
+            np.testing.assert_array_equal(part.down[e], whole.down[e][:, rows])
+        np.testing.assert_array_equal(part.gate_bias, gate_bias[:, rows])
+        np.testing.assert_array_equal(part.up_bias, up_bias[:, rows])
+        np.testing.assert_array_equal(part.down_bias, down_bias if rank == 0 else 0 * down_bias)

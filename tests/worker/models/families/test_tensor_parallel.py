@@ -18,7 +18,7 @@ import pytest
 from tests.worker.parallel import rank_check
 
 CHECKPOINTS = ["qwen3_head_dim", "gemma2_capped", "gemma3_local_global", "phi3_window", "smollm3_nope_window",
-               "mixtral_top2_window", "qwen3_moe_top4_dense_layer"]
+               "mixtral_top2_window", "qwen3_moe_top4_dense_layer", "gpt_oss_sinks"]
 
 
 def _free_port() -> int:
