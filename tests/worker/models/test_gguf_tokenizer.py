@@ -1,8 +1,9 @@
 """A GGUF file's SentencePiece vocabulary (tokenizer.ggml.model "llama": tokens, scores
 and token types, as llama.cpp's converter stores Llama 2's, Mistral's, Gemma's and
 Phi-3's) rebuilt as a tokenizer encodes and decodes as SentencePiece itself does, with
-and without the prefix space. The vocabulary is trained here by SentencePiece (BPE, byte
-fallback) and written into a GGUF file by the `gguf` library, then read back.
+and without the prefix space, and streams the same text one token at a time. The
+vocabulary is trained here by SentencePiece (BPE, byte fallback) and written into a GGUF
+file by the `gguf` library, then read back.
 
 Not covered, as they differ (the rebuilt tokenizer follows Hugging Face's SentencePiece-BPE
 tokenizers there): a text that begins with a space or with a user-defined token, which
@@ -17,6 +18,7 @@ import gguf
 import pytest
 import sentencepiece
 
+from protocol.text import IncrementalDetokenizer
 from worker.models.config import CheckpointError
 from worker.models.gguf_tokenizer import build_tokenizer
 
@@ -88,6 +90,11 @@ def test_sentencepiece_vocabulary_encodes_as_sentencepiece(tmp_path: Path, prefi
         got = tokenizer.encode(text, add_special_tokens=False).ids
         assert got == want, (text, [sp.id_to_piece(i) for i in want], [tokenizer.id_to_token(i) for i in got])
         assert tokenizer.decode(got, skip_special_tokens=False) == sp.decode(want), text
+        streamed = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)  # as the gateway streams text
+        for token in got:
+            streamed.add([token])
+        streamed.flush()
+        assert streamed.text == sp.decode(want), text
         byte_fallbacks += sum(sp.is_byte(i) for i in want)
     assert byte_fallbacks > 0  # the texts reach the byte tokens
 
