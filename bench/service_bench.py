@@ -57,9 +57,10 @@ does not swing with the model's pace.
 
 Sizes: TOKENWIRE_BENCH_SERVICE_REQUESTS, _PROMPT, _OUTPUT (_REPEATS,
 _CURVE_PAIRS, _CURVE_BUDGET_S above), _ECHO ("64x1024,256x512": the echo
-workloads, streams x tokens); the defaults are the issue's workload, 64 x 128 /
-128 (on a 2-core CPU about five minutes for the first sets' runs, and the CURVE
-comparison's budget). All processes share this machine's cores, so the service
+workloads, streams x tokens; _ECHO_CLIENTS, _ECHO_WORKERS and _ECHO_GATEWAYS: client
+processes, echo workers and gateway processes for the rows that find one gateway's
+ceiling); the defaults are 64 x 128 / 128 (on a 2-core CPU about five minutes for the
+first sets' runs, and the CURVE comparison's budget). All processes share this machine's cores, so the service
 path's figures include the gateway's and the client's use of the cores the model
 runs on.
 """

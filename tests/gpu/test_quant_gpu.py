@@ -295,7 +295,7 @@ def default_model_path() -> Path | None:
 @pytest.mark.skipif(default_model_path() is None, reason="TOKENWIRE_GPU_DEFAULT_MODEL (the default model) not set")
 def test_default_model_quantized_on_load_agreement() -> None:
     """Next-token argmax agreement with the bf16 model over 20 prompts of 64 tokens
-    (teacher-forced, 1280 positions); the printed figures are the ones to report. The issue's
+    (teacher-forced, 1280 positions); the printed figures are the ones to report. The
     goal is 90%. int4 on load finds the default model's own Q4_1 grid (groups of 32, float
     zeros) and gives its weights back: the CPU measured 1.000, so only bf16 rounding and the
     kernels' summation order move a near-tie here. fp8 W8A8 (per-channel weights, per-token
