@@ -41,8 +41,8 @@ LOGIT_TOLERANCE = 1e-3  # of the logits' standard deviation (see above)
 
 def tiny_model(family: str, directory: Path) -> Path:
     """A random model of `family` whose layers group size 128 divides (hidden 128,
-    intermediate 256); Qwen3 and Gemma 3 with their per-head q/k norms, at head_dim 32
-    (Gemma 3's local layers with a window shorter than the prompts)."""
+    intermediate 256); Qwen3 and Gemma 3 with their per-head q/k norms, Gemma 2 with its
+    soft-caps, at head_dim 32 (Gemma's local layers with a window shorter than the prompts)."""
     import transformers
 
     shape = {"vocab_size": 320, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
@@ -51,9 +51,10 @@ def tiny_model(family: str, directory: Path) -> Path:
              "pad_token_id": 0}  # fmt: skip
     classes: dict[str, Any] = {
         "llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
-        "gemma3_text": transformers.Gemma3TextConfig, "phi3": transformers.Phi3Config,
+        "gemma2": transformers.Gemma2Config, "gemma3_text": transformers.Gemma3TextConfig,
+        "phi3": transformers.Phi3Config,
     }  # fmt: skip
-    extra = {"head_dim": 32, "sliding_window": 6} if family == "gemma3_text" else {}
+    extra = {"head_dim": 32, "sliding_window": 6} if family.startswith("gemma") else {}
     config = classes[family](**shape, **extra)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
@@ -62,7 +63,7 @@ def tiny_model(family: str, directory: Path) -> Path:
 
 
 # Quantized projections per layer: q, k, v, o, gate, up, down (Phi-3's qkv and gate_up are one each).
-PROJECTIONS = {"llama": 7, "qwen3": 7, "gemma3_text": 7, "phi3": 4}
+PROJECTIONS = {"llama": 7, "qwen3": 7, "gemma2": 7, "gemma3_text": 7, "phi3": 4}
 
 
 @pytest.fixture(scope="module", params=list(PROJECTIONS))
@@ -87,7 +88,8 @@ def checkpoints(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 def hf_model(directory: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    # eager: transformers' SDPA path drops Gemma 2's attention soft-cap; eager is its reference.
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
 
 
 def hf_greedy(model: Any, n: int) -> dict[str, list[int]]:
