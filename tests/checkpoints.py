@@ -124,6 +124,8 @@ FAMILY_CHECKPOINTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     ),
     # Mistral-NeMo's shape: head_dim other than hidden / heads, no window.
     "mistral_nemo_head_dim": ("MistralConfig", {"head_dim": 24, "sliding_window": None}, {}),
+    # Mistral 7B's layer: a sliding window on every layer, shorter than the prompts.
+    "mistral_window": ("MistralConfig", {"sliding_window": 6}, {}),
     "phi3_window": ("Phi3Config", {"sliding_window": 6, "tie_word_embeddings": False}, {}),
     "phi3_longrope": (
         "Phi3Config",
