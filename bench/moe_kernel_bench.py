@@ -52,7 +52,7 @@ class MoeShape:
 
 SHAPES = (
     MoeShape("qwen3-30b-a3b", 2048, 768, 128, 8, "silu", False),
-    MoeShape("gpt-oss-20b", 2880, 2880, 32, 4, "clamped_swiglu", True),
+    MoeShape("gpt-oss-20b", 2880, 2880, 32, 4, "swiglu_clamped", True),
 )
 TOKENS = (1, 8, 64, 256, 1024, 4096)
 FORMATS: tuple[Format, ...] = ("bf16", "fp8", "mxfp4")

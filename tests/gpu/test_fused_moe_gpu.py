@@ -113,7 +113,7 @@ def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("activation", ["silu", "clamped_swiglu"])
+@pytest.mark.parametrize("activation", ["silu", "swiglu_clamped"])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_block", "mxfp4"])
 def test_fused_moe_matches_float32_reference(fmt: str, activation: str, bias: bool) -> None:
     experts, gate_up, down = make_experts(fmt, bias)
@@ -178,11 +178,11 @@ def test_gpt_oss_interleaved_gate_up_is_reordered() -> None:
     ordered = experts_from_mxfp4(gu_b[:, order], gu_s[:, order], d_b, d_s, bias[:, order])
     x = torch.randn(9, H, generator=g).to(torch.bfloat16).to(CUDA)
     ids, weights = routing(9, 2, "random")
-    got = fused_moe(x, interleaved, ids, weights, "clamped_swiglu")
-    assert torch.equal(got, fused_moe(x, ordered, ids, weights, "clamped_swiglu"))
+    got = fused_moe(x, interleaved, ids, weights, "swiglu_clamped")
+    assert torch.equal(got, fused_moe(x, ordered, ids, weights, "swiglu_clamped"))
     gate_up = torch.from_numpy(mxfp4.dequantize(gu_blocks.numpy(), gu_scales.numpy()))[:, order]
     down = torch.from_numpy(mxfp4.dequantize(d_blocks.numpy(), d_scales.numpy()))
-    assert rel_l2(got, reference(x, ordered, gate_up, down, ids, weights, "clamped_swiglu")) < BOUND
+    assert rel_l2(got, reference(x, ordered, gate_up, down, ids, weights, "swiglu_clamped")) < BOUND
 
 
 def test_an_empty_batch_gives_an_empty_output() -> None:

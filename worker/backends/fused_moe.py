@@ -59,9 +59,9 @@ except ImportError:  # the CPU host
     triton = None
 
 Format = Literal["bf16", "fp8", "fp8_block", "mxfp4"]
-Activation = Literal["silu", "clamped_swiglu"]
+Activation = Literal["silu", "swiglu_clamped"]
 FORMATS: tuple[Format, ...] = ("bf16", "fp8", "fp8_block", "mxfp4")
-ACTIVATIONS: tuple[Activation, ...] = ("silu", "clamped_swiglu")
+ACTIVATIONS: tuple[Activation, ...] = ("silu", "swiglu_clamped")
 # gpt-oss's clamped SwiGLU: gate = min(gate, LIMIT), up = clamp(up, -LIMIT, LIMIT),
 # out = (up + 1) * gate * sigmoid(ALPHA * gate).
 CLAMPED_SWIGLU_ALPHA = 1.702

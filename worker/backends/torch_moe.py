@@ -27,9 +27,6 @@ from worker.models.config import ModelConfig
 from worker.models.expert_act import SWIGLU_ALPHA, SWIGLU_LIMIT
 from worker.models.mxfp4 import Mxfp4Tensor
 
-# The model's activation names (ModelConfig.expert_act) as the fused kernel's.
-KERNEL_ACT = {"silu": "silu", "swiglu_clamped": "clamped_swiglu"}
-
 
 @dataclass(frozen=True, slots=True)
 class TorchExperts:
@@ -90,7 +87,7 @@ def experts_out(x: torch.Tensor, experts: TorchExperts, chosen: torch.Tensor, we
     """x [N, hidden] -> the routed sum [N, hidden]; chosen, weights [N, k]: the fused
     kernel where the layer has its weights, else the loop."""
     if experts.fused is not None:
-        return fused_moe(x, experts.fused, chosen.to(torch.int32), weights, KERNEL_ACT[act],  # type: ignore[arg-type]
+        return fused_moe(x, experts.fused, chosen.to(torch.int32), weights, act,  # type: ignore[arg-type]
                          expert_start=experts.first_expert)  # fmt: skip
     return run_experts(x, experts, chosen, weights, act)
 

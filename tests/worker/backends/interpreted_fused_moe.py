@@ -100,7 +100,7 @@ def check_gpt_oss_packed_layers() -> None:
 
     from tests.worker.models.mxfp4_checkpoints import mxfp4_and_float_twins
     from worker.backends.torch_decoder_ops import TorchDecoderOps
-    from worker.backends.torch_moe import KERNEL_ACT, mxfp4_experts, route, run_experts
+    from worker.backends.torch_moe import mxfp4_experts, route, run_experts
     from worker.models.loader import load_model
     from worker.models.moe_checkpoint import expert_tensors
     from worker.models.mxfp4 import Mxfp4Tensor
@@ -122,7 +122,7 @@ def check_gpt_oss_packed_layers() -> None:
             x = torch.randn(5, cfg.hidden_size).to(torch.bfloat16)
             chosen, weights = route(F.linear(x.float(), floats.router, floats.router_bias), cfg)
             want = run_experts(x.float(), floats, chosen, weights, cfg.expert_act)
-            got = fused_moe(x, fused, chosen.to(torch.int32), weights, KERNEL_ACT[cfg.expert_act], tile=TILE)  # type: ignore[arg-type]
+            got = fused_moe(x, fused, chosen.to(torch.int32), weights, cfg.expert_act, tile=TILE)  # type: ignore[arg-type]
             err = float((got.float() - want).norm() / want.norm())
             assert err < 1e-2, f"gpt-oss layer {layer}: {err:.2e}"
 
