@@ -328,11 +328,29 @@ if triton is not None:
 
     @triton.jit
     def _e2m1(code):  # type: ignore[no-untyped-def]
-        """float32 value of 4-bit E2M1 codes: sign, two exponent bits (bias 1), one mantissa bit."""
-        exponent = ((code >> 1) & 3).to(tl.float32)
-        mantissa = (code & 1).to(tl.float32)
-        magnitude = tl.where(exponent == 0.0, 0.5 * mantissa, tl.exp2(exponent - 1.0) * (1.0 + 0.5 * mantissa))
-        return tl.where((code & 8) != 0, -magnitude, magnitude)
+        """4-bit E2M1 codes (sign, two exponent bits of bias 1, one mantissa bit) as float32
+        values times 2^-14: the code's bits placed in an fp16's sign, exponent and mantissa
+        fields read as that fp16 (0.5 lands on the subnormal 2^-15), widened exactly. Integer
+        ops and one conversion an element; the caller folds 2^14 into the block's scale."""
+        bits = ((code & 8).to(tl.uint16) << 12) | ((code & 7).to(tl.uint16) << 9)
+        return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _dot_mxfp4(acc, a, w_ptr, s_ptr, e, rows, n_ok, k0, N, K, BLOCK_K: tl.constexpr):  # type: ignore[no-untyped-def]
+        """The MXFP4 case of _dot_expert. A byte holds inputs 2j (low nibble) and 2j + 1, so
+        the tile splits by input parity into two dots of half the depth: the codes never
+        interleave, and each byte's scale is its group's (j // 16), read per byte, so no
+        register tile changes shape (a reshape or join there costs a trip through shared
+        memory)."""
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        b_ok = n_ok[:, None] & (offs_b[None, :] < K // 2)
+        packed = tl.load(w_ptr + e * N * (K // 2) + rows * (K // 2) + offs_b[None, :], mask=b_ok, other=0)
+        groups = K // 32
+        scale = tl.load(s_ptr + e * N * groups + rows * groups + (offs_b // 16)[None, :], mask=b_ok, other=127)
+        factor = tl.exp2(scale.to(tl.float32) - 113.0)  # 2^(scale - 127), times the 2^14 _e2m1 leaves out
+        a_even, a_odd = tl.split(tl.reshape(a, [a.shape[0], BLOCK_K // 2, 2]))
+        acc = tl.dot(a_even, tl.trans((_e2m1(packed & 15) * factor).to(_DOT)), acc)
+        return tl.dot(a_odd, tl.trans((_e2m1(packed >> 4) * factor).to(_DOT)), acc)
 
     @triton.jit
     def _dot_expert(  # type: ignore[no-untyped-def]
@@ -345,18 +363,7 @@ if triton is not None:
         e = expert.to(tl.int64)
         rows = offs_n.to(tl.int64)[:, None]
         if FORMAT == _MXFP4:
-            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(w_ptr + e * N * (K // 2) + rows * (K // 2) + offs_b[None, :],
-                             mask=n_ok[:, None] & (offs_b[None, :] < K // 2), other=0)  # fmt: skip
-            # the even element in the low nibble: (low, high) pairs side by side
-            values = tl.reshape(tl.join(_e2m1(packed & 15), _e2m1(packed >> 4)), [BLOCK_N, BLOCK_K])
-            groups = K // 32
-            offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            scale = tl.load(s_ptr + e * N * groups + rows * groups + offs_g[None, :],
-                            mask=n_ok[:, None] & (offs_g[None, :] < groups), other=127)  # fmt: skip
-            factor = tl.exp2(scale.to(tl.float32) - 127.0)
-            w = tl.reshape(tl.reshape(values, [BLOCK_N, BLOCK_K // 32, 32]) * factor[:, :, None], [BLOCK_N, BLOCK_K])
-            acc = tl.dot(a, tl.trans(w.to(_DOT)), acc)
+            acc = _dot_mxfp4(acc, a, w_ptr, s_ptr, e, rows, n_ok, k0, N, K, BLOCK_K)
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_ptr + e * N * K + rows * K + offs_k[None, :], mask=n_ok[:, None] & (offs_k[None, :] < K),
