@@ -216,6 +216,13 @@ class Gateway:
             lambda: self.discovery.connected,
         )
 
+    def _flush_submits(self) -> None:
+        """What this turn dispatched, to each worker in one message (protocol/submit_batch.py):
+        a burst reaches the worker, and so its engine, together."""
+        for link in self.workers.values():
+            if link.pending:
+                link.flush(self.limits)
+
     def _count_workers(self, state: str) -> int:
         def state_of(w: WorkerLink) -> str:
             return "connecting" if not w.ready else "draining" if w.draining else "ready"
@@ -244,6 +251,7 @@ class Gateway:
                 events = dict(self.poller.poll(50))
                 if self.frontend in events:
                     self._from_clients()
+                    self._flush_submits()
                 if self._wake_read in events:
                     self._from_pool()
                 for sock in [s for s in events if s is not self.frontend and s != self._wake_read]:
@@ -259,6 +267,7 @@ class Gateway:
                     next_tick = now + interval
                 if self.waiting:
                     self._dispatch_waiting(now)
+                self._flush_submits()
                 if self._unread:
                     self._cut_off_unread()
                 if self.drain.begin(len(self.requests), self.notifier):
@@ -475,7 +484,7 @@ class Gateway:
         self.metrics.client_cancelled(req, "cancel")
         req.cancelled = True
         if req.worker is not None:
-            req.worker.socket.send(protocol.encode(protocol.Cancel(request_id=req.wire_id)))
+            req.worker.send(protocol.encode(protocol.Cancel(request_id=req.wire_id)))
         else:  # still waiting for a worker: end it here
             self._finish_with_result(req, protocol.FinishReason.CANCELLED)
 
@@ -552,7 +561,7 @@ class Gateway:
             transfer = hashlib.blake2b(f"{self.gateway_id}\0{req.wire_id}".encode(), digest_size=16).hexdigest()
             update["kv_handoff"] = protocol.KvHandoff(transfer_id=transfer, kv_address=decode.info.kv_address)
         update["kv_transfer_id"], req.kv_transfer = req.kv_transfer, None
-        link.socket.send(protocol.encode(req.submit.model_copy(update=update), self.limits))
+        link.submit(protocol.encode(req.submit.model_copy(update=update), self.limits))
 
     def _prompt_ids(self, req: _Request, max_seq_len: int | None) -> list[int]:
         messages = req.submit.messages
@@ -744,6 +753,7 @@ class Gateway:
                 link.vocab_size = msg.vocab_size
                 link.max_seq_len = msg.max_seq_len
                 link.update_load(msg.load)
+                link.submit_batches = msg.submit_batches
                 for model in msg.models:
                     self.tokenizers.add_chat(model, msg)
                 log.info("worker %s ready: %s", link.worker_id, msg.models)
@@ -955,7 +965,7 @@ class Gateway:
 
     def _cancel_at_worker(self, req: _Request, link: WorkerLink) -> None:
         """Cancel a request this gateway ends itself; its wire id stays taken until the worker's final."""
-        link.socket.send(protocol.encode(protocol.Cancel(request_id=req.wire_id)))
+        link.send(protocol.encode(protocol.Cancel(request_id=req.wire_id)))
         self.ending[req.wire_id] = link
 
     def _ended_at_worker(self, wire_id: str, link: WorkerLink) -> None:
@@ -986,7 +996,7 @@ class Gateway:
                 self._client_gone(client, state, "gone")
         beat = protocol.encode(protocol.Heartbeat(sender_id=self.gateway_id))
         for link in self.workers.values():
-            link.socket.send(beat)
+            link.send(beat)
         for client in self.clients:
             self._send(client, beat)
         self.pipes.pay()

@@ -31,6 +31,7 @@ from ops.metrics import WorkerMetrics, outcome
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
 from protocol.limits import socket_turn
+from protocol.packed import Unpacking
 from worker.executor import types as ex
 from worker.executor.engine_core import StepOutput
 from worker.service.active import Active, ActiveTable
@@ -453,19 +454,12 @@ class WorkerService:
             if not isinstance(msg, protocol.Hello):  # it knew this worker before a restart: what it held is gone
                 self._send(gateway, self.kv.snapshot())
         peer.last_seen = time.monotonic()
-        if isinstance(msg, protocol.Submit):
-            try:
-                self._submit(gateway, msg)
-            except Exception as e:  # a bug on one request must not stop the worker
-                log.exception("request %s: submit failed", msg.request_id)
-                self._send(
-                    gateway,
-                    protocol.ErrorReply(
-                        code=ErrorCode.INTERNAL,
-                        message=f"worker failed to start the request: {e}",
-                        request_id=msg.request_id,
-                    ),
-                )
+        if isinstance(msg, protocol.SubmitBatch):
+            budget = Unpacking(self.limits.max_packed_values)  # the batch's, as one message's
+            for item in msg.submits:
+                self._submit_item(gateway, item, budget)
+        elif isinstance(msg, protocol.Submit):
+            self._submit_guarded(gateway, msg)
         elif isinstance(msg, protocol.LoraLoad | protocol.LoraUnload):
             self._enqueue_taken()  # the submits before it run as they were sent: without a new adapter, or with an old
             token = next(self._lora_tokens)
@@ -504,6 +498,7 @@ class WorkerService:
                     eos_token=info.eos_token,
                     lora_adapters=self.lora_adapters,
                     lora_loadable=self.lora_loadable,
+                    submit_batches=True,
                 ),
             )
             self._send(gateway, self.kv.snapshot())
@@ -516,6 +511,29 @@ class WorkerService:
                 gateway,
                 protocol.ErrorReply(code=ErrorCode.PROTOCOL, message=f"a worker does not accept {msg.kind} messages"),
             )
+
+    def _submit_item(self, gateway: bytes, item: bytes, budget: Unpacking) -> None:
+        """One submit of a SubmitBatch, decoded on its own: a bad one is refused alone, as if it came alone."""
+        try:
+            msg = protocol.decode(item, self.limits, budget)
+        except protocol.ProtocolError as e:
+            self.metrics.protocol_errors.inc()
+            self._send(gateway, protocol.ErrorReply(code=ErrorCode.PROTOCOL, message=str(e), request_id=e.request_id))
+            return
+        if not isinstance(msg, protocol.Submit):
+            self.metrics.protocol_errors.inc()
+            text = f"a submits message carries submit messages only, not {msg.kind}"
+            self._send(gateway, protocol.ErrorReply(code=ErrorCode.PROTOCOL, message=text))
+            return
+        self._submit_guarded(gateway, msg)
+
+    def _submit_guarded(self, gateway: bytes, msg: protocol.Submit) -> None:
+        try:
+            self._submit(gateway, msg)
+        except Exception as e:  # a bug on one request must not stop the worker
+            log.exception("request %s: submit failed", msg.request_id)
+            self._send(gateway, protocol.ErrorReply(code=ErrorCode.INTERNAL, request_id=msg.request_id,
+                                                    message=f"worker failed to start the request: {e}"))  # fmt: skip
 
     def _submit(self, gateway: bytes, msg: protocol.Submit) -> None:
         def refuse(code: ErrorCode, text: str) -> None:
