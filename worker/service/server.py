@@ -37,6 +37,7 @@ from worker.executor.engine_core import StepOutput
 from worker.service.active import Active, ActiveTable
 from worker.service.admission import too_large
 from worker.service.convert import WireBatch, to_request, to_wire_response
+from worker.service.ended_log import EndedLog
 from worker.service.engine import EngineFailed, EngineProcess, LoraReply
 from worker.service.engine_kv import KvExported, KvImported, ends_for_hand_off
 from worker.service.kv_publisher import KvPublisher
@@ -164,6 +165,7 @@ class WorkerService:
         self.sender_id = self.worker_id
         self.kv = KvPublisher(self.sender_id, engine.info.block_size)
         self.table = ActiveTable()
+        self.ended_log = EndedLog()  # the result pump's
         self.gateways: dict[bytes, _Gateway] = {}
         # Submits of the current socket turn by (gateway, request id), with the client's id for the
         # request (see Active.name), enqueued together at the turn's end.
@@ -718,7 +720,9 @@ class WorkerService:
                         self._deliver(step, out, exec_stats)
                     except Exception:  # keep pumping: one bad response must not hang every stream
                         log.exception("result pump: could not deliver a step of %d streams", len(step.ids))
+                self.ended_log.summarize(time.monotonic())
         finally:
+            self.ended_log.summarize(time.monotonic(), force=True)
             out.close(0)
             self._kv_out.close()
 
@@ -816,8 +820,8 @@ class WorkerService:
         if step.iteration_stats:
             self.metrics.kv_cache(step.iteration_stats[-1])
         if finished:
-            for entry, wire in finished:
-                self._record_finished(entry, wire, exec_stats.pop(entry.exec_id, None))
+            self.redis.record_requests([self._record_finished(entry, wire, exec_stats.pop(entry.exec_id, None))
+                                        for entry, wire in finished])  # fmt: skip
             if len(exec_stats) > 10_000:  # stats of requests never seen final: forget
                 exec_stats.clear()
 
@@ -833,7 +837,9 @@ class WorkerService:
         self.engine.cancel_request(entry.exec_id)
         return entry
 
-    def _record_finished(self, entry: Active, wire: protocol.Response, stats: ex.RequestStats | None) -> None:
+    def _record_finished(self, entry: Active, wire: protocol.Response,
+                         stats: ex.RequestStats | None) -> tuple[str, dict[str, str]]:  # fmt: skip
+        """Its stats record for Redis (by its name), counted and logged (ended_log.py)."""
         fields = {
             "request_id": entry.name,
             "gateway": identity_name(entry.gateway).decode(errors="replace"),
@@ -858,6 +864,5 @@ class WorkerService:
             fields["accepted_draft_tokens"] = str(stats.num_accepted_draft_tokens)
         if stats is not None and stats.speculation_off_reason:
             fields["speculation_off"] = stats.speculation_off_reason
-        self.redis.record_request(entry.name, fields)
-        # One event per request, with what its stats hold (journald, log collectors).
-        log.info("request %s ended: %s", entry.name, fields["finish_reason"], extra=fields)
+        self.ended_log.ended(entry.name, fields)
+        return entry.name, fields
