@@ -36,7 +36,7 @@ from worker.executor import types as ex
 from worker.executor.engine_core import StepOutput
 from worker.service.active import Active, ActiveTable
 from worker.service.admission import too_large
-from worker.service.convert import WireBatch, to_request, to_wire_response
+from worker.service.convert import WireBatch, to_request
 from worker.service.ended_log import EndedLog
 from worker.service.engine import EngineFailed, EngineProcess, LoraReply
 from worker.service.engine_kv import KvExported, KvImported, ends_for_hand_off
@@ -784,7 +784,7 @@ class WorkerService:
                     self.table.remove(entry)
                     handed.append((entry, handoff, exports.get(entry.exec_id, KvExported(entry.exec_id, None))))
                     continue
-                batch.add(entry.request_id, r)
+                wire = batch.add(entry.request_id, r)
                 result = r.result
                 if result is not None:
                     ids = result.output_token_ids
@@ -793,7 +793,7 @@ class WorkerService:
                     chunks.append((entry.exec_id, n))
                 if result is None or result.is_final:
                     self.table.remove(entry)
-                    finished.append((entry, to_wire_response(entry.request_id, r)))
+                    finished.append((entry, wire))
         load = self.load().model_dump(exclude_defaults=True)
         unsent: dict[tuple[bytes, str], protocol.Response] = {}  # each went as an error response instead
         for gateway, batch in batches.items():
