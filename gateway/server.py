@@ -24,6 +24,7 @@ import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -131,6 +132,9 @@ class _Request:
     decode_worker: str | None = None
     kv_transfer: str | None = None
     handed_off: bool = False
+    # The submit as the client sent it and its payload as it came: what goes to a worker
+    # (gateway._encode_submit) while `submit` is still that one.
+    sent: tuple[protocol.Submit, dict[str, Any]] | None = None
 
 
 @dataclass(slots=True)
@@ -353,7 +357,7 @@ class Gateway:
 
     def _from_client(self, client: bytes, payload: bytes) -> None:
         try:
-            msg = protocol.decode(payload, self.limits)
+            msg, fields = protocol.decode_with_payload(payload, self.limits)
         except protocol.ProtocolError as e:
             self.metrics.protocol_errors.inc()
             if e.request_id is not None:
@@ -373,7 +377,7 @@ class Gateway:
             state.authorized = True
             state.api_key = self.client_keys.record(msg) if isinstance(msg, protocol.Hello) else None
         if isinstance(msg, protocol.Submit):
-            self._submit(client, state, msg)
+            self._submit(client, state, msg, fields)
         elif isinstance(msg, protocol.Cancel):
             self._cancel(state, msg.request_id)
         elif isinstance(msg, protocol.Hello):
@@ -403,7 +407,10 @@ class Gateway:
                 ),
             )
 
-    def _submit(self, client: bytes, state: _Client, msg: protocol.Submit) -> None:
+    def _submit(self, client: bytes, state: _Client, msg: protocol.Submit, fields: dict[str, Any]) -> None:
+        """`fields`: `msg`'s payload as the client sent it."""
+        sent = msg
+
         def refuse(code: ErrorCode, text: str) -> None:
             self.metrics.ended(None, f"error_{code}")
             self._reply(client, protocol.ErrorReply(code=code, message=text, request_id=msg.request_id))
@@ -461,7 +468,7 @@ class Gateway:
         # Its tokenizer comes with the worker it is dispatched to.
         stream = OutputStream(None, msg.stop or [], msg.num_return_sequences, msg.sampling_config.beam_width > 1)
         req = _Request(msg.request_id, self._wire_id(msg.request_id), client, msg, stream, model,
-                       api_key=state.api_key, lease=lease)  # fmt: skip
+                       api_key=state.api_key, lease=lease, sent=(sent, fields))  # fmt: skip
         if tracks_tokens(msg):
             req.received = list(msg.resumed_token_ids or ())
         self.requests[req.wire_id] = req
@@ -561,7 +568,19 @@ class Gateway:
             transfer = hashlib.blake2b(f"{self.gateway_id}\0{req.wire_id}".encode(), digest_size=16).hexdigest()
             update["kv_handoff"] = protocol.KvHandoff(transfer_id=transfer, kv_address=decode.info.kv_address)
         update["kv_transfer_id"], req.kv_transfer = req.kv_transfer, None
-        link.submit(protocol.encode(req.submit.model_copy(update=update), self.limits))
+        link.submit(self._encode_submit(req, update))
+
+    def _encode_submit(self, req: _Request, update: dict[str, object]) -> bytes:
+        """The request's Submit with `update`, toward a worker: the client's payload with
+        those fields changed while the submit is still the one the client sent (no second
+        encoding of what was just decoded), else the submit encoded anew."""
+        if req.sent is None or req.sent[0] is not req.submit:
+            return protocol.encode(req.submit.model_copy(update=update), self.limits)
+        payload = {k: v for k, v in req.sent[1].items() if k not in update}
+        for k, v in update.items():
+            if v is not None:  # None is each of these fields' default: left out, as encode does
+                payload[k] = v.model_dump(exclude_defaults=True) if isinstance(v, protocol.WireModel) else v
+        return protocol.encode_payload(protocol.Submit.kind, payload, self.limits, request_id=req.wire_id)
 
     def _prompt_ids(self, req: _Request, max_seq_len: int | None) -> list[int]:
         messages = req.submit.messages

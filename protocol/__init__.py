@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from protocol.codec import KINDS as KINDS
     from protocol.codec import VERSION as VERSION
     from protocol.codec import decode as decode
+    from protocol.codec import decode_with_payload as decode_with_payload
     from protocol.codec import describe_invalid as describe_invalid
     from protocol.codec import encode as encode
     from protocol.codec import encode_payload as encode_payload
@@ -76,8 +77,8 @@ if TYPE_CHECKING:
 # name -> the module that defines it
 _HOME = {
     **dict.fromkeys(["Message", "WireModel"], "base"),
-    **dict.fromkeys(["KINDS", "VERSION", "decode", "describe_invalid", "encode", "encode_payload", "encode_submits",
-                     "unpack"], "codec"),
+    **dict.fromkeys(["KINDS", "VERSION", "decode", "decode_with_payload", "describe_invalid", "encode",
+                     "encode_payload", "encode_submits", "unpack"], "codec"),
     **dict.fromkeys(["Cancel", "Drain", "ErrorCode", "ErrorReply", "Heartbeat", "Hello", "LoraAdapters", "LoraLoad",
                      "LoraUnload", "Ready"], "control"),
     "ProtocolError": "errors",

@@ -112,6 +112,14 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
     """Parse and validate one message. `budget`: the packed values it may expand, where
     it shares the bound of one message with others (the submits of one SubmitBatch);
     None: its own."""
+    return decode_with_payload(data, limits, budget)[0]
+
+
+def decode_with_payload(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS,
+                        budget: Unpacking | None = None) -> tuple[Message, dict[str, Any]]:  # fmt: skip
+    """`decode`, and the payload as it came: the message's fields in wire form (packed
+    numbers as bytes), for a sender that passes the message on with a few fields changed
+    (`encode_payload`) rather than encoding it again."""
     try:
         envelope = unpack(data, limits)
     except ProtocolError as e:  # over a limit or malformed: name the request if it can be told
@@ -129,9 +137,10 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
     if type(payload) is not dict:
         raise ProtocolError(f"{kind} payload must be a map, got {_brief(payload)}", kind=kind)
     try:
-        return cls.model_validate(payload, context=Unpacking(limits.max_packed_values) if budget is None else budget)
+        msg = cls.model_validate(payload, context=Unpacking(limits.max_packed_values) if budget is None else budget)
     except ValidationError as e:
         raise ProtocolError(describe_invalid(kind, e), kind=kind, request_id=_request_id(payload)) from None
+    return msg, payload
 
 
 def unpack(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Any:
