@@ -112,7 +112,7 @@ class PrefixRouter:
         if isinstance(msg, protocol.KvSnapshot):
             link.kv.apply_snapshot(msg)
         elif link.kv.apply_events(msg):
-            link.socket.send(protocol.encode(protocol.KvSnapshotRequest(sender_id=self.sender_id)))
+            link.send(protocol.encode(protocol.KvSnapshotRequest(sender_id=self.sender_id)))
         self.metrics.prefix_indexed(link.worker_id, len(link.kv.hashes) + len(link.kv.host_hashes))
 
     def forget(self, link: WorkerLink) -> None:

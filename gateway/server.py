@@ -24,6 +24,7 @@ import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -131,6 +132,9 @@ class _Request:
     decode_worker: str | None = None
     kv_transfer: str | None = None
     handed_off: bool = False
+    # The submit as the client sent it and its payload as it came: what goes to a worker
+    # (gateway._encode_submit) while `submit` is still that one.
+    sent: tuple[protocol.Submit, dict[str, Any]] | None = None
 
 
 @dataclass(slots=True)
@@ -216,6 +220,13 @@ class Gateway:
             lambda: self.discovery.connected,
         )
 
+    def _flush_submits(self) -> None:
+        """What this turn dispatched, to each worker in one message (protocol/submit_batch.py):
+        a burst reaches the worker, and so its engine, together."""
+        for link in self.workers.values():
+            if link.pending:
+                link.flush(self.limits)
+
     def _count_workers(self, state: str) -> int:
         def state_of(w: WorkerLink) -> str:
             return "connecting" if not w.ready else "draining" if w.draining else "ready"
@@ -244,6 +255,7 @@ class Gateway:
                 events = dict(self.poller.poll(50))
                 if self.frontend in events:
                     self._from_clients()
+                    self._flush_submits()
                 if self._wake_read in events:
                     self._from_pool()
                 for sock in [s for s in events if s is not self.frontend and s != self._wake_read]:
@@ -259,6 +271,7 @@ class Gateway:
                     next_tick = now + interval
                 if self.waiting:
                     self._dispatch_waiting(now)
+                self._flush_submits()
                 if self._unread:
                     self._cut_off_unread()
                 if self.drain.begin(len(self.requests), self.notifier):
@@ -344,7 +357,7 @@ class Gateway:
 
     def _from_client(self, client: bytes, payload: bytes) -> None:
         try:
-            msg = protocol.decode(payload, self.limits)
+            msg, fields = protocol.decode_with_payload(payload, self.limits)
         except protocol.ProtocolError as e:
             self.metrics.protocol_errors.inc()
             if e.request_id is not None:
@@ -364,7 +377,7 @@ class Gateway:
             state.authorized = True
             state.api_key = self.client_keys.record(msg) if isinstance(msg, protocol.Hello) else None
         if isinstance(msg, protocol.Submit):
-            self._submit(client, state, msg)
+            self._submit(client, state, msg, fields)
         elif isinstance(msg, protocol.Cancel):
             self._cancel(state, msg.request_id)
         elif isinstance(msg, protocol.Hello):
@@ -394,7 +407,10 @@ class Gateway:
                 ),
             )
 
-    def _submit(self, client: bytes, state: _Client, msg: protocol.Submit) -> None:
+    def _submit(self, client: bytes, state: _Client, msg: protocol.Submit, fields: dict[str, Any]) -> None:
+        """`fields`: `msg`'s payload as the client sent it."""
+        sent = msg
+
         def refuse(code: ErrorCode, text: str) -> None:
             self.metrics.ended(None, f"error_{code}")
             self._reply(client, protocol.ErrorReply(code=code, message=text, request_id=msg.request_id))
@@ -452,7 +468,7 @@ class Gateway:
         # Its tokenizer comes with the worker it is dispatched to.
         stream = OutputStream(None, msg.stop or [], msg.num_return_sequences, msg.sampling_config.beam_width > 1)
         req = _Request(msg.request_id, self._wire_id(msg.request_id), client, msg, stream, model,
-                       api_key=state.api_key, lease=lease)  # fmt: skip
+                       api_key=state.api_key, lease=lease, sent=(sent, fields))  # fmt: skip
         if tracks_tokens(msg):
             req.received = list(msg.resumed_token_ids or ())
         self.requests[req.wire_id] = req
@@ -475,7 +491,7 @@ class Gateway:
         self.metrics.client_cancelled(req, "cancel")
         req.cancelled = True
         if req.worker is not None:
-            req.worker.socket.send(protocol.encode(protocol.Cancel(request_id=req.wire_id)))
+            req.worker.send(protocol.encode(protocol.Cancel(request_id=req.wire_id)))
         else:  # still waiting for a worker: end it here
             self._finish_with_result(req, protocol.FinishReason.CANCELLED)
 
@@ -552,7 +568,19 @@ class Gateway:
             transfer = hashlib.blake2b(f"{self.gateway_id}\0{req.wire_id}".encode(), digest_size=16).hexdigest()
             update["kv_handoff"] = protocol.KvHandoff(transfer_id=transfer, kv_address=decode.info.kv_address)
         update["kv_transfer_id"], req.kv_transfer = req.kv_transfer, None
-        link.socket.send(protocol.encode(req.submit.model_copy(update=update), self.limits))
+        link.submit(self._encode_submit(req, update))
+
+    def _encode_submit(self, req: _Request, update: dict[str, object]) -> bytes:
+        """The request's Submit with `update`, toward a worker: the client's payload with
+        those fields changed while the submit is still the one the client sent (no second
+        encoding of what was just decoded), else the submit encoded anew."""
+        if req.sent is None or req.sent[0] is not req.submit:
+            return protocol.encode(req.submit.model_copy(update=update), self.limits)
+        payload = {k: v for k, v in req.sent[1].items() if k not in update}
+        for k, v in update.items():
+            if v is not None:  # None is each of these fields' default: left out, as encode does
+                payload[k] = v.model_dump(exclude_defaults=True) if isinstance(v, protocol.WireModel) else v
+        return protocol.encode_payload(protocol.Submit.kind, payload, self.limits, request_id=req.wire_id)
 
     def _prompt_ids(self, req: _Request, max_seq_len: int | None) -> list[int]:
         messages = req.submit.messages
@@ -744,6 +772,7 @@ class Gateway:
                 link.vocab_size = msg.vocab_size
                 link.max_seq_len = msg.max_seq_len
                 link.update_load(msg.load)
+                link.submit_batches = msg.submit_batches
                 for model in msg.models:
                     self.tokenizers.add_chat(model, msg)
                 log.info("worker %s ready: %s", link.worker_id, msg.models)
@@ -955,7 +984,7 @@ class Gateway:
 
     def _cancel_at_worker(self, req: _Request, link: WorkerLink) -> None:
         """Cancel a request this gateway ends itself; its wire id stays taken until the worker's final."""
-        link.socket.send(protocol.encode(protocol.Cancel(request_id=req.wire_id)))
+        link.send(protocol.encode(protocol.Cancel(request_id=req.wire_id)))
         self.ending[req.wire_id] = link
 
     def _ended_at_worker(self, wire_id: str, link: WorkerLink) -> None:
@@ -986,7 +1015,7 @@ class Gateway:
                 self._client_gone(client, state, "gone")
         beat = protocol.encode(protocol.Heartbeat(sender_id=self.gateway_id))
         for link in self.workers.values():
-            link.socket.send(beat)
+            link.send(beat)
         for client in self.clients:
             self._send(client, beat)
         self.pipes.pay()

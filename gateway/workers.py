@@ -33,6 +33,8 @@ class WorkerLink:
     sent_blocks_since_load: int = 0  # their prompt blocks
     requests: set[str] = field(default_factory=set)
     kv: PrefixIndex = field(default_factory=PrefixIndex)  # what its KV cache holds
+    submit_batches: bool = False  # its Ready said it takes SubmitBatch messages
+    pending: list[bytes] = field(default_factory=list)  # encoded submits of this loop turn, not sent yet
 
     @property
     def worker_id(self) -> str:
@@ -42,6 +44,26 @@ class WorkerLink:
         if load is not None:
             self.load = load
             self.sent_since_load = self.sent_blocks_since_load = 0
+
+    def submit(self, data: bytes) -> None:
+        """An encoded Submit: sent with the others of this turn of the gateway's loop
+        (`flush`) where the worker takes batches, else at once."""
+        if self.submit_batches:
+            self.pending.append(data)
+        else:
+            self.socket.send(data)
+
+    def send(self, data: bytes) -> None:
+        """Any other message, after the submits queued before it (a cancel may be about one)."""
+        self.flush()
+        self.socket.send(data)
+
+    def flush(self, limits: protocol.Limits = protocol.DEFAULT_LIMITS) -> None:
+        """The queued submits, in as few messages as the limits allow."""
+        if self.pending:
+            pending, self.pending = self.pending, []
+            for message in protocol.encode_submits(pending, limits):
+                self.socket.send(message)
 
     def score(self) -> tuple[int, int]:
         """Lower is less loaded: requests waiting or running, then fewer free KV blocks."""

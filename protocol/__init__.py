@@ -22,9 +22,11 @@ if TYPE_CHECKING:
     from protocol.codec import KINDS as KINDS
     from protocol.codec import VERSION as VERSION
     from protocol.codec import decode as decode
+    from protocol.codec import decode_with_payload as decode_with_payload
     from protocol.codec import describe_invalid as describe_invalid
     from protocol.codec import encode as encode
     from protocol.codec import encode_payload as encode_payload
+    from protocol.codec import encode_submits as encode_submits
     from protocol.codec import unpack as unpack
     from protocol.control import Cancel as Cancel
     from protocol.control import Drain as Drain
@@ -70,11 +72,13 @@ if TYPE_CHECKING:
     from protocol.results import ResultBatch as ResultBatch
     from protocol.results import StreamedTokens as StreamedTokens
     from protocol.status import FinishReason as FinishReason
+    from protocol.submit_batch import SubmitBatch as SubmitBatch
 
 # name -> the module that defines it
 _HOME = {
     **dict.fromkeys(["Message", "WireModel"], "base"),
-    **dict.fromkeys(["KINDS", "VERSION", "decode", "describe_invalid", "encode", "encode_payload", "unpack"], "codec"),
+    **dict.fromkeys(["KINDS", "VERSION", "decode", "decode_with_payload", "describe_invalid", "encode",
+                     "encode_payload", "encode_submits", "unpack"], "codec"),
     **dict.fromkeys(["Cancel", "Drain", "ErrorCode", "ErrorReply", "Heartbeat", "Hello", "LoraAdapters", "LoraLoad",
                      "LoraUnload", "Ready"], "control"),
     "ProtocolError": "errors",
@@ -88,6 +92,7 @@ _HOME = {
     **dict.fromkeys(["FunctionCall", "Logits", "PromptLogProbs", "Response", "Result", "ResultBatch",
                      "StreamedTokens"], "results"),
     "FinishReason": "status",
+    "SubmitBatch": "submit_batch",
 }  # fmt: skip
 
 __all__ = sorted(_HOME)

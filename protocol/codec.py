@@ -6,6 +6,7 @@ message or raises `ProtocolError`; the limits bound the memory it may use.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -23,6 +24,7 @@ from protocol.records import IterationStats, RequestStats, WorkerInfo
 from protocol.request import Submit
 from protocol.results import ResultBatch
 from protocol.salvage import salvage_request_id
+from protocol.submit_batch import MAX_SUBMITS, SubmitBatch
 
 VERSION = 1
 
@@ -48,10 +50,14 @@ KINDS: dict[str, type[Message]] = {
         KvSnapshotRequest,
         KvTransfer,
         HandedOff,
+        SubmitBatch,
     )
 }
 
 _MAX_ERRORS_SHOWN = 3
+# What a SubmitBatch adds to its submits' bytes, at most: the envelope, and a bin header each.
+_BATCH_ENVELOPE_BYTES = 64
+_BATCH_ITEM_BYTES = 5
 
 
 def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
@@ -83,8 +89,37 @@ def encode_payload(kind: str, payload: dict[str, Any], limits: Limits = DEFAULT_
     return data
 
 
-def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Message:
-    """Parse and validate one message."""
+def encode_submits(encoded: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Iterator[bytes]:
+    """Encoded submits (each as `encode` makes it, within `limits`) as the fewest messages
+    within `limits` and MAX_SUBMITS, in order: a lone one as itself, several as a SubmitBatch,
+    built from their bytes as they are (the hot path of a burst)."""
+    room = limits.max_message_bytes - _BATCH_ENVELOPE_BYTES
+    start = 0
+    while start < len(encoded):
+        end, size = start + 1, len(encoded[start]) + _BATCH_ITEM_BYTES
+        while end < len(encoded) and end - start < MAX_SUBMITS and size + len(encoded[end]) + _BATCH_ITEM_BYTES <= room:
+            size += len(encoded[end]) + _BATCH_ITEM_BYTES
+            end += 1
+        if end - start == 1:
+            yield encoded[start]
+        else:
+            yield msgpack.packb([VERSION, SubmitBatch.kind, {"submits": encoded[start:end]}], use_bin_type=True)
+        start = end
+
+
+def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS,
+           budget: Unpacking | None = None) -> Message:  # fmt: skip
+    """Parse and validate one message. `budget`: the packed values it may expand, where
+    it shares the bound of one message with others (the submits of one SubmitBatch);
+    None: its own."""
+    return decode_with_payload(data, limits, budget)[0]
+
+
+def decode_with_payload(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS,
+                        budget: Unpacking | None = None) -> tuple[Message, dict[str, Any]]:  # fmt: skip
+    """`decode`, and the payload as it came: the message's fields in wire form (packed
+    numbers as bytes), for a sender that passes the message on with a few fields changed
+    (`encode_payload`) rather than encoding it again."""
     try:
         envelope = unpack(data, limits)
     except ProtocolError as e:  # over a limit or malformed: name the request if it can be told
@@ -102,9 +137,10 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
     if type(payload) is not dict:
         raise ProtocolError(f"{kind} payload must be a map, got {_brief(payload)}", kind=kind)
     try:
-        return cls.model_validate(payload, context=Unpacking(limits.max_packed_values))
+        msg = cls.model_validate(payload, context=Unpacking(limits.max_packed_values) if budget is None else budget)
     except ValidationError as e:
         raise ProtocolError(describe_invalid(kind, e), kind=kind, request_id=_request_id(payload)) from None
+    return msg, payload
 
 
 def unpack(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Any:

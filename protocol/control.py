@@ -94,6 +94,9 @@ class Ready(Message):
     # message says when either changes.
     lora_adapters: list[Name] = Field(default_factory=list)
     lora_loadable: list[Name] = Field(default_factory=list)
+    # A worker that takes SubmitBatch messages (protocol/submit_batch.py); to one that does
+    # not (an older worker), a gateway sends submits one by one.
+    submit_batches: bool = False
 
 
 class Drain(Message):

@@ -20,9 +20,13 @@ from tests.procs import HEARTBEAT_S, Gateway
 
 
 class WorkerPeer:
-    """A ROUTER that registers as worker 'peer' and answers Hello; nothing more."""
+    """A ROUTER that registers as worker 'peer' and answers Hello; nothing more. With
+    `submit_batches` its Ready says it takes SubmitBatch messages: their submits are
+    received one by one, and each batch's size kept in `batches`."""
 
-    def __init__(self, redis_url: str) -> None:
+    def __init__(self, redis_url: str, submit_batches: bool = False) -> None:
+        self.submit_batches = submit_batches
+        self.batches: list[int] = []
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -51,8 +55,12 @@ class WorkerPeer:
             msg = protocol.decode(payload)
             if isinstance(msg, protocol.Hello):
                 self.gateway = gateway
-                ready = protocol.Ready(sender_id="peer", role="worker", heartbeat_interval_s=HEARTBEAT_S, models=["m"])
+                ready = protocol.Ready(sender_id="peer", role="worker", heartbeat_interval_s=HEARTBEAT_S, models=["m"],
+                                       submit_batches=self.submit_batches)  # fmt: skip
                 self.send(ready)
+            elif isinstance(msg, protocol.SubmitBatch):
+                self.batches.append(len(msg.submits))
+                self.received += [protocol.decode(item) for item in msg.submits]
             elif not isinstance(msg, protocol.Heartbeat):
                 self.received.append(msg)
 

@@ -95,3 +95,34 @@ def test_once_loaded_it_is_held_there(links: list[WorkerLink]):
     links[4].load = protocol.WorkerLoad()  # idle now, and it could load e too
     links[4].lora_loadable = frozenset({"b", "d", "e"})
     assert least_loaded(links, "m", "e") is w
+
+
+@pytest.mark.parametrize("batches", [True, False])
+def test_submits_wait_for_the_turns_end_where_the_worker_takes_batches(ctx: zmq.Context, batches: bool):
+    worker = ctx.socket(zmq.PAIR)
+    worker.bind("inproc://worker-link-test")
+    sock = ctx.socket(zmq.PAIR)
+    sock.connect("inproc://worker-link-test")
+    info = protocol.WorkerInfo(worker_id="w", address="inproc://worker-link-test", models=["m"], host="h", pid=1,
+                               started_at=0.0)  # fmt: skip
+    link = WorkerLink(info, sock, ready=True, submit_batches=batches)
+    submits = [protocol.encode(protocol.Submit(request_id=f"r{i}", input_token_ids=[1], max_tokens=2))
+               for i in range(3)]  # fmt: skip
+    try:
+        for data in submits:
+            link.submit(data)
+        assert bool(worker.poll(50)) is not batches  # queued until the turn ends, or sent at once
+        link.send(protocol.encode(protocol.Cancel(request_id="r1")))  # after the submits it may be about
+        link.flush()
+        got = []
+        while worker.poll(50):
+            got.append(protocol.decode(worker.recv()))
+        if batches:
+            assert [type(m) for m in got] == [protocol.SubmitBatch, protocol.Cancel]
+            assert isinstance(got[0], protocol.SubmitBatch) and got[0].submits == submits
+        else:
+            assert [type(m) for m in got] == [protocol.Submit] * 3 + [protocol.Cancel]
+        assert not link.pending
+    finally:
+        sock.close(0)
+        worker.close(0)

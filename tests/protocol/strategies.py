@@ -174,6 +174,7 @@ millis = st.floats(0.0, 1e9)
 
 MESSAGES: dict[str, st.SearchStrategy[p.Message]] = {
     "submit": submits(),
+    "submits": st.builds(p.SubmitBatch, submits=st.lists(submits().map(p.encode), min_size=1, max_size=4)),
     "cancel": st.builds(p.Cancel, request_id=names),
     "results": st.builds(
         p.ResultBatch,
@@ -206,6 +207,7 @@ MESSAGES: dict[str, st.SearchStrategy[p.Message]] = {
         tokenizer_json=_maybe(st.binary(max_size=64)),
         lora_adapters=st.lists(names, max_size=3),
         lora_loadable=st.lists(names, max_size=3),
+        submit_batches=st.booleans(),
     ),
     "lora_load": st.builds(p.LoraLoad, request_id=names, name=names, path=names),
     "lora_unload": st.builds(p.LoraUnload, request_id=names, name=names),

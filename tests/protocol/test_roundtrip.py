@@ -61,3 +61,12 @@ def test_plain_model_dump_keeps_lists():
     dumped = msg.model_dump()
     assert dumped["input_token_ids"] == [1, 2]
     assert dumped["embedding_bias"] == [0.5]
+
+
+def test_decode_with_payload_gives_the_fields_as_they_came_to_pass_on():
+    msg = p.Submit(request_id="r", input_token_ids=[1, 2, 3], max_tokens=4, stop=["x"])
+    decoded, payload = p.decode_with_payload(p.encode(msg))
+    assert decoded == msg
+    assert payload == msgpack.unpackb(p.encode(msg))[2]  # packed ids stay bytes
+    passed_on = {k: v for k, v in payload.items() if k != "stop"} | {"request_id": "r~1"}
+    assert p.decode(p.encode_payload("submit", passed_on)) == msg.model_copy(update={"request_id": "r~1", "stop": None})

@@ -106,10 +106,12 @@ class WireBatch:
         self.responses: list[dict[str, Any]] = []
         self.response_ids: list[str] = []  # the request of each of `responses`
 
-    def add(self, request_id: str, response: ex.Response) -> None:
+    def add(self, request_id: str, response: ex.Response) -> protocol.Response:
+        """A response whole; what it is on the wire."""
+        wire = to_wire_response(request_id, response)
         self.response_ids.append(request_id)
-        self.responses.append(to_wire_response(request_id, response).model_dump(context=WIRE_CONTEXT,
-                                                                                exclude_defaults=True))
+        self.responses.append(wire.model_dump(context=WIRE_CONTEXT, exclude_defaults=True))
+        return wire
 
     def add_streamed(self, request_id: str, tokens: list[int]) -> None:
         """A plain streamed step's tokens (a column of the core's StepOutput)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +25,8 @@ log = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S = 5.0
 _MGET_CHUNK = 1000
+_STATS_KEPT = 10_000  # request stats records waiting for Redis, at most: beyond, new ones are dropped
+_STATS_PER_WRITE = 1000
 
 
 class WorkerRedis(threading.Thread):
@@ -56,7 +57,9 @@ class WorkerRedis(threading.Thread):
         self.stats_stream_maxlen = stats_stream_maxlen
         self.request_stats_ttl_ms = int(request_stats_ttl_s * 1000)
         self.stop = stop
-        self.request_stats: queue.Queue[tuple[str, dict[str, str]]] = queue.Queue(maxsize=10_000)
+        # Request stats records waiting to be written (request name, fields), from the result pump.
+        self._request_stats: list[tuple[str, dict[str, str]]] = []
+        self._stats_lock = threading.Lock()
         self.connected = False
         # Set when the worker drains: leave the registry at once and stop heartbeating there.
         self.leave = threading.Event()
@@ -64,12 +67,16 @@ class WorkerRedis(threading.Thread):
         # A registry entry outlives three missed heartbeats, no more.
         self._ttl_ms = int(max(3.0, 3 * heartbeat_interval_s) * 1000)
 
-    def record_request(self, request_id: str, fields: dict[str, str]) -> None:
-        """Called from the result pump; never blocks."""
-        try:
-            self.request_stats.put_nowait((request_id, fields))
-        except queue.Full:  # Redis has been away for 10,000 requests
-            log.warning("request %s: its stats are dropped (Redis unreachable, the stats queue is full)", request_id)
+    def record_requests(self, records: list[tuple[str, dict[str, str]]]) -> None:
+        """The stats records of requests that ended (request name, fields), written with the
+        next batch; called from the result pump, never blocks."""
+        with self._stats_lock:
+            room = _STATS_KEPT - len(self._request_stats)
+            self._request_stats += records[: max(0, room)]
+        dropped = [name for name, _ in records[max(0, room) :]]
+        if dropped:  # Redis has been away for _STATS_KEPT requests
+            log.warning("the stats of %d requests are dropped (Redis unreachable, the stats queue is full): %s",
+                        len(dropped), ", ".join(dropped[:5]) + (", ..." if len(dropped) > 5 else ""))  # fmt: skip
 
     def run(self) -> None:
         backoff = 0.2
@@ -107,7 +114,7 @@ class WorkerRedis(threading.Thread):
         """At exit: write what the queue still holds (a drain's last requests), a few tries at most."""
         for _ in range(3):
             try:
-                while not self.request_stats.empty():
+                while self._request_stats:
                     self._write_stats()
                 return
             except redis.RedisError as e:
@@ -135,12 +142,9 @@ class WorkerRedis(threading.Thread):
 
     def _write_stats(self) -> None:
         iterations = self.engine.get_latest_iteration_stats()
-        pending: list[tuple[str, dict[str, str]]] = []
-        while len(pending) < 1000:
-            try:
-                pending.append(self.request_stats.get_nowait())
-            except queue.Empty:
-                break
+        with self._stats_lock:
+            pending = self._request_stats[:_STATS_PER_WRITE]
+            del self._request_stats[:_STATS_PER_WRITE]
         if not iterations and not pending:
             return
         pipe = self.redis.pipeline(transaction=False)
@@ -155,8 +159,7 @@ class WorkerRedis(threading.Thread):
         try:
             pipe.execute()
         except redis.RedisError:
-            for item in pending:  # keep them for the next try, within the bound
-                self.record_request(*item)
+            self.record_requests(pending)  # kept for the next try, within the bound
             raise
 
     def _deregister(self) -> bool:

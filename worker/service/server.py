@@ -31,11 +31,13 @@ from ops.metrics import WorkerMetrics, outcome
 from ops.sd_notify import Notifier
 from protocol import ErrorCode
 from protocol.limits import socket_turn
+from protocol.packed import Unpacking
 from worker.executor import types as ex
 from worker.executor.engine_core import StepOutput
 from worker.service.active import Active, ActiveTable
 from worker.service.admission import too_large
-from worker.service.convert import WireBatch, to_request, to_wire_response
+from worker.service.convert import WireBatch, to_request
+from worker.service.ended_log import EndedLog
 from worker.service.engine import EngineFailed, EngineProcess, LoraReply
 from worker.service.engine_kv import KvExported, KvImported, ends_for_hand_off
 from worker.service.kv_publisher import KvPublisher
@@ -163,6 +165,7 @@ class WorkerService:
         self.sender_id = self.worker_id
         self.kv = KvPublisher(self.sender_id, engine.info.block_size)
         self.table = ActiveTable()
+        self.ended_log = EndedLog()  # the result pump's
         self.gateways: dict[bytes, _Gateway] = {}
         # Submits of the current socket turn by (gateway, request id), with the client's id for the
         # request (see Active.name), enqueued together at the turn's end.
@@ -453,19 +456,12 @@ class WorkerService:
             if not isinstance(msg, protocol.Hello):  # it knew this worker before a restart: what it held is gone
                 self._send(gateway, self.kv.snapshot())
         peer.last_seen = time.monotonic()
-        if isinstance(msg, protocol.Submit):
-            try:
-                self._submit(gateway, msg)
-            except Exception as e:  # a bug on one request must not stop the worker
-                log.exception("request %s: submit failed", msg.request_id)
-                self._send(
-                    gateway,
-                    protocol.ErrorReply(
-                        code=ErrorCode.INTERNAL,
-                        message=f"worker failed to start the request: {e}",
-                        request_id=msg.request_id,
-                    ),
-                )
+        if isinstance(msg, protocol.SubmitBatch):
+            budget = Unpacking(self.limits.max_packed_values)  # the batch's, as one message's
+            for item in msg.submits:
+                self._submit_item(gateway, item, budget)
+        elif isinstance(msg, protocol.Submit):
+            self._submit_guarded(gateway, msg)
         elif isinstance(msg, protocol.LoraLoad | protocol.LoraUnload):
             self._enqueue_taken()  # the submits before it run as they were sent: without a new adapter, or with an old
             token = next(self._lora_tokens)
@@ -504,6 +500,7 @@ class WorkerService:
                     eos_token=info.eos_token,
                     lora_adapters=self.lora_adapters,
                     lora_loadable=self.lora_loadable,
+                    submit_batches=True,
                 ),
             )
             self._send(gateway, self.kv.snapshot())
@@ -516,6 +513,29 @@ class WorkerService:
                 gateway,
                 protocol.ErrorReply(code=ErrorCode.PROTOCOL, message=f"a worker does not accept {msg.kind} messages"),
             )
+
+    def _submit_item(self, gateway: bytes, item: bytes, budget: Unpacking) -> None:
+        """One submit of a SubmitBatch, decoded on its own: a bad one is refused alone, as if it came alone."""
+        try:
+            msg = protocol.decode(item, self.limits, budget)
+        except protocol.ProtocolError as e:
+            self.metrics.protocol_errors.inc()
+            self._send(gateway, protocol.ErrorReply(code=ErrorCode.PROTOCOL, message=str(e), request_id=e.request_id))
+            return
+        if not isinstance(msg, protocol.Submit):
+            self.metrics.protocol_errors.inc()
+            text = f"a submits message carries submit messages only, not {msg.kind}"
+            self._send(gateway, protocol.ErrorReply(code=ErrorCode.PROTOCOL, message=text))
+            return
+        self._submit_guarded(gateway, msg)
+
+    def _submit_guarded(self, gateway: bytes, msg: protocol.Submit) -> None:
+        try:
+            self._submit(gateway, msg)
+        except Exception as e:  # a bug on one request must not stop the worker
+            log.exception("request %s: submit failed", msg.request_id)
+            self._send(gateway, protocol.ErrorReply(code=ErrorCode.INTERNAL, request_id=msg.request_id,
+                                                    message=f"worker failed to start the request: {e}"))  # fmt: skip
 
     def _submit(self, gateway: bytes, msg: protocol.Submit) -> None:
         def refuse(code: ErrorCode, text: str) -> None:
@@ -700,7 +720,9 @@ class WorkerService:
                         self._deliver(step, out, exec_stats)
                     except Exception:  # keep pumping: one bad response must not hang every stream
                         log.exception("result pump: could not deliver a step of %d streams", len(step.ids))
+                self.ended_log.summarize(time.monotonic())
         finally:
+            self.ended_log.summarize(time.monotonic(), force=True)
             out.close(0)
             self._kv_out.close()
 
@@ -762,7 +784,7 @@ class WorkerService:
                     self.table.remove(entry)
                     handed.append((entry, handoff, exports.get(entry.exec_id, KvExported(entry.exec_id, None))))
                     continue
-                batch.add(entry.request_id, r)
+                wire = batch.add(entry.request_id, r)
                 result = r.result
                 if result is not None:
                     ids = result.output_token_ids
@@ -771,7 +793,7 @@ class WorkerService:
                     chunks.append((entry.exec_id, n))
                 if result is None or result.is_final:
                     self.table.remove(entry)
-                    finished.append((entry, to_wire_response(entry.request_id, r)))
+                    finished.append((entry, wire))
         load = self.load().model_dump(exclude_defaults=True)
         unsent: dict[tuple[bytes, str], protocol.Response] = {}  # each went as an error response instead
         for gateway, batch in batches.items():
@@ -798,8 +820,8 @@ class WorkerService:
         if step.iteration_stats:
             self.metrics.kv_cache(step.iteration_stats[-1])
         if finished:
-            for entry, wire in finished:
-                self._record_finished(entry, wire, exec_stats.pop(entry.exec_id, None))
+            self.redis.record_requests([self._record_finished(entry, wire, exec_stats.pop(entry.exec_id, None))
+                                        for entry, wire in finished])  # fmt: skip
             if len(exec_stats) > 10_000:  # stats of requests never seen final: forget
                 exec_stats.clear()
 
@@ -815,7 +837,9 @@ class WorkerService:
         self.engine.cancel_request(entry.exec_id)
         return entry
 
-    def _record_finished(self, entry: Active, wire: protocol.Response, stats: ex.RequestStats | None) -> None:
+    def _record_finished(self, entry: Active, wire: protocol.Response,
+                         stats: ex.RequestStats | None) -> tuple[str, dict[str, str]]:  # fmt: skip
+        """Its stats record for Redis (by its name), counted and logged (ended_log.py)."""
         fields = {
             "request_id": entry.name,
             "gateway": identity_name(entry.gateway).decode(errors="replace"),
@@ -840,6 +864,5 @@ class WorkerService:
             fields["accepted_draft_tokens"] = str(stats.num_accepted_draft_tokens)
         if stats is not None and stats.speculation_off_reason:
             fields["speculation_off"] = stats.speculation_off_reason
-        self.redis.record_request(entry.name, fields)
-        # One event per request, with what its stats hold (journald, log collectors).
-        log.info("request %s ended: %s", entry.name, fields["finish_reason"], extra=fields)
+        self.ended_log.ended(entry.name, fields)
+        return entry.name, fields

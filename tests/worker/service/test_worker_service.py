@@ -7,6 +7,7 @@ import signal
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
 import zmq
 
@@ -220,6 +221,29 @@ def test_bad_messages_get_errors(worker, gw):
     (oov,) = gw.responses("oov")
     assert oov.error_msg is not None
     assert "4000" in oov.error_msg
+
+
+def test_a_submit_batch_runs_each_submit_and_refuses_bad_ones_alone(worker, gw):
+    s, w = worker
+    (ready,) = [m for m in gw.messages if isinstance(m, protocol.Ready)]
+    assert ready.submit_batches
+    long = protocol.SamplingConfig(min_tokens=6000)
+    items = [protocol.encode(protocol.Submit(request_id=f"sb{i}", input_token_ids=[5, 6 + i], max_tokens=8))
+             for i in range(3)]  # fmt: skip
+    items.append(protocol.encode(protocol.Submit(request_id="sb-cut", input_token_ids=[5, 6], max_tokens=6000,
+                                                 sampling_config=long)))  # fmt: skip
+    items.append(msgpack.packb([1, "submit", {"request_id": "sb-bad", "input_token_ids": [5], "max_tokens": 0}]))
+    items.append(protocol.encode(protocol.Cancel(request_id="sb0")))  # not a submit: refused, not applied
+    gw.send(protocol.SubmitBatch(submits=items))
+    gw.send(protocol.Cancel(request_id="sb-cut"))  # after the batch: its submit is enqueued first
+    gw.recv_until(lambda: all(gw.final(f"sb{i}") for i in range(3)) and gw.final("sb-cut") and len(gw.errors()) >= 2)
+    for i in range(3):
+        assert len(gw.tokens(f"sb{i}")) == 8
+    assert gw.responses("sb-cut")[-1].result.finish_reasons == [protocol.FinishReason.CANCELLED]
+    by_id = {e.request_id: e for e in gw.errors()}
+    assert by_id["sb-bad"].code == protocol.ErrorCode.PROTOCOL and "max_tokens" in by_id["sb-bad"].message
+    assert by_id[None].message == "a submits message carries submit messages only, not cancel"
+    s.wait_idle(w)
 
 
 def test_echo_backend_is_a_transport_test_worker(service_model, redis_server, tmp_path):
