@@ -52,6 +52,7 @@ from bench import DEFAULT_MODEL, SkipSection, default_model, vocab_size
 from bench.http_stream import stream_completion
 from bench.process_cpu import own_cpu_seconds
 from bench.service_stack import Stack
+from bench.step_trace import PromptSteps, prompt_steps, service_iterations, unix_time
 from bench.stream_timing import Timeline, pct
 
 TITLE = "serving: Poisson arrivals at rates up to saturation, in process and through the service"
@@ -64,6 +65,7 @@ class RateRun:
     model: str
     path: str
     rate: float  # requests/s asked for; inf: all at once
+    first_send: float  # time.perf_counter()
     seconds: float  # first send to last token
     tokens: int
     requests: int
@@ -73,6 +75,8 @@ class RateRun:
     # CPU microseconds per streamed token, by process: client, gateway, worker, engine (in
     # process: the one process, under "engine").
     cpu_us: dict[str, float] = field(default_factory=dict)
+    # A burst's engine steps that processed prompts, and when the last ended (bench/step_trace.py).
+    prompts: PromptSteps = field(default_factory=PromptSteps)
 
     @property
     def tok_s(self) -> float:
@@ -83,12 +87,14 @@ class RateRun:
         return [self.model, self.path, rate, f"{self.requests / self.seconds:.2f}", f"{self.tok_s:,.0f}",
                 *(f"{pct(v, q):.1f}" for v in (self.ttft_ms, self.e2e_ms) for q in (50, 99)),
                 f"{pct(self.itl_ms, 50):.2f}", f"{pct(self.itl_ms, 99):.2f}",
-                *(f"{self.cpu_us[p]:.1f}" if p in self.cpu_us else "-" for p in PROCESSES)]  # fmt: skip
+                *(f"{self.cpu_us[p]:.1f}" if p in self.cpu_us else "-" for p in PROCESSES),
+                f"{self.prompts.steps} / {self.prompts.last_ms:.0f}" if self.prompts.steps else "-"]  # fmt: skip
 
 
 PROCESSES = ("client", "gateway", "worker", "engine")
 HEADER = ["model", "path", "rate req/s", "achieved req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
-          "E2E p50 ms", "E2E p99 ms", "ITL p50 ms", "ITL p99 ms", *(f"CPU us/tok {p}" for p in PROCESSES)]  # fmt: skip
+          "E2E p50 ms", "E2E p99 ms", "ITL p50 ms", "ITL p99 ms", *(f"CPU us/tok {p}" for p in PROCESSES),
+          "burst: prompt steps / last ends ms"]  # fmt: skip
 
 
 def arrivals(n: int, rate: float, seed: int) -> np.ndarray:
@@ -108,7 +114,7 @@ def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def _collect(model: str, path: str, rate: float, sent: Sequence[float], lines: list[Timeline]) -> RateRun:
     end = max(t.last for t in lines if t.last is not None)
-    return RateRun(model, path, rate, end - min(sent), sum(t.tokens for t in lines), len(lines),
+    return RateRun(model, path, rate, min(sent), end - min(sent), sum(t.tokens for t in lines), len(lines),
                    [t.ttft * 1e3 for t in lines if t.ttft is not None], [g * 1e3 for t in lines for _, g in t.gaps],
                    [(t.last - t.start) * 1e3 for t in lines if t.last is not None])  # fmt: skip
 
@@ -150,8 +156,11 @@ def run_in_process(executor: Any, model: str, prompts: list[list[int]], output: 
 def _in_process_at(executor: Any, model: str, n: int, prompt: int, output: int, vocab: int, rate: float,
                    i: int) -> RateRun:  # fmt: skip
     before = own_cpu_seconds()
+    executor.get_latest_iteration_stats()  # the runs before this one's
     r = run_in_process(executor, model, prompts_for(n, prompt, vocab, 10 + i), output, rate, seed=i)
     r.cpu_us = {"engine": (own_cpu_seconds() - before) * 1e6 / r.tokens}
+    if math.isinf(rate):
+        r.prompts = prompt_steps(executor.get_latest_iteration_stats(), unix_time(r.first_send))
     return r
 
 
@@ -162,6 +171,10 @@ def _service_at(stack: Stack, endpoint: str | list[str], model: str, n: int, pro
                             clients)  # fmt: skip
     r.cpu_us = {"client": client * 1e6 / r.tokens,
                 **{p: (s - before[p]) * 1e6 / r.tokens for p, s in stack.cpu_seconds().items()}}  # fmt: skip
+    if math.isinf(rate):
+        time.sleep(1.0)  # the engine's stats reach the worker's Redis thread in batches, then Redis
+        first_send = unix_time(r.first_send)
+        r.prompts = prompt_steps(service_iterations(stack.redis, first_send), first_send)
     return r
 
 
@@ -453,6 +466,8 @@ def save_runs(path: Path, args: argparse.Namespace, runs: Sequence[RateRun]) -> 
     the serving curves from, small enough to keep in bench/results/."""
 
     def rounded(value: Any) -> Any:
+        if isinstance(value, PromptSteps):
+            return {"steps": value.steps, "last_ms": value.last_ms}
         return [round(v, 3) for v in value] if isinstance(value, list) else value
 
     saved = {"args": vars(args), "runs": [{k: rounded(getattr(r, k)) for k in r.__slots__} for r in runs]}

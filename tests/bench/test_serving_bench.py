@@ -11,6 +11,7 @@ import numpy as np
 from bench.serving_bench import (
     WARM_UP,
     RateRun,
+    _in_process_at,
     arrivals,
     executor_config,
     parser,
@@ -81,3 +82,18 @@ def test_the_sweep_warms_up_unreported_first(tmp_path: Path) -> None:
     assert rates == [30.0, 60.0]
     assert [r.rate for r in runs] == [math.inf, 30.0, 60.0]
     assert all(r.requests == 4 and r.tokens == 16 for r in runs)
+
+
+def test_a_burst_reports_the_engine_steps_that_took_its_prompts(tmp_path: Path) -> None:
+    """Six 12-token prompts at once through a 24-token step budget take at least three
+    steps, all of them ended within the run; a run at a rate reports none."""
+    directory = make_checkpoint("llama_gqa", tmp_path / "llama_gqa")
+    config = ExecutorConfig(backend="numpy", max_batch_size=8, max_num_tokens=24,
+                            kv_cache_config=KvCacheConfig(max_tokens=4096))  # fmt: skip
+    with Executor.from_model(directory, config) as executor:
+        burst = _in_process_at(executor, "tiny", 6, 12, 4, VOCAB_SIZE, math.inf, 0)
+        paced = _in_process_at(executor, "tiny", 6, 12, 4, VOCAB_SIZE, 40.0, 1)
+    assert burst.prompts.steps >= 3
+    assert 0 < burst.prompts.last_ms <= burst.seconds * 1e3
+    assert burst.row()[-1] == f"{burst.prompts.steps} / {burst.prompts.last_ms:.0f}"
+    assert paced.prompts.steps == 0 and paced.row()[-1] == "-"
