@@ -39,7 +39,8 @@ def service_iterations(redis_url: str, since_unix: float) -> list[Any]:
 
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
-        return [SimpleNamespace(**fields) for key in client.scan_iter(match="*:stats:iterations:*")
-                for _, fields in client.xrange(key, min=str(int(since_unix * 1000)))]  # fmt: skip
+        entries = [entry for key in client.scan_iter(match="*:stats:iterations:*")
+                   for entry in client.xrange(key, min=str(int(since_unix * 1000))) or ()]  # fmt: skip
+        return [SimpleNamespace(**{str(k): v for k, v in (fields or {}).items()}) for _, fields in entries]
     finally:
         client.close()
