@@ -33,13 +33,15 @@ from protocol import ErrorCode
 from protocol.limits import socket_turn
 from worker.executor import types as ex
 from worker.executor.engine_core import StepOutput
+from worker.executor.kv_lent import LENT_FOR_S
 from worker.service.active import Active, ActiveTable
 from worker.service.admission import too_large
 from worker.service.convert import WireBatch, to_request, to_wire_response
 from worker.service.engine import EngineFailed, EngineProcess, LoraReply
 from worker.service.engine_kv import KvExported, KvImported, ends_for_hand_off
 from worker.service.kv_publisher import KvPublisher
-from worker.service.kv_transfer import KvPushers, KvTransferError, from_frames, to_frames
+from worker.service.kv_transfer import KvPushers, KvTransferError, cuda_ipc_of, from_frames, ipc_of, to_frames
+from worker.service.kv_transport import KvTransport, Mode
 from worker.service.lora_dir import LoraDir, PendingLoads, Taken
 from worker.service.redis_link import WorkerRedis
 
@@ -79,6 +81,7 @@ class ServiceConfig:
     # and where it takes KV blocks from prefill workers (None: it takes none).
     role: Literal["prefill", "decode", "both"] = "both"
     kv_bind: str | None = None
+    kv_transfer: Mode = "auto"  # how this worker sends KV blocks (worker/service/kv_transport.py)
 
 
 @dataclass(slots=True)
@@ -213,12 +216,20 @@ class WorkerService:
         # Disaggregated serving: KV blocks in (the I/O thread) and out (the pump).
         self._kv_in: zmq.Socket | None = None
         if config.kv_bind is not None:
-            self._kv_in = self.ctx.socket(zmq.PULL)
+            self._kv_in = self.ctx.socket(zmq.ROUTER)
             self._kv_in.setsockopt(zmq.LINGER, 0)
             self._kv_in.bind(config.kv_bind)
             kv_address = self._kv_in.getsockopt_string(zmq.LAST_ENDPOINT).replace("0.0.0.0", socket.gethostname())
             self.redis.info = self.redis.info.model_copy(update={"kv_address": kv_address})
-        self._kv_out = KvPushers(self.ctx)
+        self._kv_out = KvPushers(self.ctx, self.limits)
+        self._kv_transport = KvTransport(config.kv_transfer, bool(engine.info.cuda_devices))
+        # CUDA IPC transfers: who lent each buffer imported (I/O thread), the engine's answers
+        # for them (pump to I/O thread), the buffers this worker lent and those coming back
+        # as frames instead, by transfer and by executor id (pump thread).
+        self._kv_lenders: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._kv_answers: collections.deque[tuple[str, bool]] = collections.deque()
+        self._lent: dict[str, tuple[int, str, float]] = {}
+        self._resending: dict[int, tuple[str, str]] = {}
         self._handoffs: dict[tuple[bytes, str], protocol.KvHandoff] = {}  # of this turn's submits
         self._handing_off: dict[int, protocol.KvHandoff] = {}  # by executor id, until the first token is out
         self._kv_arrived: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -271,6 +282,8 @@ class WorkerService:
                     self._stop_waiting_for_kv(time.monotonic())
                 while self._lora_replies:
                     self._answer_lora(self._lora_replies.popleft())
+                while self._kv_answers:
+                    self._answer_lender(*self._kv_answers.popleft())
                 if time.monotonic() >= next_tick:
                     self._tick()
                     next_tick = time.monotonic() + interval
@@ -374,7 +387,7 @@ class WorkerService:
         that waits for it (the engine's pipe keeps the order)."""
         for _ in socket_turn():
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                sender, *frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
@@ -383,12 +396,36 @@ class WorkerService:
                 log.warning("refused a KV transfer: %s", e)
                 self.metrics.kv_transferred("in", "refused")
                 continue
-            self.engine.import_kv(header.transfer_id, self.config.model_name, kv)
+            lent = header.cuda_ipc
+            if lent is not None:
+                info = self.engine.info
+                if lent.host_id != info.host_id or lent.device_uuid not in info.cuda_devices:
+                    # Its blocks come as frames instead; the continuation waits for those.
+                    log.warning("transfer %s: a CUDA IPC handle of GPU %s on %s cannot be opened here (%s); "
+                                "asking for frames", header.transfer_id, lent.device_uuid, lent.host_id,
+                                "no CUDA KV cache" if not info.cuda_devices else "another host or GPU")  # fmt: skip
+                    self.metrics.kv_transferred("in", "unopened")
+                    sock.send_multipart([sender, protocol.encode(protocol.KvAck(transfer_id=header.transfer_id,
+                                                                                opened=False))])  # fmt: skip
+                    continue
+                self._kv_lenders[header.transfer_id] = sender
+                if len(self._kv_lenders) > _KV_ARRIVED_KEPT:
+                    self._kv_lenders.popitem(last=False)
+            self.engine.import_kv(header.transfer_id, self.config.model_name, kv,
+                                  None if lent is None else ipc_of(lent), time.time() - header.sent_at)  # fmt: skip
             self._kv_arrived[header.transfer_id] = None
             if len(self._kv_arrived) > _KV_ARRIVED_KEPT:
                 self._kv_arrived.popitem(last=False)
             if header.transfer_id in self._awaiting_kv:
                 self._stop_waiting_for_kv(None, header.transfer_id)
+
+    def _answer_lender(self, transfer: str, opened: bool) -> None:
+        """Tell the worker that lent a buffer that its blocks were copied (it frees the
+        buffer), or that the handle did not open (it sends them as frames)."""
+        sender = self._kv_lenders.pop(transfer, None)
+        if sender is not None and self._kv_in is not None:
+            ack = protocol.KvAck(transfer_id=transfer, opened=opened)
+            self._kv_in.send_multipart([sender, protocol.encode(ack, self.limits)])
 
     def _stop_waiting_for_kv(self, now: float | None, transfer: str | None = None) -> None:
         """Enqueue the continuation waiting for `transfer`, or (given `now`) those whose
@@ -579,7 +616,8 @@ class WorkerService:
             return
         with self.table.lock:
             try:
-                hand_offs = [i for i, key in enumerate(taken) if key in self._handoffs]
+                hand_offs = {i: self._kv_transport.choose(self._handoffs[key].kv_address)
+                             for i, key in enumerate(taken) if key in self._handoffs}  # fmt: skip
                 exec_ids = self.engine.enqueue_requests([request for request, _ in taken.values()], hand_offs,
                                                         self.config.model_name)  # fmt: skip
             except Exception as e:  # a bug here must not stop the worker
@@ -695,35 +733,83 @@ class WorkerService:
                     self._lora_replies.append(step)  # answered by the I/O thread, which owns the socket
                 elif isinstance(step, KvImported):
                     self._imported(step)
+                elif isinstance(step, KvExported):
+                    self._resend(step)
                 elif step is not None:
                     try:
                         self._deliver(step, out, exec_stats)
                     except Exception:  # keep pumping: one bad response must not hang every stream
                         log.exception("result pump: could not deliver a step of %d streams", len(step.ids))
+                if self._lent:
+                    self._returned()
         finally:
             out.close(0)
             self._kv_out.close()
 
     def _imported(self, done: KvImported) -> None:
+        if done.ipc:
+            self._kv_answers.append((done.transfer_id, done.opened))  # the I/O thread owns the socket
+        if not done.opened:
+            log.warning("transfer %s: the CUDA IPC handle did not open (%s); asking for frames", done.transfer_id,
+                        done.error)  # fmt: skip
+            self.metrics.kv_transferred("in", "unopened")
+            return
         if done.error is not None:
             log.warning("refused the KV blocks of transfer %s: %s", done.transfer_id, done.error)
             self.metrics.kv_transferred("in", "refused")
             return
-        self.metrics.kv_transferred("in", "ok", done.num_bytes, done.seconds)
+        self.metrics.kv_transferred("in", "copied" if done.ipc else "ok", done.num_bytes, done.seconds)
         log.debug("transfer %s: %d KV blocks imported in %.3f s", done.transfer_id, done.num_blocks, done.seconds)
 
+    def _returned(self) -> None:
+        """The decode workers' answers to the buffers this worker lent, passed to the engine;
+        the loans past their time are forgotten here as the engine frees them."""
+        for address, ack in self._kv_out.acks():
+            lent = self._lent.pop(ack.transfer_id, None)
+            if lent is None or lent[1] != address:
+                continue
+            exec_id = lent[0]
+            if ack.opened:
+                self.metrics.kv_transferred("out", "acked")
+                self.engine.return_kv(exec_id, "copied")
+                continue
+            log.warning("transfer %s: the decode worker at %s could not open the CUDA IPC handle; sending frames",
+                        ack.transfer_id, address)  # fmt: skip
+            self.metrics.kv_transferred("out", "unopened")
+            self._kv_transport.refused(address)
+            self._resending[exec_id] = (ack.transfer_id, address)
+            self.engine.return_kv(exec_id, "refused")
+        now = time.monotonic()
+        for transfer in [t for t, (_, _, due) in self._lent.items() if now >= due]:
+            del self._lent[transfer]
+            self.metrics.kv_transferred("out", "expired")
+
+    def _resend(self, exported: KvExported) -> None:
+        """A lent buffer's blocks, which the decode worker could not map, as frames."""
+        transfer, address = self._resending.pop(exported.exec_id, ("", ""))
+        if exported.kv is None or not transfer:
+            return
+        sent = self._kv_out.send(address, to_frames(transfer, exported.kv, limits=self.limits))
+        self.metrics.kv_transferred("out", "ok" if sent else "dropped", exported.kv.num_bytes if sent else 0)
+
     def _hand_off(self, entry: Active, handoff: protocol.KvHandoff, exported: KvExported, out: zmq.Socket) -> None:
-        """A prefill's blocks to its decode worker, then the gateway told to continue it there."""
+        """A prefill's blocks (or the handle of the buffer lent with them) to its decode
+        worker, then the gateway told to continue it there."""
         kv = exported.kv
-        frames = to_frames(handoff.transfer_id, kv) if kv is not None and kv.frames else None
+        lent = None if exported.ipc is None else cuda_ipc_of(exported.ipc)
+        frames = to_frames(handoff.transfer_id, kv, lent, self.limits) if kv is not None and kv.num_blocks else None
         sent = frames is not None and self._kv_out.send(handoff.kv_address, frames)
         if kv is not None and sent:
-            self.metrics.kv_transferred("out", "ok", kv.num_bytes, exported.seconds)
+            self.metrics.kv_transferred("out", "ok" if lent is None else "lent", kv.num_bytes, exported.seconds)
+            if lent is not None:
+                self._lent[handoff.transfer_id] = (exported.exec_id, handoff.kv_address, time.monotonic() + LENT_FOR_S)
         elif frames is not None:
             log.warning("request %s: the KV blocks for %s could not be queued; it is decoded without them",
                         entry.name, handoff.kv_address)  # fmt: skip
             self.metrics.kv_transferred("out", "dropped")
-        blocks = len(kv.frames) if kv is not None and sent else 0
+            if lent is not None:
+                self.engine.return_kv(exported.exec_id, "unsent")
+        blocks = kv.num_blocks if kv is not None and sent else 0
         done = protocol.HandedOff(request_id=entry.request_id, transfer_id=handoff.transfer_id, num_blocks=blocks)
         out.send_multipart([entry.gateway, protocol.encode(done, self.limits)])
 

@@ -71,10 +71,9 @@ def test_decode_core_continues_from_imported_blocks_as_one_core_would(
     first = tokens_of(prefill, dataclasses.replace(whole, max_tokens=1))
     assert first == one_core[:1]
     kv = export_prefix(prefill, "tiny", PROMPT + first)
-    assert len(kv.frames) == 3  # every full block of the prompt
+    assert kv.num_blocks == 3  # every full block of the prompt
     assert kv.token_ids == tuple(PROMPT[:12])
-    assert all(len(frame) == kv.layout.bytes_per_block // (2 * kv.layout.num_layers)
-               for block in kv.frames for frame in block)  # fmt: skip
+    assert len(kv.data) == 3 * kv.layout.bytes_per_block
 
     reused_before = decode.blocks.reused_blocks
     assert import_blocks(decode, "tiny", kv) == 3
@@ -127,5 +126,5 @@ def test_the_torch_backends_cache_exports_and_imports_the_same_way(tiny_llama: P
     assert import_blocks(decode, "tiny", kv) == 3
     rest = tokens_of(decode, dataclasses.replace(whole, resumed_token_ids=first))
     assert first + rest == one_core
-    assert export_prefix(decode, "tiny", PROMPT + first).frames == kv.frames  # the bytes written are the bytes read
+    assert export_prefix(decode, "tiny", PROMPT + first).data == kv.data  # the bytes written are the bytes read
     decode.blocks.check_invariants([])
