@@ -148,6 +148,8 @@ class WorkerService:
                  listener: Listener | None = None) -> None:  # fmt: skip
         self.engine = engine
         self.config = config
+        # First: a --kv-transfer this worker cannot serve stops it before anything opens.
+        self._kv_transport = KvTransport(config.kv_transfer, bool(engine.info.cuda_devices))
         self.notifier = notifier or Notifier(address="")
         self.drain = Drain(config.drain_timeout_s)
         self.limits = protocol.DEFAULT_LIMITS
@@ -222,7 +224,6 @@ class WorkerService:
             kv_address = self._kv_in.getsockopt_string(zmq.LAST_ENDPOINT).replace("0.0.0.0", socket.gethostname())
             self.redis.info = self.redis.info.model_copy(update={"kv_address": kv_address})
         self._kv_out = KvPushers(self.ctx, self.limits)
-        self._kv_transport = KvTransport(config.kv_transfer, bool(engine.info.cuda_devices))
         # CUDA IPC transfers: who lent each buffer imported (I/O thread), the engine's answers
         # for them (pump to I/O thread), the buffers this worker lent and those coming back
         # as frames instead, by transfer and by executor id (pump thread).
