@@ -18,7 +18,6 @@ import torch
 
 from tests.checkpoints import make_checkpoint
 from tests.gpu.kv_ipc_peer import MAX_TOKENS, PROMPT, core_of
-from tests.procs import free_port
 from worker.executor import EngineCore, Request
 
 pytestmark = [
@@ -58,7 +57,7 @@ def test_kv_blocks_cross_by_cuda_ipc_between_two_processes(tmp_path: Path, decod
     first = tokens_of(core_of(str(model)), dataclasses.replace(whole, max_tokens=1))
     assert first == one_core[:1]
 
-    address = f"tcp://127.0.0.1:{free_port()}"
+    address = f"ipc://{tmp_path}/kv"
     how = "copy" if decode_side == "copies" else "refuse"
     decode = peer("decode", str(model), address, str(first[0]), how)
     prefill = peer("prefill", str(model), address)

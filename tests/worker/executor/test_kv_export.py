@@ -119,14 +119,17 @@ def test_a_layout_that_differs_is_refused_naming_the_field(
     eights.blocks.check_invariants([])
 
 
-def test_the_torch_backends_cache_exports_and_imports_the_same_way(tiny_llama: Path) -> None:
-    pytest.importorskip("torch")
+@pytest.mark.parametrize("source", ["bytes", "a tensor"])
+def test_the_torch_backends_cache_exports_and_imports_the_same_way(tiny_llama: Path, source: str) -> None:
+    torch = pytest.importorskip("torch")
     whole = Request(PROMPT, 8, streaming=True, end_id=-1)
     one_core = tokens_of(EngineCore.from_model(tiny_llama, config(backend="torch")), whole)
     prefill, decode = (EngineCore.from_model(tiny_llama, config(backend="torch")) for _ in range(2))
     first = tokens_of(prefill, dataclasses.replace(whole, max_tokens=1))
     kv = export_prefix(prefill, "tiny", PROMPT + first)
-    assert import_blocks(decode, "tiny", kv) == 3
+    # A tensor is what a buffer lent by CUDA IPC opens as (worker/backends/torch_kv_ipc.py).
+    data = kv.data if source == "bytes" else torch.frombuffer(bytearray(kv.data), dtype=torch.uint8)
+    assert import_blocks(decode, "tiny", dataclasses.replace(kv, data=data)) == 3
     rest = tokens_of(decode, dataclasses.replace(whole, resumed_token_ids=first))
     assert first + rest == one_core
     assert export_prefix(decode, "tiny", PROMPT + first).data == kv.data  # the bytes written are the bytes read
