@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from protocol.status import FinishReason
 from worker.executor.kv_export import (
@@ -105,8 +105,7 @@ class EngineKv:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
         self._watched: dict[int, _Watched] = {}
-        self._lent = LentBuffers(LENT_FOR_S)
-        self._lent_kv: dict[int, KvBlocks] = {}  # the blocks of each lent buffer, by executor id
+        self._lent = LentBuffers(LENT_FOR_S)  # the KvBlocks of each lent buffer, by executor id
 
     def layout(self, model: str) -> KvLayout:
         core = self.core
@@ -158,8 +157,7 @@ class EngineKv:
 
                 buffer = store.gather(block_ids)
                 shared = torch_kv_ipc.share(buffer)
-                self._lent.lend(exec_id, buffer, lambda: torch_kv_ipc.give_up(shared))
-                self._lent_kv[exec_id] = KvBlocks(layout, covered, buffer)
+                self._lent.lend(exec_id, KvBlocks(layout, covered, buffer), lambda: torch_kv_ipc.give_up(shared))
                 return KvExported(exec_id, KvBlocks(layout, covered, b""), time.perf_counter() - began, shared)
             data = store.read(block_ids) if block_ids else b""
         except _out_of_memory(on_cuda) as e:  # no room for the buffer: the decode worker computes the prompt
@@ -171,19 +169,18 @@ class EngineKv:
         """The end of a loan: the decode worker copied the buffer (it is freed), could not
         open it (its blocks come back as host bytes, to be sent as frames), or never got
         the handle (freed). None but for the second, or where the loan had run out."""
-        kv = self._lent_kv.pop(exec_id, None)
         if outcome == "copied":
             self._lent.copied(exec_id)
             return None
-        buffer = self._lent.refused(exec_id)
-        if outcome == "unsent" or kv is None or buffer is None:
+        lent: KvBlocks | None = self._lent.refused(exec_id)
+        if outcome == "unsent" or lent is None:
             return None
-        return KvExported(exec_id, dataclasses.replace(kv, data=bytes(buffer.cpu().numpy().data)))
+        device_buffer: Any = lent.data
+        return KvExported(exec_id, dataclasses.replace(lent, data=bytes(device_buffer.cpu().numpy().data)))
 
     def expire(self) -> None:
         """Free the buffers whose loan ran out unanswered."""
         for exec_id in self._lent.expire():
-            self._lent_kv.pop(exec_id, None)
             log.warning("request %d: its lent KV buffer was not acknowledged; freed", exec_id)
 
     @property
