@@ -33,14 +33,14 @@ from protocol import ErrorCode
 from protocol.limits import socket_turn
 from worker.executor import types as ex
 from worker.executor.engine_core import StepOutput
-from worker.executor.kv_lent import LENT_FOR_S
 from worker.service.active import Active, ActiveTable
 from worker.service.admission import too_large
 from worker.service.convert import WireBatch, to_request, to_wire_response
 from worker.service.engine import EngineFailed, EngineProcess, LoraReply
 from worker.service.engine_kv import KvExported, KvImported, ends_for_hand_off
 from worker.service.kv_publisher import KvPublisher
-from worker.service.kv_transfer import KvPushers, KvTransferError, cuda_ipc_of, from_frames, ipc_of, to_frames
+from worker.service.kv_sender import KvSender
+from worker.service.kv_transfer import KvPushers, KvTransferError, from_frames, ipc_of
 from worker.service.kv_transport import KvTransport, Mode
 from worker.service.lora_dir import LoraDir, PendingLoads, Taken
 from worker.service.redis_link import WorkerRedis
@@ -223,14 +223,11 @@ class WorkerService:
             self._kv_in.bind(config.kv_bind)
             kv_address = self._kv_in.getsockopt_string(zmq.LAST_ENDPOINT).replace("0.0.0.0", socket.gethostname())
             self.redis.info = self.redis.info.model_copy(update={"kv_address": kv_address})
-        self._kv_out = KvPushers(self.ctx, self.limits)
-        # CUDA IPC transfers: who lent each buffer imported (I/O thread), the engine's answers
-        # for them (pump to I/O thread), the buffers this worker lent and those coming back
-        # as frames instead, by transfer and by executor id (pump thread).
+        self._kv_out = KvSender(KvPushers(self.ctx, self.limits), engine, self._kv_transport, self.metrics)
+        # CUDA IPC transfers in: who lent each buffer (I/O thread), and the engine's answers
+        # for them (pump to I/O thread).
         self._kv_lenders: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self._kv_answers: collections.deque[tuple[str, bool]] = collections.deque()
-        self._lent: dict[str, tuple[int, str, float]] = {}
-        self._resending: dict[int, tuple[str, str]] = {}
         self._handoffs: dict[tuple[bytes, str], protocol.KvHandoff] = {}  # of this turn's submits
         self._handing_off: dict[int, protocol.KvHandoff] = {}  # by executor id, until the first token is out
         self._kv_arrived: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -735,17 +732,16 @@ class WorkerService:
                 elif isinstance(step, KvImported):
                     self._imported(step)
                 elif isinstance(step, KvExported):
-                    self._resend(step)
+                    self._kv_out.resend(step)
                 elif step is not None:
                     try:
                         self._deliver(step, out, exec_stats)
                     except Exception:  # keep pumping: one bad response must not hang every stream
                         log.exception("result pump: could not deliver a step of %d streams", len(step.ids))
-                if self._lent:
-                    self._returned()
+                self._kv_out.take_answers()
         finally:
             out.close(0)
-            self._kv_out.close()
+            self._kv_out.pushers.close()
 
     def _imported(self, done: KvImported) -> None:
         if done.ipc:
@@ -762,55 +758,9 @@ class WorkerService:
         self.metrics.kv_transferred("in", "copied" if done.ipc else "ok", done.num_bytes, done.seconds)
         log.debug("transfer %s: %d KV blocks imported in %.3f s", done.transfer_id, done.num_blocks, done.seconds)
 
-    def _returned(self) -> None:
-        """The decode workers' answers to the buffers this worker lent, passed to the engine;
-        the loans past their time are forgotten here as the engine frees them."""
-        for address, ack in self._kv_out.acks():
-            lent = self._lent.pop(ack.transfer_id, None)
-            if lent is None or lent[1] != address:
-                continue
-            exec_id = lent[0]
-            if ack.opened:
-                self.metrics.kv_transferred("out", "acked")
-                self.engine.return_kv(exec_id, "copied")
-                continue
-            log.warning("transfer %s: the decode worker at %s could not open the CUDA IPC handle; sending frames",
-                        ack.transfer_id, address)  # fmt: skip
-            self.metrics.kv_transferred("out", "unopened")
-            self._kv_transport.refused(address)
-            self._resending[exec_id] = (ack.transfer_id, address)
-            self.engine.return_kv(exec_id, "refused")
-        now = time.monotonic()
-        for transfer in [t for t, (_, _, due) in self._lent.items() if now >= due]:
-            del self._lent[transfer]
-            self.metrics.kv_transferred("out", "expired")
-
-    def _resend(self, exported: KvExported) -> None:
-        """A lent buffer's blocks, which the decode worker could not map, as frames."""
-        transfer, address = self._resending.pop(exported.exec_id, ("", ""))
-        if exported.kv is None or not transfer:
-            return
-        sent = self._kv_out.send(address, to_frames(transfer, exported.kv, limits=self.limits))
-        self.metrics.kv_transferred("out", "ok" if sent else "dropped", exported.kv.num_bytes if sent else 0)
-
     def _hand_off(self, entry: Active, handoff: protocol.KvHandoff, exported: KvExported, out: zmq.Socket) -> None:
-        """A prefill's blocks (or the handle of the buffer lent with them) to its decode
-        worker, then the gateway told to continue it there."""
-        kv = exported.kv
-        lent = None if exported.ipc is None else cuda_ipc_of(exported.ipc)
-        frames = to_frames(handoff.transfer_id, kv, lent, self.limits) if kv is not None and kv.num_blocks else None
-        sent = frames is not None and self._kv_out.send(handoff.kv_address, frames)
-        if kv is not None and sent:
-            self.metrics.kv_transferred("out", "ok" if lent is None else "lent", kv.num_bytes, exported.seconds)
-            if lent is not None:
-                self._lent[handoff.transfer_id] = (exported.exec_id, handoff.kv_address, time.monotonic() + LENT_FOR_S)
-        elif frames is not None:
-            log.warning("request %s: the KV blocks for %s could not be queued; it is decoded without them",
-                        entry.name, handoff.kv_address)  # fmt: skip
-            self.metrics.kv_transferred("out", "dropped")
-            if lent is not None:
-                self.engine.return_kv(exported.exec_id, "unsent")
-        blocks = kv.num_blocks if kv is not None and sent else 0
+        """A prefill's blocks to its decode worker, then the gateway told to continue it there."""
+        blocks = self._kv_out.send(handoff, exported, entry.name)
         done = protocol.HandedOff(request_id=entry.request_id, transfer_id=handoff.transfer_id, num_blocks=blocks)
         out.send_multipart([entry.gateway, protocol.encode(done, self.limits)])
 
