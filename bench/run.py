@@ -33,6 +33,7 @@ SECTIONS: dict[str, str] = {
     "fleet": "bench.fleet_bench",
     "migration": "bench.migration_bench",
     "openai": "bench.openai_bench",
+    "kv_transfer": "bench.kv_transfer_bench",
 }
 
 

@@ -45,7 +45,10 @@ if TYPE_CHECKING:
     from protocol.kv_cache import KvEvents as KvEvents
     from protocol.kv_cache import KvSnapshot as KvSnapshot
     from protocol.kv_cache import KvSnapshotRequest as KvSnapshotRequest
+    from protocol.kv_transfer import KV_FORMAT as KV_FORMAT
+    from protocol.kv_transfer import CudaIpcBuffer as CudaIpcBuffer
     from protocol.kv_transfer import HandedOff as HandedOff
+    from protocol.kv_transfer import KvAck as KvAck
     from protocol.kv_transfer import KvHandoff as KvHandoff
     from protocol.kv_transfer import KvTransfer as KvTransfer
     from protocol.limits import DEFAULT_LIMITS as DEFAULT_LIMITS
@@ -84,7 +87,7 @@ _HOME = {
     "ProtocolError": "errors",
     **dict.fromkeys(["CANCEL_TTL_S", "DEFAULT_PREFIX", "Keys"], "keys"),
     **dict.fromkeys(["KvEvents", "KvSnapshot", "KvSnapshotRequest"], "kv_cache"),
-    **dict.fromkeys(["HandedOff", "KvHandoff", "KvTransfer"], "kv_transfer"),
+    **dict.fromkeys(["KV_FORMAT", "CudaIpcBuffer", "HandedOff", "KvAck", "KvHandoff", "KvTransfer"], "kv_transfer"),
     **dict.fromkeys(["DEFAULT_LIMITS", "Limits"], "limits"),
     **dict.fromkeys(["IterationStats", "RequestStats", "WorkerInfo", "WorkerLoad"], "records"),
     **dict.fromkeys(["ChatMessage", "EmbeddingConfig", "GuidedDecodingParams", "LoraConfig", "OutputConfig",

@@ -17,7 +17,7 @@ from protocol.base import Message
 from protocol.control import Cancel, Drain, ErrorReply, Heartbeat, Hello, LoraAdapters, LoraLoad, LoraUnload, Ready
 from protocol.errors import ProtocolError
 from protocol.kv_cache import KvEvents, KvSnapshot, KvSnapshotRequest
-from protocol.kv_transfer import HandedOff, KvTransfer
+from protocol.kv_transfer import HandedOff, KvAck, KvTransfer
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.packed import WIRE_CONTEXT, Unpacking
 from protocol.records import IterationStats, RequestStats, WorkerInfo
@@ -49,6 +49,7 @@ KINDS: dict[str, type[Message]] = {
         KvSnapshot,
         KvSnapshotRequest,
         KvTransfer,
+        KvAck,
         HandedOff,
         SubmitBatch,
     )

@@ -47,10 +47,10 @@ def test_cuda_caches_move_between_cores(tmp_path: Path, kv_dtype: str | None) ->
 
     kv = read_blocks(prefill.blocks, store_of(prefill.backend), layout(prefill), PROMPT + first)
     assert kv.layout.dtype == ("float8_e4m3fn" if kv_dtype == "fp8" else "bfloat16")
-    assert len(kv.frames) == 4
+    assert kv.num_blocks == 4
     assert write_blocks(decode.blocks, store_of(decode.backend), layout(decode), kv) == 4
     again = read_blocks(decode.blocks, store_of(decode.backend), layout(decode), PROMPT + first)
-    assert again.frames == kv.frames
+    assert again.data == kv.data
     rest = tokens_of(decode, dataclasses.replace(whole, resumed_token_ids=first))
     assert first + rest == one_core
     decode.blocks.check_invariants([])

@@ -2,7 +2,8 @@
 a request prefilled on one worker and decoded on another, its KV blocks moved over
 ZeroMQ, streams the tokens one worker gives; a prefill worker killed as it hands off,
 and a decode worker killed mid-stream, both end in a completed stream with the same
-tokens. Workers run in deterministic mode (docs/deterministic.md)."""
+tokens; a CUDA IPC handle a decode worker cannot open is answered so, and the frames
+sent then are taken. Workers run in deterministic mode (docs/deterministic.md)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 
+import protocol
 from clients.client import Client
 from tests.procs import CLIENT_OPTIONS, Stack, free_port, stack
+from worker.executor import EngineCore, ExecutorConfig
+from worker.executor.kv_export import KvBlocks, layout_of, store_of
+from worker.executor.kv_lent import IpcBuffer
+from worker.service.__main__ import model_name_of
+from worker.service.kv_transfer import cuda_ipc_of, to_frames
 
 PROMPT = [20 + (i * 7) % 300 for i in range(70)]  # two full blocks of 32 tokens, and a tail
 METRICS_PORT = free_port()
@@ -91,3 +99,37 @@ def test_a_decode_worker_killed_mid_stream_ends_in_a_complete_stream(split: Stac
         assert streamed == whole.token_ids
     assert len(streamed) == tokens and time.monotonic() > killed_at
     assert "continued on another worker" in split.gateways[0].log()
+
+
+def test_a_cuda_ipc_handle_the_decode_worker_cannot_open_is_answered_and_frames_are_taken(
+    long_model: Path, redis_url: str, tmp_path: Path
+) -> None:
+    kv_address = f"tcp://127.0.0.1:{free_port()}"
+    with stack(long_model, redis_url, tmp_path, workers=0, gateways=0) as s:
+        s.worker("--deterministic", "--role", "decode", "--kv-bind", kv_address, "--metrics-port", str(METRICS_PORT))
+        s.gateway().wait_workers(1, timeout=60)
+        core = EngineCore.from_model(long_model, ExecutorConfig(backend="numpy", deterministic=True))
+        layout = layout_of(core.blocks, store_of(core.backend), model_name_of(long_model), 1)
+        kv = KvBlocks(layout, tuple(PROMPT[:64]), bytes(2 * layout.bytes_per_block))
+        lent = IpcBuffer(host_id="elsewhere/0", device_uuid="GPU-0", handle=bytes(64), offset=0,
+                         size=len(kv.data), ref_counter="/torch_1_1", ref_counter_offset=0,
+                         event_handle=bytes(64), event_sync_required=False)  # fmt: skip
+        ctx = zmq.Context()
+        prefill = ctx.socket(zmq.DEALER)
+        prefill.connect(kv_address)
+        try:
+            prefill.send_multipart(to_frames("t-ipc", kv, cuda_ipc_of(lent)))
+            assert prefill.poll(10_000), "no answer to a CUDA IPC handle"
+            ack = protocol.decode(prefill.recv())
+            assert ack == protocol.KvAck(transfer_id="t-ipc", opened=False)
+            assert metric('tokenwire_worker_kv_transfers_total{direction="in",outcome="unopened"}') == 1
+            before = metric('tokenwire_worker_kv_transfers_total{direction="in",outcome="ok"}')
+            prefill.send_multipart(to_frames("t-ipc", kv))
+            deadline = time.monotonic() + 10
+            while metric('tokenwire_worker_kv_transfers_total{direction="in",outcome="ok"}') < before + 1:
+                assert time.monotonic() < deadline, "the frames sent after the refusal were not imported"
+                time.sleep(0.05)
+        finally:
+            prefill.close(0)
+            ctx.term()
+    assert "cannot be opened here (no CUDA KV cache); asking for frames" in s.workers[0].log()

@@ -160,3 +160,9 @@ def test_worker_lora_adapter_that_cannot_load(service_model, redis_url, tmp_path
 def test_worker_disaggregation_options_that_cannot_serve(service_model, redis_url, args, says):
     (line,) = _worker(service_model, redis_url, *args)
     assert says in line
+
+
+def test_worker_cuda_ipc_transfers_without_a_cuda_kv_cache(service_model, redis_url):
+    lines = _worker(service_model, redis_url, "--role", "prefill", "--kv-transfer", "cuda-ipc")
+    assert lines[-1].endswith("--kv-transfer cuda-ipc: this worker's KV cache is not on a CUDA device; "
+                              "use frames or auto")  # fmt: skip

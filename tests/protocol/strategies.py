@@ -223,7 +223,13 @@ MESSAGES: dict[str, st.SearchStrategy[p.Message]] = {
     "kv_transfer": st.builds(p.KvTransfer, transfer_id=names, model=names, num_layers=st.integers(1, 1 << 10),
                              block_size=st.integers(1, 1 << 10), num_kv_heads=st.integers(1, 1 << 10),
                              head_dim=st.integers(1, 1 << 10), dtype=names, tensor_parallel_size=st.integers(1, 64),
-                             token_ids=st.lists(st.integers(0, INT32_MAX), max_size=50), sent_at=timestamps),
+                             token_ids=st.lists(st.integers(0, INT32_MAX), max_size=50), sent_at=timestamps,
+                             kv_format=st.integers(1, 8), cuda_ipc=_maybe(st.builds(
+                                 p.CudaIpcBuffer, host_id=names, device_uuid=names, handle=st.binary(max_size=64),
+                                 offset=st.integers(0, 1 << 40), size=st.integers(1, 1 << 40), ref_counter=names,
+                                 ref_counter_offset=st.integers(0, 1 << 20), event_handle=st.binary(max_size=64),
+                                 event_sync_required=st.booleans()))),
+    "kv_ack": st.builds(p.KvAck, transfer_id=names, opened=st.booleans()),
     "handed_off": st.builds(p.HandedOff, request_id=names, transfer_id=names, num_blocks=st.integers(0, 1 << 20)),
     "drain": st.builds(p.Drain, sender_id=names, deadline_s=_maybe(st.floats(0.0, 1e6))),
     "worker_info": st.builds(

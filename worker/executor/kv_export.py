@@ -15,7 +15,7 @@ simply recomputed: a transfer saves work, it never decides what is generated.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -55,52 +55,80 @@ def check_layout(theirs: KvLayout, ours: KvLayout) -> None:
 
 @dataclass(frozen=True, slots=True)
 class KvBlocks:
-    """Full KV blocks of a token prefix: `frames[i]` is block i's K and V, layer by layer
-    (K of layer 0, V of layer 0, K of layer 1, ...), each [block_size, num_kv_heads,
-    head_dim] in `layout.dtype`, C order."""
+    """Full KV blocks of a token prefix in one buffer: [num_layers, 2 (K, V), num_blocks,
+    block_size, num_kv_heads, head_dim] in `layout.dtype`, C order (protocol.KV_FORMAT).
+    `data` is the bytes on the host, or a torch tensor of that layout's bytes on a device
+    (a buffer another process lent by CUDA IPC: worker/backends/torch_kv_ipc.py)."""
 
     layout: KvLayout
     token_ids: tuple[int, ...]  # the tokens the blocks hold: block_size per block
-    frames: list[list[bytes]]
+    data: bytes | Any
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.token_ids) // self.layout.block_size
 
     @property
     def num_bytes(self) -> int:
-        return sum(len(f) for block in self.frames for f in block)
-
-
-class KvBlockStore(Protocol):
-    """The backend's side: a block's K and V per layer as bytes, read and written."""
-
-    def dtype(self) -> str: ...
-
-    def read(self, block_id: int) -> list[bytes]: ...
-
-    def write(self, block_id: int, frames: list[bytes]) -> None: ...
+        return self.num_blocks * self.layout.bytes_per_block
 
 
 class CacheStore:
-    """A KvBlockStore over the per-layer caches every backend's ops hold (`k_cache`,
-    `v_cache`: numpy arrays or torch tensors, [num_blocks, block_size, kv_heads, head_dim])."""
+    """The per-layer caches every backend's ops hold (`k_cache`, `v_cache`: numpy arrays or
+    torch tensors, [num_blocks, block_size, kv_heads, head_dim]), read and written many
+    blocks at a time: one indexed copy per layer's K and V into or out of one buffer, and
+    one copy between device and host, where a block at a time would take 2 x layers small
+    copies per block."""
 
     def __init__(self, ops: Any) -> None:
         self.k_cache: list[Any] = ops.k_cache
         self.v_cache: list[Any] = ops.v_cache
 
-    def _layers(self) -> list[Any]:
-        return [c for pair in zip(self.k_cache, self.v_cache, strict=True) for c in pair]
-
     def dtype(self) -> str:
         return str(self.k_cache[0].dtype).removeprefix("torch.")
 
-    def read(self, block_id: int) -> list[bytes]:
-        return [_block_bytes(cache[block_id]) for cache in self._layers()]
+    def on_cuda(self) -> bool:
+        return getattr(self.k_cache[0], "is_cuda", False) is True
 
-    def write(self, block_id: int, frames: list[bytes]) -> None:
-        layers = self._layers()
-        if len(frames) != len(layers):
-            raise KvLayoutError(f"a block of {len(frames)} frames; this cache has {len(layers)} (K and V per layer)")
-        for cache, data in zip(layers, frames, strict=True):
-            _write_block(cache, block_id, data)
+    def gather(self, block_ids: list[int]) -> Any:
+        """The blocks' K and V in one buffer of the KvBlocks layout, where the cache is:
+        a numpy array, or a torch uint8 tensor (an FP8 cache's bytes move as they are)."""
+        if isinstance(self.k_cache[0], np.ndarray):
+            ids = np.asarray(block_ids, dtype=np.int64)
+            return np.stack([np.stack((k[ids], v[ids])) for k, v in zip(self.k_cache, self.v_cache, strict=True)])
+        return _gather_torch(self.k_cache, self.v_cache, block_ids)
+
+    def read(self, block_ids: list[int]) -> bytes:
+        """The blocks as host bytes: one gather, then one copy to the host."""
+        data = self.gather(block_ids)
+        if isinstance(data, np.ndarray):
+            return data.tobytes()
+        return bytes(data.cpu().numpy().data)
+
+    def write(self, block_ids: list[int], data: bytes | Any, first: int = 0) -> None:
+        """Write blocks `first`, `first` + 1, ... of a KvBlocks buffer (bytes, or a torch
+        tensor on any device) into `block_ids`: one copy to this cache's device, one
+        indexed copy per layer's K and V."""
+        shape = self._shape(data)
+        if not isinstance(self.k_cache[0], np.ndarray):
+            _write_torch(self.k_cache, self.v_cache, block_ids, data, shape, first)
+            return
+        src = np.frombuffer(data, dtype=self.k_cache[0].dtype).reshape(shape)
+        ids = np.asarray(block_ids, dtype=np.int64)
+        for layer, (k, v) in enumerate(zip(self.k_cache, self.v_cache, strict=True)):
+            k[ids] = src[layer, 0, first : first + len(ids)]
+            v[ids] = src[layer, 1, first : first + len(ids)]
+
+    def _shape(self, data: Any) -> tuple[int, ...]:
+        """The KvBlocks shape of `data` in this cache's elements (bytes for a torch cache)."""
+        block = self.k_cache[0][0]
+        per_block = 2 * len(self.k_cache) * block.nbytes
+        size = len(data) if isinstance(data, bytes | bytearray | memoryview) else data.numel() * data.element_size()
+        if size % per_block:
+            raise KvLayoutError(f"KV blocks of {size} bytes; a block here is {per_block} (K and V, every layer)")
+        if isinstance(self.k_cache[0], np.ndarray):
+            return (len(self.k_cache), 2, size // per_block, *block.shape)
+        return (len(self.k_cache), 2, size // per_block, *block.shape[:-1], block.shape[-1] * block.element_size())
 
 
 def store_of(backend: Any) -> CacheStore:
@@ -124,27 +152,36 @@ def layout_of(blocks: BlockManager, store: CacheStore, model: str, tensor_parall
     )
 
 
-def read_blocks(blocks: BlockManager, store: KvBlockStore, layout: KvLayout, token_ids: list[int]) -> KvBlocks:
-    """The cached full blocks of `token_ids` but its last token (which a continuation
-    computes for its logits), up to the first one in the host tier: for a finished
-    prefill, its prompt and first token."""
+def prefix_blocks(blocks: BlockManager, token_ids: list[int]) -> list[int]:
+    """The device blocks caching the full blocks of `token_ids` but its last token (which a
+    continuation computes for its logits), up to the first one in the host tier: for a
+    finished prefill, its prompt and first token."""
     block_ids = []
     for hit in blocks.cached_prefix(token_ids):
         if hit.on_host:  # the rest is not on the device; the decode worker computes from there
             break
         block_ids.append(hit.where)
+    return block_ids
+
+
+def read_blocks(blocks: BlockManager, store: CacheStore, layout: KvLayout, token_ids: list[int]) -> KvBlocks:
+    """The cached full blocks of `token_ids` (prefix_blocks) as host bytes."""
+    block_ids = prefix_blocks(blocks, token_ids)
     covered = tuple(token_ids[: len(block_ids) * blocks.block_size])
-    return KvBlocks(layout, covered, [store.read(b) for b in block_ids])
+    return KvBlocks(layout, covered, store.read(block_ids) if block_ids else b"")
 
 
-def write_blocks(blocks: BlockManager, store: KvBlockStore, layout: KvLayout, kv: KvBlocks) -> int:
+def write_blocks(blocks: BlockManager, store: CacheStore, layout: KvLayout, kv: KvBlocks) -> int:
     """Write `kv` into the prefix cache of `blocks`; the blocks written (those not cached
     already). Raises KvLayoutError on a layout that is not `layout`."""
     check_layout(kv.layout, layout)
     num_tokens = len(kv.token_ids)
-    if num_tokens != len(kv.frames) * layout.block_size:
-        raise KvLayoutError(f"{len(kv.frames)} blocks of {layout.block_size} tokens hold {num_tokens} token ids")
-    if not kv.frames:
+    if num_tokens % layout.block_size:
+        raise KvLayoutError(f"{num_tokens} token ids do not fill blocks of {layout.block_size}")
+    size = len(kv.data) if isinstance(kv.data, bytes) else kv.data.numel() * kv.data.element_size()
+    if size != kv.num_bytes:
+        raise KvLayoutError(f"{kv.num_blocks} blocks of this layout are {kv.num_bytes} bytes; got {size}")
+    if not kv.num_blocks:
         return 0
     # One token past the blocks, so that cached_prefix may match all of them: those
     # already cached are shared, not written again.
@@ -152,12 +189,12 @@ def write_blocks(blocks: BlockManager, store: KvBlockStore, layout: KvLayout, kv
     table = BlockTable()
     cached = blocks.allocate_prompt(table, lookup, num_tokens) // layout.block_size
     try:
-        for i in range(cached, len(kv.frames)):
-            store.write(table.block_ids[i], kv.frames[i])
+        if cached < kv.num_blocks:
+            store.write(table.block_ids[cached:], kv.data, first=cached)
         blocks.register_full_blocks(table, kv.token_ids, num_tokens)
     finally:
         blocks.free(table)  # into the prefix cache: held by no request until one matches them
-    return len(kv.frames) - cached
+    return kv.num_blocks - cached
 
 
 def _itemsize(dtype: str) -> int:
@@ -166,24 +203,31 @@ def _itemsize(dtype: str) -> int:
     return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
 
 
-def _block_bytes(block: Any) -> bytes:
-    if isinstance(block, np.ndarray):
-        return np.ascontiguousarray(block).tobytes()
+def _gather_torch(k_cache: list[Any], v_cache: list[Any], block_ids: list[int]) -> Any:
     import torch  # only torch backends hold torch tensors
 
-    return bytes(block.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    k0 = k_cache[0].view(torch.uint8)
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=k0.device)
+    out = torch.empty((len(k_cache), 2, len(block_ids), *k0.shape[1:]), dtype=torch.uint8, device=k0.device)
+    for layer, (k, v) in enumerate(zip(k_cache, v_cache, strict=True)):
+        torch.index_select(k.view(torch.uint8), 0, ids, out=out[layer, 0])
+        torch.index_select(v.view(torch.uint8), 0, ids, out=out[layer, 1])
+    return out
 
 
-def _write_block(cache: Any, block_id: int, data: bytes) -> None:
-    target = cache[block_id]
-    if isinstance(cache, np.ndarray):
-        if len(data) != target.nbytes:
-            raise KvLayoutError(f"a KV frame of {len(data)} bytes; a block here is {target.nbytes}")
-        cache[block_id] = np.frombuffer(data, dtype=cache.dtype).reshape(target.shape)
-        return
+def _write_torch(k_cache: list[Any], v_cache: list[Any], block_ids: list[int], data: bytes | Any,
+                 shape: tuple[int, ...], first: int) -> None:  # fmt: skip
     import torch
 
-    raw = target.view(torch.uint8)
-    if len(data) != raw.numel():
-        raise KvLayoutError(f"a KV frame of {len(data)} bytes; a block here is {raw.numel()}")
-    raw.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(raw.shape))
+    device = k_cache[0].device
+    if isinstance(data, torch.Tensor):
+        src = data.view(torch.uint8).reshape(shape)
+    else:  # a writable copy: torch reads no read-only buffers
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(shape)
+    if first or len(block_ids) < shape[2]:
+        src = src[:, :, first : first + len(block_ids)]
+    src = src.to(device)
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=device)
+    for layer, (k, v) in enumerate(zip(k_cache, v_cache, strict=True)):
+        k.view(torch.uint8).index_copy_(0, ids, src[layer, 0])
+        v.view(torch.uint8).index_copy_(0, ids, src[layer, 1])

@@ -14,6 +14,7 @@ from ops.binds import Bind, add_insecure_option, check_binds, is_local_endpoint,
 from ops.config import NON_NEGATIVE_FLOAT, PORT, POSITIVE_FLOAT, POSITIVE_INT, add_config_options
 from ops.curve_options import add_curve_options, curve_config
 from ops.secrets import add_redis_password_option, redis_url
+from worker.service.kv_transport import MODES
 
 if TYPE_CHECKING:
     from worker.executor.types import PeftCacheConfig, SpeculativeConfig
@@ -37,6 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-bind", default=None, metavar="ENDPOINT",
                    help="ZeroMQ endpoint where this worker takes KV blocks from prefill workers "
                    "(needed by --role decode or both to decode what prefill workers computed)")  # fmt: skip
+    p.add_argument("--kv-transfer", choices=MODES, default="auto",
+                   help="how this worker sends prompts' KV blocks to decode workers: frames (host bytes over "
+                   "ZeroMQ), cuda-ipc (a CUDA IPC handle of a device buffer: same host only), or auto (the "
+                   "default: CUDA IPC where the KV cache is on CUDA and the decode worker on this host, frames "
+                   "elsewhere); a handle that cannot be opened falls back to frames")  # fmt: skip
     p.add_argument("--redis", default=DEFAULT_REDIS, help=f"Redis URL (default {DEFAULT_REDIS})")
     add_redis_password_option(p)
     add_curve_options(p, "worker")
@@ -237,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
     from ops.process import exit_on_thread_crash, settle_gc, stop_with_launcher
     from ops.sd_notify import Notifier
     from worker.service.engine import EngineConfig, EngineFailed, EngineProcess
+    from worker.service.kv_transport import KvTransportError
     from worker.service.server import Listener, ListenError, ServiceConfig, WorkerService
 
     apply_config(args)
@@ -318,6 +325,7 @@ def run(args: argparse.Namespace) -> int:
                 lora_dir=args.lora_dir,
                 role=args.role,
                 kv_bind=args.kv_bind,
+                kv_transfer=args.kv_transfer,
             ),
             notifier,
             listener,
@@ -327,6 +335,10 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, lambda *_: service.request_drain())
         settle_gc()
         service.serve()
+    except KvTransportError as e:
+        logging.getLogger(__name__).critical("%s", e)
+        listener.close()
+        return 1
     finally:
         engine.shutdown()
     return 1 if service.engine_failure else 0

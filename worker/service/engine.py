@@ -28,7 +28,7 @@ import os
 import pickle
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -39,10 +39,19 @@ from worker.executor import types as ex
 from worker.executor.block_manager import BlockEvent
 from worker.executor.engine_core import StepOutput
 from worker.executor.kv_export import KvBlocks
-from worker.service.engine_kv import EngineKv, KvExported, KvImported
+from worker.service.engine_kv import (
+    EngineKv,
+    KvExported,
+    KvImported,
+    Returned,
+    cuda_devices,
+    host_id,
+)
+from worker.service.kv_transport import Transport
 
 if TYPE_CHECKING:
     from worker.executor import EngineCore
+    from worker.executor.kv_lent import IpcBuffer
     from worker.models.lora import LoraAdapter
 
 log = logging.getLogger(__name__)
@@ -115,6 +124,10 @@ class EngineInfo:
     lora_adapters: tuple[str, ...] = ()  # registered at start
     compute_threads: int = 1  # what the math libraries report after --cpu-threads
     block_size: int = 32  # tokens per KV block (KvCacheConfig.tokens_per_block): what gateways hash prompts by
+    # Where the KV cache is on CUDA: the UUIDs of the GPUs the engine sees and its host's id,
+    # what CUDA IPC handles of KV blocks are checked against (worker/backends/torch_kv_ipc.py).
+    cuda_devices: tuple[str, ...] = ()
+    host_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,16 +183,16 @@ class EngineProcess:
             raise EngineFailed(body)
         return body
 
-    def enqueue_requests(self, requests: Sequence[ex.Request], hand_offs: Sequence[int] = (),
+    def enqueue_requests(self, requests: Sequence[ex.Request], hand_offs: Mapping[int, Transport] | None = None,
                          model: str = "") -> list[int]:  # fmt: skip
         """Ids for the requests, at once; a request the executor refuses ends with an
         error response, as in process. `hand_offs`: the indexes of requests whose KV
         blocks (of model `model`) are exported when they end after their first token
-        (`kv_exports`): watched from before they run, however fast they end."""
+        (`kv_exports`), and how: watched from before they run, however fast they end."""
         with self._send_lock:
             ids = list(range(self._ids + 1, self._ids + 1 + len(requests)))
             self._ids += len(requests)
-            watched = [(ids[i], requests[i].input_token_ids, model) for i in hand_offs]
+            watched = [(ids[i], requests[i].input_token_ids, model, how) for i, how in (hand_offs or {}).items()]
             self._send(("submit", (list(zip(ids, requests, strict=True)), watched)))
         return ids
 
@@ -197,19 +210,28 @@ class EngineProcess:
         with self._send_lock:
             self._send(("lora_unload", (token, name)))
 
-    def import_kv(self, transfer_id: str, model: str, kv: KvBlocks) -> None:
-        """Write another worker's KV blocks into the prefix cache before whatever is sent
-        after this call; the engine answers with a KvImported (from `await_step`)."""
+    def import_kv(self, transfer_id: str, model: str, kv: KvBlocks, ipc: IpcBuffer | None = None,
+                  age_s: float = 0.0) -> None:  # fmt: skip
+        """Write another worker's KV blocks (or those of the buffer it lent `age_s` seconds
+        ago by CUDA IPC) into the prefix cache before whatever is sent after this call;
+        the engine answers with a KvImported (from `await_step`)."""
         with self._send_lock:
-            self._send(("kv_import", (transfer_id, model, kv)))
+            self._send(("kv_import", (transfer_id, model, kv, ipc, age_s)))
 
-    def await_step(self, timeout: float) -> StepOutput | LoraReply | KvImported | None:
-        """The engine's next step output (or answer to a LoRA load or unload, or to a KV
-        import), or None after `timeout` seconds."""
+    def return_kv(self, exec_id: int, outcome: Returned) -> None:
+        """How the loan of request `exec_id`'s buffer ended (EngineKv.returned): where the
+        decode worker could not open it, the engine answers with its blocks as a
+        KvExported (from `await_step`), to be sent as frames."""
+        with self._send_lock:
+            self._send(("kv_return", (exec_id, outcome)))
+
+    def await_step(self, timeout: float) -> StepOutput | LoraReply | KvImported | KvExported | None:
+        """The engine's next step output (or answer to a LoRA load or unload, to a KV
+        import, or to a lent buffer's return), or None after `timeout` seconds."""
         if not self._from.poll(timeout):
             return None
         message = pickle.loads(self._recv())
-        if isinstance(message, LoraReply | KvImported):
+        if isinstance(message, LoraReply | KvImported | KvExported):
             return message
         step: StepOutput
         step, self._load, kv_events, self.kv_exports = message
@@ -336,6 +358,7 @@ def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, tu
         return
     compute_threads = limit_compute_threads(config.cpu_threads)
     tokenizer = core.tokenizer
+    devices = cuda_devices(core)
     _send(outbox, ("ready", EngineInfo(
         model_path=path,
         backend=core.backend.name,
@@ -353,6 +376,8 @@ def _engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, tu
         lora_adapters=tuple(core.lora_names()),
         compute_threads=compute_threads,
         block_size=core.blocks.block_size,
+        cuda_devices=devices,
+        host_id=host_id() if devices else "",
     )))  # fmt: skip
     core.blocks.record_events()
     settle_gc()
@@ -391,6 +416,7 @@ def _serve(core: EngineCore, inbox: Connection, outbox: Connection, turned: ctyp
         if now - last_stats >= _ITERATION_STATS_S:
             out.iteration_stats, stats, last_stats = stats, [], now
         exports = kv.exports(out)
+        kv.expire()
         kv_events = core.blocks.take_events()
         if out or kv_events or exports or now - last_sent >= _IDLE_LOAD_S:
             _send(outbox, (out, core.load(), kv_events, exports))
@@ -423,13 +449,17 @@ class _Asked:
             kind, body = self.waiting.popleft()
             if kind == "submit":
                 requests, watched = body
-                for exec_id, prompt, model in watched:
-                    self.kv.watch(exec_id, prompt, model)
+                for exec_id, prompt, model, how in watched:
+                    self.kv.watch(exec_id, prompt, model, how)
                 self.core.add_requests(requests)
             elif kind == "cancel":
                 self.core.abort(body)
             elif kind == "kv_import":
                 _send(self.outbox, self.kv.import_(*body))
+            elif kind == "kv_return":
+                resend = self.kv.returned(*body)
+                if resend is not None:
+                    _send(self.outbox, resend)
             elif kind == "lora_load" and self.core.config.lora_enabled:
                 token, name, path = body
                 self._reader = self._reader or ThreadPoolExecutor(1, thread_name_prefix="lora-read")

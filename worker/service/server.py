@@ -41,7 +41,9 @@ from worker.service.ended_log import EndedLog
 from worker.service.engine import EngineFailed, EngineProcess, LoraReply
 from worker.service.engine_kv import KvExported, KvImported, ends_for_hand_off
 from worker.service.kv_publisher import KvPublisher
-from worker.service.kv_transfer import KvPushers, KvTransferError, from_frames, to_frames
+from worker.service.kv_sender import KvSender
+from worker.service.kv_transfer import KvPushers, KvTransferError, from_frames, ipc_of
+from worker.service.kv_transport import KvTransport, Mode
 from worker.service.lora_dir import LoraDir, PendingLoads, Taken
 from worker.service.redis_link import WorkerRedis
 
@@ -81,6 +83,7 @@ class ServiceConfig:
     # and where it takes KV blocks from prefill workers (None: it takes none).
     role: Literal["prefill", "decode", "both"] = "both"
     kv_bind: str | None = None
+    kv_transfer: Mode = "auto"  # how this worker sends KV blocks (worker/service/kv_transport.py)
 
 
 @dataclass(slots=True)
@@ -147,6 +150,8 @@ class WorkerService:
                  listener: Listener | None = None) -> None:  # fmt: skip
         self.engine = engine
         self.config = config
+        # First: a --kv-transfer this worker cannot serve stops it before anything opens.
+        self._kv_transport = KvTransport(config.kv_transfer, bool(engine.info.cuda_devices))
         self.notifier = notifier or Notifier(address="")
         self.drain = Drain(config.drain_timeout_s)
         self.limits = protocol.DEFAULT_LIMITS
@@ -216,12 +221,16 @@ class WorkerService:
         # Disaggregated serving: KV blocks in (the I/O thread) and out (the pump).
         self._kv_in: zmq.Socket | None = None
         if config.kv_bind is not None:
-            self._kv_in = self.ctx.socket(zmq.PULL)
+            self._kv_in = self.ctx.socket(zmq.ROUTER)
             self._kv_in.setsockopt(zmq.LINGER, 0)
             self._kv_in.bind(config.kv_bind)
             kv_address = self._kv_in.getsockopt_string(zmq.LAST_ENDPOINT).replace("0.0.0.0", socket.gethostname())
             self.redis.info = self.redis.info.model_copy(update={"kv_address": kv_address})
-        self._kv_out = KvPushers(self.ctx)
+        self._kv_out = KvSender(KvPushers(self.ctx, self.limits), engine, self._kv_transport, self.metrics)
+        # CUDA IPC transfers in: who lent each buffer (I/O thread), and the engine's answers
+        # for them (pump to I/O thread).
+        self._kv_lenders: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._kv_answers: collections.deque[tuple[str, bool]] = collections.deque()
         self._handoffs: dict[tuple[bytes, str], protocol.KvHandoff] = {}  # of this turn's submits
         self._handing_off: dict[int, protocol.KvHandoff] = {}  # by executor id, until the first token is out
         self._kv_arrived: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -274,6 +283,8 @@ class WorkerService:
                     self._stop_waiting_for_kv(time.monotonic())
                 while self._lora_replies:
                     self._answer_lora(self._lora_replies.popleft())
+                while self._kv_answers:
+                    self._answer_lender(*self._kv_answers.popleft())
                 if time.monotonic() >= next_tick:
                     self._tick()
                     next_tick = time.monotonic() + interval
@@ -377,7 +388,7 @@ class WorkerService:
         that waits for it (the engine's pipe keeps the order)."""
         for _ in socket_turn():
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                sender, *frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
@@ -386,12 +397,36 @@ class WorkerService:
                 log.warning("refused a KV transfer: %s", e)
                 self.metrics.kv_transferred("in", "refused")
                 continue
-            self.engine.import_kv(header.transfer_id, self.config.model_name, kv)
+            lent = header.cuda_ipc
+            if lent is not None:
+                info = self.engine.info
+                if lent.host_id != info.host_id or lent.device_uuid not in info.cuda_devices:
+                    # Its blocks come as frames instead; the continuation waits for those.
+                    log.warning("transfer %s: a CUDA IPC handle of GPU %s on %s cannot be opened here (%s); "
+                                "asking for frames", header.transfer_id, lent.device_uuid, lent.host_id,
+                                "no CUDA KV cache" if not info.cuda_devices else "another host or GPU")  # fmt: skip
+                    self.metrics.kv_transferred("in", "unopened")
+                    sock.send_multipart([sender, protocol.encode(protocol.KvAck(transfer_id=header.transfer_id,
+                                                                                opened=False))])  # fmt: skip
+                    continue
+                self._kv_lenders[header.transfer_id] = sender
+                if len(self._kv_lenders) > _KV_ARRIVED_KEPT:
+                    self._kv_lenders.popitem(last=False)
+            self.engine.import_kv(header.transfer_id, self.config.model_name, kv,
+                                  None if lent is None else ipc_of(lent), time.time() - header.sent_at)  # fmt: skip
             self._kv_arrived[header.transfer_id] = None
             if len(self._kv_arrived) > _KV_ARRIVED_KEPT:
                 self._kv_arrived.popitem(last=False)
             if header.transfer_id in self._awaiting_kv:
                 self._stop_waiting_for_kv(None, header.transfer_id)
+
+    def _answer_lender(self, transfer: str, opened: bool) -> None:
+        """Tell the worker that lent a buffer that its blocks were copied (it frees the
+        buffer), or that the handle did not open (it sends them as frames)."""
+        sender = self._kv_lenders.pop(transfer, None)
+        if sender is not None and self._kv_in is not None:
+            ack = protocol.KvAck(transfer_id=transfer, opened=opened)
+            self._kv_in.send_multipart([sender, protocol.encode(ack, self.limits)])
 
     def _stop_waiting_for_kv(self, now: float | None, transfer: str | None = None) -> None:
         """Enqueue the continuation waiting for `transfer`, or (given `now`) those whose
@@ -599,7 +634,8 @@ class WorkerService:
             return
         with self.table.lock:
             try:
-                hand_offs = [i for i, key in enumerate(taken) if key in self._handoffs]
+                hand_offs = {i: self._kv_transport.choose(self._handoffs[key].kv_address)
+                             for i, key in enumerate(taken) if key in self._handoffs}  # fmt: skip
                 exec_ids = self.engine.enqueue_requests([request for request, _ in taken.values()], hand_offs,
                                                         self.config.model_name)  # fmt: skip
             except Exception as e:  # a bug here must not stop the worker
@@ -715,37 +751,38 @@ class WorkerService:
                     self._lora_replies.append(step)  # answered by the I/O thread, which owns the socket
                 elif isinstance(step, KvImported):
                     self._imported(step)
+                elif isinstance(step, KvExported):
+                    self._kv_out.resend(step)
                 elif step is not None:
                     try:
                         self._deliver(step, out, exec_stats)
                     except Exception:  # keep pumping: one bad response must not hang every stream
                         log.exception("result pump: could not deliver a step of %d streams", len(step.ids))
                 self.ended_log.summarize(time.monotonic())
+                self._kv_out.take_answers()
         finally:
             self.ended_log.summarize(time.monotonic(), force=True)
             out.close(0)
-            self._kv_out.close()
+            self._kv_out.pushers.close()
 
     def _imported(self, done: KvImported) -> None:
+        if done.ipc:
+            self._kv_answers.append((done.transfer_id, done.opened))  # the I/O thread owns the socket
+        if not done.opened:
+            log.warning("transfer %s: the CUDA IPC handle did not open (%s); asking for frames", done.transfer_id,
+                        done.error)  # fmt: skip
+            self.metrics.kv_transferred("in", "unopened")
+            return
         if done.error is not None:
             log.warning("refused the KV blocks of transfer %s: %s", done.transfer_id, done.error)
             self.metrics.kv_transferred("in", "refused")
             return
-        self.metrics.kv_transferred("in", "ok", done.num_bytes, done.seconds)
+        self.metrics.kv_transferred("in", "copied" if done.ipc else "ok", done.num_bytes, done.seconds)
         log.debug("transfer %s: %d KV blocks imported in %.3f s", done.transfer_id, done.num_blocks, done.seconds)
 
     def _hand_off(self, entry: Active, handoff: protocol.KvHandoff, exported: KvExported, out: zmq.Socket) -> None:
         """A prefill's blocks to its decode worker, then the gateway told to continue it there."""
-        kv = exported.kv
-        frames = to_frames(handoff.transfer_id, kv) if kv is not None and kv.frames else None
-        sent = frames is not None and self._kv_out.send(handoff.kv_address, frames)
-        if kv is not None and sent:
-            self.metrics.kv_transferred("out", "ok", kv.num_bytes, exported.seconds)
-        elif frames is not None:
-            log.warning("request %s: the KV blocks for %s could not be queued; it is decoded without them",
-                        entry.name, handoff.kv_address)  # fmt: skip
-            self.metrics.kv_transferred("out", "dropped")
-        blocks = len(kv.frames) if kv is not None and sent else 0
+        blocks = self._kv_out.send(handoff, exported, entry.name)
         done = protocol.HandedOff(request_id=entry.request_id, transfer_id=handoff.transfer_id, num_blocks=blocks)
         out.send_multipart([entry.gateway, protocol.encode(done, self.limits)])
 
