@@ -18,23 +18,14 @@ import torch
 
 from tests.checkpoints import make_checkpoint
 from tests.gpu.kv_ipc_peer import MAX_TOKENS, PROMPT, core_of
-from worker.executor import EngineCore, Request
+from tests.gpu.test_kv_export_gpu import tokens_of
+from worker.executor import Request
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 ROOT = Path(__file__).parents[2]
-
-
-def tokens_of(core: EngineCore, request: Request) -> list[int]:
-    core.add_requests([(1, request)])
-    tokens: list[int] = []
-    while core.has_work:
-        for r in core.step().all_responses():
-            assert r.result is not None, r.error_msg
-            tokens += r.result.output_token_ids[0]
-    return tokens
 
 
 def peer(*args: str) -> subprocess.Popen[str]:
