@@ -74,6 +74,11 @@ class WorkerPeer:
         raise AssertionError(f"{count} {kind.__name__} not received within {timeout} s: {self.received}")
 
     def close(self) -> None:
+        # Leave the registry as found: a later module's gateway sharing this Redis would
+        # connect to the gone peer and log it lost.
+        keys = protocol.Keys()
+        self.redis.delete(keys.worker("peer"))
+        self.redis.zrem(keys.workers(), "peer")
         self.redis.close()
         self.sock.close(0)
         self.ctx.term()
