@@ -45,7 +45,7 @@ def prefill(checkpoint: str, address: str) -> dict[str, Any]:
     assert export.kv is not None and export.ipc is not None, export
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()
-    lent = kv.lent
+    shared = kv.shared
     pushers = KvPushers(zmq.Context.instance())
     frames = to_frames("t1", export.kv, cuda_ipc_of(export.ipc))
     assert pushers.send(address, frames)
@@ -58,7 +58,7 @@ def prefill(checkpoint: str, address: str) -> dict[str, Any]:
     torch.cuda.synchronize()
     freed = held - torch.cuda.memory_allocated()
     pushers.close()
-    return {"frames_sent": len(frames), "num_bytes": export.kv.num_bytes, "lent": lent, "lent_after": kv.lent,
+    return {"frames_sent": len(frames), "num_bytes": export.kv.num_bytes, "shared": shared, "shared_after": kv.shared,
             "opened": ack.opened, "freed": freed, "resent": resent is not None}  # fmt: skip
 
 

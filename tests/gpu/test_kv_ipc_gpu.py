@@ -56,9 +56,9 @@ def test_kv_blocks_cross_by_cuda_ipc_between_two_processes(tmp_path: Path, decod
 
     assert got["tokens"] == one_core
     assert sent["frames_sent"] == 1  # the header alone: the blocks stayed on the GPU
-    assert sent["lent"] == 1 and sent["lent_after"] == 0
+    assert sent["shared"] == 1 and sent["shared_after"] == 0
     assert isinstance(sent["freed"], int) and isinstance(sent["num_bytes"], int)
-    assert sent["freed"] >= sent["num_bytes"]  # the lent buffer went back to the allocator
+    assert sent["freed"] >= sent["num_bytes"]  # the shared buffer went back to the allocator
     assert got["num_blocks"] == 4 and got["reused"] == 4  # the prompt's blocks were not recomputed
     if decode_side == "copies":
         assert got["ipc"] and got["opened"] and not got["via_frames"], got

@@ -1,5 +1,5 @@
 """Disaggregated serving on one GPU with real workers (worker/service/kv_sender.py,
-worker/service/server.py): a prefill worker under `--kv-transfer cuda-ipc` lends its
+worker/service/server.py): a prefill worker under `--kv-transfer cuda-ipc` shares its
 blocks to the decode worker, which copies them GPU to GPU and answers, and the stream
 gives the tokens of one worker doing the whole request. Needs redis-server beside CUDA."""
 
@@ -55,9 +55,9 @@ def test_workers_on_one_gpu_move_kv_blocks_by_cuda_ipc(redis_url: str, tmp_path:
         assert got.token_ids == whole.token_ids and streamed == whole.token_ids
         assert s.request_stats(future.request_id)["worker"] == s.workers[1].worker_id
         deadline = time.monotonic() + 10
-        while transfers(prefill_port, "out", "acked") < 1:  # the answer frees the lent buffer
+        while transfers(prefill_port, "out", "acked") < 1:  # the answer frees the shared buffer
             assert time.monotonic() < deadline, "the decode worker's answer did not come back"
             time.sleep(0.05)
-        assert transfers(prefill_port, "out", "lent") == 1 and transfers(prefill_port, "out", "ok") == 0
+        assert transfers(prefill_port, "out", "shared") == 1 and transfers(prefill_port, "out", "ok") == 0
         assert transfers(decode_port, "in", "copied") == 1 and transfers(decode_port, "in", "ok") == 0
         assert transfers(prefill_port, "out", "unopened") == 0

@@ -21,7 +21,7 @@ from clients.client import Client
 from tests.procs import CLIENT_OPTIONS, Stack, free_port, stack
 from worker.executor import EngineCore, ExecutorConfig
 from worker.executor.kv_export import KvBlocks, layout_of, store_of
-from worker.executor.kv_lent import IpcBuffer
+from worker.executor.kv_shared import IpcBuffer
 from worker.service.__main__ import model_name_of
 from worker.service.kv_transfer import cuda_ipc_of, to_frames
 
@@ -111,14 +111,14 @@ def test_a_cuda_ipc_handle_the_decode_worker_cannot_open_is_answered_and_frames_
         core = EngineCore.from_model(long_model, ExecutorConfig(backend="numpy", deterministic=True))
         layout = layout_of(core.blocks, store_of(core.backend), model_name_of(long_model), 1)
         kv = KvBlocks(layout, tuple(PROMPT[:64]), bytes(2 * layout.bytes_per_block))
-        lent = IpcBuffer(host_id="elsewhere/0", device_uuid="GPU-0", handle=bytes(64), offset=0,
+        shared = IpcBuffer(host_id="elsewhere/0", device_uuid="GPU-0", handle=bytes(64), offset=0,
                          size=len(kv.data), ref_counter="/torch_1_1", ref_counter_offset=0,
                          event_handle=bytes(64), event_sync_required=False)  # fmt: skip
         ctx = zmq.Context()
         prefill = ctx.socket(zmq.DEALER)
         prefill.connect(kv_address)
         try:
-            prefill.send_multipart(to_frames("t-ipc", kv, cuda_ipc_of(lent)))
+            prefill.send_multipart(to_frames("t-ipc", kv, cuda_ipc_of(shared)))
             assert prefill.poll(10_000), "no answer to a CUDA IPC handle"
             ack = protocol.decode(prefill.recv())
             assert ack == protocol.KvAck(transfer_id="t-ipc", opened=False)

@@ -1,4 +1,4 @@
-"""KV blocks lent to another process on the same host by CUDA IPC: the prefill side
+"""KV blocks shared to another process on the same host by CUDA IPC: the prefill side
 gathers a prompt's blocks into one device buffer and shares it; the decode side maps
 that buffer and copies it device to device into its own blocks, with no trip through
 the host or the network.
@@ -16,7 +16,7 @@ unpickled: every field is a plain value on the wire (protocol.CudaIpcBuffer).
 torch's counter keeps a buffer alive for a receiver that never lets go, and a receiver
 that dies or never opens the handle never lets go. So the sender does not rely on it
 alone: it holds each buffer until the receiver acknowledges, or until a timeout
-passes (worker/executor/kv_lent.py), and then releases the receiver's count itself (`give_up`) so the memory goes
+passes (worker/executor/kv_shared.py), and then releases the receiver's count itself (`give_up`) so the memory goes
 back to the allocator. A receiver opens only handles younger than `OPEN_WITHIN_S`, well
 inside that time, so a buffer is never freed under a copy.
 
@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from worker.executor.kv_lent import IpcBuffer
+from worker.executor.kv_shared import IpcBuffer
 
 # A receiver opens no handle older than this (on the host's one clock): a third of the time
-# the sender keeps a buffer unanswered (worker/executor/kv_lent.py's LENT_FOR_S).
+# the sender keeps a buffer unanswered (worker/executor/kv_shared.py's SHARED_FOR_S).
 OPEN_WITHIN_S = 10.0
 _REF_COUNTER = re.compile(r"/torch_[0-9_]+")  # the shared-memory file names torch gives its counters
 

@@ -58,7 +58,7 @@ class KvBlocks:
     """Full KV blocks of a token prefix in one buffer: [num_layers, 2 (K, V), num_blocks,
     block_size, num_kv_heads, head_dim] in `layout.dtype`, C order (protocol.KV_FORMAT).
     `data` is the bytes on the host, or a torch tensor of that layout's bytes on a device
-    (a buffer another process lent by CUDA IPC: worker/backends/torch_kv_ipc.py)."""
+    (a buffer another process shared by CUDA IPC: worker/backends/torch_kv_ipc.py)."""
 
     layout: KvLayout
     token_ids: tuple[int, ...]  # the tokens the blocks hold: block_size per block

@@ -51,7 +51,7 @@ from worker.service.kv_transport import Transport
 
 if TYPE_CHECKING:
     from worker.executor import EngineCore
-    from worker.executor.kv_lent import IpcBuffer
+    from worker.executor.kv_shared import IpcBuffer
     from worker.models.lora import LoraAdapter
 
 log = logging.getLogger(__name__)
@@ -212,7 +212,7 @@ class EngineProcess:
 
     def import_kv(self, transfer_id: str, model: str, kv: KvBlocks, ipc: IpcBuffer | None = None,
                   age_s: float = 0.0) -> None:  # fmt: skip
-        """Write another worker's KV blocks (or those of the buffer it lent `age_s` seconds
+        """Write another worker's KV blocks (or those of the buffer it shared `age_s` seconds
         ago by CUDA IPC) into the prefix cache before whatever is sent after this call;
         the engine answers with a KvImported (from `await_step`)."""
         with self._send_lock:
@@ -227,7 +227,7 @@ class EngineProcess:
 
     def await_step(self, timeout: float) -> StepOutput | LoraReply | KvImported | KvExported | None:
         """The engine's next step output (or answer to a LoRA load or unload, to a KV
-        import, or to a lent buffer's return), or None after `timeout` seconds."""
+        import, or to a shared buffer's return), or None after `timeout` seconds."""
         if not self._from.poll(timeout):
             return None
         message = pickle.loads(self._recv())

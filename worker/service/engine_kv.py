@@ -4,7 +4,7 @@ Both run between engine steps (worker/executor/kv_export.py does the reading and
 writing); what they give crosses the pipe to the worker, which does the sending.
 
 A hand-off's blocks leave as host bytes (the frames transport) or, where the worker
-chose CUDA IPC and the cache is on CUDA, in a device buffer lent to the decode worker
+chose CUDA IPC and the cache is on CUDA, in a device buffer shared to the decode worker
 (worker/backends/torch_kv_ipc.py) and held here until the worker passes on its answer
 (`returned`) or the loan runs out."""
 
@@ -26,14 +26,14 @@ from worker.executor.kv_export import (
     store_of,
     write_blocks,
 )
-from worker.executor.kv_lent import LENT_FOR_S, LentBuffers
+from worker.executor.kv_shared import SHARED_FOR_S, SharedBuffers
 from worker.executor.step_output import StepOutput
 from worker.executor.types import Response
 from worker.service.kv_transport import Transport
 
 if TYPE_CHECKING:
     from worker.executor import EngineCore
-    from worker.executor.kv_lent import IpcBuffer
+    from worker.executor.kv_shared import IpcBuffer
 
 Returned = Literal["copied", "refused", "unsent"]  # how a loan ended (EngineKv.returned)
 
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 class KvExported:
     """A handed-off request's blocks, and how long reading them took (None where none can
     be exported: the backend keeps no cache to read). With `ipc`, the blocks' `data` is
-    empty: they are in the device buffer lent under that handle."""
+    empty: they are in the device buffer shared under that handle."""
 
     exec_id: int
     kv: KvBlocks | None
@@ -61,7 +61,7 @@ class KvImported:
     num_bytes: int
     seconds: float
     error: str | None = None
-    ipc: bool = False  # the blocks were lent by CUDA IPC: the sender waits for an answer
+    ipc: bool = False  # the blocks were shared by CUDA IPC: the sender waits for an answer
     opened: bool = True  # (by CUDA IPC) the handle opened here; if not, the sender sends frames
 
 
@@ -105,7 +105,7 @@ class EngineKv:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
         self._watched: dict[int, _Watched] = {}
-        self._lent = LentBuffers(LENT_FOR_S)  # the KvBlocks of each lent buffer, by executor id
+        self._shared = SharedBuffers(SHARED_FOR_S)  # the KvBlocks of each shared buffer, by executor id
 
     def layout(self, model: str) -> KvLayout:
         core = self.core
@@ -157,7 +157,7 @@ class EngineKv:
 
                 buffer = store.gather(block_ids)
                 shared = torch_kv_ipc.share(buffer)
-                self._lent.lend(exec_id, KvBlocks(layout, covered, buffer), lambda: torch_kv_ipc.give_up(shared))
+                self._shared.keep(exec_id, KvBlocks(layout, covered, buffer), lambda: torch_kv_ipc.give_up(shared))
                 return KvExported(exec_id, KvBlocks(layout, covered, b""), time.perf_counter() - began, shared)
             data = store.read(block_ids) if block_ids else b""
         except _out_of_memory(on_cuda) as e:  # no room for the buffer: the decode worker computes the prompt
@@ -170,28 +170,28 @@ class EngineKv:
         open it (its blocks come back as host bytes, to be sent as frames), or never got
         the handle (freed). None but for the second, or where the loan had run out."""
         if outcome == "copied":
-            self._lent.copied(exec_id)
+            self._shared.copied(exec_id)
             return None
-        lent: KvBlocks | None = self._lent.refused(exec_id)
-        if outcome == "unsent" or lent is None:
+        returned: KvBlocks | None = self._shared.refused(exec_id)
+        if outcome == "unsent" or returned is None:
             return None
-        device_buffer: Any = lent.data
-        return KvExported(exec_id, dataclasses.replace(lent, data=bytes(device_buffer.cpu().numpy().data)))
+        device_buffer: Any = returned.data
+        return KvExported(exec_id, dataclasses.replace(returned, data=bytes(device_buffer.cpu().numpy().data)))
 
     def expire(self) -> None:
         """Free the buffers whose loan ran out unanswered."""
-        for exec_id in self._lent.expire():
-            log.warning("request %d: its lent KV buffer was not acknowledged; freed", exec_id)
+        for exec_id in self._shared.expire():
+            log.warning("request %d: its shared KV buffer was not acknowledged; freed", exec_id)
 
     @property
-    def lent(self) -> int:
-        """Buffers lent and not yet returned."""
-        return len(self._lent)
+    def shared(self) -> int:
+        """Buffers shared and not yet returned."""
+        return len(self._shared)
 
     def import_(self, transfer_id: str, model: str, kv: KvBlocks, ipc: IpcBuffer | None = None,
                 age_s: float = 0.0) -> KvImported:  # fmt: skip
         """Write another worker's blocks into the prefix cache: bytes, or (`ipc`) a buffer
-        it lent `age_s` seconds ago, copied device to device and let go of before this
+        it shared `age_s` seconds ago, copied device to device and let go of before this
         returns (so that the answer frees it)."""
         began = time.perf_counter()
         if ipc is not None:

@@ -1,6 +1,6 @@
 """The prefill side of KV transfers in the worker: each hand-off's blocks, or the handle
-of the device buffer lent with them, sent to its decode worker; the decode workers'
-answers to lent buffers passed on to the engine, which frees them, and the blocks of a
+of the device buffer shared with them, sent to its decode worker; the decode workers'
+answers to shared buffers passed on to the engine, which frees them, and the blocks of a
 buffer that could not be opened sent again as frames. Runs on the result pump's
 thread, which owns these sockets."""
 
@@ -11,7 +11,7 @@ import time
 
 import protocol
 from ops.metrics import WorkerMetrics
-from worker.executor.kv_lent import LENT_FOR_S
+from worker.executor.kv_shared import SHARED_FOR_S
 from worker.service.engine import EngineProcess
 from worker.service.engine_kv import KvExported
 from worker.service.kv_transfer import KvPushers, cuda_ipc_of, to_frames
@@ -27,7 +27,7 @@ class KvSender:
         self.engine = engine
         self.transport = transport
         self.metrics = metrics
-        self._lent: dict[str, tuple[int, str, float]] = {}  # by transfer: executor id, decode endpoint, due
+        self._shared: dict[str, tuple[int, str, float]] = {}  # by transfer: executor id, decode endpoint, due
         self._resending: dict[int, tuple[str, str]] = {}  # by executor id: transfer, decode endpoint
 
     def send(self, handoff: protocol.KvHandoff, exported: KvExported, request: str) -> int:
@@ -35,29 +35,30 @@ class KvSender:
         kv = exported.kv
         if kv is None or not kv.num_blocks:
             return 0
-        lent = None if exported.ipc is None else cuda_ipc_of(exported.ipc)
-        if self.pushers.send(handoff.kv_address, to_frames(handoff.transfer_id, kv, lent, self.pushers.limits)):
-            self.metrics.kv_transferred("out", "ok" if lent is None else "lent", kv.num_bytes, exported.seconds)
-            if lent is not None:
-                self._lent[handoff.transfer_id] = (exported.exec_id, handoff.kv_address, time.monotonic() + LENT_FOR_S)
+        shared = None if exported.ipc is None else cuda_ipc_of(exported.ipc)
+        if self.pushers.send(handoff.kv_address, to_frames(handoff.transfer_id, kv, shared, self.pushers.limits)):
+            self.metrics.kv_transferred("out", "ok" if shared is None else "shared", kv.num_bytes, exported.seconds)
+            if shared is not None:
+                due = time.monotonic() + SHARED_FOR_S
+                self._shared[handoff.transfer_id] = (exported.exec_id, handoff.kv_address, due)
             return kv.num_blocks
         log.warning("request %s: the KV blocks for %s could not be queued; it is decoded without them", request,
                     handoff.kv_address)  # fmt: skip
         self.metrics.kv_transferred("out", "dropped")
-        if lent is not None:
+        if shared is not None:
             self.engine.return_kv(exported.exec_id, "unsent")
         return 0
 
     def take_answers(self) -> None:
-        """The decode workers' answers to lent buffers, passed to the engine; the loans past
+        """The decode workers' answers to shared buffers, passed to the engine; the loans past
         their time are forgotten here as the engine frees them."""
-        if not self._lent:
+        if not self._shared:
             return
         for address, ack in self.pushers.acks():
-            lent = self._lent.pop(ack.transfer_id, None)
-            if lent is None or lent[1] != address:
+            shared = self._shared.pop(ack.transfer_id, None)
+            if shared is None or shared[1] != address:
                 continue
-            exec_id = lent[0]
+            exec_id = shared[0]
             if ack.opened:
                 self.metrics.kv_transferred("out", "acked")
                 self.engine.return_kv(exec_id, "copied")
@@ -69,12 +70,12 @@ class KvSender:
             self._resending[exec_id] = (ack.transfer_id, address)
             self.engine.return_kv(exec_id, "refused")
         now = time.monotonic()
-        for transfer in [t for t, (_, _, due) in self._lent.items() if now >= due]:
-            del self._lent[transfer]
+        for transfer in [t for t, (_, _, due) in self._shared.items() if now >= due]:
+            del self._shared[transfer]
             self.metrics.kv_transferred("out", "expired")
 
     def resend(self, exported: KvExported) -> None:
-        """The blocks of a lent buffer the decode worker could not open, as frames."""
+        """The blocks of a shared buffer the decode worker could not open, as frames."""
         transfer, address = self._resending.pop(exported.exec_id, ("", ""))
         if exported.kv is None or not transfer:
             return

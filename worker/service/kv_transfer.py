@@ -21,7 +21,7 @@ import zmq
 
 import protocol
 from worker.executor.kv_export import KvBlocks, KvLayout
-from worker.executor.kv_lent import IpcBuffer
+from worker.executor.kv_shared import IpcBuffer
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class KvTransferError(ValueError):
 def to_frames(transfer_id: str, kv: KvBlocks, cuda_ipc: protocol.CudaIpcBuffer | None = None,
               limits: protocol.Limits = protocol.DEFAULT_LIMITS) -> list[bytes]:  # fmt: skip
     """The message of a transfer: the header, then the blocks' bytes (none where they are
-    lent by `cuda_ipc`)."""
+    shared by `cuda_ipc`)."""
     layout = kv.layout
     header = protocol.KvTransfer(
         transfer_id=transfer_id,
@@ -86,12 +86,12 @@ def from_frames(
     return header, KvBlocks(layout, tuple(header.token_ids), frames[1])
 
 
-def cuda_ipc_of(lent: IpcBuffer) -> protocol.CudaIpcBuffer:
-    return protocol.CudaIpcBuffer(**{name: getattr(lent, name) for name in IpcBuffer.__dataclass_fields__})
+def cuda_ipc_of(shared: IpcBuffer) -> protocol.CudaIpcBuffer:
+    return protocol.CudaIpcBuffer(**{name: getattr(shared, name) for name in IpcBuffer.__dataclass_fields__})
 
 
-def ipc_of(lent: protocol.CudaIpcBuffer) -> IpcBuffer:
-    return IpcBuffer(**{name: getattr(lent, name) for name in IpcBuffer.__dataclass_fields__})
+def ipc_of(shared: protocol.CudaIpcBuffer) -> IpcBuffer:
+    return IpcBuffer(**{name: getattr(shared, name) for name in IpcBuffer.__dataclass_fields__})
 
 
 class KvPushers:

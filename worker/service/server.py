@@ -227,9 +227,9 @@ class WorkerService:
             kv_address = self._kv_in.getsockopt_string(zmq.LAST_ENDPOINT).replace("0.0.0.0", socket.gethostname())
             self.redis.info = self.redis.info.model_copy(update={"kv_address": kv_address})
         self._kv_out = KvSender(KvPushers(self.ctx, self.limits), engine, self._kv_transport, self.metrics)
-        # CUDA IPC transfers in: who lent each buffer (I/O thread), and the engine's answers
+        # CUDA IPC transfers in: who shared each buffer (I/O thread), and the engine's answers
         # for them (pump to I/O thread).
-        self._kv_lenders: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._kv_sources: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self._kv_answers: collections.deque[tuple[str, bool]] = collections.deque()
         self._handoffs: dict[tuple[bytes, str], protocol.KvHandoff] = {}  # of this turn's submits
         self._handing_off: dict[int, protocol.KvHandoff] = {}  # by executor id, until the first token is out
@@ -284,7 +284,7 @@ class WorkerService:
                 while self._lora_replies:
                     self._answer_lora(self._lora_replies.popleft())
                 while self._kv_answers:
-                    self._answer_lender(*self._kv_answers.popleft())
+                    self._answer_source(*self._kv_answers.popleft())
                 if time.monotonic() >= next_tick:
                     self._tick()
                     next_tick = time.monotonic() + interval
@@ -397,33 +397,33 @@ class WorkerService:
                 log.warning("refused a KV transfer: %s", e)
                 self.metrics.kv_transferred("in", "refused")
                 continue
-            lent = header.cuda_ipc
-            if lent is not None:
+            shared = header.cuda_ipc
+            if shared is not None:
                 info = self.engine.info
-                if lent.host_id != info.host_id or lent.device_uuid not in info.cuda_devices:
+                if shared.host_id != info.host_id or shared.device_uuid not in info.cuda_devices:
                     # Its blocks come as frames instead; the continuation waits for those.
                     log.warning("transfer %s: a CUDA IPC handle of GPU %s on %s cannot be opened here (%s); "
-                                "asking for frames", header.transfer_id, lent.device_uuid, lent.host_id,
+                                "asking for frames", header.transfer_id, shared.device_uuid, shared.host_id,
                                 "no CUDA KV cache" if not info.cuda_devices else "another host or GPU")  # fmt: skip
                     self.metrics.kv_transferred("in", "unopened")
                     sock.send_multipart([sender, protocol.encode(protocol.KvAck(transfer_id=header.transfer_id,
                                                                                 opened=False))])  # fmt: skip
                     continue
-                self._kv_lenders[header.transfer_id] = sender
-                if len(self._kv_lenders) > _KV_ARRIVED_KEPT:
-                    self._kv_lenders.popitem(last=False)
+                self._kv_sources[header.transfer_id] = sender
+                if len(self._kv_sources) > _KV_ARRIVED_KEPT:
+                    self._kv_sources.popitem(last=False)
             self.engine.import_kv(header.transfer_id, self.config.model_name, kv,
-                                  None if lent is None else ipc_of(lent), time.time() - header.sent_at)  # fmt: skip
+                                  None if shared is None else ipc_of(shared), time.time() - header.sent_at)  # fmt: skip
             self._kv_arrived[header.transfer_id] = None
             if len(self._kv_arrived) > _KV_ARRIVED_KEPT:
                 self._kv_arrived.popitem(last=False)
             if header.transfer_id in self._awaiting_kv:
                 self._stop_waiting_for_kv(None, header.transfer_id)
 
-    def _answer_lender(self, transfer: str, opened: bool) -> None:
-        """Tell the worker that lent a buffer that its blocks were copied (it frees the
+    def _answer_source(self, transfer: str, opened: bool) -> None:
+        """Tell the worker that shared a buffer that its blocks were copied (it frees the
         buffer), or that the handle did not open (it sends them as frames)."""
-        sender = self._kv_lenders.pop(transfer, None)
+        sender = self._kv_sources.pop(transfer, None)
         if sender is not None and self._kv_in is not None:
             ack = protocol.KvAck(transfer_id=transfer, opened=opened)
             self._kv_in.send_multipart([sender, protocol.encode(ack, self.limits)])

@@ -127,7 +127,7 @@ def test_the_torch_backends_cache_exports_and_imports_the_same_way(tiny_llama: P
     prefill, decode = (EngineCore.from_model(tiny_llama, config(backend="torch")) for _ in range(2))
     first = tokens_of(prefill, dataclasses.replace(whole, max_tokens=1))
     kv = export_prefix(prefill, "tiny", PROMPT + first)
-    # A tensor is what a buffer lent by CUDA IPC opens as (worker/backends/torch_kv_ipc.py).
+    # A tensor is what a buffer shared by CUDA IPC opens as (worker/backends/torch_kv_ipc.py).
     data = kv.data if source == "bytes" else torch.frombuffer(bytearray(kv.data), dtype=torch.uint8)
     assert import_blocks(decode, "tiny", dataclasses.replace(kv, data=data)) == 3
     rest = tokens_of(decode, dataclasses.replace(whole, resumed_token_ids=first))

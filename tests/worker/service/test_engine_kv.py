@@ -1,5 +1,5 @@
 """The engine process's side of KV transfers (worker/service/engine_kv.py) on a KV cache
-off CUDA: a hand-off asked to go by CUDA IPC goes as bytes and lends nothing, and a
+off CUDA: a hand-off asked to go by CUDA IPC goes as bytes and shares nothing, and a
 CUDA IPC handle that cannot be opened here is answered `opened=False` (the sender then
 sends frames) with nothing written."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from worker.executor import EngineCore, ExecutorConfig, KvCacheConfig, Request
 from worker.executor.kv_export import KvBlocks
-from worker.executor.kv_lent import IpcBuffer
+from worker.executor.kv_shared import IpcBuffer
 from worker.service.engine_kv import EngineKv, KvExported
 
 PROMPT = [11, 52, 7, 300, 41, 9, 18, 77, 5, 123, 64, 12, 3, 99]  # 3 full blocks of 4 and 2 tokens
@@ -40,7 +40,7 @@ def test_a_hand_off_asked_to_go_by_cuda_ipc_goes_as_bytes_off_cuda(tiny_llama: P
     exported = hand_off(core, kv, "cuda_ipc")
     assert exported.ipc is None and exported.kv is not None
     assert exported.kv.num_blocks == 3 and len(exported.kv.data) == exported.kv.num_bytes
-    assert kv.lent == 0
+    assert kv.shared == 0
 
 
 WHY = {
@@ -59,11 +59,11 @@ def test_a_handle_that_cannot_be_opened_is_answered_so_and_nothing_is_written(ti
     exported = hand_off(prefill, EngineKv(prefill), "frames")
     assert exported.kv is not None
     host, age_s, why = WHY[where]
-    lent = IpcBuffer(host_id=host or host_id(), device_uuid="GPU-0",
+    shared = IpcBuffer(host_id=host or host_id(), device_uuid="GPU-0",
                      handle=bytes(64), offset=0, size=exported.kv.num_bytes, ref_counter="/torch_1_1",
                      ref_counter_offset=0, event_handle=bytes(64), event_sync_required=False)  # fmt: skip
     kv = EngineKv(decode)
-    done = kv.import_("t1", "tiny", KvBlocks(exported.kv.layout, exported.kv.token_ids, b""), lent, age_s)
+    done = kv.import_("t1", "tiny", KvBlocks(exported.kv.layout, exported.kv.token_ids, b""), shared, age_s)
     assert done.ipc and not done.opened and done.num_blocks == 0
     assert done.error is not None
     assert why in done.error

@@ -1,5 +1,5 @@
 """KV transfer messages (worker/service/kv_transfer.py): a header and one frame of raw
-bytes that read back as the blocks sent, a header alone for blocks lent by CUDA IPC,
+bytes that read back as the blocks sent, a header alone for blocks shared by CUDA IPC,
 and every malformed message refused with what is wrong."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import pytest
 
 import protocol
 from worker.executor.kv_export import KvBlocks, KvLayout
-from worker.executor.kv_lent import IpcBuffer
+from worker.executor.kv_shared import IpcBuffer
 from worker.service.kv_transfer import KvTransferError, cuda_ipc_of, from_frames, ipc_of, to_frames
 
 LAYOUT = KvLayout("tiny", num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32",
                   tensor_parallel_size=1)  # fmt: skip
 BLOCK = 2 * 2 * 4 * 2 * 8 * 4  # K and V of two layers: block_size x heads x head_dim float32 each
-LENT = IpcBuffer(host_id="h/boot", device_uuid="GPU-1", handle=b"\x01" * 64, offset=512, size=3 * BLOCK,
+SHARED = IpcBuffer(host_id="h/boot", device_uuid="GPU-1", handle=b"\x01" * 64, offset=512, size=3 * BLOCK,
                  ref_counter="/torch_1_2_3", ref_counter_offset=4, event_handle=b"\x02" * 64,
                  event_sync_required=True)  # fmt: skip
 
@@ -33,20 +33,20 @@ def test_frames_read_back_as_the_blocks_sent() -> None:
     assert got == sent
 
 
-def test_blocks_lent_by_cuda_ipc_are_a_header_alone_naming_the_buffer() -> None:
-    frames = to_frames("t2", blocks(3), cuda_ipc_of(LENT))
+def test_blocks_shared_by_cuda_ipc_are_a_header_alone_naming_the_buffer() -> None:
+    frames = to_frames("t2", blocks(3), cuda_ipc_of(SHARED))
     assert len(frames) == 1
     header, got = from_frames(frames)
-    assert header.cuda_ipc is not None and ipc_of(header.cuda_ipc) == LENT
+    assert header.cuda_ipc is not None and ipc_of(header.cuda_ipc) == SHARED
     assert got.token_ids == blocks(3).token_ids and got.data == b""
 
 
-def test_a_lent_buffer_of_the_wrong_size_is_refused() -> None:
-    lent = cuda_ipc_of(LENT).model_copy(update={"size": 2 * BLOCK})
+def test_a_shared_buffer_of_the_wrong_size_is_refused() -> None:
+    shared = cuda_ipc_of(SHARED).model_copy(update={"size": 2 * BLOCK})
     with pytest.raises(KvTransferError, match=f"are {3 * BLOCK} bytes; the CUDA IPC buffer holds {2 * BLOCK}"):
-        from_frames(to_frames("t2", blocks(3), lent))
+        from_frames(to_frames("t2", blocks(3), shared))
     with pytest.raises(KvTransferError, match="is its header alone; got 1 more frames"):
-        from_frames([*to_frames("t2", blocks(3), cuda_ipc_of(LENT)), b"x"])
+        from_frames([*to_frames("t2", blocks(3), cuda_ipc_of(SHARED)), b"x"])
 
 
 def test_a_frame_missing_or_of_the_wrong_size_is_refused() -> None:

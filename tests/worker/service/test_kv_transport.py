@@ -1,7 +1,7 @@
 """How a prefill worker sends KV blocks (worker/service/kv_transport.py): frames
 wherever the KV cache is not on CUDA, CUDA IPC under auto only toward a decode worker
 on this host that has not refused a handle, and cuda-ipc refused by name on a worker
-that cannot lend device buffers."""
+that cannot share device buffers."""
 
 from __future__ import annotations
 
