@@ -118,7 +118,7 @@ def layer_rows(shape: MoeShape, fmt: Format, tokens: list[int], tile: Tile | Non
         fused_s = graph_call_seconds(partial(fused_moe, x, experts, ids, weights, shape.activation, tile), device)
         ref_s = eager_seconds(partial(reference_moe, x, experts, ids, weights, shape.activation), device)
         roof_s = nbytes / bandwidth
-        used = tile or tile_for(t)
+        used = tile or tile_for(t, fmt)
         rows.append([shape.name, fmt, str(t), str(touched), f"{nbytes / 1e6:.1f}", f"{fused_s * 1e6:.1f}",
                      f"{ref_s * 1e6:.0f}", f"{roof_s * 1e6:.1f}", f"{fused_s / roof_s:.2f}", f"{ref_s / fused_s:.1f}",
                      f"{used.block_m}x{used.block_n}x{used.block_k}"])  # fmt: skip

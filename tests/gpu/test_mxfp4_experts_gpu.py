@@ -63,6 +63,11 @@ def test_packed_experts_hold_the_bytes_packing_implies(tmp_path: Path) -> None:
     packed_dir, exact_dir = mxfp4_and_float_twins(tmp_path)
     cfg = load_model(packed_dir, load_weights=False).config
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+
+    def words(inputs: int) -> int:  # scale words a row: four 32-input groups each
+        return -(-inputs // 128)
+
+    scale_bytes = 4 * (2 * i * words(h) + h * words(i))  # an expert's
     held = {}
     for label, directory in (("mxfp4", packed_dir), ("bf16", exact_dir)):
         gc.collect()
@@ -74,18 +79,20 @@ def test_packed_experts_hold_the_bytes_packing_implies(tmp_path: Path) -> None:
         if label == "mxfp4":
             for experts in moe_layers(backend):
                 f = experts.fused
-                assert f.gate_up.dtype == f.down.dtype == f.gate_up_scale.dtype == f.down_scale.dtype == torch.uint8
+                assert f.gate_up.dtype == f.down.dtype == torch.uint8
+                assert f.gate_up_scale.dtype == f.down_scale.dtype == torch.int32  # four E8M0 scales a word
                 assert tuple(f.gate_up.shape) == (e, 2 * i, h // 2)
-                assert tuple(f.gate_up_scale.shape) == (e, 2 * i, h // 32)
-                assert tuple(f.down.shape) == (e, h, i // 2) and tuple(f.down_scale.shape) == (e, h, i // 32)
-                # an expert's 3 h i weights at 17/32 of a byte, then its bf16 biases
-                assert f.nbytes_per_expert() == 3 * h * i * 17 // 32 + (2 * i + h) * 2
+                assert tuple(f.gate_up_scale.shape) == (e, words(h), 2 * i)
+                assert tuple(f.down.shape) == (e, h, i // 2) and tuple(f.down_scale.shape) == (e, words(i), h)
+                # an expert's 3 h i weights at half a byte, its scale words, then its bf16 biases
+                assert f.nbytes_per_expert() == 3 * h * i // 2 + scale_bytes + (2 * i + h) * 2
         del backend
-    # The whole model: every expert weight 2 bytes in bf16, 17/32 packed; the rest alike
-    # (the allocator rounds each of a layer's 4 packed tensors to 512 bytes).
+    # The whole model: every expert weight 2 bytes in bf16, half a byte packed plus its
+    # scales; the rest alike (the allocator rounds each of a layer's 4 packed tensors to 512 bytes).
     layers = len(cfg.moe_layers)
     weights = layers * e * 3 * h * i
-    assert held["bf16"] - held["mxfp4"] == pytest.approx(weights * (2 - 17 / 32), abs=4 * 512 * layers)
+    packed = weights // 2 + layers * e * scale_bytes
+    assert held["bf16"] - held["mxfp4"] == pytest.approx(weights * 2 - packed, abs=4 * 512 * layers)
 
 
 @pytest.mark.slow

@@ -5,10 +5,10 @@ out [T, H] = sum_j topk_weights[t, j] * down_e(act(gate_up_e(x[t]))), e = topk_i
 
 The steps, none of which reads a device value on the host (a step of fixed-size buffers, so
 it can be captured in a CUDA graph at each batch size):
-1. Align (torch ops): the T * k (token, slot) pairs sorted by expert, each expert's run
-   padded to whole BLOCK_M row blocks; `sorted_pairs` holds pair indices (T * k where a
-   block is padding) and `block_expert` each block's expert (-1 past the last used block).
-   Both are sized for the worst case, T * k + min(E, T * k) * (BLOCK_M - 1) rows.
+1. Align (one Triton program, _align_kernel): the T * k (token, slot) pairs filed by expert,
+   each expert's run padded to whole BLOCK_M row blocks; `sorted_pairs` holds pair indices
+   (T * k where a row is padding) and `block_expert` each block's expert (-1 past the last
+   used block). Both are sized for the worst case, T * k + min(E, T * k) * (BLOCK_M - 1) rows.
 2. gate_up: one launch over (row block, column tile of I); each program gathers its tokens'
    rows of x, multiplies by its expert's gate and up tiles into two float32 accumulators,
    and applies the bias and the activation in the epilogue: [T * k, I] bf16, row = pair.
@@ -20,9 +20,12 @@ it can be captured in a CUDA graph at each batch size):
    T * k * H floats, small beside the expert weights a step streams.
 
 Weights stay in their format in HBM and are dequantized to bf16 in registers tile by tile
-(W8A16, W4A16): the MoE layers of a decode step are bound by the bytes of the routed
-experts, which FP8 and MXFP4 halve and quarter, while the tensor cores idle; bf16
-activations need no quantizing pass and add no rounding of their own. E4M3 and E2M1 values
+(W8A16, W4A16), and both launches compute the transposed product (weights times tokens): the
+dequantized tile is then the MMA's first operand, which Hopper takes from registers, where a
+second operand would go through shared memory each K step. The MoE layers of a decode step
+are bound by the bytes of the routed experts, which FP8 and MXFP4 halve and quarter, while
+the tensor cores idle; bf16 activations need no quantizing pass and add no rounding of their
+own. E4M3 and E2M1 values
 (times a power-of-two scale) are exact in bf16, so the only roundings are the bf16
 activations. Prefill at thousands of tokens would run FP8 faster as W8A8; not done here.
 
@@ -32,10 +35,18 @@ Formats (`ExpertWeights.format`):
   applied in the epilogue.
 - "fp8_block": e4m3 with float32 scales per 128x128 block, [E, ceil(out/128), ceil(in/128)],
   applied to each K step's product (BLOCK_K divides 128).
-- "mxfp4": worker/models/mxfp4.py's format, packed uint8 [E, out, in / 2] (two E2M1 codes
-  a byte, the even element in the low nibble) with E8M0 scales uint8 [E, out, in / 32].
+- "mxfp4": worker/models/mxfp4.py's E2M1 codes and E8M0 scales, rearranged on load (bytes
+  moved, no value changed) for the kernel's loads: packed uint8 [E, out, in / 2], where
+  byte j of a 32-input group's 16 holds input j in its low nibble and input j + 16 in its
+  high one (checkpoints pair inputs 2j and 2j + 1), so each nibble's activations are 16
+  contiguous inputs; scales int32 [E, ceil(in / 128), out], byte g of word [w, o] the E8M0
+  scale of output o's group 4w + g (zero past the last group). Every kernel load is then
+  at least 4 contiguous bytes a thread, which Triton's pipeliner needs to prefetch it: a
+  K step of 128 inputs reads one scale word a row (a scale read per byte is not
+  prefetched, and stalls each K step).
 
-Tiles are chosen by T from `TILES` (the first whose bound T does not exceed).
+Tiles are chosen by T from `TILES` (bf16, FP8) or `MXFP4_TILES` (the first whose bound T
+does not exceed).
 
 Expert parallelism (worker/parallel/expert_parallel.py): a rank stacks only its own contiguous
 run of experts, from global id `expert_start`. Step 1 maps the global ids to local ones and
@@ -77,9 +88,9 @@ class ExpertWeights:
 
     format: Format
     gate_up: torch.Tensor  # [E, 2I, H]: the I gate rows, then the I up rows; mxfp4: uint8 [E, 2I, H / 2]
-    down: torch.Tensor  # [E, H, I]; mxfp4: uint8 [E, H, I / 2]
+    down: torch.Tensor  # [E, H, I]; mxfp4: uint8 [E, H, I / 2] (the module docstring's nibble order)
     # bf16: None; fp8: float32 [E, 2I] / [E, H]; fp8_block: float32 [E, ceil(out / 128),
-    # ceil(in / 128)]; mxfp4: uint8 E8M0 [E, 2I, H / 32] / [E, H, I / 32]
+    # ceil(in / 128)]; mxfp4: int32 words of four E8M0 scales [E, ceil(H / 128), 2I] / [E, ceil(I / 128), H]
     gate_up_scale: torch.Tensor | None
     down_scale: torch.Tensor | None
     gate_up_bias: torch.Tensor | None  # [E, 2I], float32 or bf16
@@ -136,15 +147,32 @@ def experts_from_mxfp4(gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tenso
             raise ValueError(f"MXFP4 {name} blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}: "
                              f"blocks are [E, out, G, {MXFP4_BLOCK // 2}] for scales [E, out, G]")  # fmt: skip
     e, two_i, g_h = gate_up_scales.shape
-    gate_up = gate_up_blocks.reshape(e, two_i, g_h * MXFP4_BLOCK // 2)
-    down = down_blocks.reshape(e, down_blocks.shape[1], down_blocks.shape[2] * MXFP4_BLOCK // 2)
-    _check_shapes((e, two_i, g_h * MXFP4_BLOCK), (e, down.shape[1], down.shape[2] * 2), gate_up_bias, down_bias)
+    _check_shapes((e, two_i, g_h * MXFP4_BLOCK), (e, down_blocks.shape[1], down_blocks.shape[2] * MXFP4_BLOCK),
+                  gate_up_bias, down_bias)  # fmt: skip
     if gate_up_interleaved:
-        order = torch.cat([torch.arange(0, two_i, 2), torch.arange(1, two_i, 2)]).to(gate_up.device)
-        gate_up, gate_up_scales = gate_up[:, order], gate_up_scales[:, order]
+        order = torch.cat([torch.arange(0, two_i, 2), torch.arange(1, two_i, 2)]).to(gate_up_blocks.device)
+        gate_up_blocks, gate_up_scales = gate_up_blocks[:, order], gate_up_scales[:, order]
         gate_up_bias = None if gate_up_bias is None else gate_up_bias[:, order.to(gate_up_bias.device)]
-    return ExpertWeights("mxfp4", gate_up.contiguous(), down.contiguous(), gate_up_scales.contiguous(),
-                         down_scales.contiguous(), gate_up_bias, down_bias)  # fmt: skip
+    return ExpertWeights("mxfp4", _halves_paired(gate_up_blocks), _halves_paired(down_blocks),
+                         _scale_words(gate_up_scales), _scale_words(down_scales), gate_up_bias, down_bias)  # fmt: skip
+
+
+def _halves_paired(blocks: torch.Tensor) -> torch.Tensor:
+    """[E, out, G, 16] checkpoint bytes (inputs 2j, 2j + 1 of a group in byte j) -> [E, out,
+    G * 16] bytes holding inputs j and j + 16 (the module docstring's order)."""
+    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).flatten(-2)  # [E, out, G, 32], input order
+    paired = codes[..., : MXFP4_BLOCK // 2] | (codes[..., MXFP4_BLOCK // 2 :] << 4)
+    return paired.reshape(*blocks.shape[:2], -1).contiguous()
+
+
+def _scale_words(scales: torch.Tensor) -> torch.Tensor:
+    """[E, out, G] E8M0 bytes -> int32 [E, ceil(G / 4), out]: byte g of word w is group 4w + g
+    (little-endian, as CUDA and x86 read an int32), groups past G zero."""
+    e, out, g = scales.shape
+    words = -(-g // 4)
+    padded = torch.zeros((e, out, words * 4), dtype=torch.uint8, device=scales.device)
+    padded[..., :g] = scales
+    return padded.view(e, out, words, 4).permute(0, 2, 1, 3).contiguous().view(torch.int32).view(e, words, out)
 
 
 def dequantize_expert(experts: ExpertWeights, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,8 +194,11 @@ def _dequantize(fmt: Format, w: torch.Tensor, scale: torch.Tensor | None) -> tor
         return w.float() * scale.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
     e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=w.device)
     e2m1 = torch.cat([e2m1, -e2m1])
-    values = torch.stack([e2m1[(w & 15).long()], e2m1[(w >> 4).long()]], dim=-1).view(w.shape[0], -1)
-    factor = torch.exp2(scale.float() - 127.0).repeat_interleave(MXFP4_BLOCK, 1)
+    groups = w.view(w.shape[0], -1, MXFP4_BLOCK // 2)  # [out, G, 16]: inputs j (low), j + 16 (high)
+    values = torch.cat([e2m1[(groups & 15).long()], e2m1[(groups >> 4).long()]], dim=-1).view(w.shape[0], -1)
+    words, out = scale.shape
+    scale_bytes = scale.contiguous().view(torch.uint8).view(words, out, 4).permute(1, 0, 2).reshape(out, words * 4)
+    factor = torch.exp2(scale_bytes[:, : groups.shape[1]].float() - 127.0).repeat_interleave(MXFP4_BLOCK, 1)
     return values * factor
 
 
@@ -222,11 +253,18 @@ TILES: tuple[tuple[int, Tile], ...] = (
     (2048, Tile(64, 128, 64, 4, 3)),
     (1 << 62, Tile(128, 128, 64, 8, 3)),
 )
+# MXFP4: K steps of 128 inputs (one scale word a row), or a multiple of them.
+MXFP4_TILES: tuple[tuple[int, Tile], ...] = (
+    (64, Tile(16, 64, 128, 4, 6)),
+    (512, Tile(64, 64, 128, 4, 4)),
+    (1 << 62, Tile(128, 64, 128, 4, 3)),
+)
+MXFP4_STEP = 128  # inputs per scale word
 
 
-def tile_for(tokens: int) -> Tile:
-    """The tile `fused_moe` runs at `tokens` tokens."""
-    return next(tile for bound, tile in TILES if tokens <= bound)
+def tile_for(tokens: int, format: Format = "bf16") -> Tile:
+    """The tile `fused_moe` runs at `tokens` tokens for experts in `format`."""
+    return next(tile for bound, tile in (MXFP4_TILES if format == "mxfp4" else TILES) if tokens <= bound)
 
 
 def fused_moe(x: torch.Tensor, experts: ExpertWeights, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -235,7 +273,7 @@ def fused_moe(x: torch.Tensor, experts: ExpertWeights, topk_ids: torch.Tensor, t
     """out [T, H] (x's dtype) = sum over each token's k experts of its routing weight times
     down(act(gate_up(x))). x [T, H] bf16; topk_ids [T, k] int32 (each in [0, E): not checked
     on the host, which would wait for the device); topk_weights [T, k] float32. `tile`:
-    tile_for(T) unless given (tuning). `expert_start`: `experts` are the E experts from
+    tile_for(T, experts.format) unless given (tuning). `expert_start`: `experts` are the E experts from
     this global id on (expert parallelism); topk_ids are global, and a pair routed to an
     expert outside them contributes nothing."""
     t, k = topk_ids.shape
@@ -248,11 +286,11 @@ def fused_moe(x: torch.Tensor, experts: ExpertWeights, topk_ids: torch.Tensor, t
         raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
     if experts.format not in FORMATS:
         raise ValueError(f"expert format {experts.format!r} is not one of {FORMATS}")
-    tile = tile or tile_for(t)
+    tile = tile or tile_for(t, experts.format)
     if experts.format == "fp8_block" and FP8_BLOCK % tile.block_k:
         raise ValueError(f"fp8_block needs a block_k that divides {FP8_BLOCK} (tile {tile})")
-    if experts.format == "mxfp4" and tile.block_k % MXFP4_BLOCK:
-        raise ValueError(f"mxfp4 needs a block_k that is a multiple of {MXFP4_BLOCK} (tile {tile})")
+    if experts.format == "mxfp4" and tile.block_k % MXFP4_STEP:
+        raise ValueError(f"mxfp4 needs a block_k that is a multiple of {MXFP4_STEP} (tile {tile})")
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     if t == 0:
         return out
@@ -291,28 +329,21 @@ def align_capacity(pairs: int, num_experts: int, block_m: int) -> int:
 def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
            expert_start: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(sorted_pairs int32 [capacity], block_expert int32 [capacity / block_m]): see the
-    module docstring. Fixed sizes, no host sync."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    pairs = flat.numel()
-    computed = num_experts  # the experts whose blocks the kernels run
-    if expert_start is not None:  # other ranks' pairs go to one more expert, never run
-        local = flat - expert_start
-        flat = torch.where((local >= 0) & (local < num_experts), local, num_experts)
-        num_experts += 1
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_ends = padded.cumsum(0)
-    experts, order = torch.sort(flat, stable=True)
-    # a pair's row: its expert's first padded row, plus its rank among that expert's pairs
-    rank = torch.arange(pairs, device=flat.device) - (counts.cumsum(0) - counts)[experts]
-    rows = (padded_ends - padded)[experts] + rank
-    capacity = align_capacity(pairs, num_experts, block_m)
-    sorted_pairs = torch.full((capacity,), pairs, dtype=torch.int32, device=flat.device)
-    sorted_pairs.scatter_(0, rows, order.to(torch.int32))
-    block_starts = torch.arange(0, capacity, block_m, device=flat.device)
-    block_expert = torch.searchsorted(padded_ends, block_starts, right=True)
-    block_expert = torch.where(block_expert < computed, block_expert, -1).to(torch.int32)
+    module docstring. One program of _align_kernel: a decode step's few pairs would
+    otherwise pay a dozen torch launches (count, scan, sort, scatter, search) a layer."""
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    pairs = ids.numel()
+    sorted_experts = num_experts + (expert_start is not None)  # other ranks' pairs: one more, never run
+    capacity = align_capacity(pairs, sorted_experts, block_m)
+    bins = triton.next_power_of_2(sorted_experts)
+    sorted_pairs = torch.empty((capacity,), dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty((capacity // block_m,), dtype=torch.int32, device=ids.device)
+    cursors = torch.empty((2 * bins,), dtype=torch.int32, device=ids.device)
+    _align_kernel[(1,)](
+        ids, sorted_pairs, block_expert, cursors, pairs, capacity // block_m, expert_start or 0, num_experts,
+        HAS_START=expert_start is not None, BLOCK_M=block_m, BINS=bins, CHUNK=1024, BLOCK_CHUNK=max(16, 4096 // bins),
+        num_warps=8,
+    )  # fmt: skip
     return sorted_pairs, block_expert
 
 
@@ -327,64 +358,135 @@ if triton is not None:
     _DOT = tl.constexpr(tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16)
 
     @triton.jit
-    def _e2m1(code):  # type: ignore[no-untyped-def]
-        """4-bit E2M1 codes (sign, two exponent bits of bias 1, one mantissa bit) as float32
-        values times 2^-14: the code's bits placed in an fp16's sign, exponent and mantissa
-        fields read as that fp16 (0.5 lands on the subnormal 2^-15), widened exactly. Integer
-        ops and one conversion an element; the caller folds 2^14 into the block's scale."""
-        bits = ((code & 8).to(tl.uint16) << 12) | ((code & 7).to(tl.uint16) << 9)
-        return bits.to(tl.float16, bitcast=True).to(tl.float32)
+    def _sorted_expert(ids_ptr, offs, ok, expert_start, num_experts, HAS_START: tl.constexpr):  # type: ignore[no-untyped-def]
+        """The expert a pair is sorted under: its id, or (expert parallelism) its local id,
+        with other ranks' pairs under num_experts."""
+        expert = tl.load(ids_ptr + offs, mask=ok, other=0)
+        if HAS_START:
+            local = expert - expert_start
+            expert = tl.where((local >= 0) & (local < num_experts), local, num_experts)
+        return expert
 
     @triton.jit
-    def _dot_mxfp4(acc, a, w_ptr, s_ptr, e, rows, n_ok, k0, N, K, BLOCK_K: tl.constexpr):  # type: ignore[no-untyped-def]
-        """The MXFP4 case of _dot_expert. A byte holds inputs 2j (low nibble) and 2j + 1, so
-        the tile splits by input parity into two dots of half the depth: the codes never
-        interleave, and each byte's scale is its group's (j // 16), read per byte, so no
-        register tile changes shape (a reshape or join there costs a trip through shared
-        memory)."""
-        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        b_ok = n_ok[:, None] & (offs_b[None, :] < K // 2)
-        packed = tl.load(w_ptr + e * N * (K // 2) + rows * (K // 2) + offs_b[None, :], mask=b_ok, other=0)
-        groups = K // 32
-        scale = tl.load(s_ptr + e * N * groups + rows * groups + (offs_b // 16)[None, :], mask=b_ok, other=127)
-        factor = tl.exp2(scale.to(tl.float32) - 113.0)  # 2^(scale - 127), times the 2^14 _e2m1 leaves out
-        a_even, a_odd = tl.split(tl.reshape(a, [a.shape[0], BLOCK_K // 2, 2]))
-        acc = tl.dot(a_even, tl.trans((_e2m1(packed & 15) * factor).to(_DOT)), acc)
-        return tl.dot(a_odd, tl.trans((_e2m1(packed >> 4) * factor).to(_DOT)), acc)
-
-    @triton.jit
-    def _dot_expert(  # type: ignore[no-untyped-def]
-        acc, a, w_ptr, s_ptr, expert, offs_n, n_ok, k0, N, K,
-        FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _align_kernel(  # type: ignore[no-untyped-def]
+        ids_ptr, sorted_ptr, block_expert_ptr, cursor_ptr, num_pairs, num_blocks, expert_start, num_experts,
+        HAS_START: tl.constexpr, BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr,
+        BLOCK_CHUNK: tl.constexpr,
     ):  # fmt: skip
-        """acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] bf16 @ the expert's weight rows
-        offs_n, inputs k0.., dequantized to bf16 in registers (fp8: unscaled, the epilogue
-        scales)."""
+        """One program: count the pairs per expert (atomics into cursor_ptr[:BINS]), pad each
+        count to whole blocks and scan, then file each pair at its expert's next free row
+        (atomics into cursor_ptr[BINS:]); then each block's expert and its padding rows.
+        Within an expert the rows' order is the atomics', which varies from run to run: a
+        row's result does not depend on its place in the tile, and step 4 sums by pair."""
+        bins = tl.arange(0, BINS)
+        tl.store(cursor_ptr + bins, tl.zeros([BINS], dtype=tl.int32))
+        tl.debug_barrier()
+        for p0 in range(0, num_pairs, CHUNK):
+            offs = p0 + tl.arange(0, CHUNK)
+            ok = offs < num_pairs
+            tl.atomic_add(cursor_ptr + _sorted_expert(ids_ptr, offs, ok, expert_start, num_experts, HAS_START), 1,
+                          mask=ok)  # fmt: skip
+        tl.debug_barrier()
+        counts = tl.load(cursor_ptr + bins, volatile=True)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, 0)
+        starts = ends - padded
+        tl.store(cursor_ptr + BINS + bins, starts)
+        tl.debug_barrier()
+        for p0 in range(0, num_pairs, CHUNK):
+            offs = p0 + tl.arange(0, CHUNK)
+            ok = offs < num_pairs
+            expert = _sorted_expert(ids_ptr, offs, ok, expert_start, num_experts, HAS_START)
+            row = tl.atomic_add(cursor_ptr + BINS + expert, 1, mask=ok)
+            tl.store(sorted_ptr + row, offs, mask=ok)
+        for b0 in range(0, num_blocks, BLOCK_CHUNK):
+            blocks = b0 + tl.arange(0, BLOCK_CHUNK)
+            first = blocks * BLOCK_M
+            # the block's expert: how many padded runs end at or before its first row (BINS
+            # past the last run, where it matches no bin: no pairs, all padding)
+            owner = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), 1)
+            mine = bins[None, :] == owner[:, None]
+            start = tl.sum(tl.where(mine, starts[None, :], 0), 1)
+            count = tl.sum(tl.where(mine, counts[None, :], 0), 1)
+            b_ok = blocks < num_blocks
+            tl.store(block_expert_ptr + blocks, tl.where(owner < num_experts, owner, -1), mask=b_ok)
+            rows = first[:, None] + tl.arange(0, BLOCK_M)[None, :]
+            tl.store(sorted_ptr + rows, tl.full(rows.shape, 0, tl.int32) + num_pairs,
+                     mask=b_ok[:, None] & (rows - start[:, None] >= count[:, None]))  # fmt: skip
+
+    @triton.jit
+    def _e2m1_bf16(code, base):  # type: ignore[no-untyped-def]
+        """4-bit E2M1 codes (sign, two exponent bits of bias 1, one mantissa bit) times their
+        block's scale 2^(s - 127), as bf16 built from integer ops alone: a normal code's
+        exponent and mantissa bits shifted into bf16's fields plus base = (s - 1) << 7 (the
+        scale added to the exponent), 0.5 (code 1) as 2^(s - 128), zero as zero. Exact for
+        scales 2^-125 .. 2^124 (s 2 .. 251), which hold every trained weight; no conversion
+        or multiply per element."""
+        c = code.to(tl.int32)
+        x = c & 7
+        magnitude = tl.where(x > 1, (x << 6) + base, tl.where(x == 1, base, 0))
+        return (magnitude | ((c & 8) << 12)).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(_DOT)
+
+    @triton.jit
+    def _load_rows(a_ptr, rows, stride, m_ok, k0, K, WIDTH: tl.constexpr):  # type: ignore[no-untyped-def]
+        """The activation rows' inputs k0 .. k0 + WIDTH - 1: [BLOCK_M, WIDTH]."""
+        offs = k0 + tl.arange(0, WIDTH)
+        ptrs = a_ptr + rows[:, None] * stride + offs[None, :]
+        return tl.load(ptrs, mask=m_ok[:, None] & (offs[None, :] < K), other=0.0).to(_DOT)
+
+    @triton.jit
+    def _dot_dense(  # type: ignore[no-untyped-def]
+        acc, a, w_ptr, s_ptr, expert, offs_n, n_ok, k0, N, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """acc [BLOCK_N, BLOCK_M] += the expert's weight rows offs_n, inputs k0.. (bf16, or e4m3
+        widened to bf16 in registers, unscaled: the epilogue scales "fp8") @ a^T. The product
+        is transposed (weights times activations) so that the weight tile is tl.dot's first
+        operand, which Hopper's MMA takes from registers; a second operand must be in shared
+        memory, and a register tile put there each K step serializes the loop. Tokens are
+        the MMA's narrow side: 16 rows at decode waste none of it."""
         e = expert.to(tl.int64)
         rows = offs_n.to(tl.int64)[:, None]
-        if FORMAT == _MXFP4:
-            acc = _dot_mxfp4(acc, a, w_ptr, s_ptr, e, rows, n_ok, k0, N, K, BLOCK_K)
-        else:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + e * N * K + rows * K + offs_k[None, :], mask=n_ok[:, None] & (offs_k[None, :] < K),
-                        other=0.0)  # fmt: skip
-            if FORMAT == _FP8_BLOCK:
-                blocks_k = tl.cdiv(K, 128)
-                scale = tl.load(s_ptr + e * tl.cdiv(N, 128) * blocks_k + (offs_n // 128) * blocks_k + k0 // 128,
-                                mask=n_ok, other=0.0)  # fmt: skip
-                acc += tl.dot(a, tl.trans(w.to(_DOT))) * scale[None, :]
-            else:
-                acc = tl.dot(a, tl.trans(w.to(_DOT)), acc)
-        return acc
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + e * N * K + rows * K + offs_k[None, :], mask=n_ok[:, None] & (offs_k[None, :] < K),
+                    other=0.0)  # fmt: skip
+        if FORMAT == _FP8_BLOCK:
+            blocks_k = tl.cdiv(K, 128)
+            scale = tl.load(s_ptr + e * tl.cdiv(N, 128) * blocks_k + (offs_n // 128) * blocks_k + k0 // 128,
+                            mask=n_ok, other=0.0)  # fmt: skip
+            return acc + tl.dot(w.to(_DOT), tl.trans(a)) * scale[:, None]
+        return tl.dot(w.to(_DOT), tl.trans(a), acc)
+
+    @triton.jit
+    def _scale_word(s_ptr, expert, offs_n, n_ok, k0, N, K):  # type: ignore[no-untyped-def]
+        """The rows' scale words for inputs k0 .. k0 + 127 (four groups a word): int32 [BLOCK_N]."""
+        words = (K // 32 + 3) // 4
+        in_k = (k0 + tl.zeros_like(offs_n)) < K  # a tile's last K step may start past K
+        ptrs = s_ptr + expert.to(tl.int64) * words * N + (k0 // 128) * N + offs_n.to(tl.int64)
+        return tl.load(ptrs, mask=n_ok & in_k, other=0)
+
+    @triton.jit
+    def _dot_mxfp4(acc, lo, hi, w_ptr, scale, expert, offs_n, n_ok, k0, N, K):  # type: ignore[no-untyped-def]
+        """acc [BLOCK_N, BLOCK_M] += one 32-input group (inputs k0 ..) of the expert's MXFP4 rows
+        offs_n, of E8M0 scales `scale` [BLOCK_N], @ its activations: lo, hi [BLOCK_M, 16]
+        (inputs k0 .., k0 + 16 ..: the low and high nibbles', see the module docstring). One
+        scale a row, applied in the dequantization: no tile changes shape."""
+        e = expert.to(tl.int64)
+        offs_b = k0 // 2 + tl.arange(0, 16)
+        ok = n_ok[:, None] & (offs_b[None, :] < K // 2)
+        packed = tl.load(w_ptr + e * N * (K // 2) + offs_n.to(tl.int64)[:, None] * (K // 2) + offs_b[None, :], mask=ok,
+                         other=0)  # fmt: skip
+        base = (tl.maximum(scale - 1, 0) << 7)[:, None]
+        acc = tl.dot(_e2m1_bf16(packed & 15, base), tl.trans(lo), acc)
+        return tl.dot(_e2m1_bf16(packed >> 4, base), tl.trans(hi), acc)
 
     @triton.jit
     def _epilogue(acc, s_ptr, b_ptr, expert, offs_n, n_ok, N, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr):  # type: ignore[no-untyped-def]
-        """acc times the per-channel scales (fp8), plus the bias."""
+        """acc [BLOCK_N, BLOCK_M] times the per-channel scales (fp8), plus the bias."""
         e = expert.to(tl.int64)
         if FORMAT == _FP8:
-            acc = acc * tl.load(s_ptr + e * N + offs_n, mask=n_ok, other=0.0)[None, :]
+            acc = acc * tl.load(s_ptr + e * N + offs_n, mask=n_ok, other=0.0)[:, None]
         if HAS_BIAS:
-            acc = acc + tl.load(b_ptr + e * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc = acc + tl.load(b_ptr + e * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         return acc
 
     @triton.jit
@@ -405,16 +507,25 @@ if triton is not None:
         token = (pair // TOP_K).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < INTER
-        gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(x_ptr + token[:, None] * stride_x + offs_k[None, :], mask=m_ok[:, None] & (offs_k[None, :] < K),
-                        other=0.0).to(_DOT)  # fmt: skip
-            gate = _dot_expert(gate, a, w_ptr, s_ptr, expert, offs_n, n_ok, k0, 2 * INTER, K, FORMAT, BLOCK_N, BLOCK_K)
-            up = _dot_expert(
-                up, a, w_ptr, s_ptr, expert, offs_n + INTER, n_ok, k0, 2 * INTER, K, FORMAT, BLOCK_N, BLOCK_K
-            )
+            if FORMAT == _MXFP4:
+                for w in tl.static_range(0, BLOCK_K, 128):
+                    gate_word = _scale_word(s_ptr, expert, offs_n, n_ok, k0 + w, 2 * INTER, K)
+                    up_word = _scale_word(s_ptr, expert, offs_n + INTER, n_ok, k0 + w, 2 * INTER, K)
+                    for g in tl.static_range(4):
+                        kg = k0 + w + 32 * g
+                        lo = _load_rows(x_ptr, token, stride_x, m_ok, kg, K, 16)
+                        hi = _load_rows(x_ptr, token, stride_x, m_ok, kg + 16, K, 16)
+                        gate = _dot_mxfp4(gate, lo, hi, w_ptr, (gate_word >> (8 * g)) & 255, expert, offs_n, n_ok, kg,
+                                          2 * INTER, K)  # fmt: skip
+                        up = _dot_mxfp4(up, lo, hi, w_ptr, (up_word >> (8 * g)) & 255, expert, offs_n + INTER, n_ok,
+                                        kg, 2 * INTER, K)  # fmt: skip
+            else:
+                a = _load_rows(x_ptr, token, stride_x, m_ok, k0, K, BLOCK_K)
+                gate = _dot_dense(gate, a, w_ptr, s_ptr, expert, offs_n, n_ok, k0, 2 * INTER, K, FORMAT, BLOCK_K)
+                up = _dot_dense(up, a, w_ptr, s_ptr, expert, offs_n + INTER, n_ok, k0, 2 * INTER, K, FORMAT, BLOCK_K)
         gate = _epilogue(gate, s_ptr, b_ptr, expert, offs_n, n_ok, 2 * INTER, FORMAT, HAS_BIAS)
         up = _epilogue(up, s_ptr, b_ptr, expert, offs_n + INTER, n_ok, 2 * INTER, FORMAT, HAS_BIAS)
         if ACT == _SILU:
@@ -424,7 +535,7 @@ if triton is not None:
             up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
             act = (up + 1.0) * gate * tl.sigmoid(ALPHA * gate)
         o_ptrs = out_ptr + pair.to(tl.int64)[:, None] * INTER + offs_n[None, :]
-        tl.store(o_ptrs, act.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(o_ptrs, tl.trans(act).to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
     def _down_kernel(  # type: ignore[no-untyped-def]
@@ -443,12 +554,19 @@ if triton is not None:
         rows = pair.to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_ptr + rows[:, None] * K + offs_k[None, :], mask=m_ok[:, None] & (offs_k[None, :] < K),
-                        other=0.0).to(_DOT)  # fmt: skip
-            acc = _dot_expert(acc, a, w_ptr, s_ptr, expert, offs_n, n_ok, k0, N, K, FORMAT, BLOCK_N, BLOCK_K)
+            if FORMAT == _MXFP4:
+                for w in tl.static_range(0, BLOCK_K, 128):
+                    word = _scale_word(s_ptr, expert, offs_n, n_ok, k0 + w, N, K)
+                    for g in tl.static_range(4):
+                        kg = k0 + w + 32 * g
+                        lo = _load_rows(a_ptr, rows, K, m_ok, kg, K, 16)
+                        hi = _load_rows(a_ptr, rows, K, m_ok, kg + 16, K, 16)
+                        acc = _dot_mxfp4(acc, lo, hi, w_ptr, (word >> (8 * g)) & 255, expert, offs_n, n_ok, kg, N, K)
+            else:
+                a = _load_rows(a_ptr, rows, K, m_ok, k0, K, BLOCK_K)
+                acc = _dot_dense(acc, a, w_ptr, s_ptr, expert, offs_n, n_ok, k0, N, K, FORMAT, BLOCK_K)
         acc = _epilogue(acc, s_ptr, b_ptr, expert, offs_n, n_ok, N, FORMAT, HAS_BIAS)
-        acc = acc * tl.load(weight_ptr + rows, mask=m_ok, other=0.0)[:, None]
-        tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+        acc = acc * tl.load(weight_ptr + rows, mask=m_ok, other=0.0)[None, :]
+        tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], tl.trans(acc), mask=m_ok[:, None] & n_ok[None, :])

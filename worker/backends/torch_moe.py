@@ -46,8 +46,9 @@ class TorchExperts:
 def mxfp4_experts(gate: Mxfp4Tensor, up: Mxfp4Tensor, down: Mxfp4Tensor, gate_up_bias: torch.Tensor | None,
                   down_bias: torch.Tensor | None, device: torch.device) -> ExpertWeights:  # fmt: skip
     """The fused kernel's MXFP4 experts from a layer's packed projections ([experts, out,
-    in] each), gate rows then up rows, copied to `device` as they are: a weight keeps its
-    half byte (and its block's scale byte), nothing is dequantized."""
+    in] each), gate rows then up rows, copied to `device` and laid out for the kernel
+    (experts_from_mxfp4): a weight keeps its half byte (and its block's scale byte), nothing
+    is dequantized."""
 
     def on_device(array: object) -> torch.Tensor:
         return torch.as_tensor(array, device=device)

@@ -28,6 +28,8 @@ from worker.backends.fused_moe import (
     ACTIVATIONS,
     ExpertWeights,
     Tile,
+    _align,
+    align_capacity,
     dequantize_expert,
     experts_from_float,
     experts_from_mxfp4,
@@ -37,7 +39,7 @@ from worker.models import mxfp4
 
 # H not a multiple of BLOCK_K (the last K step masked) nor of BLOCK_N (the last columns masked)
 E, H, INTER = 4, 96, 64
-TILE = Tile(16, 64, 64, 4, 1)
+TILE = Tile(16, 64, 128, 4, 1)
 
 
 def make_experts(fmt: str) -> ExpertWeights:
@@ -74,6 +76,40 @@ def reference(x: torch.Tensor, experts: ExpertWeights, ids: torch.Tensor, weight
                 act = (up + 1) * gate * torch.sigmoid(1.702 * gate)
             out[t] += weights[t, j] * (down @ act + experts.down_bias[e].float())
     return out
+
+
+def check_align() -> None:
+    """The sort by expert puts every (token, slot) pair once in a block of its expert's, pads
+    with the sentinel T * k, and marks the blocks past the used ones -1; under expert
+    parallelism, the pairs of other ranks' experts sit in blocks marked -1."""
+    cases = ((1, 8, 128, 16, None), (37, 2, 8, 16, None), (300, 4, 32, 64, None), (64, 8, 128, 32, None),
+             (37, 2, 8, 16, 2))  # fmt: skip
+    for t, k, e, block, start in cases:
+        g = torch.Generator().manual_seed(t)
+        # experts 0 .. e/2 only: the others get no pair
+        ids = torch.stack([torch.randperm(e // 2, generator=g)[:k] for _ in range(t)]).to(torch.int32)
+        held = e if start is None else e - start
+        sorted_pairs, block_expert = _align(ids, held, block, start)
+        case = f"T={t} k={k} E={e} block={block} start={start}"
+        assert sorted_pairs.numel() == align_capacity(t * k, held + (start is not None), block), case
+        assert sorted_pairs.numel() == block_expert.numel() * block, case
+        assert (sorted_pairs[sorted_pairs >= t * k] == t * k).all(), f"{case}: padding holds the sentinel T * k"
+        flat = ids.reshape(-1).long()
+        mine = flat >= (start or 0)
+        blocks = sorted_pairs.view(-1, block)
+        run = blocks[block_expert >= 0]
+        assert sorted(run[run < t * k].tolist()) == mine.nonzero().flatten().tolist(), f"{case}: each pair once"
+        real = sorted_pairs[sorted_pairs < t * k]
+        assert sorted(real.tolist()) == list(range(t * k)), f"{case}: each pair filed once"
+        for b, expert in enumerate(block_expert.tolist()):
+            pairs = blocks[b][blocks[b] < t * k].long()
+            if expert >= 0:
+                assert pairs.numel() > 0 and (flat[pairs] == expert + (start or 0)).all(), f"{case}: block {b}"
+            elif start is None:
+                assert pairs.numel() == 0, f"{case}: block {b} holds pairs but no expert"
+        used = block_expert[block_expert >= 0]
+        assert torch.equal(used, used.sort().values), case
+        assert set(used.tolist()) == set((flat[mine] - (start or 0)).tolist()), case
 
 
 def check_fused_moe() -> None:
@@ -165,6 +201,8 @@ def main() -> int:
         print("set TRITON_INTERPRET=1: the kernels must run in Triton's interpreter", file=sys.stderr)
         return 2
     torch.manual_seed(0)
+    check_align()
+    print("check_align: ok", flush=True)
     check_fused_moe()
     print("check_fused_moe: ok", flush=True)
     check_gpt_oss_packed_layers()

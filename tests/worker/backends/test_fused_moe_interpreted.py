@@ -23,6 +23,7 @@ def test_fused_moe_matches_float32_in_the_interpreter() -> None:
     proc = subprocess.run([sys.executable, "-m", "tests.worker.backends.interpreted_fused_moe"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "check_align: ok" in proc.stdout
     assert "check_fused_moe: ok" in proc.stdout
     assert "check_gpt_oss_packed_layers: ok" in proc.stdout
     assert "check_expert_parallel_halves: ok" in proc.stdout
