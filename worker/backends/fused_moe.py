@@ -20,14 +20,17 @@ it can be captured in a CUDA graph at each batch size):
    T * k * H floats, small beside the expert weights a step streams.
 
 Weights stay in their format in HBM and are dequantized to bf16 in registers tile by tile
-(W8A16, W4A16), and both launches compute the transposed product (weights times tokens): the
-dequantized tile is then the MMA's first operand, which Hopper takes from registers, where a
-second operand would go through shared memory each K step. The MoE layers of a decode step
-are bound by the bytes of the routed experts, which FP8 and MXFP4 halve and quarter, while
-the tensor cores idle; bf16 activations need no quantizing pass and add no rounding of their
-own. E4M3 and E2M1 values
+(W8A16, W4A16): the MoE layers of a decode step are bound by the bytes of the routed
+experts, which FP8 and MXFP4 halve and quarter, while the tensor cores idle; bf16
+activations need no quantizing pass and add no rounding of their own. E4M3 and E2M1 values
 (times a power-of-two scale) are exact in bf16, so the only roundings are the bf16
 activations. Prefill at thousands of tokens would run FP8 faster as W8A8; not done here.
+
+Both launches compute the transposed product, weights times tokens ([N, K] @ [K, rows]): the
+dequantized weight tile is then the MMA's first operand, which Hopper's wgmma takes from
+registers; as the second operand it would have to be stored to shared memory every K step,
+which serializes the loop. Tokens are the MMA's narrow side, so 16-row blocks at decode
+waste none of it.
 
 Formats (`ExpertWeights.format`):
 - "bf16": gate_up [E, 2I, H], down [E, H, I] bf16.
@@ -273,9 +276,9 @@ def fused_moe(x: torch.Tensor, experts: ExpertWeights, topk_ids: torch.Tensor, t
     """out [T, H] (x's dtype) = sum over each token's k experts of its routing weight times
     down(act(gate_up(x))). x [T, H] bf16; topk_ids [T, k] int32 (each in [0, E): not checked
     on the host, which would wait for the device); topk_weights [T, k] float32. `tile`:
-    tile_for(T, experts.format) unless given (tuning). `expert_start`: `experts` are the E experts from
-    this global id on (expert parallelism); topk_ids are global, and a pair routed to an
-    expert outside them contributes nothing."""
+    tile_for(T, experts.format) unless given (tuning). `expert_start`: `experts` are the E
+    experts from this global id on (expert parallelism); topk_ids are global, and a pair
+    routed to an expert outside them contributes nothing."""
     t, k = topk_ids.shape
     e, h, i = experts.num_experts, experts.hidden, experts.intermediate
     if x.dim() != 2 or x.shape != (t, h):
@@ -439,11 +442,8 @@ if triton is not None:
         acc, a, w_ptr, s_ptr, expert, offs_n, n_ok, k0, N, K, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """acc [BLOCK_N, BLOCK_M] += the expert's weight rows offs_n, inputs k0.. (bf16, or e4m3
-        widened to bf16 in registers, unscaled: the epilogue scales "fp8") @ a^T. The product
-        is transposed (weights times activations) so that the weight tile is tl.dot's first
-        operand, which Hopper's MMA takes from registers; a second operand must be in shared
-        memory, and a register tile put there each K step serializes the loop. Tokens are
-        the MMA's narrow side: 16 rows at decode waste none of it."""
+        widened to bf16 in registers, unscaled: the epilogue scales "fp8") @ a^T (the
+        transposed product: see the module docstring)."""
         e = expert.to(tl.int64)
         rows = offs_n.to(tl.int64)[:, None]
         offs_k = k0 + tl.arange(0, BLOCK_K)
