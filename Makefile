@@ -12,6 +12,9 @@ PY := $(VENV)/bin/python
 # Touched after a successful install; older than pyproject.toml means reinstall.
 INSTALLED := $(VENV)/.tokenwire-installed
 PYTEST_ARGS ?=
+# Test processes: most tests wait on child processes (workers, gateways, Redis), so two
+# keep a 2-core machine busy where one leaves a core idle.
+TEST_WORKERS ?= 2
 LINT_PATHS := protocol worker gateway clients ops bench tests
 
 .PHONY: help bootstrap system-deps run test lint bench plots test-gpu
@@ -61,7 +64,7 @@ run: bootstrap
 
 # pytest exits 5 when it collected nothing: that must fail, loudly.
 test: bootstrap
-	@rc=0; $(PY) -m pytest tests $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; $(PY) -m pytest tests -n $(TEST_WORKERS) $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest ran no tests" >&2; exit 1; fi; \
 	exit $$rc
 
