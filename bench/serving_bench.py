@@ -88,13 +88,13 @@ class RateRun:
                 *(f"{pct(v, q):.1f}" for v in (self.ttft_ms, self.e2e_ms) for q in (50, 99)),
                 f"{pct(self.itl_ms, 50):.2f}", f"{pct(self.itl_ms, 99):.2f}",
                 *(f"{self.cpu_us[p]:.1f}" if p in self.cpu_us else "-" for p in PROCESSES),
-                f"{self.prompts.steps} / {self.prompts.last_ms:.0f}" if self.prompts.steps else "-"]  # fmt: skip
+                self.prompts.cell() if self.prompts.steps else "-"]  # fmt: skip
 
 
 PROCESSES = ("client", "gateway", "worker", "engine")
 HEADER = ["model", "path", "rate req/s", "achieved req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
           "E2E p50 ms", "E2E p99 ms", "ITL p50 ms", "ITL p99 ms", *(f"CPU us/tok {p}" for p in PROCESSES),
-          "burst: prompt steps / last ends ms"]  # fmt: skip
+          "burst: prompt steps / last ends ms / held at the first"]  # fmt: skip
 
 
 def arrivals(n: int, rate: float, seed: int) -> np.ndarray:
@@ -467,7 +467,7 @@ def save_runs(path: Path, args: argparse.Namespace, runs: Sequence[RateRun]) -> 
 
     def rounded(value: Any) -> Any:
         if isinstance(value, PromptSteps):
-            return {"steps": value.steps, "last_ms": value.last_ms}
+            return {"steps": value.steps, "last_ms": value.last_ms, "first_held": value.first_held}
         return [round(v, 3) for v in value] if isinstance(value, list) else value
 
     saved = {"args": vars(args), "runs": [{k: rounded(getattr(r, k)) for k in r.__slots__} for r in runs]}

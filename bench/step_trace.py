@@ -1,8 +1,11 @@
 """The engine steps behind a burst, from the iteration stats the engine reports (in process:
 the executor's; through the service: the worker's Redis stream): how many steps processed
-prompt tokens, and when the last of them ended, counted from the burst's first send. Set
-beside the burst's TTFT p99, it tells an engine that admitted the prompts later apart from a
-path that carried the first tokens back later."""
+prompt tokens, when the last of them ended, counted from the burst's first send, and how
+many requests the engine held (running or queued) when the first of them ended. Set beside
+the burst's TTFT p99, the end of the last prompt step tells an engine that admitted the
+prompts later apart from a path that carried the first tokens back later; the requests held
+at the first step tell a burst that reached the engine whole from one that trickled in
+(its first steps then run part-full, and the prompts take more of them)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,10 @@ from typing import Any
 class PromptSteps:
     steps: int = 0  # steps that processed prompt tokens
     last_ms: float = math.nan  # the last of them ended this long after the first send
+    first_held: int = 0  # requests running or queued in the engine when the first of them ended
+
+    def cell(self) -> str:
+        return f"{self.steps} / {self.last_ms:.0f} / {self.first_held}"
 
 
 def unix_time(perf_counter_value: float) -> float:
@@ -27,10 +34,16 @@ def unix_time(perf_counter_value: float) -> float:
 
 
 def prompt_steps(iterations: Iterable[Any], first_send_unix: float) -> PromptSteps:
-    """`iterations`: IterationStats, or a stream's entries with the same fields as strings."""
-    ends = [float(it.timestamp) for it in iterations
-            if int(it.num_context_requests) > 0 and float(it.timestamp) >= first_send_unix]  # fmt: skip
-    return PromptSteps(len(ends), (max(ends) - first_send_unix) * 1e3) if ends else PromptSteps()
+    """`iterations`: IterationStats, or a stream's entries with the same fields as strings (of
+    one engine: the held count is the first prompt step's engine's)."""
+    steps = sorted((it for it in iterations
+                    if int(it.num_context_requests) > 0 and float(it.timestamp) >= first_send_unix),
+                   key=lambda it: float(it.timestamp))  # fmt: skip
+    if not steps:
+        return PromptSteps()
+    first = steps[0]
+    return PromptSteps(len(steps), (float(steps[-1].timestamp) - first_send_unix) * 1e3,
+                       int(first.num_active_requests) + int(first.num_queued_requests))  # fmt: skip
 
 
 def service_iterations(redis_url: str, since_unix: float) -> list[Any]:

@@ -86,7 +86,8 @@ def test_the_sweep_warms_up_unreported_first(tmp_path: Path) -> None:
 
 def test_a_burst_reports_the_engine_steps_that_took_its_prompts(tmp_path: Path) -> None:
     """Six 12-token prompts at once through a 24-token step budget take at least three
-    steps, all of them ended within the run; a run at a rate reports none."""
+    steps, all of them ended within the run, the first holding some of the six; a run at a
+    rate reports none."""
     directory = make_checkpoint("llama_gqa", tmp_path / "llama_gqa")
     config = ExecutorConfig(backend="numpy", max_batch_size=8, max_num_tokens=24,
                             kv_cache_config=KvCacheConfig(max_tokens=4096))  # fmt: skip
@@ -95,5 +96,6 @@ def test_a_burst_reports_the_engine_steps_that_took_its_prompts(tmp_path: Path) 
         paced = _in_process_at(executor, "tiny", 6, 12, 4, VOCAB_SIZE, 40.0, 1)
     assert burst.prompts.steps >= 3
     assert 0 < burst.prompts.last_ms <= burst.seconds * 1e3
-    assert burst.row()[-1] == f"{burst.prompts.steps} / {burst.prompts.last_ms:.0f}"
+    assert 1 <= burst.prompts.first_held <= 6
+    assert burst.row()[-1] == f"{burst.prompts.steps} / {burst.prompts.last_ms:.0f} / {burst.prompts.first_held}"
     assert paced.prompts.steps == 0 and paced.row()[-1] == "-"
