@@ -225,7 +225,7 @@ class Gateway:
         a burst reaches the worker, and so its engine, together."""
         for link in self.workers.values():
             if link.pending:
-                link.flush(self.limits)
+                link.flush()
 
     def _count_workers(self, state: str) -> int:
         def state_of(w: WorkerLink) -> str:
@@ -703,7 +703,7 @@ class Gateway:
         if self.config.curve is not None and info.curve_public_key is not None:  # _pinned checked the key
             connect_as_client(sock, self.config.curve.keypair, info.curve_public_key.encode())
         sock.connect(info.address)
-        link = WorkerLink(info, sock)
+        link = WorkerLink(info, sock, limits=self.limits)
         self.workers[info.worker_id] = link
         self._sockets[sock] = link
         monitor = self._monitor_of[link] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)

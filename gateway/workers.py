@@ -35,6 +35,7 @@ class WorkerLink:
     kv: PrefixIndex = field(default_factory=PrefixIndex)  # what its KV cache holds
     submit_batches: bool = False  # its Ready said it takes SubmitBatch messages
     pending: list[bytes] = field(default_factory=list)  # encoded submits of this loop turn, not sent yet
+    limits: protocol.Limits = protocol.DEFAULT_LIMITS  # the gateway's: what one message to the worker may hold
 
     @property
     def worker_id(self) -> str:
@@ -58,11 +59,11 @@ class WorkerLink:
         self.flush()
         self.socket.send(data)
 
-    def flush(self, limits: protocol.Limits = protocol.DEFAULT_LIMITS) -> None:
+    def flush(self) -> None:
         """The queued submits, in as few messages as the limits allow."""
         if self.pending:
             pending, self.pending = self.pending, []
-            for message in protocol.encode_submits(pending, limits):
+            for message in protocol.encode_submits(pending, self.limits):
                 self.socket.send(message)
 
     def score(self) -> tuple[int, int]:

@@ -4,7 +4,7 @@ Both run between engine steps (worker/executor/kv_export.py does the reading and
 writing); what they give crosses the pipe to the worker, which does the sending.
 
 A hand-off's blocks leave as host bytes (the frames transport) or, where the worker
-chose CUDA IPC and the cache is on CUDA, in a device buffer shared to the decode worker
+chose CUDA IPC and the cache is on CUDA, in a device buffer shared with the decode worker
 (worker/backends/torch_kv_ipc.py) and held here until the worker passes on its answer
 (`returned`) or the loan runs out."""
 

@@ -74,6 +74,9 @@ class KvSender:
             del self._shared[transfer]
             self.metrics.kv_transferred("out", "expired")
 
+    def close(self) -> None:
+        self.pushers.close()
+
     def resend(self, exported: KvExported) -> None:
         """The blocks of a shared buffer the decode worker could not open, as frames."""
         transfer, address = self._resending.pop(exported.exec_id, ("", ""))

@@ -763,7 +763,7 @@ class WorkerService:
         finally:
             self.ended_log.summarize(time.monotonic(), force=True)
             out.close(0)
-            self._kv_out.pushers.close()
+            self._kv_out.close()
 
     def _imported(self, done: KvImported) -> None:
         if done.ipc:
