@@ -256,9 +256,13 @@ TILES: tuple[tuple[int, Tile], ...] = (
     (2048, Tile(64, 128, 64, 4, 3)),
     (1 << 62, Tile(128, 128, 64, 8, 3)),
 )
-# MXFP4: K steps of 128 inputs (one scale word a row), or a multiple of them.
+# MXFP4: K steps of 128 inputs (one scale word a row), or a multiple of them. From the sweep
+# in bench/results/moe_mxfp4_ptx_dequant_h200_2026-11-29.txt: 128 weight rows a program from
+# 2 tokens up (gpt-oss-20b at T = 8: 217 against 282 us with 64), but 64 at one token, where
+# 128 leaves Qwen3-30B-A3B's narrow experts (I = 768) too few programs (55 against 36 us).
 MXFP4_TILES: tuple[tuple[int, Tile], ...] = (
-    (64, Tile(16, 64, 128, 4, 6)),
+    (1, Tile(16, 64, 128, 4, 3)),
+    (64, Tile(16, 128, 128, 4, 3)),
     (512, Tile(64, 64, 128, 4, 4)),
     (1 << 62, Tile(128, 64, 128, 4, 3)),
 )
@@ -359,6 +363,9 @@ if triton is not None:
     # tiles as their raw 16-bit patterns, so there they go in as float32: the same values
     # (bf16 widens exactly), the same products.
     _DOT = tl.constexpr(tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16)
+    # Inline PTX on the GPU; the interpreter, which runs no PTX, takes the same formula in
+    # Triton's operations.
+    _PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
     @triton.jit
     def _sorted_expert(ids_ptr, offs, ok, expert_start, num_experts, HAS_START: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -417,18 +424,48 @@ if triton is not None:
             tl.store(sorted_ptr + rows, tl.full(rows.shape, 0, tl.int32) + num_pairs,
                      mask=b_ok[:, None] & (rows - start[:, None] >= count[:, None]))  # fmt: skip
 
+    # bf16 2^126: E2M1's three magnitude bits placed in bf16's lowest two exponent bits and top
+    # mantissa bit read as 2^(e - 127) * (1 + m / 2) (e > 0) or 2^-126 * m / 2 (e = 0, a
+    # subnormal); times 2^126 that is E2M1's 2^(e - 1) * (1 + m / 2) and m / 2, exactly.
+    _E2M1_REBIAS = tl.constexpr(2.0**126)
+
     @triton.jit
-    def _e2m1_bf16(code, base):  # type: ignore[no-untyped-def]
-        """4-bit E2M1 codes (sign, two exponent bits of bias 1, one mantissa bit) times their
-        block's scale 2^(s - 127), as bf16 built from integer ops alone: a normal code's
-        exponent and mantissa bits shifted into bf16's fields plus base = (s - 1) << 7 (the
-        scale added to the exponent), 0.5 (code 1) as 2^(s - 128), zero as zero. Exact for
-        scales 2^-125 .. 2^124 (s 2 .. 251), which hold every trained weight; no conversion
-        or multiply per element."""
-        c = code.to(tl.int32)
-        x = c & 7
-        magnitude = tl.where(x > 1, (x << 6) + base, tl.where(x == 1, base, 0))
-        return (magnitude | ((c & 8) << 12)).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(_DOT)
+    def _e2m1_pairs(packed, scale):  # type: ignore[no-untyped-def]
+        """Bytes of two E2M1 codes (sign, two exponent bits of bias 1, one mantissa bit) times
+        their block's scale `scale` (bf16 2^(s - 127), broadcast), as bf16: (the low nibbles',
+        the high nibbles'). Each code's bits are moved into a bf16's fields, then two exact
+        multiplies (2^126, the scale). On the GPU, in PTX for two bytes (four codes) a call:
+        prmt's sign-replicating byte select puts each byte in its own half-word with the
+        byte's top bit (the high code's sign) copied up to bit 15, one shift and one mask
+        leave sign and magnitude in place, and bf16x2 multiplies finish: 12 instructions for
+        four weights, where Triton's element-wise integer operations took about 13 a weight
+        and bounded the kernel (its SASS: bench/results/moe_mxfp4_ptx_dequant_h200_2026-11-29.txt).
+        Exact for scales 2^-126 .. 2^125 (s 1 .. 252), which hold every trained weight."""
+        if _PTX:
+            return tl.inline_asm_elementwise(
+                """{
+                .reg .b32 low, t0, t1, rebias;
+                mov.b32 rebias, 0x7E807E80;
+                shl.b32 low, $2, 4;
+                prmt.b32 t0, low, low, 0x9180;
+                prmt.b32 t1, $2, $2, 0x9180;
+                shl.b32 t0, t0, 2;
+                shl.b32 t1, t1, 2;
+                and.b32 t0, t0, 0x81C081C0;
+                and.b32 t1, t1, 0x81C081C0;
+                mul.rn.bf16x2 t0, t0, rebias;
+                mul.rn.bf16x2 t1, t1, rebias;
+                mul.rn.bf16x2 $0, t0, $3;
+                mul.rn.bf16x2 $1, t1, $3;
+                }""",
+                "=r,=r,r,r", [packed, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2,
+            )  # fmt: skip
+        # The same bits as the top half of a float32 (the interpreter flushes bf16 subnormals).
+        c = packed.to(tl.int32)
+        lo = ((((c & 7) << 6) | ((c & 8) << 12)) << 16).to(tl.float32, bitcast=True)
+        hi = ((((c & 0x70) << 2) | ((c & 0x80) << 8)) << 16).to(tl.float32, bitcast=True)
+        factor = scale.to(tl.float32) * _E2M1_REBIAS
+        return (lo * factor).to(_DOT), (hi * factor).to(_DOT)
 
     @triton.jit
     def _load_rows(a_ptr, rows, stride, m_ok, k0, K, WIDTH: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -475,9 +512,10 @@ if triton is not None:
         ok = n_ok[:, None] & (offs_b[None, :] < K // 2)
         packed = tl.load(w_ptr + e * N * (K // 2) + offs_n.to(tl.int64)[:, None] * (K // 2) + offs_b[None, :], mask=ok,
                          other=0)  # fmt: skip
-        base = (tl.maximum(scale - 1, 0) << 7)[:, None]
-        acc = tl.dot(_e2m1_bf16(packed & 15, base), tl.trans(lo), acc)
-        return tl.dot(_e2m1_bf16(packed >> 4, base), tl.trans(hi), acc)
+        factor = (scale << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)[:, None]  # 2^(s - 127)
+        w_lo, w_hi = _e2m1_pairs(packed, factor)
+        acc = tl.dot(w_lo.to(_DOT), tl.trans(lo), acc)
+        return tl.dot(w_hi.to(_DOT), tl.trans(hi), acc)
 
     @triton.jit
     def _epilogue(acc, s_ptr, b_ptr, expert, offs_n, n_ok, N, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr):  # type: ignore[no-untyped-def]
