@@ -82,14 +82,18 @@ if triton is not None:
 
 
 def _plan(n: int, k: int, weight_bytes: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps), from the H100 sweep over the 8B's bf16 projections:
+    """(BLOCK_N, BLOCK_K, num_warps). bf16, from the H100 sweep over the 8B's projections:
     the wide and the deep layers like 1024-input tiles and 8 warps, the 4096-square o_proj
-    512 and 4 (more programs per SM hide its shorter rows). One-byte weights take tiles
-    twice as wide, the same bytes a load."""
-    widen = 2 if weight_bytes == 1 else 1
+    512 and 4 (more programs per SM hide its shorter rows). e4m3, from the H200 sweep
+    (`python3 -m bench.gemv_bench`, bench/results/gemv_bench_fp8_tiles_h200_2026-11-29.txt): the
+    wide layers (gate_up, an LM head) 8 rows of 512 inputs and 4 warps (gate_up 32.6 us
+    against 37.9 with the bf16 tiles widened to the same bytes, floor 28.1), the rest 4 rows
+    of 1024 and 4 warps."""
+    if weight_bytes == 1:
+        return (8, 512, 4) if n >= 8192 else (4, 1024, 4)
     if n >= 8192 or k >= 8192:
-        return 4, 1024 * widen, 8
-    return 4, 512 * widen, 4
+        return 4, 1024, 8
+    return 4, 512, 4
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
