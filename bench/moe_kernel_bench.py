@@ -1,5 +1,6 @@
 """`python -m bench.moe_kernel_bench`: the fused MoE kernel (worker/backends/fused_moe.py) on
-one layer of Qwen3-30B-A3B's and gpt-oss-20b's experts, in bf16, FP8 and MXFP4, at T tokens.
+one layer of Qwen3-30B-A3B's, gpt-oss-20b's and gpt-oss-120b's experts, in bf16, FP8 and
+MXFP4, at T tokens.
 
 Per row: the fused call's time (replayed in a CUDA graph, as decode steps run it); a
 dequantize-and-loop torch reference (each routed expert's weights dequantized to bf16, its
@@ -53,6 +54,7 @@ class MoeShape:
 SHAPES = (
     MoeShape("qwen3-30b-a3b", 2048, 768, 128, 8, "silu", False),
     MoeShape("gpt-oss-20b", 2880, 2880, 32, 4, "swiglu_clamped", True),
+    MoeShape("gpt-oss-120b", 2880, 2880, 128, 4, "swiglu_clamped", True),
 )
 TOKENS = (1, 8, 64, 256, 1024, 4096)
 FORMATS: tuple[Format, ...] = ("bf16", "fp8", "mxfp4")
