@@ -9,8 +9,8 @@ the source of `_plan`'s table.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
-from itertools import product
+from collections.abc import Callable
+from itertools import count, product
 
 import torch
 
@@ -33,15 +33,11 @@ def sweep(fmt: str, name: str, n: int, k: int, bandwidth: float, device: torch.d
         x = x.to(torch.float8_e4m3fn)
     x_scale, w_scale = torch.ones(1, 1, device=device), torch.ones(1, n, device=device)
     out = torch.empty((1, n), dtype=torch.bfloat16, device=device)
-    times: list[tuple[float, tuple[int, int, int]]] = []
-    for block_n, block_k, warps in TILES:
-        if block_k > k:
-            continue
-        calls = iter(range(1 << 30))
 
-        def call(
-            block_n: int = block_n, block_k: int = block_k, warps: int = warps, calls: Iterator[int] = calls
-        ) -> None:
+    def launcher(block_n: int, block_k: int, warps: int) -> Callable[[], None]:
+        calls = count()
+
+        def call() -> None:
             w = weights[next(calls) % copies]
             gemv._gemv_kernel[(-(-n // block_n),)](
                 x, w, w, x_scale, w_scale, out, n, k, w.stride(0), HAS_BIAS=False, SCALED=fmt == "fp8",
@@ -49,7 +45,9 @@ def sweep(fmt: str, name: str, n: int, k: int, bandwidth: float, device: torch.d
                 num_warps=warps, num_stages=3,
             )  # fmt: skip
 
-        times.append((graph_call_seconds(call, device), (block_n, block_k, warps)))
+        return call
+
+    times = [(graph_call_seconds(launcher(*tile), device), tile) for tile in TILES if tile[1] <= k]
     plan = gemv._plan(n, k, 1 if fmt == "fp8" else 2)
     at_plan = {tile: t for t, tile in times}.get(plan)
     best = "  ".join(f"{tile} {t * 1e6:.1f}" for t, tile in sorted(times)[:4])

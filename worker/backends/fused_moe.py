@@ -355,17 +355,19 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 
 
 if triton is not None:
+    _BF16 = tl.constexpr(FORMATS.index("bf16"))
     _FP8 = tl.constexpr(FORMATS.index("fp8"))
     _FP8_BLOCK = tl.constexpr(FORMATS.index("fp8_block"))
     _MXFP4 = tl.constexpr(FORMATS.index("mxfp4"))
     _SILU = tl.constexpr(ACTIVATIONS.index("silu"))
+    _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
     # The tiles' dtype into tl.dot: bf16 on the GPU. Triton's interpreter multiplies bf16
     # tiles as their raw 16-bit patterns, so there they go in as float32: the same values
     # (bf16 widens exactly), the same products.
-    _DOT = tl.constexpr(tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16)
+    _DOT = tl.constexpr(tl.float32 if _INTERPRETED else tl.bfloat16)
     # Inline PTX on the GPU; the interpreter, which runs no PTX, takes the same formula in
     # Triton's operations.
-    _PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+    _PTX = tl.constexpr(not _INTERPRETED)
 
     @triton.jit
     def _sorted_expert(ids_ptr, offs, ok, expert_start, num_experts, HAS_START: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -469,13 +471,14 @@ if triton is not None:
 
     @triton.jit
     def _e4m3_bf16(w):  # type: ignore[no-untyped-def]
-        """E4M3 codes as bf16, exactly. On the GPU in PTX, two codes a call: as `_e2m1_pairs`,
-        each byte into its own half-word with its sign replicated, its exponent and mantissa
-        bits shifted into bf16's lowest four exponent bits and top three mantissa bits, and
-        one bf16x2 multiply by 2^120 (the two formats' exponent biases apart; codes of
-        exponent 0 are bf16 subnormals until then): four full-rate instructions for two
+        """E4M3 codes as the dots' dtype (bf16 on the GPU), exactly. On the GPU in PTX, two codes
+        a call: as `_e2m1_pairs`, each byte into its own half-word with its sign replicated, its
+        exponent and mantissa bits shifted into bf16's lowest four exponent bits and top three
+        mantissa bits, and one bf16x2 multiply by 2^120 (the two formats' exponent biases apart;
+        codes of exponent 0 are bf16 subnormals until then): four full-rate instructions for two
         weights, where Triton's conversion takes three conversion-unit instructions for two
-        (e4m3 pair to f16 pair, then each f16 to bf16), a quarter of the rate."""
+        (e4m3 pair to f16 pair, then each f16 to bf16), which issue at a fraction of the
+        integer rate."""
         if _PTX:
             return tl.inline_asm_elementwise(
                 """{
@@ -509,14 +512,13 @@ if triton is not None:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + e * N * K + rows * K + offs_k[None, :], mask=n_ok[:, None] & (offs_k[None, :] < K),
                     other=0.0)  # fmt: skip
+        w = w.to(_DOT) if FORMAT == _BF16 else _e4m3_bf16(w)
         if FORMAT == _FP8_BLOCK:
             blocks_k = tl.cdiv(K, 128)
             scale = tl.load(s_ptr + e * tl.cdiv(N, 128) * blocks_k + (offs_n // 128) * blocks_k + k0 // 128,
                             mask=n_ok, other=0.0)  # fmt: skip
-            return acc + tl.dot(_e4m3_bf16(w), tl.trans(a)) * scale[:, None]
-        if FORMAT == _FP8:
-            return tl.dot(_e4m3_bf16(w), tl.trans(a), acc)
-        return tl.dot(w.to(_DOT), tl.trans(a), acc)
+            return acc + tl.dot(w, tl.trans(a)) * scale[:, None]
+        return tl.dot(w, tl.trans(a), acc)
 
     @triton.jit
     def _scale_word(s_ptr, expert, offs_n, n_ok, k0, N, K):  # type: ignore[no-untyped-def]
@@ -539,8 +541,8 @@ if triton is not None:
                          other=0)  # fmt: skip
         factor = (scale << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)[:, None]  # 2^(s - 127)
         w_lo, w_hi = _e2m1_pairs(packed, factor)
-        acc = tl.dot(w_lo.to(_DOT), tl.trans(lo), acc)
-        return tl.dot(w_hi.to(_DOT), tl.trans(hi), acc)
+        acc = tl.dot(w_lo, tl.trans(lo), acc)
+        return tl.dot(w_hi, tl.trans(hi), acc)
 
     @triton.jit
     def _epilogue(acc, s_ptr, b_ptr, expert, offs_n, n_ok, N, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr):  # type: ignore[no-untyped-def]
